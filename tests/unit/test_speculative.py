@@ -1,0 +1,112 @@
+"""Accept/reject math: greedy banners, seeded repeatability, and convergence to the target
+distribution (exact modes) or measurable deviation (approximate modes)."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from shared.speculative import AcceptMode, rejection_sample, residual_draft_weights, verify_greedy
+
+V = 6
+
+
+def _logits_with_argmax(argmaxes: list[int]) -> torch.Tensor:
+    logits = torch.zeros(len(argmaxes), V)
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return logits
+
+
+# ---------------------------------------------------------------- greedy
+def test_greedy_perfect_match_gives_bonus() -> None:
+    out = verify_greedy(torch.tensor([1, 2, 3]), _logits_with_argmax([1, 2, 3, 4]))
+    assert (out.accepted_len, out.next_token, out.bonus) == (3, 4, True)
+
+
+def test_greedy_early_mismatch_gives_correction() -> None:
+    out = verify_greedy(torch.tensor([1, 5, 3]), _logits_with_argmax([1, 2, 3, 4]))
+    assert (out.accepted_len, out.next_token, out.bonus) == (1, 2, False)
+
+
+def test_greedy_first_mismatch_rejects_all() -> None:
+    out = verify_greedy(torch.tensor([0, 2]), _logits_with_argmax([1, 2, 3]))
+    assert (out.accepted_len, out.next_token, out.bonus) == (0, 1, False)
+
+
+def test_greedy_empty_draft_returns_target_token() -> None:
+    out = verify_greedy(torch.tensor([], dtype=torch.long), _logits_with_argmax([4]))
+    assert (out.accepted_len, out.next_token, out.bonus) == (0, 4, True)
+
+
+# ---------------------------------------------------------------- sampling
+def _dist(seed: int) -> torch.Tensor:
+    return torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 1.5, dim=-1)
+
+
+TARGET = torch.stack([_dist(1), _dist(2)])  # [2, V]: position 0 and the bonus position
+DRAFT = _dist(3)  # the draft distribution q at position 0
+
+
+def _first_tokens(mode: AcceptMode, trials: int, seed: int = 0) -> torch.Tensor:
+    """Emitted token at position 0 over many one-token rounds (k = 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V)
+    for _ in range(trials):
+        if mode is AcceptMode.POINT:
+            token = int(DRAFT.argmax())  # a deterministic drafter
+            q_token = torch.tensor([1.0])
+        else:
+            token = int(torch.multinomial(DRAFT, 1, generator=gen))
+            q_token = DRAFT[token][None]
+        drafts = torch.tensor([token])
+        weights = residual_draft_weights(mode, drafts, q_token, DRAFT[None], V)
+        out = rejection_sample(drafts, q_token, weights, TARGET, gen)
+        counts[token if out.accepted_len else out.next_token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("mode", [AcceptMode.POINT, AcceptMode.SPARSE])
+def test_exact_modes_match_target_distribution(mode: AcceptMode) -> None:
+    trials = 6000
+    counts = _first_tokens(mode, trials)
+    assert chisquare(counts.numpy(), (TARGET[0] * trials).numpy()).pvalue > 1e-3
+    tv = 0.5 * (counts / trials - TARGET[0]).abs().sum()
+    assert tv < 0.03
+
+
+@pytest.mark.parametrize("mode", [AcceptMode.SCALAR, AcceptMode.SHORTCUT])
+def test_approximate_modes_deviate_measurably(mode: AcceptMode) -> None:
+    trials = 6000
+    counts = _first_tokens(mode, trials)
+    assert chisquare(counts.numpy(), (TARGET[0] * trials).numpy()).pvalue < 1e-6
+    assert not mode.exact
+
+
+def test_exact_mode_is_far_from_a_wrong_reference() -> None:
+    """The chi-square check above can fail: against q instead of p it does."""
+    trials = 6000
+    counts = _first_tokens(AcceptMode.SPARSE, trials)
+    assert chisquare(counts.numpy(), (DRAFT * trials).numpy()).pvalue < 1e-6
+
+
+def test_bonus_token_follows_last_position() -> None:
+    trials = 4000
+    gen = torch.Generator().manual_seed(5)
+    target = torch.stack([torch.eye(V)[2], _dist(7)])  # draft token 2 is always accepted
+    counts = torch.zeros(V)
+    for _ in range(trials):
+        out = rejection_sample(torch.tensor([2]), torch.tensor([1.0]), torch.zeros(1, V), target, gen)
+        assert out.bonus and out.accepted_len == 1
+        counts[out.next_token] += 1
+    assert chisquare(counts.numpy(), (target[1] * trials).numpy()).pvalue > 1e-3
+
+
+def test_seeded_generator_repeats_exactly() -> None:
+    runs = [_first_tokens(AcceptMode.SPARSE, 300, seed=11) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], _first_tokens(AcceptMode.SPARSE, 300, seed=12))
+
+
+def test_zero_draft_prob_does_not_divide_by_zero() -> None:
+    out = rejection_sample(torch.tensor([1]), torch.tensor([0.0]), torch.zeros(1, V), TARGET,
+                           torch.Generator().manual_seed(0))
+    assert torch.isfinite(out.accept_probs).all()
