@@ -12,7 +12,8 @@ from cloud.verifier import VerifierLimits
 class VerifierSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_CLOUD_")
 
-    model: str | None = Field(None, description="target model folder (HF format); default: the packaged Qwen2.5-Coder-1.5B-Instruct")
+    model: str | None = Field(
+        None, description="target model folder (HF format); default: the packaged Qwen2.5-Coder-1.5B-Instruct")
     dtype: str = Field("bfloat16", description="float32 | bfloat16 | float16 (greedy equality checks need float32)")
     device: str = Field("auto", description="auto | cpu | cuda[:N]")
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 to serve other machines")

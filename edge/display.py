@@ -24,7 +24,7 @@ class TextStream:
 
     def __call__(self, new: list[int], record: RoundRecord | None) -> None:
         self.token_ids.extend(new)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = str(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
         if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
             return
         self.out.write(text[len(self.printed):])

@@ -41,7 +41,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "auto") 
     if not (folder / "config.json").is_file():
         raise ConfigError(f"model folder {folder} has no config.json")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype))
-    return model.to(resolve_device(device)).eval()
+    return model.to(resolve_device(device)).eval()  # type: ignore[arg-type]  # transformers stub types .to oddly
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
@@ -75,7 +75,7 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
     forward(model, cache, [0, 0])
     total = 0
     for layer in cache.layers:
-        for tensor in (layer.keys, layer.values):
+        for tensor in (layer.keys, layer.values):  # type: ignore[union-attr]  # attention layers only
             if tensor is not None:
                 total += tensor.numel() * tensor.element_size()
     return total // 2
