@@ -43,7 +43,7 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
 
 
 class VerifierClient:
-    def __init__(self, target: str, verify_timeout_s: float = 30.0, open_timeout_s: float = 120.0) -> None:
+    def __init__(self, target: str, verify_timeout_s: float = 30.0, open_timeout_s: float = 600.0) -> None:
         self.target = target
         self.verify_timeout_s = verify_timeout_s
         self.open_timeout_s = open_timeout_s  # prefill of a long prompt takes longer than a round

@@ -4,6 +4,7 @@ through the real gRPC server."""
 import asyncio
 
 import pytest
+import torch
 
 from edge.generate import cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK, KPolicy, LaRatioK
@@ -64,5 +65,26 @@ def test_stop_token_ends_generation(target_model, draft_model) -> None:
         assert result.token_ids == reference.token_ids
         assert result.finish_reason == reference.finish_reason == "stop"
         assert result.token_ids[-1] in stop and len(result.token_ids) <= 6
+
+    asyncio.run(run())
+
+
+def test_padded_target_vocabulary_is_masked(draft_model) -> None:
+    """A target whose logits are wider than the shared vocabulary (padded embedding rows)
+    must never emit the padding ids, and speculative still equals target-only."""
+    from tests.tiny_models import tiny_target
+
+    padded = tiny_target(vocab=104)
+    with torch.no_grad():
+        padded.lm_head.weight[96:] = padded.lm_head.weight[:8] * 3  # padding rows that would win
+
+    async def run() -> None:
+        cfg = gen_config(max_new_tokens=24, vocab=96)
+        async with running_verifier(padded) as (client, _):
+            for prompt in PROMPTS[:5]:
+                reference = await cloud_only_generate(prompt, client, cfg)
+                result = await speculative_generate(prompt, make_drafter(draft_model), client, FixedK(3), cfg)
+                assert result.token_ids == reference.token_ids
+                assert max(reference.token_ids) < 96
 
     asyncio.run(run())

@@ -63,3 +63,4 @@ def test_drafter_sync_keeps_only_the_valid_prefix(draft_model) -> None:
     drafter.sync(committed)
     assert drafter.cache.get_seq_length() == len(tokens) + 2
     _assert_cache_is_prefill_of(draft_model, drafter.cache, committed[: len(tokens) + 2])
+
