@@ -9,7 +9,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,30 +23,26 @@ from edge.client import VerifierClient
 from edge.config import EdgeSettings
 from edge.display import StepPrinter, TextStream, format_stats
 from edge.drafter import Drafter, DrafterConfig
+from edge.gating import EscalationRules, GatingThresholds, load_gating_config
 from edge.generate import (
+    Gating,
     GenerationConfig,
     GenerationResult,
-    OnCommit,
+    Observer,
+    TimeoutPolicy,
     cloud_only_generate,
     edge_only_generate,
     speculative_generate,
 )
-from edge.kpolicy import make_k_policy
+from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
 from edge.prompts import Prompt, encode_prompt, read_prompts
 from shared import lm
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
+from shared.model_store import DRAFT_MODEL, TARGET_MODEL, model_folder
 from shared.protocol import SessionConfig
 
 log = logging.getLogger("edge-agent")
-
-
-def _packaged(name: str | None, which: str) -> str:
-    if name is not None:
-        return name
-    from shared import model_store
-
-    return str(model_store.ensure_model(getattr(model_store, which)))
 
 
 @dataclass
@@ -60,14 +56,43 @@ class EdgeContext:
     def generation_config(self, seed: int) -> GenerationConfig:
         s = self.settings
         session = SessionConfig(s.sampling(), seed, s.resolved_accept_mode(), self.vocab_size)
-        return GenerationConfig(session, s.max_new_tokens, self.stop_token_ids)
+        timeouts = TimeoutPolicy(s.verify_timeout_ms / 1000, s.timeout_mode())
+        stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if s.k_policy == "egag" else None
+        return GenerationConfig(session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule)
+
+    def gating(self) -> Gating | None:
+        s = self.settings
+        if not s.gating:
+            if s.local_commit:
+                raise ConfigError("--local-commit needs --gating")
+            return None
+        thresholds, counts = GatingThresholds(), dict[int, int]()
+        if s.gating_config:
+            thresholds, counts = load_gating_config(Path(s.gating_config))
+        rules = EscalationRules(counts) if s.rules else None
+        return Gating(thresholds, rules, self.token_text, s.local_commit)
+
+    def token_text(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
+
+    def k_policy(self) -> KPolicy:
+        s = self.settings
+        if s.k_policy == "la-ratio":
+            return LaRatioK(min(max(6, s.k_min), s.k_max), s.k_min, s.k_max, s.la_raise_at, s.la_lower_at, s.la_window)
+        if s.k_policy == "egag":
+            return EgagK(s.k_min, s.k_max, s.egag_ema_beta, stop_bits=s.egag_stop_bits)
+        if s.k_policy == "cost":
+            return CostK(1, s.k_max)
+        return FixedK(s.k)
 
     def drafter(self, seed: int) -> Drafter:
         if self.draft_model is None:
             raise ConfigError("this mode needs a draft model")
         s = self.settings
         mode = s.resolved_accept_mode()
-        config = DrafterConfig(s.sampling(), mode, self.vocab_size, s.draft_top_k, self.stop_token_ids)
+        signals = s.gating or s.k_policy == "egag"
+        config = DrafterConfig(s.sampling(), mode, self.vocab_size, s.draft_top_k, self.stop_token_ids,
+                               signals=signals, mc_passes=s.mc_passes if s.gating else 0)
         return Drafter(self.draft_model, config, seed + 1)  # the cloud's generator uses `seed`
 
 
@@ -79,7 +104,7 @@ def _stop_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None)
 
 
 def load_edge(settings: EdgeSettings) -> EdgeContext:
-    folder = _packaged(settings.draft_model, "DRAFT_MODEL")
+    folder = model_folder(settings.draft_model, DRAFT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = None if settings.mode == "cloud_only" else lm.load_model(folder, settings.dtype, settings.device)
     vocab = len(tokenizer) if model is None else min(len(tokenizer), lm.logits_width(model))
@@ -92,7 +117,7 @@ async def cloud_address(settings: EdgeSettings) -> AsyncIterator[str | None]:
     if settings.cloud or settings.mode == "edge_only":
         yield settings.cloud
         return
-    cloud = VerifierSettings(model=_packaged(settings.target_model, "TARGET_MODEL"),
+    cloud = VerifierSettings(model=model_folder(settings.target_model, TARGET_MODEL),
                              dtype=settings.dtype, device=settings.device)
     server, port = create_server(build_verifier(cloud), "127.0.0.1:0")
     await server.start()
@@ -103,7 +128,7 @@ async def cloud_address(settings: EdgeSettings) -> AsyncIterator[str | None]:
 
 
 async def generate_one(ctx: EdgeContext, client: VerifierClient | None, prompt_ids: list[int], seed: int,
-                       on_commit: OnCommit | None) -> GenerationResult:
+                       on_commit: Observer | None) -> GenerationResult:
     s = ctx.settings
     cfg = ctx.generation_config(seed)
     if s.mode == "edge_only":
@@ -112,14 +137,21 @@ async def generate_one(ctx: EdgeContext, client: VerifierClient | None, prompt_i
         raise ConfigError("no verifier address")
     if s.mode == "cloud_only":
         return await cloud_only_generate(prompt_ids, client, cfg, on_commit)
-    return await speculative_generate(prompt_ids, ctx.drafter(seed), client, make_k_policy(s.k_policy, s.k),
-                                      cfg, on_commit)
+    return await speculative_generate(prompt_ids, ctx.drafter(seed), client, ctx.k_policy(), cfg, on_commit)
 
 
 def _output_record(prompt: Prompt, result: GenerationResult, ctx: EdgeContext) -> dict[str, Any]:
     text = ctx.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     return {"id": prompt.id, "category": prompt.category, "mode": ctx.settings.mode, "text": text,
             **result.summary()}
+
+
+def _log_rounds(path: str | None, prompt_id: str, result: GenerationResult) -> None:
+    if path is None:
+        return
+    with open(path, "a") as log_file:
+        for record in result.round_log:
+            log_file.write(json.dumps({"id": prompt_id, **asdict(record)}) + "\n")
 
 
 async def run_batch(ctx: EdgeContext, client: VerifierClient | None) -> None:
@@ -132,6 +164,7 @@ async def run_batch(ctx: EdgeContext, client: VerifierClient | None) -> None:
             ids = encode_prompt(ctx.tokenizer, prompt.text, s.chat)
             result = await generate_one(ctx, client, ids, s.seed, None)
             out.write(json.dumps(_output_record(prompt, result, ctx)) + "\n")
+            _log_rounds(s.log_rounds, prompt.id, result)
             out.flush()
             log.info("%d/%d %s", index + 1, len(prompts), format_stats(result, s.mode))
     finally:
@@ -143,8 +176,9 @@ async def run_single(ctx: EdgeContext, client: VerifierClient | None) -> None:
     s = ctx.settings
     assert s.prompt is not None
     ids = encode_prompt(ctx.tokenizer, s.prompt, s.chat)
-    printer: OnCommit = StepPrinter(ctx.tokenizer) if s.show_steps else TextStream(ctx.tokenizer)
+    printer: Observer = StepPrinter(ctx.tokenizer) if s.show_steps else TextStream(ctx.tokenizer)
     result = await generate_one(ctx, client, ids, s.seed, printer)
+    _log_rounds(s.log_rounds, "prompt", result)
     sys.stdout.write("\n")
     print(format_stats(result, s.mode), file=sys.stderr)  # noqa: T201
 
@@ -156,7 +190,7 @@ async def run_agent(settings: EdgeSettings) -> None:
         torch.set_num_threads(settings.threads)
     ctx = load_edge(settings)
     async with cloud_address(settings) as address:
-        client = VerifierClient(address, settings.verify_timeout_ms / 1000) if address else None
+        client = VerifierClient(address, settings.call_timeout_ms / 1000) if address else None
         try:
             await (run_batch(ctx, client) if settings.prompts else run_single(ctx, client))
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.sampling import SamplingParams
@@ -35,10 +35,36 @@ class EdgeSettings(BaseSettings):
         "sparse", description="sampling only: sparse/point are exact; scalar/shortcut are APPROXIMATE")
     draft_top_k: int = Field(16, ge=1, description="sparse mode: draft support size sent per token")
     k: int = Field(6, ge=0, description="draft tokens per round (fixed policy)")
-    k_policy: Literal["fixed", "la-ratio"] = Field("fixed", description="fixed, or la-ratio (seed dynamic k: 6 in [3, 12])")
-    verify_timeout_ms: float = Field(30000.0, gt=0, description="deadline of one Verify call")
+    k_policy: Literal["fixed", "la-ratio", "egag", "cost"] = Field(
+        "fixed", description="fixed | la-ratio (seed: 6 in [3, 12]) | egag (draft entropy) | cost (max expected tokens/s)")
+    k_min: int = Field(3, ge=1, description="la-ratio: smallest k (egag: gamma_min)")
+    k_max: int = Field(12, ge=1, description="la-ratio, egag, cost: largest k")
+    la_raise_at: float = Field(0.8, description="la-ratio: +1 when accepted/k over the window >= this")
+    la_lower_at: float = Field(0.4, description="la-ratio: -1 when accepted/k over the window <= this")
+    la_window: int = Field(1, ge=1, description="la-ratio: rounds averaged")
+    egag_ema_beta: float = Field(0.7, ge=0, lt=1, description="egag: EMA weight of the past entropy")
+    egag_stop_bits: float = Field(3.5, gt=0, description="egag: end a block after a token above this entropy")
+    gating: bool = Field(False, description="hard-token gating: a hard token ends the block (lossless); mask sent")
+    gating_config: str | None = Field(None, description="thresholds + token counts from edge-calibrate (JSON)")
+    rules: bool = Field(True, description="with --gating: numbers, dates, amounts, entities, rare words escalate")
+    mc_passes: int = Field(0, ge=0, description="with --gating: MC-dropout passes per drafted token (0 = off)")
+    local_commit: bool = Field(False, description="LOSSY: commit easy blocks without the cloud (counted, reported)")
+    verify_timeout_ms: float = Field(400.0, gt=0, description="soft deadline of a Verify: then a token goes provisional")
+    call_timeout_ms: float = Field(30000.0, gt=0, description="hard deadline of a Verify call: then reconnect")
+    strict: bool = Field(False, description="never show unverified text: wait and retry")
+    accept_unverified: bool = Field(False, description="seed behaviour: on timeout a draft token is final, counted UNVERIFIED")
+    log_rounds: str | None = Field(None, description="write one JSON line per round to this file")
     chat: bool = Field(True, description="apply the tokenizer's chat template")
     show_steps: bool = Field(False, description="print every round in colour: accepted, rejected, correction")
+
+    @model_validator(mode="after")
+    def _one_timeout_mode(self) -> EdgeSettings:
+        if self.strict and self.accept_unverified:
+            raise ValueError("--strict and --accept-unverified exclude each other")
+        return self
+
+    def timeout_mode(self) -> Literal["provisional", "strict", "accept-unverified"]:
+        return "strict" if self.strict else "accept-unverified" if self.accept_unverified else "provisional"
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)

@@ -3,12 +3,14 @@ cloud committed (the cache is cropped to the longest prefix still valid)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
+from edge.gating import TokenSignals, mc_dropout_variance, token_signals
 from shared import lm
 from shared.protocol import SparseDistribution
 from shared.sampling import SamplingParams, penalized_logits, probs_from_logits, truncate_top_k
@@ -20,9 +22,26 @@ class Draft:
     token_ids: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)  # q(y) of each drafted token
     sparse: list[SparseDistribution] = field(default_factory=list)  # SPARSE mode only
+    signals: list[TokenSignals] = field(default_factory=list)  # when DrafterConfig.signals
+    mc_ms: float = 0.0  # time spent on MC-dropout passes
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def head(self, n: int) -> Draft:
+        """The first n drafted tokens with their distributions."""
+        return Draft(self.token_ids[:n], self.probs[:n], self.sparse[:n], self.signals[:n])
+
+    def tail(self, n: int) -> Draft:
+        """Everything after the first n tokens."""
+        return Draft(self.token_ids[n:], self.probs[n:], self.sparse[n:], self.signals[n:])
+
+    def extend(self, other: Draft) -> None:
+        self.token_ids += other.token_ids
+        self.probs += other.probs
+        self.sparse += other.sparse
+        self.signals += other.signals
+        self.mc_ms += other.mc_ms
 
 
 @dataclass(frozen=True)
@@ -32,6 +51,12 @@ class DrafterConfig:
     vocab_size: int  # ids >= this are never drafted (padded embedding rows)
     draft_top_k: int = 16  # support size sent in SPARSE mode
     stop_token_ids: frozenset[int] = frozenset()
+    signals: bool = False  # compute gating signals per drafted token
+    mc_passes: int = 0  # MC-dropout passes per token (0 = off)
+    mc_dropout_p: float = 0.1
+
+
+StopRule = Callable[[TokenSignals], bool]
 
 
 class Drafter:
@@ -39,14 +64,16 @@ class Drafter:
         self.model = model
         self.config = config
         self.generator = torch.Generator().manual_seed(seed)  # one per session, never reseeded
+        self.mc_generator = torch.Generator().manual_seed(seed + 1)  # dropout masks: drafts stay reproducible
         self.cache = lm.new_cache(model)
-        self.tokens: list[int] = []  # committed tokens
+        self.tokens: list[int] = []  # the sequence drafts continue from
         self._cached: list[int] = []  # the tokens whose KV the cache holds, in order
+        self._hidden: torch.Tensor | None = None
         self.forward_passes = 0
 
-    def sync(self, committed: Sequence[int]) -> None:
-        """Adopt the committed sequence; keep the cached KV of its longest shared prefix."""
-        self.tokens = list(committed)
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Continue from `tokens`; keep the cached KV of its longest shared prefix."""
+        self.tokens = list(tokens)
         keep = 0
         limit = min(len(self._cached), len(self.tokens) - 1)
         while keep < limit and self._cached[keep] == self.tokens[keep]:
@@ -54,14 +81,20 @@ class Drafter:
         lm.crop(self.cache, keep)
         del self._cached[keep:]
 
-    def _feed(self, token_ids: list[int]) -> torch.Tensor:  # [V] logits after the last fed token
-        logits = lm.forward(self.model, self.cache, token_ids)
+    def prefill(self) -> None:
+        """Cache all but the last token now (e.g. while the cloud prefills the same prompt)."""
+        if len(self._cached) < len(self.tokens) - 1:
+            self._feed(self.tokens[len(self._cached):-1])
+
+    def _feed(self, token_ids: list[int]) -> torch.Tensor:  # [1, V] logits after the last fed token
+        logits, self._hidden = lm.forward_with_hidden(self.model, self.cache, token_ids,
+                                                      hidden=self.config.mc_passes > 0)
         self._cached.extend(token_ids)
         self.forward_passes += 1
         return logits[-1:]
 
-    def propose(self, k: int) -> Draft:
-        """Draft up to k tokens after the committed sequence (fewer if a stop token is drafted)."""
+    def propose(self, k: int, stop_after: StopRule | None = None) -> Draft:
+        """Draft up to k tokens; stop early after a stop token or a token `stop_after` flags."""
         draft = Draft()
         if k <= 0:
             return draft
@@ -70,6 +103,8 @@ class Drafter:
             self._pick(logits, draft)
             if len(draft) == k or draft.token_ids[-1] in self.config.stop_token_ids:
                 return draft
+            if stop_after is not None and draft.signals and stop_after(draft.signals[-1]):
+                return draft
             logits = self._feed(draft.token_ids[-1:])
 
     def _pick(self, logits: torch.Tensor, draft: Draft) -> None:
@@ -77,16 +112,27 @@ class Drafter:
         context = self.tokens + draft.token_ids
         penalized = penalized_logits(logits, context, [], cfg.sampling, cfg.vocab_size)[0]  # [V]
         if cfg.accept_mode in (AcceptMode.GREEDY, AcceptMode.POINT):
+            # Deterministic drafts; q (at temperature 1) is sent for gating and logs only.
+            q = penalized.softmax(dim=-1)
             token = int(penalized.argmax())
-            # q sent for information (gating, logs); the cloud treats these drafts as points.
-            draft.token_ids.append(token)
-            draft.probs.append(float(penalized.softmax(dim=-1)[token]))
-            return
-        q = probs_from_logits(penalized[None], cfg.sampling)[0]
-        if cfg.accept_mode is AcceptMode.SPARSE:
-            q = truncate_top_k(q[None], cfg.draft_top_k)[0]
-            support = q.nonzero()[:, 0]
-            draft.sparse.append(SparseDistribution(support.tolist(), q[support].tolist()))
-        token = sample_token(q, self.generator)
+        else:
+            q = probs_from_logits(penalized[None], cfg.sampling)[0]
+            if cfg.accept_mode is AcceptMode.SPARSE:
+                q = truncate_top_k(q[None], cfg.draft_top_k)[0]
+                support = q.nonzero()[:, 0]
+                draft.sparse.append(SparseDistribution(support.tolist(), q[support].tolist()))
+            token = sample_token(q, self.generator)
         draft.token_ids.append(token)
         draft.probs.append(float(q[token]))
+        if cfg.signals:
+            draft.signals.append(self._signals(q, token, draft))
+
+    def _signals(self, q: torch.Tensor, token: int, draft: Draft) -> TokenSignals:
+        signals = token_signals(q, token)
+        if self.config.mc_passes <= 0 or self._hidden is None:
+            return signals
+        start = time.perf_counter()
+        var = mc_dropout_variance(self._hidden, self.model.get_output_embeddings(), token,
+                                  self.config.mc_passes, self.config.mc_dropout_p, self.mc_generator)
+        draft.mc_ms += (time.perf_counter() - start) * 1000.0
+        return TokenSignals(signals.nll, signals.entropy_bits, signals.margin, var)

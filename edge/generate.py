@@ -1,16 +1,58 @@
-"""The edge's round loop (speculative) and the two baselines (cloud_only, edge_only)."""
+"""The edge's round loop (speculative) and the two baselines (cloud_only, edge_only).
+
+One round: draft a block, send it with one Verify, commit the accepted prefix plus the
+recovered/bonus token. Around that core:
+- gating ends a block at a hard token (lossless) or, with local_commit, commits an easy
+  block without the cloud (lossy, counted, sent later as catch-up);
+- a Verify slower than the soft deadline makes the first pending draft token *provisional*
+  (shown, not final; retracted if the cloud rejects it), or final-but-unverified with
+  accept-unverified; strict mode only waits;
+- a lost call or session (deadline, restart, eviction, position drift) reopens a session
+  with the committed prefix after a backoff, so nothing final is lost or duplicated.
+The Verify call runs as a task, so drafting ahead while it is in flight fits in later.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from edge.client import VerifierClient
-from edge.drafter import Drafter
-from edge.kpolicy import KPolicy
-from shared.protocol import GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
+from edge.drafter import Draft, Drafter, StopRule
+from edge.gating import EscalationRules, GatingThresholds, TokenSignals
+from edge.kpolicy import KPolicy, RoundObservation
+from shared.errors import CloudUnavailable, PositionMismatch, SessionNotFound
+from shared.protocol import (
+    GenerateRequest,
+    OpenSessionRequest,
+    OpenSessionResult,
+    SessionConfig,
+    VerifyRequest,
+    VerifyResult,
+)
+
+TimeoutMode = Literal["provisional", "strict", "accept-unverified"]
+_RECOVERABLE = (CloudUnavailable, SessionNotFound, PositionMismatch)
+
+
+@dataclass(frozen=True)
+class TimeoutPolicy:
+    soft_deadline_s: float = 0.4  # then a pending token becomes provisional (or unverified)
+    mode: TimeoutMode = "provisional"
+    max_attempts: int = 8  # reconnects in a row before giving up
+    backoff_s: float = 0.1  # first reconnect delay, doubled per attempt, with jitter
+
+
+@dataclass(frozen=True)
+class Gating:
+    thresholds: GatingThresholds
+    rules: EscalationRules | None = None
+    token_text: Callable[[int], str] | None = None  # rules read the token's text
+    local_commit: bool = False  # LOSSY: commit easy blocks without the cloud
 
 
 @dataclass(frozen=True)
@@ -18,6 +60,9 @@ class GenerationConfig:
     session: SessionConfig
     max_new_tokens: int = 128
     stop_token_ids: frozenset[int] = frozenset()
+    timeouts: TimeoutPolicy = TimeoutPolicy()
+    gating: Gating | None = None
+    stop_rule: StopRule | None = None  # extra early stop for a block (e.g. EGAG's entropy cap)
 
 
 @dataclass(frozen=True)
@@ -28,15 +73,25 @@ class RoundRecord:
     accepted_len: int
     next_token: int
     bonus: bool
-    draft_ms: float  # edge time spent drafting
-    rtt_ms: float  # wall time of the Verify call
-    verify_ms: float  # server-side time of the round
+    la_over_k: float
     alpha_mean: float
+    a_cum: int  # accepted draft tokens so far
+    edge_time_ms: float  # drafting
+    cloud_verify_ms: float  # server-side time of the round
+    rtt_ms: float  # wall time of the Verify call
+    bytes_up: int
+    bytes_down: int
+    hard_ratio: float
+    escalated: bool  # the block went to the cloud (always, unless committed locally)
+    catchup: int  # locally committed tokens sent ahead of the draft
+    provisional: int  # tokens shown provisionally while this round was in flight
+    retracted: int  # of those, rejected by the cloud
+    local: bool = False  # committed without the cloud (lossy)
 
 
 @dataclass
 class GenerationResult:
-    token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    token_ids: list[int] = field(default_factory=list)  # generated tokens only, final
     rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -46,6 +101,12 @@ class GenerationResult:
     bytes_up: int = 0
     bytes_down: int = 0
     finish_reason: str = "length"
+    provisional_tokens: int = 0
+    retracted_tokens: int = 0
+    unverified_tokens: int = 0  # final without verification (accept-unverified)
+    local_tokens: int = 0  # committed by --local-commit (lossy)
+    hard_tokens: int = 0
+    reopens: int = 0
     round_log: list[RoundRecord] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -54,109 +115,285 @@ class GenerationResult:
         return out
 
 
-OnCommit = Callable[[list[int], RoundRecord | None], None]
+class Observer(Protocol):
+    def committed(self, tokens: list[int], record: RoundRecord | None) -> None: ...
+
+    def provisional(self, tokens: list[int]) -> None: ...
 
 
 def _ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def _append(result: GenerationResult, new: list[int], cfg: GenerationConfig, start: float) -> list[int]:
-    """Add newly committed tokens, cut after a stop token or at max_new_tokens; returns what was kept."""
-    if not result.token_ids and new:
-        result.ttft_s = time.perf_counter() - start
-    kept: list[int] = []
-    for token in new:
-        if len(result.token_ids) >= cfg.max_new_tokens:
-            break
-        result.token_ids.append(token)
-        kept.append(token)
-        if token in cfg.stop_token_ids:
-            result.finish_reason = "stop"
-            break
-    return kept
+class _Output:
+    """Final tokens, cut after a stop token or at max_new_tokens, and their timing."""
+
+    def __init__(self, cfg: GenerationConfig, result: GenerationResult, observer: Observer | None) -> None:
+        self.cfg, self.result, self.observer = cfg, result, observer
+        self.start = time.perf_counter()
+
+    def done(self) -> bool:
+        return self.result.finish_reason == "stop" or len(self.result.token_ids) >= self.cfg.max_new_tokens
+
+    def remaining(self) -> int:
+        return self.cfg.max_new_tokens - len(self.result.token_ids)
+
+    def commit(self, new: list[int], record: RoundRecord | None) -> None:
+        result = self.result
+        if not result.token_ids and new:
+            result.ttft_s = time.perf_counter() - self.start
+        kept: list[int] = []
+        for token in new:
+            if self.done():
+                break
+            result.token_ids.append(token)
+            kept.append(token)
+            if token in self.cfg.stop_token_ids:
+                result.finish_reason = "stop"
+        if self.observer:
+            self.observer.committed(kept, record)
+
+    def show_provisional(self, tokens: list[int]) -> None:
+        if self.observer:
+            self.observer.provisional(tokens[: self.remaining()])
+
+    def finish(self, client: VerifierClient | None, up0: int = 0, down0: int = 0) -> GenerationResult:
+        self.result.elapsed_s = time.perf_counter() - self.start
+        if client is not None:
+            self.result.bytes_up = client.stats.bytes_up - up0
+            self.result.bytes_down = client.stats.bytes_down - down0
+        return self.result
 
 
-def _done(result: GenerationResult, cfg: GenerationConfig) -> bool:
-    return result.finish_reason == "stop" or len(result.token_ids) >= cfg.max_new_tokens
+class SpeculativeRun:
+    """State of one speculative generation; see the module docstring for the rules."""
+
+    def __init__(self, prompt: list[int], drafter: Drafter, client: VerifierClient, k_policy: KPolicy,
+                 cfg: GenerationConfig, observer: Observer | None) -> None:
+        self.drafter, self.client, self.k_policy, self.cfg = drafter, client, k_policy, cfg
+        self.result = GenerationResult()
+        self.out = _Output(cfg, self.result, observer)
+        self.committed = list(prompt)  # final: prompt + generated
+        self.catchup: list[int] = []  # final, not yet sent to the cloud
+        self.pending = Draft()  # drafted, not final; its first `provisional` tokens are shown
+        self.provisional = 0
+        self.session: OpenSessionResult | None = None
+
+    # ---- sessions -----------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        """Open a session on the committed prefix; the drafter prefills it meanwhile."""
+        seed = self.cfg.session.seed + 1_000_003 * self.result.reopens  # fresh randomness per session
+        config = SessionConfig(self.cfg.session.sampling, seed, self.cfg.session.accept_mode,
+                               self.cfg.session.vocab_size)
+        opening = asyncio.ensure_future(self.client.open_session(OpenSessionRequest(self.committed, config)))
+        self.drafter.sync(self.committed)
+        await asyncio.to_thread(self.drafter.prefill)
+        self.session = await opening
+        self.catchup = []
+        self.result.target_forward_passes += 1 if len(self.committed) > 1 else 0
+
+    async def _reopen(self) -> None:
+        policy = self.cfg.timeouts
+        for attempt in range(policy.max_attempts):
+            await asyncio.sleep(policy.backoff_s * 2**attempt * random.uniform(0.5, 1.5))
+            self.result.reopens += 1
+            try:
+                await self._open()
+                return
+            except CloudUnavailable:
+                continue
+        raise CloudUnavailable(f"verifier unreachable after {policy.max_attempts} reconnects")
+
+    async def _close(self) -> None:
+        if self.session is not None:
+            try:
+                await self.client.close_session(self.session.session_id)
+            except (CloudUnavailable, SessionNotFound):
+                pass  # the verifier drops idle sessions itself
+
+    # ---- one round ----------------------------------------------------------------------
+
+    async def run(self) -> GenerationResult:
+        up0, down0 = self.client.stats.bytes_up, self.client.stats.bytes_down
+        await self._open()
+        try:
+            while not self.out.done():
+                await self._round()
+        finally:
+            await self._close()
+        return self.out.finish(self.client, up0, down0)
+
+    def _stop_rule(self) -> StopRule | None:
+        rules = [r for r in (self.cfg.gating.thresholds.is_hard if self.cfg.gating else None,
+                             self.cfg.stop_rule) if r is not None]
+        if not rules:
+            return None
+        return lambda s: any(rule(s) for rule in rules)
+
+    def _draft(self) -> float:
+        """Top the pending block up to k tokens; returns the drafting time in ms."""
+        self.pending = self.pending.head(self.provisional)
+        assert self.session is not None
+        room = min(self.k_policy.next_k(), self.out.remaining() - 1, self.session.max_draft_tokens)
+        want = max(room - len(self.pending), 0)
+        start = time.perf_counter()
+        if want:
+            self.drafter.sync(self.committed + self.pending.token_ids)
+            self.pending.extend(self.drafter.propose(want, self._stop_rule()))
+        return _ms(start)
+
+    def _hard_mask(self) -> tuple[list[bool], bool]:
+        """Per pending token: hard by signals or by a rule; and whether any rule hit. A rule hit
+        ends the block right after that token (verify now)."""
+        gating = self.cfg.gating
+        if gating is None or not self.pending.signals:
+            return [], False
+        mask = [gating.thresholds.is_hard(s) for s in self.pending.signals]
+        if gating.rules is None or gating.token_text is None:
+            return mask, False
+        text = gating.token_text
+        previous = "".join(text(t) for t in self.committed[-8:])
+        for i, token in enumerate(self.pending.token_ids):
+            piece = text(token)
+            if gating.rules.rule_hit(token, piece, previous):
+                mask[i] = True
+                if i >= self.provisional:
+                    self.pending = self.pending.head(i + 1)
+                    return mask[: i + 1], True
+            previous += piece
+        return mask, False
+
+    async def _round(self) -> None:
+        draft_ms = self._draft()
+        mask, rule_hit = self._hard_mask()
+        hard_ratio = sum(mask) / len(mask) if mask else 0.0
+        if self._commit_locally(hard_ratio, rule_hit, draft_ms):
+            return
+        assert self.session is not None
+        base = len(self.committed) - len(self.catchup)
+        req = VerifyRequest(self.session.session_id, base, self.pending.token_ids,
+                            self.pending.probs, committed_tokens=self.catchup, hard_mask=mask,
+                            sparse_draft=self.pending.sparse)
+        up0, down0 = self.client.stats.bytes_up, self.client.stats.bytes_down
+        start = time.perf_counter()
+        shown_before = self.provisional
+        reply = await self._verify(req)
+        if reply is None:
+            return
+        self._apply(req, reply, draft_ms, _ms(start), hard_ratio, shown_before,
+                    self.client.stats.bytes_up - up0, self.client.stats.bytes_down - down0)
+
+    def _commit_locally(self, hard_ratio: float, rule_hit: bool, draft_ms: float) -> bool:
+        """LOSSY (--local-commit): an easy block is final without the cloud."""
+        gating = self.cfg.gating
+        block = self.pending.tail(self.provisional)
+        if gating is None or not gating.local_commit or self.provisional or not block.token_ids:
+            return False
+        if rule_hit or hard_ratio > gating.thresholds.hard_ratio:
+            return False
+        tokens = block.token_ids
+        self.committed += tokens
+        self.catchup += tokens
+        self.pending = Draft()
+        self.result.local_tokens += len(tokens)
+        record = RoundRecord(self.result.rounds, len(tokens), tokens, len(tokens), tokens[-1], False, 1.0,
+                             0.0, self.result.accepted_tokens, draft_ms, 0.0, 0.0, 0, 0, hard_ratio,
+                             False, 0, 0, 0, local=True)
+        self.result.round_log.append(record)
+        self.out.commit(tokens, record)
+        return True
+
+    async def _verify(self, req: VerifyRequest) -> VerifyResult | None:
+        """The Verify call with the soft deadline; None when the round was lost (and the
+        session recovered, or the block given up in accept-unverified mode)."""
+        call = asyncio.ensure_future(self.client.verify(req))
+        policy = self.cfg.timeouts
+        soft = None if policy.mode == "strict" else policy.soft_deadline_s
+        while True:
+            await asyncio.wait({call}, timeout=soft)
+            if call.done():
+                try:
+                    return call.result()
+                except _RECOVERABLE:
+                    await self._reopen()
+                    return None
+            if policy.mode == "accept-unverified" and self.pending.token_ids:
+                call.cancel()
+                self._accept_unverified()
+                return None
+            if self.provisional < len(self.pending):
+                self.provisional += 1
+                self.result.provisional_tokens += 1
+                self.out.show_provisional(self.pending.token_ids[: self.provisional])
+            if self.provisional == len(self.pending):
+                soft = None  # nothing left to show: wait for the reply or the call's deadline
+
+    def _accept_unverified(self) -> None:
+        """The seed's behaviour: the first pending token becomes final, counted as unverified,
+        and reaches the cloud as catch-up."""
+        token = self.pending.token_ids[0]
+        self.committed.append(token)
+        self.catchup.append(token)
+        self.pending = self.pending.tail(1)
+        self.result.unverified_tokens += 1
+        self.out.commit([token], None)
+
+    def _apply(self, req: VerifyRequest, reply: VerifyResult, draft_ms: float, rtt_ms: float,
+               hard_ratio: float, shown_before: int, bytes_up: int, bytes_down: int) -> None:
+        drafts = req.draft_tokens
+        m = reply.accepted_len
+        retracted = max(self.provisional - m, 0)
+        new = [*drafts[:m], reply.next_token]
+        self.committed += new
+        self.catchup = []
+        signals: list[TokenSignals] = self.pending.signals
+        self.pending, self.provisional = Draft(), 0
+        result = self.result
+        result.rounds += 1
+        result.target_forward_passes += 1
+        result.draft_tokens += len(drafts)
+        result.accepted_tokens += m
+        result.retracted_tokens += retracted
+        result.hard_tokens += sum(req.hard_mask)
+        self.k_policy.observe(RoundObservation(
+            len(drafts), m, reply.metrics.alpha_mean, draft_ms, rtt_ms, reply.metrics.verify_ms,
+            sum(s.entropy_bits for s in signals) / len(signals) if signals else 0.0))
+        record = RoundRecord(
+            result.rounds - 1, len(drafts), drafts, m, reply.next_token, reply.bonus,
+            m / len(drafts) if drafts else 0.0, reply.metrics.alpha_mean, result.accepted_tokens, draft_ms,
+            reply.metrics.verify_ms, rtt_ms, bytes_up, bytes_down, hard_ratio, True, len(req.committed_tokens),
+            shown_before, retracted)
+        result.round_log.append(record)
+        self.out.commit(new, record)
 
 
 async def speculative_generate(prompt: list[int], drafter: Drafter, client: VerifierClient, k_policy: KPolicy,
-                               cfg: GenerationConfig, on_commit: OnCommit | None = None) -> GenerationResult:
+                               cfg: GenerationConfig, observer: Observer | None = None) -> GenerationResult:
     """Draft k tokens, verify them in one cloud round, commit accepted + one, repeat."""
-    start = time.perf_counter()
-    up0, down0 = client.stats.bytes_up, client.stats.bytes_down
-    result = GenerationResult()
-    session = await client.open_session(OpenSessionRequest(prompt, cfg.session))
-    result.target_forward_passes = 1 if len(prompt) > 1 else 0
-    committed = list(prompt)
-    drafter.sync(committed)
-    try:
-        while not _done(result, cfg):
-            remaining = cfg.max_new_tokens - len(result.token_ids)
-            k = max(0, min(k_policy.next_k(), remaining - 1, session.max_draft_tokens))
-            t0 = time.perf_counter()
-            draft = drafter.propose(k)
-            draft_ms = _ms(t0)
-            req = VerifyRequest(session.session_id, len(committed), draft.token_ids, draft.probs,
-                                sparse_draft=draft.sparse)
-            t1 = time.perf_counter()
-            reply = await client.verify(req)
-            rtt_ms = _ms(t1)
-            new = [*draft.token_ids[: reply.accepted_len], reply.next_token]
-            committed.extend(new)
-            drafter.sync(committed)
-            k_policy.observe(len(draft), reply.accepted_len)
-            record = RoundRecord(result.rounds, len(draft), draft.token_ids, reply.accepted_len,
-                                 reply.next_token, reply.bonus, draft_ms, rtt_ms,
-                                 reply.metrics.verify_ms, reply.metrics.alpha_mean)
-            result.rounds += 1
-            result.target_forward_passes += 1
-            result.draft_tokens += len(draft)
-            result.accepted_tokens += reply.accepted_len
-            result.round_log.append(record)
-            kept = _append(result, new, cfg, start)
-            if on_commit:
-                on_commit(kept, record)
-    finally:
-        await client.close_session(session.session_id)
-    result.elapsed_s = time.perf_counter() - start
-    result.bytes_up = client.stats.bytes_up - up0
-    result.bytes_down = client.stats.bytes_down - down0
-    return result
+    return await SpeculativeRun(prompt, drafter, client, k_policy, cfg, observer).run()
 
 
 async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: GenerationConfig,
-                              on_commit: OnCommit | None = None) -> GenerationResult:
+                              observer: Observer | None = None) -> GenerationResult:
     """Target alone through the verifier's Generate stream."""
-    start = time.perf_counter()
     up0, down0 = client.stats.bytes_up, client.stats.bytes_down
-    result = GenerationResult()
+    out = _Output(cfg, GenerationResult(), observer)
     req = GenerateRequest(prompt, cfg.session, cfg.max_new_tokens, sorted(cfg.stop_token_ids))
     async for chunk in client.generate(req):
-        result.target_forward_passes += 1
-        kept = _append(result, chunk.tokens, cfg, start)
-        if on_commit:
-            on_commit(kept, None)
-    result.elapsed_s = time.perf_counter() - start
-    result.bytes_up = client.stats.bytes_up - up0
-    result.bytes_down = client.stats.bytes_down - down0
-    return result
+        out.result.target_forward_passes += 1
+        out.commit(chunk.tokens, None)
+    return out.finish(client, up0, down0)
 
 
 def edge_only_generate(prompt: list[int], drafter: Drafter, cfg: GenerationConfig,
-                       on_commit: OnCommit | None = None) -> GenerationResult:
+                       observer: Observer | None = None) -> GenerationResult:
     """The draft model alone: one token per step, committed at once."""
-    start = time.perf_counter()
-    result = GenerationResult()
+    out = _Output(cfg, GenerationResult(), observer)
     committed = list(prompt)
-    drafter.sync(committed)
-    while not _done(result, cfg):
-        draft = drafter.propose(1)
-        committed.extend(draft.token_ids)
+    while not out.done():
         drafter.sync(committed)
-        kept = _append(result, draft.token_ids, cfg, start)
-        if on_commit:
-            on_commit(kept, None)
-    result.elapsed_s = time.perf_counter() - start
-    return result
+        draft = drafter.propose(1)
+        committed += draft.token_ids
+        out.commit(draft.token_ids, None)
+    return out.finish(None)

@@ -51,10 +51,17 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
 @torch.inference_mode()
 def forward(model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int]) -> torch.Tensor:
     """Feed token_ids after the cached prefix; returns float32 logits [n, V] on the CPU."""
-    device = model.device
-    input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, n]
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-    return out.logits[0].float().cpu()
+    return forward_with_hidden(model, cache, token_ids, hidden=False)[0]
+
+
+@torch.inference_mode()
+def forward_with_hidden(model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int],
+                        hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like forward, plus the last layer's hidden state of the last token [H] when asked."""
+    input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)  # [1, n]
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=hidden)
+    last_hidden = out.hidden_states[-1][0, -1] if hidden else None
+    return out.logits[0].float().cpu(), last_hidden
 
 
 def crop(cache: DynamicCache, length: int) -> None:

@@ -454,3 +454,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def model_folder(path: str | None, default: str) -> str:
+    """The model folder a command should load: `path` when given, else the packaged model
+    named `default` (fetched and converted on first use)."""
+    return path if path is not None else str(ensure_model(default))

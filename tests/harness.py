@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -40,11 +41,13 @@ def random_prompt(seed: int, length: int = 8, vocab: int = 96) -> list[int]:
 
 def make_drafter(model: PreTrainedModel, params: SamplingParams = GREEDY,
                  mode: AcceptMode = AcceptMode.GREEDY, seed: int = 1, vocab: int = 96,
-                 stop: frozenset[int] = frozenset()) -> Drafter:
-    return Drafter(model, DrafterConfig(params, mode, vocab, draft_top_k=8, stop_token_ids=stop), seed)
+                 stop: frozenset[int] = frozenset(), signals: bool = False) -> Drafter:
+    config = DrafterConfig(params, mode, vocab, draft_top_k=8, stop_token_ids=stop, signals=signals)
+    return Drafter(model, config, seed)
 
 
 def gen_config(max_new_tokens: int = 40, params: SamplingParams = GREEDY,
                mode: AcceptMode = AcceptMode.GREEDY, seed: int = 0, vocab: int = 96,
-               stop: frozenset[int] = frozenset()) -> GenerationConfig:
-    return GenerationConfig(SessionConfig(params, seed, mode, vocab), max_new_tokens, stop)
+               stop: frozenset[int] = frozenset(), **options: Any) -> GenerationConfig:
+    """options: GenerationConfig's timeouts, gating, stop_rule."""
+    return GenerationConfig(SessionConfig(params, seed, mode, vocab), max_new_tokens, stop, **options)

@@ -1,0 +1,105 @@
+"""A loopback TCP proxy that injects network faults between edge and cloud: one-way delay
+(RTT / 2 each way), a bandwidth cap, stalls and dropped connections. Used by the tests and the
+benchmarks, so the product never sleeps to fake a slow link."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class LinkConditions:
+    rtt_ms: float = 0.0  # added round-trip time, split evenly between the two directions
+    bandwidth_bytes_per_s: float = 0.0  # 0 = unlimited
+    stalled: bool = False  # hold all traffic (a verifier that stops answering)
+
+
+class FaultProxy:
+    """Forward 127.0.0.1:<port> to `target`. Conditions may change while it runs."""
+
+    def __init__(self, target_host: str, target_port: int, conditions: LinkConditions | None = None) -> None:
+        self.target = (target_host, target_port)
+        self.conditions = conditions or LinkConditions()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stall(self) -> None:
+        self.conditions.stalled = True
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self.conditions.stalled = False
+        self._resumed.set()
+
+    def drop_connections(self) -> None:
+        """Close every open connection (the client sees the link break)."""
+        for writer in list(self._writers):
+            writer.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self.drop_connections()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            server_reader, server_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            client_writer.close()
+            return
+        self._writers.update((client_writer, server_writer))
+        for reader, writer in ((client_reader, server_writer), (server_reader, client_writer)):
+            task = asyncio.create_task(self._pump(reader, writer))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read chunks, release each one way-delay after it arrived, in order."""
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        sender = asyncio.create_task(self._send(queue, writer))
+        try:
+            while data := await reader.read(65536):
+                queue.put_nowait((time.monotonic() + self.conditions.rtt_ms / 2000.0, data))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            queue.put_nowait((0.0, b""))
+            with contextlib.suppress(Exception):
+                await sender
+
+    async def _send(self, queue: asyncio.Queue[tuple[float, bytes]], writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                due, data = await queue.get()
+                if not data:
+                    break
+                await self._resumed.wait()
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                writer.write(data)
+                await writer.drain()
+                if self.conditions.bandwidth_bytes_per_s > 0:
+                    await asyncio.sleep(len(data) / self.conditions.bandwidth_bytes_per_s)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
