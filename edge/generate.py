@@ -34,9 +34,11 @@ from shared.protocol import (
     VerifyRequest,
     VerifyResult,
 )
+from shared.speculative import AcceptMode
 
 TimeoutMode = Literal["provisional", "strict", "accept-unverified"]
 _RECOVERABLE = (CloudUnavailable, SessionNotFound, PositionMismatch)
+SCALAR_MODES = (AcceptMode.SCALAR, AcceptMode.SHORTCUT)
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,10 @@ class GenerationResult:
     target_forward_passes: int = 0
     elapsed_s: float = 0.0
     ttft_s: float = 0.0
-    bytes_up: int = 0
+    bytes_up: int = 0  # all requests, prompt upload included
     bytes_down: int = 0
+    verify_bytes_up: int = 0  # Verify requests only: the per-round uplink
+    verify_bytes_down: int = 0
     finish_reason: str = "length"
     provisional_tokens: int = 0
     retracted_tokens: int = 0
@@ -272,9 +276,11 @@ class SpeculativeRun:
             return
         assert self.session is not None
         base = len(self.committed) - len(self.catchup)
-        req = VerifyRequest(self.session.session_id, base, self.pending.token_ids,
-                            self.pending.probs, committed_tokens=self.catchup, hard_mask=mask,
-                            sparse_draft=self.pending.sparse)
+        # Only the scalar modes need q(y) on the wire; greedy and point drafts are points and
+        # sparse drafts carry their whole support. Leaving it out keeps the uplink small.
+        probs = self.pending.probs if self.cfg.session.accept_mode in SCALAR_MODES else []
+        req = VerifyRequest(self.session.session_id, base, self.pending.token_ids, probs,
+                            committed_tokens=self.catchup, hard_mask=mask, sparse_draft=self.pending.sparse)
         up0, down0 = self.client.stats.bytes_up, self.client.stats.bytes_down
         start = time.perf_counter()
         shown_before = self.provisional
@@ -356,6 +362,8 @@ class SpeculativeRun:
         result.accepted_tokens += m
         result.retracted_tokens += retracted
         result.hard_tokens += sum(req.hard_mask)
+        result.verify_bytes_up += bytes_up
+        result.verify_bytes_down += bytes_down
         self.k_policy.observe(RoundObservation(
             len(drafts), m, reply.metrics.alpha_mean, draft_ms, rtt_ms, reply.metrics.verify_ms,
             sum(s.entropy_bits for s in signals) / len(signals) if signals else 0.0))

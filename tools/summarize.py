@@ -30,7 +30,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
         "tau": round(tokens / rounds, 3) if rounds else 0.0,
         "acceptance_rate": round(sum(r["accepted_tokens"] for r in records) / drafted, 3) if drafted else 0.0,
         "target_passes_per_token": round(sum(r["target_forward_passes"] for r in records) / tokens, 3),
-        "bytes_up_per_drafted_token": round(sum(r["bytes_up"] for r in records) / drafted, 2) if drafted else 0.0,
+        # Verify payloads only; the prompt upload is counted in bytes_up_per_token.
+        "verify_bytes_up_per_drafted_token": round(sum(r.get("verify_bytes_up", 0) for r in records) / drafted, 2)
+        if drafted else 0.0,
         "bytes_up_per_token": round(sum(r["bytes_up"] for r in records) / tokens, 2),
         "bytes_down_per_token": round(sum(r["bytes_down"] for r in records) / tokens, 2),
     }
