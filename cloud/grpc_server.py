@@ -1,42 +1,61 @@
 """grpc.aio server: thin servicer methods that translate (shared/wire.py) and delegate to
-the Verifier on one model worker thread."""
+the Verifier on one model worker thread; the standard health and reflection services beside it."""
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
+from cloud.logs import log_event
+from cloud.state import ReadinessListener, ServerState
 from cloud.verifier import Verifier
+from cloud.worker import ModelWorker
 from shared import wire
 from shared.errors import PositionMismatch, SpecDecError
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
+__all__ = ["ModelWorker", "VerifierServicer", "create_server", "start_server"]
+
 T = TypeVar("T")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+log = logging.getLogger("cloud-verifier")
 
 
-class ModelWorker:
-    """Runs model work on one thread so rounds never interleave on a cache and the event
-    loop stays free for the network."""
+@dataclass
+class _Call:
+    """One RPC's bookkeeping: counted by status code and logged once, on the way out."""
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+    state: ServerState
+    method: str
+    request: Message
+    request_id: str
+    started: float = field(default_factory=time.perf_counter)
+    sent: int = 0
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def run_timed(self, fn: Callable[[float], T]) -> T:
-        """Call fn(queue_ms), where queue_ms is how long the call waited for the worker."""
-        submitted = time.perf_counter()
-        return await self.run(lambda: fn((time.perf_counter() - submitted) * 1000.0))
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    def finish(self, code: str, detail: str = "") -> None:
+        self.state.metrics.record_rpc(self.method, code, self.request.ByteSize(), self.sent)
+        fields: dict[str, Any] = {"method": self.method, "code": code, "request_id": self.request_id,
+                                  "ms": round((time.perf_counter() - self.started) * 1000.0, 2)}
+        if session := getattr(self.request, "session_id", ""):
+            fields["session"] = session
+        if prompt := getattr(self.request, "prompt_tokens", None):
+            fields["prompt_tokens"] = list(prompt) if self.state.log_prompts else len(prompt)
+        if code != "OK":
+            log_event(log, logging.WARNING, f"{self.method} failed: {detail}", **fields)
+        else:
+            log_event(log, logging.DEBUG if self.method == "Verify" else logging.INFO, self.method, **fields)
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: SpecDecError) -> None:
@@ -45,56 +64,107 @@ async def _abort(context: grpc.aio.ServicerContext, err: SpecDecError) -> None:
     await context.abort(grpc.StatusCode[err.status], str(err))
 
 
-async def _translated(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
-    """The one place that maps project errors to gRPC status codes."""
+@asynccontextmanager
+async def _translating(context: grpc.aio.ServicerContext, call: _Call) -> AsyncIterator[None]:
+    """The one place that maps project errors to gRPC status codes, and counts every call's code."""
     try:
-        return await call
+        yield
     except SpecDecError as err:
+        call.finish(err.status, str(err))
         await _abort(context, err)
-        raise  # unreachable: abort raises
+    except Exception as err:
+        call.finish("UNKNOWN", repr(err))  # grpc answers UNKNOWN for an unexpected exception
+        raise
+    except BaseException:  # cancelled: the client went away, its deadline passed, or the server stops
+        call.finish("CANCELLED", "cancelled")
+        raise
+    else:
+        call.finish("OK")
+
+
+async def _translated(context: grpc.aio.ServicerContext, call: _Call, reply: Awaitable[T]) -> T:
+    async with _translating(context, call):
+        result = await reply
+        call.sent = result.ByteSize()  # type: ignore[attr-defined]  # every reply is a protobuf message
+        return result
+    raise AssertionError("unreachable: _translating re-raises or aborts")
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, verifier: Verifier, worker: ModelWorker) -> None:
-        self.verifier = verifier
-        self.worker = worker
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def _call(self, method: str, request: Message) -> _Call:
+        # VerifyRequest carries the edge's request id; other calls (and an empty one) get a fresh id.
+        request_id = getattr(request, "request_id", "") or uuid.uuid4().hex[:16]
+        return _Call(self.state, method, request, request_id)
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
         async def call() -> pb.OpenSessionResponse:
             req = wire.open_request_from_pb(request)
-            return wire.open_result_to_pb(await self.worker.run(self.verifier.open_session, req))
-        return await _translated(context, call())
+            verifier = self.state.verifier_for(new_session=True)
+            return wire.open_result_to_pb(await self.state.worker.run(verifier.open_session, req))
+        return await _translated(context, self._call("OpenSession", request), call())
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
         async def call() -> pb.VerifyResponse:
             req = wire.verify_request_from_pb(request)
-            result = await self.worker.run_timed(lambda queue_ms: self.verifier.verify(req, queue_ms))
+            verifier = self.state.verifier_for(new_session=False)
+            result = await self.state.worker.run_timed(lambda queue_ms: verifier.verify(req, queue_ms))
+            self.state.record_round(len(req.draft_tokens), result)
             return wire.verify_result_to_pb(result)
-        return await _translated(context, call())
+        return await _translated(context, self._call("Verify", request), call())
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
         async def call() -> pb.CloseSessionResponse:
-            result = await self.worker.run(self.verifier.close_session, request.session_id)
+            verifier = self.state.verifier_for(new_session=False)
+            result = await self.state.worker.run(verifier.close_session, request.session_id)
             return wire.close_result_to_pb(result)
-        return await _translated(context, call())
+        return await _translated(context, self._call("CloseSession", request), call())
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        try:
+        call = self._call("Generate", request)
+        async with _translating(context, call):
             req = wire.generate_request_from_pb(request)
-            steps = await self.worker.run(self.verifier.generate, req)
+            verifier = self.state.verifier_for(new_session=True)
+            steps = await self.state.worker.run(verifier.generate, req)
             # Each step runs on the worker, so other sessions' rounds interleave with it.
-            while (chunk := await self.worker.run(next, steps, None)) is not None:
-                yield wire.generate_chunk_to_pb(chunk)
-        except SpecDecError as err:
-            await _abort(context, err)
+            while (chunk := await self.state.worker.run(next, steps, None)) is not None:
+                reply = wire.generate_chunk_to_pb(chunk)
+                call.sent += reply.ByteSize()
+                yield reply
 
 
-def create_server(verifier: Verifier, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
-    """Build (not start) a server bound to address; returns it with the bound port."""
-    worker = ModelWorker()
+def _health_listener(health: health_aio.HealthServicer) -> ReadinessListener:
+    async def update(ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):  # "" is the whole server, as probes ask by default
+            await health.set(service, status)
+    return update
+
+
+def create_server(source: Verifier | ServerState, address: str = "127.0.0.1:0",
+                  reflect: bool = True) -> tuple[grpc.aio.Server, int]:
+    """Build (not start) a server bound to address; returns it with the bound port. A state
+    whose model is not loaded yet needs `await state.publish()` before start (start_server
+    does it) so the health service says NOT_SERVING from the first probe."""
+    state = source if isinstance(source, ServerState) else ServerState.for_verifier(source)
     server = grpc.aio.server()
-    pb_grpc.add_VerifierServicer_to_server(VerifierServicer(verifier, worker), server)
+    pb_grpc.add_VerifierServicer_to_server(VerifierServicer(state), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    state.on_readiness(_health_listener(health))
+    if reflect:
+        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}")
+    return server, port
+
+
+async def start_server(state: ServerState, address: str, reflect: bool = True) -> tuple[grpc.aio.Server, int]:
+    server, port = create_server(state, address, reflect)
+    await state.publish()
+    await server.start()
     return server, port

@@ -1,0 +1,72 @@
+"""Prometheus metrics of one verifier, in a registry of its own so servers (and tests) never
+share counters.
+
+Names follow vLLM's speculative-decoding metrics (num_drafts, num_draft_tokens,
+num_accepted_tokens, num_accepted_tokens_per_pos) under the prefix `specdec_`; one round
+here is one vLLM draft. Labels stay low-cardinality: RPC method, status code and draft
+position (bounded by max_draft_tokens), never a session or request id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from shared.protocol import VerifyResult
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Seconds: a CPU round of a small model takes milliseconds, a long GPU prefill seconds.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class VerifierMetrics:
+    def __init__(self, max_draft_tokens: int) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("specdec_requests", "RPCs by method and gRPC status code", ["method", "code"], registry=r)
+        self.received_bytes = Counter("specdec_received_bytes", "serialized request bytes", ["method"], registry=r)
+        self.sent_bytes = Counter("specdec_sent_bytes", "serialized response bytes", ["method"], registry=r)
+        self.rounds = Counter("specdec_rounds", "verify rounds (vLLM: num_drafts)", registry=r)
+        self.draft_tokens = Counter("specdec_draft_tokens", "drafted tokens received", registry=r)
+        self.accepted_tokens = Counter("specdec_accepted_tokens", "drafted tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("specdec_accepted_tokens_per_pos", "accepted tokens by draft position (0-based)",
+                                        ["position"], registry=r)
+        self.bonus_tokens = Counter("specdec_bonus_tokens", "bonus tokens: rounds whose drafts all passed", registry=r)
+        self.verify_latency = Histogram("specdec_verify_latency_seconds", "server time per round, queue included",
+                                        buckets=LATENCY_BUCKETS_S, registry=r)
+        self.forward_time = Histogram("specdec_forward_seconds", "target forward pass per round",
+                                      buckets=LATENCY_BUCKETS_S, registry=r)
+        self.queue_time = Histogram("specdec_queue_seconds", "wait for the model worker per round",
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        positions = [float(i) for i in range(max_draft_tokens + 1)]  # one bucket per possible length
+        self.draft_len = Histogram("specdec_draft_length", "k: drafted tokens per round", buckets=positions, registry=r)
+        self.accepted_len = Histogram("specdec_accepted_length", "accepted drafts per round", buckets=positions, registry=r)
+        self.open_sessions = Gauge("specdec_open_sessions", "sessions holding a KV cache", registry=r)
+        self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions", registry=r)
+        for position in range(max_draft_tokens):  # every position exists from the start, at 0
+            self.accepted_per_pos.labels(str(position))
+
+    def record_rpc(self, method: str, code: str, received: int, sent: int) -> None:
+        self.requests.labels(method, code).inc()
+        self.received_bytes.labels(method).inc(received)
+        self.sent_bytes.labels(method).inc(sent)
+
+    def record_round(self, k: int, result: VerifyResult) -> None:
+        accepted, m = result.accepted_len, result.metrics
+        self.rounds.inc()
+        self.draft_tokens.inc(k)
+        self.accepted_tokens.inc(accepted)
+        for position in range(accepted):
+            self.accepted_per_pos.labels(str(position)).inc()
+        if result.bonus:
+            self.bonus_tokens.inc()
+        self.verify_latency.observe(m.verify_ms / 1000.0)
+        self.forward_time.observe(m.forward_ms / 1000.0)
+        self.queue_time.observe(m.queue_ms / 1000.0)
+        self.draft_len.observe(k)
+        self.accepted_len.observe(accepted)
+
+    def set_sessions(self, count: int, kv_bytes: int) -> None:
+        self.open_sessions.set(count)
+        self.kv_cache_bytes.set(kv_bytes)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

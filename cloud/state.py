@@ -1,0 +1,128 @@
+"""What one running verifier shares between its gRPC servicer, its HTTP app and main: the
+model once loaded, readiness (loading / ready / draining), the model worker and telemetry."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib import metadata
+
+from cloud.live import LiveStats
+from cloud.metrics import VerifierMetrics
+from cloud.sessions import Session, SessionStore
+from cloud.verifier import Verifier
+from cloud.worker import ModelWorker
+from shared.errors import ServerDraining, SpecDecError
+from shared.protocol import VerifyResult
+
+ReadinessListener = Callable[[bool], Awaitable[None]]
+
+
+class ModelLoading(SpecDecError):
+    """A call arrived before the model finished loading: retry, as after a restart."""
+
+    status = "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    session: str  # the id's first 8 hex digits: enough to match log lines, not to drive the session
+    age_s: float
+    idle_s: float
+    length: int  # committed tokens: prompt + generated
+    rounds: int
+    kv_bytes: int
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("specedge")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _read_sessions(store: SessionStore) -> list[Session]:
+    """Read from the event loop while the model worker may change the store. Copying the
+    dict's values is one C call under the GIL; should a change slip in anyway (RuntimeError),
+    read again. Reading here rather than on the worker keeps a scrape from queueing behind rounds."""
+    for _ in range(10):
+        try:
+            return list(store)
+        except RuntimeError:
+            continue
+    return []
+
+
+class ServerState:
+    def __init__(self, max_draft_tokens: int, verifier: Verifier | None = None, log_prompts: bool = False) -> None:
+        self.verifier = verifier
+        self.draining = False
+        self.log_prompts = log_prompts  # debug only: prompts are user data
+        self.started = time.monotonic()
+        self.version = package_version()
+        self.worker = ModelWorker()
+        self.metrics = VerifierMetrics(max_draft_tokens)
+        self.live = LiveStats(max_draft_tokens)
+        self._listeners: list[ReadinessListener] = []
+
+    @classmethod
+    def for_verifier(cls, verifier: Verifier) -> ServerState:
+        return cls(verifier.limits.max_draft_tokens, verifier)
+
+    @property
+    def status(self) -> str:
+        if self.draining:
+            return "draining"
+        return "loading" if self.verifier is None else "ready"
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def verifier_for(self, new_session: bool) -> Verifier:
+        """The loaded verifier. While draining, open sessions go on; new ones are refused."""
+        if self.verifier is None:
+            raise ModelLoading("the model is still loading; retry shortly")
+        if new_session and self.draining:
+            raise ServerDraining("the verifier is shutting down and takes no new sessions")
+        return self.verifier
+
+    # ---- readiness ----------------------------------------------------------------------
+
+    def on_readiness(self, listener: ReadinessListener) -> None:
+        self._listeners.append(listener)
+
+    async def publish(self) -> None:
+        for listener in self._listeners:
+            await listener(self.ready)
+
+    async def set_verifier(self, verifier: Verifier) -> None:
+        self.verifier = verifier
+        await self.publish()
+
+    async def drain(self) -> None:
+        self.draining = True
+        await self.publish()
+
+    # ---- telemetry ----------------------------------------------------------------------
+
+    def record_round(self, k: int, result: VerifyResult) -> None:
+        self.metrics.record_round(k, result)
+        self.live.record_round(k, result.accepted_len, result.metrics.verify_ms)
+
+    def sessions(self) -> list[SessionRow]:
+        """Open sessions (those past their TTL left out, as the store's next call drops them);
+        also refreshes the session gauges."""
+        if self.verifier is None:
+            return []
+        store = self.verifier.sessions
+        now = store.clock()
+        rows = [SessionRow(s.session_id[:8], now - s.created, now - s.last_used, len(s.tokens), s.rounds,
+                           max(len(s.tokens) - 1, 0) * store.kv_bytes_per_token)
+                for s in _read_sessions(store) if now - s.last_used < store.limits.ttl_s]
+        self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))
+        return rows
