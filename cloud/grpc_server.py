@@ -18,7 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from cloud.logs import log_event
-from cloud.state import ReadinessListener, ServerState
+from cloud.state import ReadinessListener, ServerState, session_tag
 from cloud.verifier import Verifier
 from cloud.worker import ModelWorker
 from shared import wire
@@ -43,13 +43,14 @@ class _Call:
     request_id: str
     started: float = field(default_factory=time.perf_counter)
     sent: int = 0
+    session: str = ""  # the reply's session id, for calls whose request has none (OpenSession)
 
     def finish(self, code: str, detail: str = "") -> None:
         self.state.metrics.record_rpc(self.method, code, self.request.ByteSize(), self.sent)
         fields: dict[str, Any] = {"method": self.method, "code": code, "request_id": self.request_id,
                                   "ms": round((time.perf_counter() - self.started) * 1000.0, 2)}
-        if session := getattr(self.request, "session_id", ""):
-            fields["session"] = session
+        if session := getattr(self.request, "session_id", "") or self.session:
+            fields["session"] = session_tag(session)
         if prompt := getattr(self.request, "prompt_tokens", None):
             fields["prompt_tokens"] = list(prompt) if self.state.log_prompts else len(prompt)
         if code != "OK":
@@ -86,6 +87,7 @@ async def _translated(context: grpc.aio.ServicerContext, call: _Call, reply: Awa
     async with _translating(context, call):
         result = await reply
         call.sent = result.ByteSize()  # type: ignore[attr-defined]  # every reply is a protobuf message
+        call.session = getattr(result, "session_id", "")
         return result
     raise AssertionError("unreachable: _translating re-raises or aborts")
 

@@ -3,6 +3,7 @@ model once loaded, readiness (loading / ready / draining), the model worker and 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,12 +28,18 @@ class ModelLoading(SpecDecError):
 
 @dataclass(frozen=True)
 class SessionRow:
-    session: str  # the id's first 8 hex digits: enough to match log lines, not to drive the session
+    session: str  # session_tag(id), as in the log lines
     age_s: float
     idle_s: float
     length: int  # committed tokens: prompt + generated
     rounds: int
     kv_bytes: int
+
+
+def session_tag(session_id: str) -> str:
+    """A short hash of a session id for logs and /v1/sessions: it matches lines up without
+    handing out the id itself, which is all a caller needs to drive (and read) the session."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:8]
 
 
 def package_version() -> str:
@@ -121,7 +128,7 @@ class ServerState:
             return []
         store = self.verifier.sessions
         now = store.clock()
-        rows = [SessionRow(s.session_id[:8], now - s.created, now - s.last_used, len(s.tokens), s.rounds,
+        rows = [SessionRow(session_tag(s.session_id), now - s.created, now - s.last_used, len(s.tokens), s.rounds,
                            max(len(s.tokens) - 1, 0) * store.kv_bytes_per_token)
                 for s in _read_sessions(store) if now - s.last_used < store.limits.ttl_s]
         self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))
