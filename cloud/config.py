@@ -1,23 +1,46 @@
-"""cloud-verifier settings: flags, environment variables (SPECDEC_CLOUD_*), defaults."""
+"""cloud-verifier settings: flags, environment variables (SPECDEC_CLOUD_*), a config file, defaults.
+
+Precedence, highest first: command-line flags, SPECDEC_CLOUD_* environment variables, the
+--config file (JSON or TOML), the defaults below.
+"""
 
 from __future__ import annotations
 
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from cloud.sessions import SessionLimits
 from cloud.verifier import VerifierLimits
+from shared.errors import ConfigError
+
+PRECEDENCE = "Precedence, highest first: flags, SPECDEC_CLOUD_* environment variables, the --config file, defaults."
 
 
 class VerifierSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_CLOUD_")
 
+    config: str | None = Field(
+        None, description="JSON or TOML file of settings (keys as the flags, without --); flags and env override it")
     model: str | None = Field(
         None, description="target model folder (HF format); default: the packaged Qwen2.5-Coder-1.5B-Instruct")
     dtype: str = Field("bfloat16", description="float32 | bfloat16 | float16 (greedy equality checks need float32)")
     device: str = Field("auto", description="auto | cpu | cuda[:N]")
-    host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 to serve other machines")
+    host: str = Field("127.0.0.1", description="address to bind (gRPC and HTTP); 0.0.0.0 to serve other machines")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    http_port: int = Field(8080, ge=0, le=65535,
+                           description="HTTP port: probes, /metrics, the live page (0 = any free port)")
+    reflection: bool = Field(True, description="gRPC server reflection (for grpcurl and friends)")
+    drain_grace_s: float = Field(
+        20.0, ge=0, description="on SIGTERM: seconds open sessions get to finish before the server stops")
+    log_format: Literal["text", "json"] = Field("text", description="one line per event, as text or JSON")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="debug adds one line per Verify round")
+    log_prompts: bool = Field(False, description="debug: log prompt token ids (user data; off by default)")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")
     max_draft_tokens: int = Field(16, ge=0, description="largest k accepted per round")
     max_context_tokens: int = Field(32768, ge=2, description="prompt + generated tokens per session")
@@ -29,3 +52,40 @@ class VerifierSettings(BaseSettings):
         sessions = SessionLimits(self.session_ttl_s, self.max_sessions, self.max_kv_bytes)
         return VerifierLimits(max_draft_tokens=self.max_draft_tokens,
                               max_context_tokens=self.max_context_tokens, sessions=sessions)
+
+
+def _parse(path: Path, text: str) -> Any:
+    if path.suffix == ".toml":
+        return tomllib.loads(text)
+    if path.suffix == ".json":
+        return json.loads(text)
+    raise ConfigError(f"--config {path}: expected a .json or .toml file")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Settings from a flat JSON object or TOML table; keys are field names (dashes allowed)."""
+    try:
+        data = _parse(path, path.read_text())
+    except OSError as err:
+        raise ConfigError(f"--config {path}: {err.strerror}") from None
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"--config {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected an object of settings")
+    values = {str(key).replace("-", "_"): value for key, value in data.items()}
+    allowed = set(VerifierSettings.model_fields) - {"config"}  # a config file names no other
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown setting(s) {', '.join(unknown)}")
+    return values
+
+
+def load_settings(flags: dict[str, Any]) -> VerifierSettings:
+    """Settings from the flags given, the environment and the --config file (see PRECEDENCE)."""
+    given = {key: value for key, value in flags.items() if key in VerifierSettings.model_fields}
+    from_env = EnvSettingsSource(VerifierSettings)()
+    path = given.get("config") or from_env.get("config")
+    from_file = read_config_file(Path(path)) if path else {}
+    # Init values beat the environment in pydantic-settings, so drop file values the env sets.
+    file_only = {key: value for key, value in from_file.items() if key not in from_env}
+    return VerifierSettings(**{**file_only, **given})

@@ -1,0 +1,119 @@
+"""The verifier's HTTP side: probes, Prometheus metrics, session and round stats, the live
+page. Served by uvicorn in the gRPC server's own event loop (start_http)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from importlib import resources
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, HTTPException, Response
+from fastapi.responses import HTMLResponse
+
+from cloud.metrics import CONTENT_TYPE
+from cloud.state import ServerState
+
+
+def _model_info(state: ServerState) -> dict[str, Any]:
+    if state.verifier is None:
+        return {"model_ids": [], "dtype": None, "device": None}
+    model = state.verifier.model
+    return {"model_ids": [state.verifier.model_id], "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device)}
+
+
+def create_app(state: ServerState) -> FastAPI:
+    # No /docs: its page pulls scripts from a CDN, and operators read the README. Routes are
+    # async so they run on the event loop, where the telemetry they read is written.
+    app = FastAPI(title="cloud-verifier", version=state.version, docs_url=None, redoc_url=None)
+    page = (resources.files("cloud") / "static" / "index.html").read_text()
+
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        return {"status": "alive"}
+
+    @app.get("/readyz")
+    async def readyz() -> dict[str, str]:
+        if not state.ready:
+            raise HTTPException(503, detail=state.status)
+        return {"status": state.status}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": state.status, **_model_info(state), "uptime_s": round(state.uptime_s(), 3),
+                "sessions": len(state.sessions()), "version": state.version}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.sessions()  # refreshes the session gauges
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/sessions")
+    async def sessions() -> dict[str, Any]:
+        rows = state.sessions()
+        return {"count": len(rows), "sessions": [asdict(row) for row in rows]}
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        rows = state.sessions()
+        return {"status": state.status, **_model_info(state), "uptime_s": round(state.uptime_s(), 3),
+                "open_sessions": len(rows), "kv_bytes": sum(r.kv_bytes for r in rows), **state.live.snapshot()}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def live_page() -> str:
+        return page
+
+    return app
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn in an event loop it does not own: signals stay with cloud-verifier (serve()
+    would install its own handlers and re-raise the signal when it stops)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class HttpServer:
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind here rather than in uvicorn so port 0 resolves before serving and errors raise OSError."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise OSError(f"could not bind {host}:{port} for HTTP: {err.strerror}") from None
+    return sock
+
+
+async def start_http(app: FastAPI, host: str, port: int) -> HttpServer:
+    """Serve app on host:port (0 = any free port) in this event loop; returns once it listens."""
+    sock = _bind(host, port)
+    config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
+                            timeout_graceful_shutdown=2)
+    server = _EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()  # raises what stopped it
+            raise OSError(f"HTTP server on {host}:{port} did not start")
+        await asyncio.sleep(0.01)
+    return HttpServer(server, task, sock.getsockname()[1])

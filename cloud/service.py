@@ -1,0 +1,92 @@
+"""One cloud-verifier process: HTTP first (probes answer while the model loads), gRPC beside
+it in the same event loop, the model loading on the model worker, then readiness flips.
+SIGTERM drains: no new sessions, open ones finish their rounds within a grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from cloud.config import VerifierSettings
+from cloud.grpc_server import start_server
+from cloud.http import HttpServer, create_app, start_http
+from cloud.logs import log_event
+from cloud.state import ServerState
+from cloud.verifier import Verifier
+
+log = logging.getLogger("cloud-verifier")
+Loader = Callable[[VerifierSettings], Verifier]
+STOP_GRACE_S = 1.0  # for rounds still running once the drain period is over
+
+
+@dataclass
+class Servers:
+    state: ServerState
+    grpc: grpc.aio.Server
+    grpc_port: int
+    http: HttpServer
+
+
+async def start_servers(settings: VerifierSettings) -> Servers:
+    state = ServerState(settings.max_draft_tokens, log_prompts=settings.log_prompts)
+    http = await start_http(create_app(state), settings.host, settings.http_port)
+    log_event(log, logging.INFO, f"http on {settings.host}:{http.port}", http_port=http.port)
+    server, port = await start_server(state, f"{settings.host}:{settings.port}", settings.reflection)
+    log_event(log, logging.INFO, f"grpc on {settings.host}:{port} (health NOT_SERVING until the model loads)",
+              grpc_port=port)
+    return Servers(state, server, port, http)
+
+
+async def load_model(servers: Servers, settings: VerifierSettings, load: Loader) -> None:
+    log_event(log, logging.INFO, "loading model", model=settings.model or "packaged target")
+    verifier = await servers.state.worker.run(load, settings)
+    await servers.state.set_verifier(verifier)
+    # The line scripts and tests wait for: from here on, sessions are served.
+    log.info("serving %s on %s:%d", verifier.model_id, settings.host, servers.grpc_port)
+
+
+async def _sessions_closed(state: ServerState, grace_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while state.sessions() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+
+
+async def shutdown(servers: Servers, grace_s: float) -> None:
+    """Refuse new sessions (UNAVAILABLE), wait for open ones to close or grace_s, then stop."""
+    await servers.state.drain()
+    open_sessions = len(servers.state.sessions())
+    log_event(log, logging.INFO, "draining", grace_s=grace_s, open_sessions=open_sessions)
+    await _sessions_closed(servers.state, grace_s)
+    await servers.grpc.stop(STOP_GRACE_S)  # in-flight rounds finish; new calls are refused
+    await servers.http.stop()
+    servers.state.worker.shutdown()
+    log_event(log, logging.INFO, "stopped", left_open=len(servers.state.sessions()))
+
+
+async def _until_stopped(loading: asyncio.Task[None]) -> None:
+    """Return on SIGINT/SIGTERM; raise if the model fails to load."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        stopping.cancel()
+        loading.result()
+    await stopping
+
+
+async def serve(settings: VerifierSettings, load: Loader) -> None:
+    servers = await start_servers(settings)
+    loading = asyncio.create_task(load_model(servers, settings, load))
+    try:
+        await _until_stopped(loading)
+    finally:
+        loading.cancel()  # a load still running finishes on its thread; the process waits for it
+        await shutdown(servers, settings.drain_grace_s)
