@@ -1,0 +1,64 @@
+"""cloud-verifier settings: flags over environment over config file over defaults."""
+
+from pathlib import Path
+
+import pytest
+
+from cloud.__main__ import main
+from cloud.config import VerifierSettings, load_settings
+from shared.errors import ConfigError
+
+FILES = {
+    "json": '{"port": 1111, "http-port": 2222, "max_sessions": 3, "log_format": "json"}',
+    "toml": 'port = 1111\nhttp-port = 2222\nmax_sessions = 3\nlog_format = "json"\n',
+}
+
+
+@pytest.mark.parametrize("suffix", sorted(FILES))
+def test_flags_beat_env_beat_file_beat_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
+    path = tmp_path / f"verifier.{suffix}"
+    path.write_text(FILES[suffix])
+    monkeypatch.setenv("SPECDEC_CLOUD_HTTP_PORT", "3333")
+    monkeypatch.setenv("SPECDEC_CLOUD_PORT", "5555")
+    settings = load_settings({"config": str(path), "port": 4444})
+    assert settings.port == 4444  # flag over env and file
+    assert settings.http_port == 3333  # env over file
+    assert settings.max_sessions == 3 and settings.log_format == "json"  # file over defaults
+    assert settings.max_draft_tokens == VerifierSettings.model_fields["max_draft_tokens"].default
+
+
+def test_config_file_named_by_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "verifier.toml"
+    path.write_text("reflection = false\ndrain_grace_s = 2.5\n")
+    monkeypatch.setenv("SPECDEC_CLOUD_CONFIG", str(path))
+    settings = load_settings({})
+    assert settings.reflection is False and settings.drain_grace_s == 2.5
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("verifier.json", '{"prot": 1}', "unknown setting(s) prot"),
+    ("verifier.json", '{"config": "other.json"}', "unknown setting(s) config"),
+    ("verifier.json", "[1, 2]", "expected an object"),
+    ("verifier.toml", "port = ", "--config"),
+    ("verifier.yaml", "port: 1", "expected a .json or .toml file"),
+])
+def test_bad_config_files_are_config_errors(tmp_path: Path, name: str, text: str, message: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_settings({"config": str(path)})
+
+
+def test_missing_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--config", str(tmp_path / "nope.toml")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cloud-verifier: error: --config") and "nope.toml" in err
+
+
+def test_help_documents_every_setting_and_the_precedence(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for name in VerifierSettings.model_fields:
+        assert f"--{name.replace('_', '-')}" in text and f"SPECDEC_CLOUD_{name.upper()}" in text
+    assert "Precedence, highest first: flags, SPECDEC_CLOUD_* environment variables, the --config file, defaults" in text
