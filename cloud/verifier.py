@@ -36,6 +36,7 @@ from shared.speculative import (
     residual_draft_weights,
     sample_token,
     verify_greedy,
+    verify_top1,
 )
 
 
@@ -140,7 +141,7 @@ class Verifier:
         self.sessions.reserve(len(req.prompt_tokens))
         cache = lm.new_cache(self.model)
         if len(req.prompt_tokens) > 1:
-            lm.forward(self.model, cache, req.prompt_tokens[:-1])
+            lm.forward(self.model, cache, req.prompt_tokens[:-1], keep=1)
             self.forward_passes += 1
         generator = torch.Generator().manual_seed(req.config.seed)
         now = self.sessions.clock()
@@ -162,14 +163,14 @@ class Verifier:
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
         forward_start = time.perf_counter()
         try:
-            logits = lm.forward(self.model, session.cache, block)  # [1 + c + k, V]
+            # Rows for the last committed token and each draft: k + 1 predictions.
+            logits = lm.forward(self.model, session.cache, block, keep=len(req.draft_tokens) + 1)  # [k + 1, V]
         except BaseException:
             lm.crop(session.cache, len(session.tokens) - 1)  # leave the session as it was
             raise
         forward_ms = _ms_since(forward_start)
         self.forward_passes += 1
-        rows = logits[len(req.committed_tokens):]  # [k + 1, V]: predictions for drafts + bonus
-        outcome, probs = self._accept(req, session, rows)
+        outcome, probs = self._accept(req, session, logits)
         accepted = req.draft_tokens[: outcome.accepted_len]
         session.tokens.extend([*req.committed_tokens, *accepted, outcome.next_token])
         lm.crop(session.cache, len(session.tokens) - 1)
@@ -195,6 +196,8 @@ class Verifier:
         if config.accept_mode is AcceptMode.GREEDY:
             return verify_greedy(drafts, penalized), penalized.softmax(dim=-1)
         probs = probs_from_logits(penalized, config.sampling)
+        if config.accept_mode is AcceptMode.TOP1:
+            return verify_top1(drafts, probs, session.generator), probs
         sparse = _dense_sparse(req, vocab) if config.accept_mode is AcceptMode.SPARSE else None
         draft_probs = _draft_probs(req, config.accept_mode, sparse)
         weights = residual_draft_weights(config.accept_mode, drafts, draft_probs, sparse, vocab)
@@ -216,7 +219,7 @@ class Verifier:
         tokens, feed = list(req.prompt_tokens), list(req.prompt_tokens)
         for produced in range(1, req.max_new_tokens + 1):
             start = time.perf_counter()
-            logits = lm.forward(self.model, cache, feed)[-1:]  # [1, V]
+            logits = lm.forward(self.model, cache, feed, keep=1)  # [1, V]
             self.forward_passes += 1
             penalized = penalized_logits(logits, tokens, [], params, vocab)
             if params.greedy:

@@ -22,7 +22,7 @@ from cloud.grpc_server import create_server
 from edge.client import VerifierClient
 from edge.config import EdgeSettings
 from edge.display import StepPrinter, TextStream, format_stats
-from edge.drafter import Drafter, DrafterConfig
+from edge.drafter import Drafter, DrafterConfig, DraftSource
 from edge.gating import EscalationRules, GatingThresholds, load_gating_config
 from edge.generate import (
     Gating,
@@ -35,12 +35,14 @@ from edge.generate import (
     speculative_generate,
 )
 from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
+from edge.ngram import HybridDrafter, NGramDrafter, NGramStore
 from edge.prompts import Prompt, encode_prompt, read_prompts
 from shared import lm
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
 from shared.model_store import DRAFT_MODEL, TARGET_MODEL, model_folder
 from shared.protocol import SessionConfig
+from shared.speculative import AcceptMode
 
 log = logging.getLogger("edge-agent")
 
@@ -85,6 +87,19 @@ class EdgeContext:
             return CostK(1, s.k_max)
         return FixedK(s.k)
 
+    def draft_source(self, seed: int) -> DraftSource:
+        """The drafter of --drafter: the model, an n-gram store, or both."""
+        s = self.settings
+        if s.drafter == "model":
+            return self.drafter(seed)
+        mode = s.resolved_accept_mode()
+        signals = s.gating or s.k_policy == "egag"
+        ngram = NGramDrafter(NGramStore(s.ngram_order, s.ngram_max_contexts), s.filler_top_k, self.stop_token_ids,
+                             with_sparse=mode is AcceptMode.SPARSE, with_signals=signals)
+        if s.drafter == "ngram":
+            return ngram
+        return HybridDrafter(self.drafter(seed), ngram, s.hybrid_min_order, s.hybrid_min_count)
+
     def drafter(self, seed: int) -> Drafter:
         if self.draft_model is None:
             raise ConfigError("this mode needs a draft model")
@@ -106,7 +121,9 @@ def _stop_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None)
 def load_edge(settings: EdgeSettings) -> EdgeContext:
     folder = model_folder(settings.draft_model, DRAFT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = None if settings.mode == "cloud_only" else lm.load_model(folder, settings.dtype, settings.device)
+    needs_model = settings.mode == "edge_only" or (settings.mode == "speculative" and settings.drafter != "ngram")
+    # An n-gram edge never loads a model: only the tokenizer.
+    model = lm.load_model(folder, settings.dtype, settings.device) if needs_model else None
     vocab = len(tokenizer) if model is None else min(len(tokenizer), lm.logits_width(model))
     return EdgeContext(settings, tokenizer, model, vocab, _stop_ids(tokenizer, model))
 
@@ -137,7 +154,7 @@ async def generate_one(ctx: EdgeContext, client: VerifierClient | None, prompt_i
         raise ConfigError("no verifier address")
     if s.mode == "cloud_only":
         return await cloud_only_generate(prompt_ids, client, cfg, on_commit)
-    return await speculative_generate(prompt_ids, ctx.drafter(seed), client, ctx.k_policy(), cfg, on_commit)
+    return await speculative_generate(prompt_ids, ctx.draft_source(seed), client, ctx.k_policy(), cfg, on_commit)
 
 
 def _output_record(prompt: Prompt, result: GenerationResult, ctx: EdgeContext) -> dict[str, Any]:

@@ -31,8 +31,16 @@ class EdgeSettings(BaseSettings):
     top_p: float = Field(1.0, gt=0, le=1, description="1 = off")
     repetition_penalty: float = Field(1.0, gt=0, description="1 = off")
     seed: int = Field(0, ge=0, description="seeds the cloud's and the drafter's generators")
-    accept_mode: Literal["sparse", "point", "scalar", "shortcut"] = Field(
-        "sparse", description="sampling only: sparse/point are exact; scalar/shortcut are APPROXIMATE")
+    accept_mode: Literal["sparse", "point", "scalar", "shortcut", "top1"] = Field(
+        "sparse", description="sampling only: sparse/point are exact; scalar/shortcut/top1 are APPROXIMATE "
+        "(--drafter ngram uses point unless top1 is asked for)")
+    drafter: Literal["model", "ngram", "hybrid"] = Field(
+        "model", description="model (draft LM) | ngram (no model: n-gram store) | hybrid (n-gram where confident)")
+    ngram_order: int = Field(4, ge=1, le=16, description="longest n-gram context")
+    ngram_max_contexts: int = Field(200_000, ge=1, description="n-gram store cap; least recently updated evicted")
+    filler_top_k: int = Field(1, ge=1, le=16, description="learn the target's top-K per verified position (1 = NAPD)")
+    hybrid_min_order: int = Field(2, ge=1, description="hybrid: n-gram used when its context has this many tokens")
+    hybrid_min_count: float = Field(2.0, ge=0, description="hybrid: ... and its continuation this much weight")
     draft_top_k: int = Field(16, ge=1, description="sparse mode: draft support size sent per token")
     k: int = Field(6, ge=0, description="draft tokens per round (fixed policy)")
     k_policy: Literal["fixed", "la-ratio", "egag", "cost"] = Field(
@@ -70,4 +78,8 @@ class EdgeSettings(BaseSettings):
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
 
     def resolved_accept_mode(self) -> AcceptMode:
-        return AcceptMode.GREEDY if self.temperature == 0 else AcceptMode(self.accept_mode)
+        if self.temperature == 0:
+            return AcceptMode.GREEDY
+        if self.drafter == "ngram" and self.accept_mode != "top1":
+            return AcceptMode.POINT  # n-gram drafts are point masses: point mode is their exact rule
+        return AcceptMode(self.accept_mode)

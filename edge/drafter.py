@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 from edge.gating import TokenSignals, mc_dropout_variance, token_signals
 from shared import lm
-from shared.protocol import SparseDistribution
+from shared.protocol import SparseDistribution, TopK
 from shared.sampling import SamplingParams, penalized_logits, probs_from_logits, truncate_top_k
 from shared.speculative import AcceptMode, sample_token
 
@@ -23,6 +24,7 @@ class Draft:
     probs: list[float] = field(default_factory=list)  # q(y) of each drafted token
     sparse: list[SparseDistribution] = field(default_factory=list)  # SPARSE mode only
     signals: list[TokenSignals] = field(default_factory=list)  # when DrafterConfig.signals
+    sources: list[str] = field(default_factory=list)  # who proposed each token: "model" or "ngram"
     mc_ms: float = 0.0  # time spent on MC-dropout passes
 
     def __len__(self) -> int:
@@ -30,17 +32,18 @@ class Draft:
 
     def head(self, n: int) -> Draft:
         """The first n drafted tokens with their distributions."""
-        return Draft(self.token_ids[:n], self.probs[:n], self.sparse[:n], self.signals[:n])
+        return Draft(self.token_ids[:n], self.probs[:n], self.sparse[:n], self.signals[:n], self.sources[:n])
 
     def tail(self, n: int) -> Draft:
         """Everything after the first n tokens."""
-        return Draft(self.token_ids[n:], self.probs[n:], self.sparse[n:], self.signals[n:])
+        return Draft(self.token_ids[n:], self.probs[n:], self.sparse[n:], self.signals[n:], self.sources[n:])
 
     def extend(self, other: Draft) -> None:
         self.token_ids += other.token_ids
         self.probs += other.probs
         self.sparse += other.sparse
         self.signals += other.signals
+        self.sources += other.sources
         self.mc_ms += other.mc_ms
 
 
@@ -59,7 +62,23 @@ class DrafterConfig:
 StopRule = Callable[[TokenSignals], bool]
 
 
+class DraftSource(Protocol):
+    """What the round loop needs from a drafter (model, n-gram or hybrid)."""
+
+    filler_top_k: int  # ask the cloud for the target's top-K per verified position (0 = no)
+
+    def sync(self, tokens: Sequence[int]) -> None: ...
+
+    def prefill(self) -> None: ...
+
+    def propose(self, k: int, stop_after: StopRule | None = None) -> Draft: ...
+
+    def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[TopK]) -> None: ...
+
+
 class Drafter:
+    filler_top_k = 0  # a model drafter learns nothing from the target's top-K
+
     def __init__(self, model: PreTrainedModel, config: DrafterConfig, seed: int) -> None:
         self.model = model
         self.config = config
@@ -81,13 +100,16 @@ class Drafter:
         lm.crop(self.cache, keep)
         del self._cached[keep:]
 
+    def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[TopK]) -> None:
+        pass
+
     def prefill(self) -> None:
         """Cache all but the last token now (e.g. while the cloud prefills the same prompt)."""
         if len(self._cached) < len(self.tokens) - 1:
             self._feed(self.tokens[len(self._cached):-1])
 
     def _feed(self, token_ids: list[int]) -> torch.Tensor:  # [1, V] logits after the last fed token
-        logits, self._hidden = lm.forward_with_hidden(self.model, self.cache, token_ids,
+        logits, self._hidden = lm.forward_with_hidden(self.model, self.cache, token_ids, keep=1,
                                                       hidden=self.config.mc_passes > 0)
         self._cached.extend(token_ids)
         self.forward_passes += 1
@@ -124,6 +146,7 @@ class Drafter:
             token = sample_token(q, self.generator)
         draft.token_ids.append(token)
         draft.probs.append(float(q[token]))
+        draft.sources.append("model")
         if cfg.signals:
             draft.signals.append(self._signals(q, token, draft))
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
 from edge.client import VerifierClient
-from edge.drafter import Draft, Drafter, StopRule
+from edge.drafter import Draft, Drafter, DraftSource, StopRule
 from edge.gating import EscalationRules, GatingThresholds, TokenSignals
 from edge.kpolicy import KPolicy, RoundObservation
 from shared.errors import CloudUnavailable, PositionMismatch, SessionNotFound
@@ -89,6 +89,7 @@ class RoundRecord:
     provisional: int  # tokens shown provisionally while this round was in flight
     retracted: int  # of those, rejected by the cloud
     local: bool = False  # committed without the cloud (lossy)
+    sources: list[str] = field(default_factory=list)  # drafter of each draft token: model / ngram
 
 
 @dataclass
@@ -111,6 +112,8 @@ class GenerationResult:
     local_tokens: int = 0  # committed by --local-commit (lossy)
     hard_tokens: int = 0
     reopens: int = 0
+    drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per drafter (model / ngram)
+    accepted_by: dict[str, int] = field(default_factory=dict)
     round_log: list[RoundRecord] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -172,7 +175,7 @@ class _Output:
 class SpeculativeRun:
     """State of one speculative generation; see the module docstring for the rules."""
 
-    def __init__(self, prompt: list[int], drafter: Drafter, client: VerifierClient, k_policy: KPolicy,
+    def __init__(self, prompt: list[int], drafter: DraftSource, client: VerifierClient, k_policy: KPolicy,
                  cfg: GenerationConfig, observer: Observer | None) -> None:
         self.drafter, self.client, self.k_policy, self.cfg = drafter, client, k_policy, cfg
         self.result = GenerationResult()
@@ -280,7 +283,8 @@ class SpeculativeRun:
         # sparse drafts carry their whole support. Leaving it out keeps the uplink small.
         probs = self.pending.probs if self.cfg.session.accept_mode in SCALAR_MODES else []
         req = VerifyRequest(self.session.session_id, base, self.pending.token_ids, probs,
-                            committed_tokens=self.catchup, hard_mask=mask, sparse_draft=self.pending.sparse)
+                            committed_tokens=self.catchup, hard_mask=mask, sparse_draft=self.pending.sparse,
+                            want_top_k=self.drafter.filler_top_k)
         up0, down0 = self.client.stats.bytes_up, self.client.stats.bytes_down
         start = time.perf_counter()
         shown_before = self.provisional
@@ -350,11 +354,20 @@ class SpeculativeRun:
         drafts = req.draft_tokens
         m = reply.accepted_len
         retracted = max(self.provisional - m, 0)
+        if reply.target_top_k:
+            recent = self.committed[-64:]  # n-gram contexts are short; no need to copy it all
+            contexts = [recent + drafts[:i] for i in range(len(reply.target_top_k))]
+            self.drafter.learn(contexts, reply.target_top_k)
         new = [*drafts[:m], reply.next_token]
         self.committed += new
         self.catchup = []
         signals: list[TokenSignals] = self.pending.signals
+        sources = self.pending.sources
         self.pending, self.provisional = Draft(), 0
+        for i, source in enumerate(sources):
+            self.result.drafted_by[source] = self.result.drafted_by.get(source, 0) + 1
+            if i < m:
+                self.result.accepted_by[source] = self.result.accepted_by.get(source, 0) + 1
         result = self.result
         result.rounds += 1
         result.target_forward_passes += 1
@@ -371,12 +384,12 @@ class SpeculativeRun:
             result.rounds - 1, len(drafts), drafts, m, reply.next_token, reply.bonus,
             m / len(drafts) if drafts else 0.0, reply.metrics.alpha_mean, result.accepted_tokens, draft_ms,
             reply.metrics.verify_ms, rtt_ms, bytes_up, bytes_down, hard_ratio, True, len(req.committed_tokens),
-            shown_before, retracted)
+            shown_before, retracted, sources=sources)
         result.round_log.append(record)
         self.out.commit(new, record)
 
 
-async def speculative_generate(prompt: list[int], drafter: Drafter, client: VerifierClient, k_policy: KPolicy,
+async def speculative_generate(prompt: list[int], drafter: DraftSource, client: VerifierClient, k_policy: KPolicy,
                                cfg: GenerationConfig, observer: Observer | None = None) -> GenerationResult:
     """Draft k tokens, verify them in one cloud round, commit accepted + one, repeat."""
     return await SpeculativeRun(prompt, drafter, client, k_policy, cfg, observer).run()

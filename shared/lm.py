@@ -49,17 +49,19 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
 
 
 @torch.inference_mode()
-def forward(model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int]) -> torch.Tensor:
-    """Feed token_ids after the cached prefix; returns float32 logits [n, V] on the CPU."""
-    return forward_with_hidden(model, cache, token_ids, hidden=False)[0]
+def forward(model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int], keep: int = 0) -> torch.Tensor:
+    """Feed token_ids after the cached prefix; returns float32 logits [n, V] on the CPU, or
+    only the last `keep` rows when keep > 0 (the LM head over a long prompt is wasted work)."""
+    return forward_with_hidden(model, cache, token_ids, keep, hidden=False)[0]
 
 
 @torch.inference_mode()
-def forward_with_hidden(model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int],
+def forward_with_hidden(model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int], keep: int = 0,
                         hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Like forward, plus the last layer's hidden state of the last token [H] when asked."""
     input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)  # [1, n]
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=hidden)
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=hidden,
+                logits_to_keep=keep)
     last_hidden = out.hidden_states[-1][0, -1] if hidden else None
     return out.logits[0].float().cpu(), last_hidden
 

@@ -4,8 +4,10 @@ benchmarks, so the product never sleeps to fake a slow link."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import sys
 import time
 from dataclasses import dataclass
 
@@ -103,3 +105,28 @@ class FaultProxy:
         finally:
             self._writers.discard(writer)
             writer.close()
+
+
+async def _serve(target: str, rtt_ms: float, bandwidth: float) -> None:
+    host, port = target.rsplit(":", 1)
+    proxy = FaultProxy(host, int(port), LinkConditions(rtt_ms=rtt_ms, bandwidth_bytes_per_s=bandwidth))
+    await proxy.start()
+    sys.stderr.write(f"netproxy listening on {proxy.address} -> {target} (rtt +{rtt_ms:g} ms)\n")
+    sys.stderr.flush()
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m shared.netproxy --target HOST:PORT --rtt-ms 50`: run until killed."""
+    parser = argparse.ArgumentParser(prog="netproxy", description="loopback TCP proxy with added RTT")
+    parser.add_argument("--target", required=True, help="HOST:PORT to forward to")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="added round-trip time")
+    parser.add_argument("--bandwidth-bytes-per-s", type=float, default=0.0, help="0 = unlimited")
+    args = parser.parse_args(argv)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(args.target, args.rtt_ms, args.bandwidth_bytes_per_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,8 @@ Modes (temperature > 0) and what the edge must send:
 - SPARSE: the draft's (truncated) distribution per position. Exact: residual max(p - q, 0).
 - SCALAR: only q(y); residual p - 1[v=y] q(y). APPROXIMATE: q off the drafted token is unknown.
 - SHORTCUT: only q(y); resample from p on rejection. APPROXIMATE.
+- TOP1: accept while the draft is the target's argmax, then sample from p. APPROXIMATE
+  (exact only at temperature 0); offered for n-gram drafts as in the NASD design.
 Temperature 0 is GREEDY: accept while the draft equals the target argmax. Exact.
 """
 
@@ -32,10 +34,11 @@ class AcceptMode(enum.Enum):
     SPARSE = "sparse"
     SCALAR = "scalar"
     SHORTCUT = "shortcut"
+    TOP1 = "top1"
 
     @property
     def exact(self) -> bool:
-        return self not in (AcceptMode.SCALAR, AcceptMode.SHORTCUT)
+        return self not in (AcceptMode.SCALAR, AcceptMode.SHORTCUT, AcceptMode.TOP1)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,20 @@ def verify_greedy(
     matches = (draft_token_ids == target_argmax[:k]).float()  # [k]
     accepted_len = int(matches.cumprod(dim=0).sum().item()) if k else 0
     return RoundOutcome(accepted_len, int(target_argmax[accepted_len].item()), accepted_len == k, matches)
+
+
+def verify_top1(
+    draft_token_ids: torch.Tensor,  # [k] long
+    target_probs: torch.Tensor,  # [k + 1, V]
+    generator: torch.Generator,
+) -> RoundOutcome:
+    """APPROXIMATE: accept while each draft is the target's most likely token; the next token
+    is then drawn from p (recovered at a mismatch, bonus after a full match)."""
+    target_argmax = target_probs.argmax(dim=-1)  # [k + 1]
+    k = draft_token_ids.shape[0]
+    matches = (draft_token_ids == target_argmax[:k]).float()  # [k]
+    accepted_len = int(matches.cumprod(dim=0).sum().item()) if k else 0
+    return RoundOutcome(accepted_len, sample_token(target_probs[accepted_len], generator), accepted_len == k, matches)
 
 
 def residual_draft_weights(

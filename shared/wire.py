@@ -16,6 +16,7 @@ _MODE_TO_PB = {
     AcceptMode.SPARSE: pb.ACCEPT_MODE_SPARSE,
     AcceptMode.SCALAR: pb.ACCEPT_MODE_SCALAR,
     AcceptMode.SHORTCUT: pb.ACCEPT_MODE_SHORTCUT,
+    AcceptMode.TOP1: pb.ACCEPT_MODE_TOP1,
 }
 _MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
 

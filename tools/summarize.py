@@ -27,6 +27,11 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
         "output_tokens": tokens,
         "elapsed_s": round(elapsed, 2),
         "tokens_per_s": round(tokens / elapsed, 3) if elapsed else 0.0,
+        # After the first token: prefill (TTFT) is the same work in every mode and dominates
+        # short answers on a CPU, so the decode rate shows the speculative loop itself.
+        "decode_tokens_per_s": round(sum(len(r["token_ids"]) - 1 for r in records)
+                                     / max(sum(r["elapsed_s"] - r["ttft_s"] for r in records), 1e-9), 3),
+        "ttft_s_mean": round(sum(r["ttft_s"] for r in records) / len(records), 2),
         "tau": round(tokens / rounds, 3) if rounds else 0.0,
         "acceptance_rate": round(sum(r["accepted_tokens"] for r in records) / drafted, 3) if drafted else 0.0,
         "target_passes_per_token": round(sum(r["target_forward_passes"] for r in records) / tokens, 3),

@@ -15,11 +15,13 @@ class AcceptMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACCEPT_MODE_SPARSE: _ClassVar[AcceptMode]
     ACCEPT_MODE_SCALAR: _ClassVar[AcceptMode]
     ACCEPT_MODE_SHORTCUT: _ClassVar[AcceptMode]
+    ACCEPT_MODE_TOP1: _ClassVar[AcceptMode]
 ACCEPT_MODE_UNSPECIFIED: AcceptMode
 ACCEPT_MODE_POINT: AcceptMode
 ACCEPT_MODE_SPARSE: AcceptMode
 ACCEPT_MODE_SCALAR: AcceptMode
 ACCEPT_MODE_SHORTCUT: AcceptMode
+ACCEPT_MODE_TOP1: AcceptMode
 
 class SamplingConfig(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty")

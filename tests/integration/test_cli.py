@@ -92,3 +92,23 @@ def test_unreachable_cloud_is_one_line(models: tuple[Path, Path]) -> None:
                  "--verify-timeout-ms", "2000")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "unreachable" in done.stderr.splitlines()[-1]
+
+
+def test_ngram_edge_loads_no_model(models: tuple[Path, Path], verifier_address: str, tmp_path: Path) -> None:
+    """--drafter ngram needs only a tokenizer: a folder without weights works, and the output
+    still equals cloud_only."""
+    from transformers import AutoTokenizer
+
+    tokenizer_only = tmp_path / "tokenizer-only"
+    AutoTokenizer.from_pretrained(models[0]).save_pretrained(tokenizer_only)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "r", "prompt": "w5 w6 w7 w5 w6 w7 w5 w6"}) + "\n")
+    records = {}
+    for mode in ("speculative", "cloud_only"):
+        out = tmp_path / f"{mode}.jsonl"
+        done = _edge("--cloud", verifier_address, "--draft-model", str(tokenizer_only), "--drafter", "ngram",
+                     "--prompts", str(prompts), "--output", str(out), "--mode", mode, "--max-new-tokens", "16")
+        assert done.returncode == 0, done.stderr
+        records[mode] = json.loads(out.read_text())
+    assert records["speculative"]["token_ids"] == records["cloud_only"]["token_ids"]
+    assert records["speculative"]["rounds"] > 0

@@ -88,3 +88,31 @@ def test_padded_target_vocabulary_is_masked(draft_model) -> None:
                 assert max(reference.token_ids) < 96
 
     asyncio.run(run())
+
+
+REPETITIVE = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, random_prompt(77, length=12) * 2]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "ngram-filler", "hybrid"])
+def test_ngram_and_hybrid_drafts_equal_target_only(target_model, draft_model, kind: str) -> None:
+    from edge.ngram import HybridDrafter, NGramDrafter, NGramStore
+
+    def drafter():  # type: ignore[no-untyped-def]
+        ngram = NGramDrafter(NGramStore(order=3), filler_top_k=4 if kind == "ngram-filler" else 1)
+        return HybridDrafter(make_drafter(draft_model), ngram, min_order=2, min_count=1.0) if kind == "hybrid" else ngram
+
+    async def run() -> None:
+        cfg = gen_config(max_new_tokens=30)
+        async with running_verifier(target_model) as (client, _):
+            by_source: dict[str, int] = {}
+            for prompt in REPETITIVE + PROMPTS[:6]:
+                reference = await cloud_only_generate(prompt, client, cfg)
+                result = await speculative_generate(prompt, drafter(), client, FixedK(5), cfg)
+                assert result.token_ids == reference.token_ids, f"prompt {prompt}"
+                for source, n in result.accepted_by.items():
+                    by_source[source] = by_source.get(source, 0) + n
+            assert by_source.get("ngram", 0) > 0
+            if kind == "hybrid":
+                assert by_source.get("model", 0) > 0
+
+    asyncio.run(run())

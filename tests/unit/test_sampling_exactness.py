@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from cloud.verifier import Verifier
 from edge.drafter import Drafter, DrafterConfig
+from edge.ngram import NGramDrafter, NGramStore
 from shared import lm
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
 from shared.sampling import SamplingParams, penalized_logits, probs_from_logits
@@ -38,10 +39,11 @@ def _two_token_reference(target) -> torch.Tensor:  # type: ignore[no-untyped-def
     return torch.stack(rows).flatten()
 
 
-def _sample_two_tokens(pair, mode: AcceptMode, k: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
     target, draft = pair
     verifier = Verifier(target, "tiny")
-    drafter = Drafter(draft, DrafterConfig(PARAMS, mode, V, draft_top_k=4), seed=123)
+    drafter_mode = AcceptMode.POINT if mode is AcceptMode.TOP1 else mode
+    drafter = drafter or Drafter(draft, DrafterConfig(PARAMS, drafter_mode, V, draft_top_k=4), seed=123)
     counts = torch.zeros(V * V)
     for trial in range(TRIALS):
         opened = verifier.open_session(OpenSessionRequest(PROMPT, SessionConfig(PARAMS, trial, mode, V)))
@@ -81,7 +83,18 @@ def test_exact_modes_follow_target(pair, mode: AcceptMode, k: int) -> None:
     assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1
 
 
-def test_scalar_mode_is_measurably_approximate(pair) -> None:
+@pytest.mark.parametrize("mode", [AcceptMode.SCALAR, AcceptMode.TOP1])
+def test_approximate_modes_are_measurably_off(pair, mode: AcceptMode) -> None:
     joint = _two_token_reference(pair[0])
-    counts = _sample_two_tokens(pair, AcceptMode.SCALAR, 2)
+    counts = _sample_two_tokens(pair, mode, 2)
     assert _pvalue(counts, joint) < 1e-4
+
+
+def test_point_mode_with_ngram_drafts_follows_target(pair) -> None:
+    """n-gram drafts are deterministic: point mode verifies them exactly."""
+    joint = _two_token_reference(pair[0])
+    store = NGramStore(order=2)
+    store.add_sequence([3, 5, 2, 3, 5, 7, 5, 2])  # the store drafts 5 then 2 after the prompt [3]
+    counts = _sample_two_tokens(pair, AcceptMode.POINT, 3, drafter=NGramDrafter(store))
+    assert counts.view(V, V).sum(dim=1)[5] > 0
+    assert _pvalue(counts, joint) > 1e-3

@@ -1,0 +1,82 @@
+"""On a CUDA machine: (1) the cost of one target forward for 1..16 new tokens (the reason
+speculative decoding pays on a GPU: verification is nearly free in k), using the real model
+architectures with random weights (timing does not depend on the weights); (2) greedy
+speculative == target-only on the GPU through the project's own Verifier and Drafter.
+
+    python tools/gpu_probe.py CONFIG_DIR_DRAFT CONFIG_DIR_TARGET OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from cloud.verifier import Verifier
+from edge.drafter import Drafter, DrafterConfig
+from shared import lm
+from shared.protocol import GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
+from shared.sampling import SamplingParams
+from shared.speculative import AcceptMode
+from tests.tiny_models import tiny_draft, tiny_target
+
+
+def forward_ms(config_dir: str, dtype: torch.dtype, context: int = 512) -> dict[int, float]:
+    config = AutoConfig.from_pretrained(config_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).cuda().eval()
+    out = {}
+    for n in (1, 2, 4, 6, 8, 12, 16):
+        times = []
+        for _ in range(15):
+            cache = lm.new_cache(model)
+            lm.forward(model, cache, list(range(100, 100 + context)))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            lm.forward(model, cache, list(range(7, 7 + n)))
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1000)
+        out[n] = round(sorted(times)[len(times) // 2], 2)
+    return out
+
+
+def greedy_equality(prompts: int = 20) -> dict[str, int]:
+    cpu_target = tiny_target()
+    draft = tiny_draft(cpu_target, noise=0.2).cuda()
+    target = cpu_target.cuda()
+    verifier = Verifier(target, "tiny")
+    checked = equal = 0
+    for k in (1, 3, 8):
+        for seed in range(prompts):
+            prompt = torch.randint(2, 96, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+            config = SessionConfig(SamplingParams(), 0, AcceptMode.GREEDY, 96)
+            reference = [c.tokens[0] for c in verifier.generate(GenerateRequest(prompt, config, 32))]
+            drafter = Drafter(draft, DrafterConfig(SamplingParams(), AcceptMode.GREEDY, 96), seed=1)
+            opened = verifier.open_session(OpenSessionRequest(prompt, config))
+            committed = list(prompt)
+            while len(committed) < len(prompt) + 32:
+                drafter.sync(committed)
+                block = drafter.propose(k)
+                reply = verifier.verify(VerifyRequest(opened.session_id, len(committed), block.token_ids))
+                committed += block.token_ids[: reply.accepted_len] + [reply.next_token]
+            checked += 1
+            equal += committed[len(prompt):len(prompt) + 32] == reference
+    return {"checked": checked, "identical": equal}
+
+
+def main() -> int:
+    draft_dir, target_dir, out = sys.argv[1:4]
+    result: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                 "greedy_equality_fp32_cuda": greedy_equality()}
+    for name, folder in (("draft_0.5b", draft_dir), ("target_1.5b", target_dir)):
+        result[f"{name}_bf16_forward_ms_by_new_tokens"] = forward_ms(folder, torch.bfloat16)
+    with open(out, "w") as handle:
+        json.dump(result, handle, indent=2)
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
