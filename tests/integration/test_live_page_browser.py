@@ -4,6 +4,8 @@ says every chart drew data, and the screenshot's pixels show each chart's colour
 Deselected by default (marker `browser`); .ci/run installs chromium and runs it."""
 
 import asyncio
+import html
+import json
 import os
 import re
 import struct
@@ -18,9 +20,10 @@ from tests.ops import drive_traffic, running_servers
 pytestmark = pytest.mark.browser
 CHROMIUM = Path("/usr/bin/chromium")
 # The series colours of cloud/static/index.html, one per chart (RGB).
-CHART_COLOURS = {"rounds": (0x25, 0x63, 0xEB), "tau": (0x16, 0xA3, 0x4A), "acceptance": (0xF5, 0x9E, 0x0B),
-                 "latency p99": (0xDC, 0x26, 0x26)}
-MIN_PIXELS = 200  # a few seconds of a drawn series; the legend's glyphs stay well under it
+# Each chart's canvas and its series colour in cloud/static/index.html (RGB).
+CHART_COLOURS = {"c-rounds": (0x25, 0x63, 0xEB), "c-tau": (0x16, 0xA3, 0x4A), "c-accept": (0xF5, 0x9E, 0x0B),
+                 "c-latency": (0xDC, 0x26, 0x26)}
+MIN_PIXELS = 60  # a few seconds of a drawn series inside its canvas
 
 
 async def _chromium(url: str, profile: Path, *mode: str) -> str:
@@ -77,12 +80,16 @@ def read_png(path: Path) -> tuple[int, int, list[bytes], int]:
     return width, height, rows, bpp
 
 
-def colour_counts(path: Path, tolerance: int = 24) -> dict[str, int]:
-    """Pixels within `tolerance` of each chart colour, per channel."""
+def colour_counts(path: Path, rects: dict[str, list[int]], tolerance: int = 24) -> dict[str, int]:
+    """Per chart: pixels inside its canvas within `tolerance` of its colour, per channel."""
     width, height, rows, bpp = read_png(path)
     pixels = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(height, width, bpp)[..., :3].astype(np.int16)
-    return {name: int((np.abs(pixels - np.array(rgb, dtype=np.int16)) <= tolerance).all(axis=-1).sum())
-            for name, rgb in CHART_COLOURS.items()}
+    counts = {}
+    for chart, rgb in CHART_COLOURS.items():
+        x, y, w, h = rects[chart]
+        area = pixels[y:y + h, x:x + w]
+        counts[chart] = int((np.abs(area - np.array(rgb, dtype=np.int16)) <= tolerance).all(axis=-1).sum())
+    return counts
 
 
 def test_live_page_draws_populated_charts(target_model, draft_model, tmp_path: Path) -> None:
@@ -96,7 +103,7 @@ def test_live_page_draws_populated_charts(target_model, draft_model, tmp_path: P
         async with running_servers(target_model) as (servers, loading):
             await loading
             url = f"http://127.0.0.1:{servers.http.port}/"
-            await drive_traffic(servers.grpc_port, draft_model, seconds=4)
+            await drive_traffic(servers.grpc_port, draft_model, seconds=6)
             during = asyncio.create_task(drive_traffic(servers.grpc_port, draft_model, seconds=6, seed=1))
             dom = await _chromium(url, tmp_path / "profile-dom", "--dump-dom")
             await _chromium(url, tmp_path / "profile-shot", f"--screenshot={screenshot}")
@@ -111,5 +118,8 @@ def test_live_page_draws_populated_charts(target_model, draft_model, tmp_path: P
     assert populated and set(populated.group(1).split(",")) == {"rounds", "tau", "acceptance", "latency"}
     assert refreshes and int(refreshes.group(1)) >= 2  # refreshed every second, not drawn once
     assert 'id="status" class="ready"' in dom
-    counts = colour_counts(screenshot)
+    rects = re.search(r'data-chart-rects="([^"]*)"', body.group(0))
+    assert rects
+    # Same window size in both runs, so the same layout: the DOM run says where the charts are.
+    counts = colour_counts(screenshot, json.loads(html.unescape(rects.group(1))))
     assert all(n >= MIN_PIXELS for n in counts.values()), counts
