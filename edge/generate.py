@@ -111,6 +111,7 @@ class GenerationResult:
     unverified_tokens: int = 0  # final without verification (accept-unverified)
     local_tokens: int = 0  # committed by --local-commit (lossy)
     hard_tokens: int = 0
+    mc_dropout_ms: float = 0.0  # drafting time spent on MC-dropout passes (gating cost)
     reopens: int = 0
     drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per drafter (model / ngram)
     accepted_by: dict[str, int] = field(default_factory=dict)
@@ -247,7 +248,9 @@ class SpeculativeRun:
         start = time.perf_counter()
         if want:
             self.drafter.sync(self.committed + self.pending.token_ids)
-            self.pending.extend(self.drafter.propose(want, self._stop_rule()))
+            block = self.drafter.propose(want, self._stop_rule())
+            self.result.mc_dropout_ms += block.mc_ms
+            self.pending.extend(block)
         return _ms(start)
 
     def _hard_mask(self) -> tuple[list[bool], bool]:

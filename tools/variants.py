@@ -71,6 +71,10 @@ def main() -> int:
     verifier, address = _start([sys.executable, "-m", "cloud", "--port", "0", "--dtype", args.dtype],
                                out / "verifier.log", r"serving .* on (\S+:\d+)")
     rows: list[dict[str, Any]] = []
+    # Warm the verifier (first-touch of the weights, allocator) so the first variant is not
+    # charged for it.
+    _run_edge(["--cloud", address, "--dtype", args.dtype, "--prompt", "Hi", "--max-new-tokens", "4",
+               "--mode", "cloud_only"], out / "warmup.log")
     try:
         for rtt in [float(x) for x in args.rtt_ms.split(",")]:
             proxy, target = None, address

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edge.generate import cloud_only_generate, speculative_generate
-from edge.kpolicy import FixedK, KPolicy, LaRatioK
+from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
 from shared.sampling import SamplingParams
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
 
@@ -15,12 +15,13 @@ PROMPTS = [random_prompt(seed, length=3 + seed % 9) for seed in range(20)]
 
 
 def _policy(name: str) -> KPolicy:
-    return LaRatioK() if name == "la-ratio" else FixedK(int(name))
+    policies: dict[str, KPolicy] = {"la-ratio": LaRatioK(), "egag": EgagK(1, 12), "cost": CostK(1, 12)}
+    return policies[name] if name in policies else FixedK(int(name))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(repetition_penalty=1.3)],
                          ids=["plain", "repetition-penalty"])
-@pytest.mark.parametrize("policy", ["1", "3", "8", "la-ratio"])
+@pytest.mark.parametrize("policy", ["1", "3", "8", "la-ratio", "egag", "cost"])
 def test_speculative_equals_target_only(target_model, draft_model, policy: str, params: SamplingParams) -> None:
     async def run() -> None:
         cfg = gen_config(max_new_tokens=32, params=params)
@@ -28,7 +29,7 @@ def test_speculative_equals_target_only(target_model, draft_model, policy: str, 
             accepted = drafted = 0
             for prompt in PROMPTS:
                 reference = await cloud_only_generate(prompt, client, cfg)
-                drafter = make_drafter(draft_model, params)
+                drafter = make_drafter(draft_model, params, signals=policy == "egag")
                 result = await speculative_generate(prompt, drafter, client, _policy(policy), cfg)
                 assert result.token_ids == reference.token_ids, f"prompt {prompt}"
                 accepted += result.accepted_tokens
