@@ -35,6 +35,7 @@ from edge.generate import (
     speculative_generate,
 )
 from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
+from edge.metrics import EdgeMetrics, MeteredObserver
 from edge.ngram import HybridDrafter, NGramDrafter, NGramStore
 from edge.prompts import Prompt, encode_prompt, read_prompts
 from shared import lm
@@ -54,6 +55,10 @@ class EdgeContext:
     draft_model: PreTrainedModel | None
     vocab_size: int
     stop_token_ids: frozenset[int]
+    metrics: EdgeMetrics | None = None
+
+    def observer(self, inner: Observer | None) -> Observer | None:
+        return MeteredObserver(self.metrics, inner) if self.metrics else inner
 
     def generation_config(self, seed: int) -> GenerationConfig:
         s = self.settings
@@ -179,7 +184,7 @@ async def run_batch(ctx: EdgeContext, client: VerifierClient | None) -> None:
     try:
         for index, prompt in enumerate(prompts):
             ids = encode_prompt(ctx.tokenizer, prompt.text, s.chat)
-            result = await generate_one(ctx, client, ids, s.seed, None)
+            result = await generate_one(ctx, client, ids, s.seed, ctx.observer(None))
             out.write(json.dumps(_output_record(prompt, result, ctx)) + "\n")
             _log_rounds(s.log_rounds, prompt.id, result)
             out.flush()
@@ -194,7 +199,7 @@ async def run_single(ctx: EdgeContext, client: VerifierClient | None) -> None:
     assert s.prompt is not None
     ids = encode_prompt(ctx.tokenizer, s.prompt, s.chat)
     printer: Observer = StepPrinter(ctx.tokenizer) if s.show_steps else TextStream(ctx.tokenizer)
-    result = await generate_one(ctx, client, ids, s.seed, printer)
+    result = await generate_one(ctx, client, ids, s.seed, ctx.observer(printer))
     _log_rounds(s.log_rounds, "prompt", result)
     sys.stdout.write("\n")
     print(format_stats(result, s.mode), file=sys.stderr)  # noqa: T201
@@ -206,6 +211,9 @@ async def run_agent(settings: EdgeSettings) -> None:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     ctx = load_edge(settings)
+    if settings.metrics_port is not None:
+        ctx.metrics = EdgeMetrics()
+        log.info("edge metrics on 127.0.0.1:%d", ctx.metrics.serve(settings.metrics_port))
     async with cloud_address(settings) as address:
         client = VerifierClient(address, settings.call_timeout_ms / 1000) if address else None
         try:

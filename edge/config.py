@@ -62,6 +62,8 @@ class EdgeSettings(BaseSettings):
     strict: bool = Field(False, description="never show unverified text: wait and retry")
     accept_unverified: bool = Field(False, description="seed behaviour: on timeout a draft token is final, counted UNVERIFIED")
     log_rounds: str | None = Field(None, description="write one JSON line per round to this file")
+    metrics_port: int | None = Field(None, ge=0, le=65535,
+                                     description="serve Prometheus metrics of this edge on 127.0.0.1:PORT (0 = any)")
     chat: bool = Field(True, description="apply the tokenizer's chat template")
     show_steps: bool = Field(False, description="print every round in colour: accepted, rejected, correction")
 

@@ -1,0 +1,76 @@
+"""Prometheus metrics of one edge-agent process (`--metrics-port`): drafting time, round trip,
+k, accepted length, and the provisional / retracted / unverified / local counts.
+
+An Observer wrapper updates them as rounds commit, so batch and streaming runs both count.
+The registry is the process's own (not the global default), served by prometheus_client's
+small HTTP server in a background thread.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from edge.generate import Observer, RoundRecord
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+K_BUCKETS = tuple(float(k) for k in range(17))
+
+
+class EdgeMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.rounds = Counter("specdec_edge_rounds", "Verify rounds completed", registry=r)
+        self.committed_tokens = Counter("specdec_edge_committed_tokens", "final tokens shown to the user", registry=r)
+        self.draft_tokens = Counter("specdec_edge_draft_tokens", "tokens drafted and sent", registry=r)
+        self.accepted_tokens = Counter("specdec_edge_accepted_tokens", "drafted tokens the cloud accepted", registry=r)
+        self.provisional_tokens = Counter("specdec_edge_provisional_tokens", "tokens shown before the cloud answered",
+                                          registry=r)
+        self.retracted_tokens = Counter("specdec_edge_retracted_tokens", "provisional tokens the cloud rejected",
+                                        registry=r)
+        self.local_tokens = Counter("specdec_edge_local_tokens", "LOSSY: tokens committed without the cloud",
+                                    registry=r)
+        self.draft_time = Histogram("specdec_edge_draft_seconds", "drafting time per round",
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.rtt = Histogram("specdec_edge_rtt_seconds", "Verify call wall time", buckets=LATENCY_BUCKETS_S,
+                             registry=r)
+        self.k = Histogram("specdec_edge_k", "drafted tokens per round", buckets=K_BUCKETS, registry=r)
+        self.accepted_len = Histogram("specdec_edge_accepted_length", "accepted drafts per round",
+                                      buckets=K_BUCKETS, registry=r)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the exposition server; returns the bound port (port 0 = any free one)."""
+        server, _ = start_http_server(port, host, registry=self.registry)
+        return int(server.server_port)
+
+    def record(self, tokens: list[int], record: RoundRecord | None) -> None:
+        self.committed_tokens.inc(len(tokens))
+        if record is None:
+            return
+        if record.local:
+            self.local_tokens.inc(len(tokens))
+            return
+        self.rounds.inc()
+        self.draft_tokens.inc(record.k)
+        self.accepted_tokens.inc(record.accepted_len)
+        self.retracted_tokens.inc(record.retracted)
+        self.draft_time.observe(record.edge_time_ms / 1000.0)
+        self.rtt.observe(record.rtt_ms / 1000.0)
+        self.k.observe(record.k)
+        self.accepted_len.observe(record.accepted_len)
+
+
+class MeteredObserver:
+    """Counts every event into EdgeMetrics, then passes it on to the inner observer (if any)."""
+
+    def __init__(self, metrics: EdgeMetrics, inner: Observer | None) -> None:
+        self.metrics, self.inner = metrics, inner
+
+    def committed(self, tokens: list[int], record: RoundRecord | None) -> None:
+        self.metrics.record(tokens, record)
+        if self.inner:
+            self.inner.committed(tokens, record)
+
+    def provisional(self, tokens: list[int]) -> None:
+        self.metrics.provisional_tokens.inc()  # one more token shown each time
+        if self.inner:
+            self.inner.provisional(tokens)

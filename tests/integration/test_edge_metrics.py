@@ -1,0 +1,48 @@
+"""edge-agent --metrics-port: the exposition served over HTTP moves by what the rounds did."""
+
+import asyncio
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from edge.client import VerifierClient
+from edge.generate import TimeoutPolicy, speculative_generate
+from edge.kpolicy import FixedK
+from edge.metrics import EdgeMetrics, MeteredObserver
+from shared.netproxy import FaultProxy, LinkConditions
+from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples}
+
+
+def test_edge_metrics_count_rounds_and_provisional_tokens(target_model, draft_model) -> None:
+    metrics = EdgeMetrics()
+    port = metrics.serve(0)
+
+    async def run() -> None:
+        async with running_verifier(target_model) as (direct, _):
+            proxy = FaultProxy("127.0.0.1", int(direct.target.rsplit(":", 1)[1]), LinkConditions(rtt_ms=300))
+            await proxy.start()
+            client = VerifierClient(proxy.address, verify_timeout_s=10)
+            try:
+                cfg = gen_config(max_new_tokens=16, timeouts=TimeoutPolicy(soft_deadline_s=0.05))
+                result = await speculative_generate(random_prompt(9), make_drafter(draft_model), client, FixedK(4),
+                                                    cfg, MeteredObserver(metrics, None))
+            finally:
+                await client.close()
+                await proxy.close()
+        scraped = _scrape(port)
+        assert scraped["specdec_edge_rounds_total"] == result.rounds > 0
+        assert scraped["specdec_edge_draft_tokens_total"] == result.draft_tokens
+        assert scraped["specdec_edge_accepted_tokens_total"] == result.accepted_tokens
+        assert scraped["specdec_edge_committed_tokens_total"] == len(result.token_ids) == 16
+        assert scraped["specdec_edge_provisional_tokens_total"] == result.provisional_tokens > 0
+        assert scraped["specdec_edge_retracted_tokens_total"] == result.retracted_tokens
+        assert scraped["specdec_edge_rtt_seconds_count"] == result.rounds
+        assert scraped["specdec_edge_rtt_seconds_sum"] >= 0.3 * result.rounds  # every call crossed the slow link
+
+    asyncio.run(run())
