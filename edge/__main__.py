@@ -65,7 +65,8 @@ class EdgeContext:
         session = SessionConfig(s.sampling(), seed, s.resolved_accept_mode(), self.vocab_size)
         timeouts = TimeoutPolicy(s.verify_timeout_ms / 1000, s.timeout_mode())
         stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if s.k_policy == "egag" else None
-        return GenerationConfig(session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule)
+        return GenerationConfig(session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule,
+                                s.overlap)
 
     def gating(self) -> Gating | None:
         s = self.settings

@@ -61,6 +61,7 @@ class EdgeSettings(BaseSettings):
     call_timeout_ms: float = Field(30000.0, gt=0, description="hard deadline of a Verify call: then reconnect")
     strict: bool = Field(False, description="never show unverified text: wait and retry")
     accept_unverified: bool = Field(False, description="seed behaviour: on timeout a draft token is final, counted UNVERIFIED")
+    overlap: bool = Field(False, description="draft the next block while Verify is in flight (kept if all pass)")
     log_rounds: str | None = Field(None, description="write one JSON line per round to this file")
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="serve Prometheus metrics of this edge on 127.0.0.1:PORT (0 = any)")

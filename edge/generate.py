@@ -65,6 +65,7 @@ class GenerationConfig:
     timeouts: TimeoutPolicy = TimeoutPolicy()
     gating: Gating | None = None
     stop_rule: StopRule | None = None  # extra early stop for a block (e.g. EGAG's entropy cap)
+    overlap: bool = False  # draft the next block while Verify is in flight
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class RoundRecord:
     retracted: int  # of those, rejected by the cloud
     local: bool = False  # committed without the cloud (lossy)
     sources: list[str] = field(default_factory=list)  # drafter of each draft token: model / ngram
+    ahead_drafted: int = 0  # overlap: tokens drafted while this round was in flight
+    ahead_used: int = 0  # of those, kept as the next block (all accepted and the bonus matched)
 
 
 @dataclass
@@ -112,6 +115,9 @@ class GenerationResult:
     local_tokens: int = 0  # committed by --local-commit (lossy)
     hard_tokens: int = 0
     mc_dropout_ms: float = 0.0  # drafting time spent on MC-dropout passes (gating cost)
+    ahead_drafted: int = 0  # overlap: tokens drafted while a Verify was in flight
+    ahead_used: int = 0  # of those, kept (the rest was thrown away)
+    overlap_draft_ms: float = 0.0  # drafting time hidden behind Verify calls
     reopens: int = 0
     drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per drafter (model / ngram)
     accepted_by: dict[str, int] = field(default_factory=dict)
@@ -185,6 +191,8 @@ class SpeculativeRun:
         self.catchup: list[int] = []  # final, not yet sent to the cloud
         self.pending = Draft()  # drafted, not final; its first `provisional` tokens are shown
         self.provisional = 0
+        self.ahead = Draft()  # overlap: drafted after the in-flight block, assuming it all passes
+        self.carry: Draft | None = None  # ahead tokens still valid after the reply: the next block
         self.session: OpenSessionResult | None = None
 
     # ---- sessions -----------------------------------------------------------------------
@@ -241,9 +249,14 @@ class SpeculativeRun:
 
     def _draft(self) -> float:
         """Top the pending block up to k tokens; returns the drafting time in ms."""
-        self.pending = self.pending.head(self.provisional)
+        if self.carry is not None:  # drafted ahead during the last round and still valid
+            self.pending, self.carry = self.carry, None
+        else:
+            self.pending = self.pending.head(self.provisional)
         assert self.session is not None
         room = min(self.k_policy.next_k(), self.out.remaining() - 1, self.session.max_draft_tokens)
+        if len(self.pending) > max(room, self.provisional):
+            self.pending = self.pending.head(max(room, self.provisional))
         want = max(room - len(self.pending), 0)
         start = time.perf_counter()
         if want:
@@ -319,28 +332,60 @@ class SpeculativeRun:
 
     async def _verify(self, req: VerifyRequest) -> VerifyResult | None:
         """The Verify call with the soft deadline; None when the round was lost (and the
-        session recovered, or the block given up in accept-unverified mode)."""
+        session recovered, or the block given up in accept-unverified mode). With overlap the
+        wait is spent drafting the next block."""
         call = asyncio.ensure_future(self.client.verify(req))
+        loop = asyncio.get_running_loop()
         policy = self.cfg.timeouts
         soft = None if policy.mode == "strict" else policy.soft_deadline_s
-        while True:
-            await asyncio.wait({call}, timeout=soft)
-            if call.done():
-                try:
-                    return call.result()
-                except _RECOVERABLE:
-                    await self._reopen()
-                    return None
+        deadline = None if soft is None else loop.time() + soft
+        self.ahead = Draft()
+        while not call.done():
+            if self._can_draft_ahead():
+                await self._draft_ahead_one()
+            else:
+                await asyncio.wait({call}, timeout=None if deadline is None else max(deadline - loop.time(), 0))
+            if call.done() or deadline is None or loop.time() < deadline:
+                continue
             if policy.mode == "accept-unverified" and self.pending.token_ids:
                 call.cancel()
+                self.ahead = Draft()
                 self._accept_unverified()
                 return None
             if self.provisional < len(self.pending):
                 self.provisional += 1
                 self.result.provisional_tokens += 1
                 self.out.show_provisional(self.pending.token_ids[: self.provisional])
-            if self.provisional == len(self.pending):
-                soft = None  # nothing left to show: wait for the reply or the call's deadline
+            # Nothing left to show: wait for the reply or the call's own deadline.
+            deadline = loop.time() + soft if soft and self.provisional < len(self.pending) else None
+        try:
+            return call.result()
+        except _RECOVERABLE:
+            self.ahead = Draft()
+            await self._reopen()
+            return None
+
+    def _can_draft_ahead(self) -> bool:
+        if not self.cfg.overlap or len(self.ahead) >= self.k_policy.next_k():
+            return False
+        tail = (self.pending.token_ids + self.ahead.token_ids)[-1:]
+        if tail and tail[0] in self.cfg.stop_token_ids:
+            return False
+        # The block, its bonus and the ahead tokens must fit in what is left to generate.
+        return len(self.pending) + 1 + len(self.ahead) < self.out.remaining()
+
+    async def _draft_ahead_one(self) -> None:
+        """One more token after the in-flight block (in a thread: the reply can land meanwhile).
+        Its first token guesses the bonus; it is kept only if the whole block passes and the
+        bonus matches."""
+        start = time.perf_counter()
+
+        def step() -> Draft:
+            self.drafter.sync(self.committed + self.pending.token_ids + self.ahead.token_ids)
+            return self.drafter.propose(1)
+
+        self.ahead.extend(await asyncio.to_thread(step))
+        self.result.overlap_draft_ms += _ms(start)
 
     def _accept_unverified(self) -> None:
         """The seed's behaviour: the first pending token becomes final, counted as unverified,
@@ -367,6 +412,7 @@ class SpeculativeRun:
         signals: list[TokenSignals] = self.pending.signals
         sources = self.pending.sources
         self.pending, self.provisional = Draft(), 0
+        ahead_drafted, ahead_used = self._keep_ahead(reply)
         for i, source in enumerate(sources):
             self.result.drafted_by[source] = self.result.drafted_by.get(source, 0) + 1
             if i < m:
@@ -387,9 +433,22 @@ class SpeculativeRun:
             result.rounds - 1, len(drafts), drafts, m, reply.next_token, reply.bonus,
             m / len(drafts) if drafts else 0.0, reply.metrics.alpha_mean, result.accepted_tokens, draft_ms,
             reply.metrics.verify_ms, rtt_ms, bytes_up, bytes_down, hard_ratio, True, len(req.committed_tokens),
-            shown_before, retracted, sources=sources)
+            shown_before, retracted, sources=sources, ahead_drafted=ahead_drafted, ahead_used=ahead_used)
         result.round_log.append(record)
         self.out.commit(new, record)
+
+
+    def _keep_ahead(self, reply: VerifyResult) -> tuple[int, int]:
+        """Keep the tokens drafted ahead when the block passed whole and the bonus is the
+        token the drafter guessed; they become the next block. Returns (drafted, kept)."""
+        ahead, self.ahead = self.ahead, Draft()
+        kept = 0
+        if ahead.token_ids and reply.bonus and ahead.token_ids[0] == reply.next_token:
+            self.carry = ahead.tail(1)
+            kept = len(self.carry)
+        self.result.ahead_drafted += len(ahead)
+        self.result.ahead_used += kept
+        return len(ahead), kept
 
 
 async def speculative_generate(prompt: list[int], drafter: DraftSource, client: VerifierClient, k_policy: KPolicy,
