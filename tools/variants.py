@@ -37,10 +37,14 @@ def _start(cmd: list[str], log: Path, pattern: str) -> tuple[subprocess.Popen[by
     raise SystemExit(f"{cmd[2]} did not start: see {log}")
 
 
+EDGE_PREFIX: list[str] = []  # taskset prefix in --pin mode
+
+
 def _run_edge(args: list[str], log: Path) -> int:
     """Run edge-agent; returns its peak RSS in KiB (from wait4, this process alone)."""
     with log.open("w") as handle:
-        proc = subprocess.Popen([sys.executable, "-m", "edge", *args], stdout=handle, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*EDGE_PREFIX, sys.executable, "-m", "edge", *args], stdout=handle,
+                                stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
         raise SystemExit(f"edge-agent {' '.join(args)} failed: see {log}")
@@ -65,11 +69,16 @@ def main() -> int:
     parser.add_argument("--rtt-ms", default="0", help="comma-separated added RTTs")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-new-tokens", default="48")
+    parser.add_argument("--pin", action="store_true",
+                        help="two-machine mode: verifier on core 0, edge on core 1, one thread each (taskset)")
     args = parser.parse_args()
     out = args.output
     out.mkdir(parents=True, exist_ok=True)
-    verifier, address = _start([sys.executable, "-m", "cloud", "--port", "0", "--dtype", args.dtype],
-                               out / "verifier.log", r"serving .* on (\S+:\d+)")
+    cloud_prefix, cloud_flags = (["taskset", "-c", "0"], ["--threads", "1"]) if args.pin else ([], [])
+    if args.pin:
+        EDGE_PREFIX[:] = ["taskset", "-c", "1"]
+    verifier, address = _start([*cloud_prefix, sys.executable, "-m", "cloud", "--port", "0", "--http-port", "0",
+                                "--dtype", args.dtype, *cloud_flags], out / "verifier.log", r"serving .* on (\S+:\d+)")
     rows: list[dict[str, Any]] = []
     # Warm the verifier (first-touch of the weights, allocator) so the first variant is not
     # charged for it.
@@ -85,7 +94,8 @@ def main() -> int:
             for spec in args.variant:
                 name, flags = spec.split("=", 1)
                 result_file = out / f"{name}.rtt{rtt:g}.jsonl"
-                rss = _run_edge(["--cloud", target, "--dtype", args.dtype, "--prompts", args.prompts,
+                pin_flags = ["--threads", "1"] if args.pin else []
+                rss = _run_edge(["--cloud", target, "--dtype", args.dtype, "--prompts", args.prompts, *pin_flags,
                                  "--max-new-tokens", args.max_new_tokens, "--output", str(result_file),
                                  *shlex.split(flags)], out / f"{name}.rtt{rtt:g}.log")
                 records = [json.loads(line) for line in result_file.read_text().splitlines()]
@@ -95,7 +105,9 @@ def main() -> int:
                        "cloud_calls_per_token": round(sum(r["rounds"] for r in records)
                                                       / max(sum(len(r["token_ids"]) for r in records), 1), 3),
                        "local_tokens": sum(r.get("local_tokens", 0) for r in records),
-                       "hard_tokens": sum(r.get("hard_tokens", 0) for r in records)}
+                       "hard_tokens": sum(r.get("hard_tokens", 0) for r in records),
+                       "ahead_drafted": sum(r.get("ahead_drafted", 0) for r in records),
+                       "ahead_used": sum(r.get("ahead_used", 0) for r in records)}
                 if reference and name != "cloud_only":
                     row["identical"] = sum(reference.get(r["id"]) == r["token_ids"] for r in records)
                     row["agreement"] = _agreement(records, reference)
@@ -108,9 +120,9 @@ def main() -> int:
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "settings": vars(args)
               | {"output": str(out)}, "rows": rows}
     (out / "result.json").write_text(json.dumps(result, indent=2))
-    columns = ["variant", "rtt_ms", "tokens_per_s", "tau", "acceptance_rate", "target_passes_per_token",
+    columns = ["variant", "rtt_ms", "tokens_per_s", "decode_tokens_per_s", "tau", "acceptance_rate", "target_passes_per_token",
                "cloud_calls_per_token", "verify_bytes_up_per_drafted_token", "identical", "agreement",
-               "local_tokens", "hard_tokens", "edge_peak_rss_mb"]
+               "local_tokens", "hard_tokens", "ahead_drafted", "ahead_used", "edge_peak_rss_mb"]
     table = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
     table += "".join("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |\n" for r in rows)
     (out / "table.md").write_text(table)
