@@ -90,7 +90,7 @@ class EdgeContext:
         if s.k_policy == "egag":
             return EgagK(s.k_min, s.k_max, s.egag_ema_beta, stop_bits=s.egag_stop_bits)
         if s.k_policy == "cost":
-            return CostK(1, s.k_max)
+            return CostK(1, s.k_max, overlap=s.overlap)
         return FixedK(s.k)
 
     def draft_source(self, seed: int) -> DraftSource:

@@ -101,10 +101,15 @@ class CostK:
     blocks pay: on 100 ms RTT it picks a larger k than on loopback.
 
     round_time(k) = k * t_draft + t_verify0 + k * t_verify_per_token + rtt
+    With overlap the next block is drafted while the cloud works, so a round costs the
+    longer of the two: max(k * t_draft, t_verify(k) + rtt) — drafting that fits inside the
+    wait is free, and a slower link buys a longer block.
     """
 
     def __init__(self, k_min: int = 1, k_max: int = 12, ema_beta: float = 0.8, alpha0: float = 0.7,
-                 draft_ms0: float = 50.0, verify_ms0: float = 150.0, rtt_ms0: float = 1.0) -> None:
+                 draft_ms0: float = 50.0, verify_ms0: float = 150.0, rtt_ms0: float = 1.0,
+                 overlap: bool = False) -> None:
+        self.overlap = overlap
         self.k_min, self.k_max, self.beta = k_min, k_max, ema_beta
         self.alpha = alpha0
         self.draft_ms_per_token = draft_ms0
@@ -114,7 +119,9 @@ class CostK:
         self._k = k_min
 
     def round_ms(self, k: int) -> float:
-        return k * self.draft_ms_per_token + self.verify_ms_fixed + k * self.verify_ms_per_token + self.net_ms
+        drafting = k * self.draft_ms_per_token
+        cloud = self.verify_ms_fixed + k * self.verify_ms_per_token + self.net_ms
+        return max(drafting, cloud) if self.overlap else drafting + cloud
 
     def next_k(self) -> int:
         return max(range(self.k_min, self.k_max + 1), key=lambda k: expected_tokens(self.alpha, k) / self.round_ms(k))

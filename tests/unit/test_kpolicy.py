@@ -56,8 +56,8 @@ def test_expected_tokens_formula() -> None:
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
-def _settled_cost_k(rtt_extra_ms: float, alpha: float = 0.8) -> int:
-    policy = CostK(k_min=1, k_max=12)
+def _settled_cost_k(rtt_extra_ms: float, alpha: float = 0.8, overlap: bool = False) -> int:
+    policy = CostK(k_min=1, k_max=12, overlap=overlap)
     for _ in range(40):
         k = policy.next_k()
         policy.observe(_obs(k, int(k * alpha), alpha=alpha, rtt_ms=150.0 + rtt_extra_ms, verify_ms=150.0))
@@ -71,6 +71,13 @@ def test_cost_picks_larger_k_on_a_slow_link() -> None:
 
 def test_cost_picks_larger_k_when_drafts_are_accepted_more() -> None:
     assert _settled_cost_k(0.0, alpha=0.5) < _settled_cost_k(0.0, alpha=0.95)
+
+
+def test_cost_with_overlap_fills_the_wait_with_drafting() -> None:
+    """Drafting hidden behind the round trip is free: overlap picks a larger k, and still a
+    larger one on a slower link."""
+    assert _settled_cost_k(0.0, overlap=True) > _settled_cost_k(0.0)
+    assert _settled_cost_k(100.0, overlap=True) > _settled_cost_k(0.0, overlap=True)
 
 
 def test_make_k_policy_names() -> None:
