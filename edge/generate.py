@@ -366,7 +366,8 @@ class SpeculativeRun:
             return None
 
     def _can_draft_ahead(self) -> bool:
-        if not self.cfg.overlap or len(self.ahead) >= self.k_policy.next_k():
+        # The first ahead token stands for the bonus; k more make a whole next block.
+        if not self.cfg.overlap or len(self.ahead) >= self.k_policy.next_k() + 1:
             return False
         tail = (self.pending.token_ids + self.ahead.token_ids)[-1:]
         if tail and tail[0] in self.cfg.stop_token_ids:
