@@ -145,18 +145,3 @@ class CostK:
         rate = 1 - self.beta
         self.verify_ms_fixed = max(self.verify_ms_fixed + rate * error / 2, 0.0)
         self.verify_ms_per_token = max(self.verify_ms_per_token + rate * error / (2 * tokens), 0.0)
-
-
-POLICIES = ("fixed", "la-ratio", "egag", "cost")
-
-
-def make_k_policy(name: str, k: int) -> KPolicy:
-    if name == "fixed":
-        return FixedK(k)
-    if name == "la-ratio":
-        return LaRatioK()
-    if name == "egag":
-        return EgagK()
-    if name == "cost":
-        return CostK()
-    raise ValueError(f"unknown k policy {name!r}: expected one of {', '.join(POLICIES)}")

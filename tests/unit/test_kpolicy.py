@@ -2,7 +2,7 @@
 
 import pytest
 
-from edge.kpolicy import CostK, EgagK, FixedK, LaRatioK, RoundObservation, expected_tokens, make_k_policy
+from edge.kpolicy import CostK, EgagK, FixedK, LaRatioK, RoundObservation, expected_tokens
 
 
 def _obs(k: int, accepted: int, alpha: float = 0.8, entropy: float = 1.0, rtt_ms: float = 160.0,
@@ -78,9 +78,3 @@ def test_cost_with_overlap_fills_the_wait_with_drafting() -> None:
     larger one on a slower link."""
     assert _settled_cost_k(0.0, overlap=True) > _settled_cost_k(0.0)
     assert _settled_cost_k(100.0, overlap=True) > _settled_cost_k(0.0, overlap=True)
-
-
-def test_make_k_policy_names() -> None:
-    assert isinstance(make_k_policy("cost", 4), CostK)
-    with pytest.raises(ValueError):
-        make_k_policy("nope", 4)
