@@ -22,7 +22,7 @@ from cloud.state import ReadinessListener, ServerState, session_tag
 from cloud.verifier import Verifier
 from cloud.worker import ModelWorker
 from shared import wire
-from shared.errors import PositionMismatch, SpecDecError
+from shared.errors import CapacityExceeded, PositionMismatch, SpecDecError
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
@@ -62,6 +62,8 @@ class _Call:
 async def _abort(context: grpc.aio.ServicerContext, err: SpecDecError) -> None:
     if isinstance(err, PositionMismatch):
         context.set_trailing_metadata(((wire.SERVER_POSITION_KEY, str(err.server_position)),))
+    elif isinstance(err, CapacityExceeded) and err.retry_after_ms > 0:
+        context.set_trailing_metadata(((wire.RETRY_AFTER_MS_KEY, str(err.retry_after_ms)),))
     await context.abort(grpc.StatusCode[err.status], str(err))
 
 

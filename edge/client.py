@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from shared import wire
-from shared.errors import ERRORS_BY_STATUS, CloudUnavailable, PositionMismatch, SpecDecError
+from shared.errors import ERRORS_BY_STATUS, CapacityExceeded, CloudUnavailable, PositionMismatch, SpecDecError
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.protocol import (
@@ -37,6 +37,9 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
         metadata = dict(err.trailing_metadata() or ())
         position = int(metadata.get(wire.SERVER_POSITION_KEY, -1))
         return PositionMismatch(details, position)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        metadata = dict(err.trailing_metadata() or ())
+        return CapacityExceeded(f"{code.name}: {details}", int(metadata.get(wire.RETRY_AFTER_MS_KEY, 0)))
     if code in _UNREACHABLE:
         return CloudUnavailable(f"verifier unreachable ({code.name}): {details}")
     return ERRORS_BY_STATUS.get(code.name, SpecDecError)(f"{code.name}: {details}")

@@ -30,7 +30,14 @@ class PositionMismatch(SpecDecError):
 
 
 class CapacityExceeded(SpecDecError):
+    """The verifier is full (queue, sessions or KV memory); retry_after_ms is its hint for
+    when a retry may succeed (0: no hint, e.g. a prompt that can never fit)."""
+
     status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class ServerDraining(SpecDecError):

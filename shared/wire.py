@@ -10,6 +10,8 @@ from shared.speculative import AcceptMode
 
 # Trailing-metadata key that carries the server's position on FAILED_PRECONDITION.
 SERVER_POSITION_KEY = "specdec-server-position"
+# Trailing metadata on RESOURCE_EXHAUSTED: milliseconds after which a retry may be admitted.
+RETRY_AFTER_MS_KEY = "specdec-retry-after-ms"
 
 _MODE_TO_PB = {
     AcceptMode.POINT: pb.ACCEPT_MODE_POINT,
