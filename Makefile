@@ -27,7 +27,7 @@ test: install
 
 lint: install
 	$(PY) -m ruff check .
-	$(PY) -m mypy edge cloud shared
+	$(PY) -m mypy edge cloud shared bench
 
 proto: install
 	$(PY) -m shared.protogen

@@ -15,5 +15,5 @@ for MODE in cloud_only speculative edge_only; do
   "$PY" -m edge --cloud "127.0.0.1:$PORT" --dtype "$DTYPE" --prompts "$PROMPTS" --mode "$MODE" \
       --output "$OUT/$MODE.jsonl" "$@" 2>"$OUT/$MODE.log"
 done
-"$PY" tools/summarize.py --output "$OUT/result.json" speculative="$OUT/speculative.jsonl" \
+"$PY" -m bench.summarize --output "$OUT/result.json" speculative="$OUT/speculative.jsonl" \
     cloud_only="$OUT/cloud_only.jsonl" edge_only="$OUT/edge_only.jsonl" | tee "$OUT/table.md"

@@ -1,0 +1,161 @@
+"""`bench`: every system over the same prompts, sampling settings and seeds, side by side in
+one run, at each added RTT; one JSON result (checked against bench/result.schema.json) and,
+with --report, a Markdown report with plots.
+
+Systems: target-only (transformers generate, the reference), hf-assisted (generate with
+assistant_model: the peer), edge_only, cloud_only, speculative, and the named rows ngram,
+ngram8, hybrid (issue 9), overlap (issue 10); more with --variant NAME="edge-agent flags".
+
+    bench --systems target-only,hf-assisted,cloud_only,speculative --per-task 3 --rtt-ms 0,50 \\
+          --max-new-tokens 64 --output results/bench.json --report results/bench
+    bench --quick --output /tmp/quick.json --report /tmp/quick      # tiny random models, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.config import BenchSettings
+from bench.processes import PINNED, UNPINNED, Placement
+from bench.report import write_report
+from bench.result import build, validate
+from bench.runner import BenchRunner
+from bench.systems import DEFAULT_SYSTEMS, resolve_systems
+from bench.tasks import TASKS, select_per_task, spec_bench_path, write_prompts
+from bench.tiny_models import save_pair
+from edge.prompts import Prompt, read_prompts
+from shared.cli import run_cli
+from shared.errors import ConfigError
+from shared.model_store import DRAFT_MODEL, TARGET_MODEL, model_folder
+
+REPO = Path(__file__).resolve().parent.parent
+QUICK_MAX_NEW_TOKENS = 12
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", type=Path, required=True, help="result JSON; logs and raw JSONL go to OUTPUT_files/")
+    p.add_argument("--report", type=Path, help="folder for report.md and the PNG plots")
+    p.add_argument("--quick", action="store_true", help="smoke run on tiny random models (fp32, few tokens)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated; default: %(default)s")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="an extra edge-agent system, e.g. 'k8=--k 8' or 'cost=--k-policy cost' (repeatable)")
+    p.add_argument("--prompts", type=Path, help="JSONL of prompts (edge-agent's format); default: Spec-Bench")
+    p.add_argument("--per-task", type=int, help="prompts per task: the shortest of each, round-robin over its labels "
+                   "(default 3 for Spec-Bench, all prompts of a --prompts file)")
+    p.add_argument("--rtt-ms", default=None, help="comma-separated added RTTs for wire systems (default 0,50; --quick: 0)")
+    p.add_argument("--bandwidth-kbps", type=float, default=0.0, help="link cap for wire systems in kbit/s (0 = none)")
+    p.add_argument("--max-new-tokens", type=int, help=f"per prompt (default 64; --quick: {QUICK_MAX_NEW_TOKENS})")
+    p.add_argument("--dtype", help="bfloat16 | float32 | float16 (default bfloat16; --quick: float32)")
+    p.add_argument("--k", type=int, help="draft tokens per round for edge-agent systems (default: edge-agent's)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then outputs are compared to target-only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pin", action="store_true", help="two-machine mode only (= --placement pinned)")
+    p.add_argument("--placement", choices=["unpinned", "pinned", "both"], default=None,
+                   help="pinned: verifier on core 0, edge on core 1, one thread each (taskset); default unpinned")
+    p.add_argument("--draft-model", type=Path, help="draft model folder (default: the packaged Qwen 0.5B)")
+    p.add_argument("--target-model", type=Path, help="target model folder (default: the packaged Qwen 1.5B)")
+    return p
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected comma-separated numbers") from None
+    if not values or any(v < 0 for v in values):
+        raise ConfigError(f"{flag} {text!r}: expected non-negative numbers")
+    return values
+
+
+def _placements(args: argparse.Namespace) -> list[Placement]:
+    choice = args.placement or ("pinned" if args.pin else "unpinned")
+    if args.pin and args.placement == "unpinned":
+        raise ConfigError("--pin and --placement unpinned contradict each other")
+    chosen = {"unpinned": [UNPINNED], "pinned": [PINNED], "both": [UNPINNED, PINNED]}[choice]
+    if PINNED in chosen:
+        cores = os.sched_getaffinity(0)
+        if not {0, 1} <= cores:
+            raise ConfigError(f"--pin needs cores 0 and 1; this process may use {sorted(cores)}")
+        if shutil.which("taskset") is None:
+            raise ConfigError("--pin needs taskset (util-linux)")
+    return chosen
+
+
+def _quick_prompts() -> list[Prompt]:
+    """One prompt per Spec-Bench task in the tiny tokenizer's words (w0..w93)."""
+    return [Prompt(f"quick-{i}", " ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(4 + i)),
+                   "writing" if task == "multi-turn conversation" else task) for i, task in enumerate(TASKS)]
+
+
+def _prompts(args: argparse.Namespace) -> list[Prompt]:
+    if args.per_task is not None and args.per_task < 1:
+        raise ConfigError("--per-task must be at least 1")
+    if args.prompts is not None:
+        prompts = read_prompts(args.prompts)
+        return select_per_task(prompts, args.per_task) if args.per_task else prompts
+    if args.quick:
+        return select_per_task(_quick_prompts(), args.per_task or 1)
+    return select_per_task(read_prompts(spec_bench_path()), args.per_task or 3)
+
+
+def settings_from(args: argparse.Namespace) -> BenchSettings:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be at least 1")
+    if args.k is not None and args.k < 0:
+        raise ConfigError("--k must be at least 0")
+    systems = resolve_systems([s.strip() for s in args.systems.split(",") if s.strip()], args.variant)
+    if not systems:
+        raise ConfigError("--systems: nothing to run")
+    files = args.output.parent / f"{args.output.stem}_files"
+    draft, target = args.draft_model, args.target_model
+    if args.quick and (draft is None or target is None):
+        # Tiny random models, rebuilt per run: seconds, and no download.
+        draft, target = save_pair(files / "tiny_models")
+    return BenchSettings(
+        systems=systems, rtts_ms=_floats(args.rtt_ms or ("0" if args.quick else "0,50"), "--rtt-ms"),
+        placements=_placements(args), output=args.output, report=args.report,
+        draft_model=Path(draft) if draft else Path(model_folder(None, DRAFT_MODEL)),
+        target_model=Path(target) if target else Path(model_folder(None, TARGET_MODEL)),
+        prompts=args.prompts, per_task=args.per_task,
+        max_new_tokens=args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else 64),
+        dtype=args.dtype or ("float32" if args.quick else "bfloat16"), k=args.k, temperature=args.temperature,
+        seed=args.seed, bandwidth_kbps=args.bandwidth_kbps, quick=args.quick)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.temperature < 0 or args.bandwidth_kbps < 0:
+        raise ConfigError("--temperature and --bandwidth-kbps must not be negative")
+    prompts = _prompts(args)
+    settings = settings_from(args)
+    settings.output.parent.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=0, unit="prompt", file=sys.stderr, dynamic_ncols=True) as bar:
+        runner = BenchRunner(settings, prompts, bar)
+        bar.total = runner.total_prompt_runs()
+        bar.refresh()
+        runs = runner.run_all(bar.set_description)
+    result = build(settings, runs, [p.id for p in prompts], runner.runner_meta, runner.kv_bytes_per_token, REPO)
+    validate(result)
+    settings.output.write_text(json.dumps(result, indent=1) + "\n")
+    sys.stderr.write(f"bench: result {settings.output}\n")
+    if settings.report is not None:
+        sys.stderr.write(f"bench: report {write_report(result, settings.report)}\n")
+    write_prompts(prompts, settings.files / "prompts.jsonl")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return run_cli("bench", lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

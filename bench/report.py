@@ -1,0 +1,192 @@
+"""The Markdown report and its PNG plots, from a result document alone (so a saved result
+can be re-reported)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a server or in CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def where(run: dict[str, Any]) -> str:
+    """The network a run saw; in-process and edge-local systems never cross it."""
+    return "no network" if run["rtt_ms"] is None else f"+{run['rtt_ms']:g} ms"
+
+
+def label(run: dict[str, Any], placements: int) -> str:
+    base = f"{run['system']} ({where(run)})"
+    return f"{base} [{run['placement']}]" if placements > 1 else base
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _mib(value: int | None) -> str:
+    if value is None:
+        return "–"
+    return fmt(value / 2**20, 1 if value >= 2**20 else 4)
+
+
+def overall_table(runs: Sequence[dict[str, Any]]) -> str:
+    header = ["system", "placement", "link", "tok/s", "decode tok/s", "TTFT p50 / p95 s", "latency p50 / p95 s",
+              "tau", "accept", "target passes / tok", "cloud calls / tok", "bytes up / tok", "bytes down / tok",
+              "Verify bytes up / drafted", "thrown away / tok", "peak RSS MiB (proc / verifier)", "peak KV MiB",
+              "same as target-only"]
+    rows = []
+    for run in runs:
+        s, p = run["summary"], run["process"]
+        identical = run["identical_to_target_only"]
+        rows.append([run["system"], run["placement"], where(run), fmt(s["tokens_per_s"]), fmt(s["decode_tokens_per_s"]),
+                     f"{fmt(s['ttft_s_p50'])} / {fmt(s['ttft_s_p95'])}",
+                     f"{fmt(s['latency_s_p50'])} / {fmt(s['latency_s_p95'])}", fmt(s["tau"]), fmt(s["acceptance_rate"]),
+                     fmt(s["target_passes_per_token"], 3), fmt(s["cloud_call_ratio"], 3), fmt(s["bytes_up_per_token"], 1),
+                     fmt(s["bytes_down_per_token"], 1), fmt(s["verify_bytes_up_per_drafted_token"], 1),
+                     fmt(s["thrown_away_per_token"]), f"{fmt(p['peak_rss_mib'], 0)} / {fmt(p['verifier_peak_rss_mib'], 0)}",
+                     _mib(s["kv_peak_bytes"]),
+                     "–" if identical is None else f"{identical}/{s['requests']}"])
+    return _table(header, rows)
+
+
+def ratio_table(runs: Sequence[dict[str, Any]]) -> str:
+    header = ["system", "placement", "link", "tok/s", "× target-only", "× hf-assisted", "× cloud_only (same link)"]
+    rows = []
+    for run in runs:
+        r = run["ratios"]
+        if not r:
+            continue
+        rows.append([run["system"], run["placement"], where(run), fmt(run["summary"]["tokens_per_s"]),
+                     fmt(r.get("vs_target_only")), fmt(r.get("vs_hf_assisted")), fmt(r.get("vs_cloud_only"))])
+    return _table(header, rows) if rows else "(no reference system in this run)\n"
+
+
+def task_table(runs: Sequence[dict[str, Any]]) -> str:
+    header = ["system", "placement", "link", "task", "prompts", "tok/s", "tau", "accept", "target passes / tok"]
+    rows = []
+    for run in runs:
+        for task, s in run["per_task"].items():
+            rows.append([run["system"], run["placement"], where(run), task, str(s["requests"]), fmt(s["tokens_per_s"]),
+                         fmt(s["tau"]), fmt(s["acceptance_rate"]), fmt(s["target_passes_per_token"], 3)])
+    return _table(header, rows)
+
+
+def position_table(runs: Sequence[dict[str, Any]]) -> str:
+    with_rates = [r for r in runs if r["summary"]["acceptance_by_position"]]
+    if not with_rates:
+        return "(no drafting system in this run)\n"
+    width = max(len(r["summary"]["acceptance_by_position"]) for r in with_rates)
+    header = ["system", "placement", "link", *[f"pos {i}" for i in range(width)]]
+    rows = []
+    for run in with_rates:
+        rates = run["summary"]["acceptance_by_position"]
+        rows.append([run["system"], run["placement"], where(run), *[fmt(x) for x in rates], *["–"] * (width - len(rates))])
+    return _table(header, rows)
+
+
+def plot_tokens_per_s(runs: Sequence[dict[str, Any]], placements: int, path: Path, machine: str) -> None:
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(runs) + 2), 4.2))
+    names = [label(r, placements) for r in runs]
+    values = [r["summary"]["tokens_per_s"] or 0.0 for r in runs]
+    colors = ["#888888" if r["rtt_ms"] is None else f"C{int(r['rtt_ms']) % 10 if r['rtt_ms'] else 0}" for r in runs]
+    ax.bar(range(len(runs)), values, color=colors)
+    ax.set_xticks(range(len(runs)), names, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("output tokens / s (end to end)")
+    ax.set_title(f"tokens/s by system and RTT\n{machine}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_acceptance(runs: Sequence[dict[str, Any]], placements: int, path: Path, machine: str) -> None:
+    drafting = [r for r in runs if r["summary"]["tau"] is not None]
+    fig, (tau_ax, pos_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    tau_ax.bar(range(len(drafting)), [r["summary"]["tau"] for r in drafting], color="C0")
+    tau_ax.set_xticks(range(len(drafting)), [label(r, placements) for r in drafting], rotation=60, ha="right", fontsize=8)
+    tau_ax.set_ylabel("tau: output tokens per target round")
+    for run in drafting:
+        rates = run["summary"]["acceptance_by_position"]
+        if rates:
+            pos_ax.plot(range(len(rates)), rates, marker="o", label=label(run, placements))
+    pos_ax.set_xlabel("draft position")
+    pos_ax.set_ylabel("acceptance rate")
+    pos_ax.set_ylim(0, 1.05)
+    if pos_ax.lines:
+        pos_ax.legend(fontsize=7)
+    fig.suptitle(f"tau and acceptance per draft position — {machine}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_latency_cdf(runs: Sequence[dict[str, Any]], placements: int, path: Path, machine: str) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in runs:
+        latencies = sorted(r["elapsed_s"] for r in run["requests"])
+        fractions = [(i + 1) / len(latencies) for i in range(len(latencies))]
+        ax.step(latencies, fractions, where="post", label=label(run, placements))
+    ax.set_xlabel("request latency, s")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"latency CDF — {machine}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(result: dict[str, Any], folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    runs, m, v, st = result["runs"], result["machine"], result["versions"], result["settings"]
+    placements = len(st["placements"])
+    machine = f"{m['cpu_model']}, {m['cores']} cores, {fmt(m['memory_gib'], 0)} GiB"
+    plot_tokens_per_s(runs, placements, folder / "tokens_per_s.png", machine)
+    plot_acceptance(runs, placements, folder / "acceptance.png", machine)
+    plot_latency_cdf(runs, placements, folder / "latency_cdf.png", machine)
+    git = result["git"]
+    sampling = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']}"
+    k = st["k"] if st["k"] is not None else "edge default"
+    cap = f", bandwidth cap {st['bandwidth_kbps']:g} kbit/s" if st["bandwidth_kbps"] else ""
+    pinned = ("pinned: verifier on core 0, edge on core 1, one torch thread each; in-process systems on core 0, "
+              "one thread" if "pinned" in st["placements"] else "")
+    text = [
+        "# Benchmark report\n",
+        f"**Measured on**: {machine} ({m['platform']}). All absolute times below are from this machine; "
+        "every ratio compares systems measured in this same run.\n",
+        f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}; "
+        f"git {git['commit'] or 'unknown'}{' (dirty tree)' if git['dirty'] else ''}.\n",
+        f"Models: draft `{result['models']['draft']}`, target `{result['models']['target']}`; dtype {st['dtype']}; "
+        f"{sampling}, seed {st['seed']}; "
+        f"max {st['max_new_tokens']} new tokens; k {k}; "
+        f"{result['prompts']['count']} prompts (`{result['prompts']['file']}`).\n",
+        f"Placements: {', '.join(st['placements'])}. {pinned}\n" if pinned else
+        f"Placement: {', '.join(st['placements'])} (processes share all cores).\n",
+        "Links: wire systems (edge ↔ verifier) run once per added RTT through the loopback proxy"
+        f"{cap}; in-process systems "
+        "(target-only, hf-assisted) and edge_only never cross the wire: they run once and appear as their own "
+        "rows marked *no network*.\n",
+        "## Overall\n", overall_table(runs),
+        "\nPeak RSS: the measured process (edge-agent or the in-process runner) by wait4, and the verifier's "
+        "VmHWM over that run. Peak KV: the target's cache.\n",
+        "## Speedups (tokens/s ratios, same run)\n", ratio_table(runs),
+        "## Acceptance per draft position\n", position_table(runs),
+        "## Per task\n", task_table(runs),
+        "## Plots\n", "![tokens/s](tokens_per_s.png)\n", "![tau and acceptance](acceptance.png)\n",
+        "![latency CDF](latency_cdf.png)\n",
+    ]
+    path = folder / "report.md"
+    path.write_text("\n".join(text))
+    return path

@@ -1,0 +1,133 @@
+"""Numbers from per-prompt records: per-request metrics, percentiles, and a run's summary.
+
+Records are edge-agent's `--prompts` output lines (or bench.hf_runner's, same shape); round
+logs are `--log-rounds` lines (k and accepted_len per round). The CLI keeps the old
+`tools/summarize.py` use: one table from several JSONL files.
+
+    python -m bench.summarize --output result.json speculative=spec.jsonl cloud_only=cloud.jsonl ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shared.cli import run_cli
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between the closest ranks (numpy's default); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def acceptance_by_position(rounds: Sequence[dict[str, Any]]) -> list[float]:
+    """Rate at draft position i = rounds that accepted position i / rounds that drafted it
+    (k > i), the verifier's live-page definition. Locally committed blocks (lossy) never
+    reached the cloud and are left out."""
+    verified = [r for r in rounds if not r.get("local", False)]
+    longest = max((int(r["k"]) for r in verified), default=0)
+    rates = []
+    for position in range(longest):
+        drafted = sum(1 for r in verified if int(r["k"]) > position)
+        accepted = sum(1 for r in verified if int(r["accepted_len"]) > position)
+        rates.append(accepted / drafted)
+    return rates
+
+
+def summarize(records: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """One run (or one task of it): totals-based rates, p50/p95 of the latencies."""
+    tokens = sum(len(r["token_ids"]) for r in records)
+    elapsed = sum(r["elapsed_s"] for r in records)
+    round_count = sum(r.get("rounds", 0) for r in records)
+    drafted = sum(r.get("draft_tokens", 0) for r in records)
+    ttfts = [r["ttft_s"] for r in records]
+    latencies = [r["elapsed_s"] for r in records]
+    per_request_rate = [len(r["token_ids"]) / r["elapsed_s"] for r in records if r["elapsed_s"] > 0]
+    thrown = sum(r.get("ahead_drafted", 0) - r.get("ahead_used", 0) for r in records)
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "elapsed_s": elapsed,
+        "tokens_per_s": ratio(tokens, elapsed),
+        # After the first token: prefill (TTFT) is the same work in every system and dominates
+        # short answers on a CPU, so the decode rate shows the decoding loop itself.
+        "decode_tokens_per_s": ratio(sum(max(len(r["token_ids"]) - 1, 0) for r in records),
+                                     sum(r["elapsed_s"] - r["ttft_s"] for r in records)),
+        "tokens_per_s_p50": percentile(per_request_rate, 50),
+        "ttft_s_p50": percentile(ttfts, 50),
+        "ttft_s_p95": percentile(ttfts, 95),
+        "latency_s_p50": percentile(latencies, 50),
+        "latency_s_p95": percentile(latencies, 95),
+        "tau": ratio(tokens, round_count),
+        "acceptance_rate": ratio(sum(r.get("accepted_tokens", 0) for r in records), drafted),
+        "acceptance_by_position": acceptance_by_position(rounds),
+        "target_passes_per_token": ratio(sum(r["target_forward_passes"] for r in records), tokens),
+        "cloud_call_ratio": ratio(round_count, tokens),
+        "bytes_up_per_token": ratio(sum(r.get("bytes_up", 0) for r in records), tokens),
+        "bytes_down_per_token": ratio(sum(r.get("bytes_down", 0) for r in records), tokens),
+        # Verify payloads only; the prompt upload is in bytes_up_per_token.
+        "verify_bytes_up_per_drafted_token": ratio(sum(r.get("verify_bytes_up", 0) for r in records), drafted),
+        "thrown_away_per_token": ratio(thrown, tokens),
+        "kv_peak_bytes": max((r["kv_peak_bytes"] for r in records if r.get("kv_peak_bytes") is not None), default=None),
+    }
+
+
+def identical_count(records: Sequence[dict[str, Any]], reference: dict[str, list[int]]) -> int:
+    """Requests whose tokens equal the reference's, token for token."""
+    return sum(reference.get(r["id"]) == r["token_ids"] for r in records)
+
+
+def load_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rounded(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "acceptance_by_position"}
+
+
+def _table(args: argparse.Namespace) -> int:
+    runs = {spec.split("=", 1)[0]: load_jsonl(Path(spec.split("=", 1)[1])) for spec in args.runs}
+    reference = {r["id"]: r["token_ids"] for r in runs.get(args.reference, [])}
+    result: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor()},
+                              "modes": {}}
+    for mode, records in runs.items():
+        row = _rounded(summarize(records))
+        if reference and mode != args.reference:
+            row["identical_to_reference"] = identical_count(records, reference)
+        result["modes"][mode] = row
+    args.output.write_text(json.dumps(result, indent=2))
+    columns = list(next(iter(result["modes"].values())).keys())
+    out = sys.stdout
+    out.write("| mode | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns) + "\n")
+    for mode, row in result["modes"].items():
+        out.write(f"| {mode} | " + " | ".join(str(row.get(c, "")) for c in columns) + " |\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.summarize", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="MODE=FILE.jsonl")
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--reference", default="cloud_only", help="mode whose tokens the others are compared to")
+    args = parser.parse_args(argv)
+    return run_cli("bench.summarize", lambda: _table(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The systems a benchmark compares, and how each one runs."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from enum import Enum
+
+from shared.errors import ConfigError
+
+
+class Kind(Enum):
+    IN_PROCESS = "in-process"  # bench.hf_runner: transformers generate, no network
+    EDGE_LOCAL = "edge-local"  # edge-agent without a verifier (edge_only): no network
+    WIRE = "wire"  # edge-agent talking to the verifier through the proxy: run at every RTT
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    kind: Kind
+    edge_flags: tuple[str, ...] = ()
+
+    @property
+    def crosses_wire(self) -> bool:
+        return self.kind is Kind.WIRE
+
+
+TARGET_ONLY = "target-only"
+HF_ASSISTED = "hf-assisted"
+CLOUD_ONLY = "cloud_only"
+
+BUILT_IN: dict[str, System] = {s.name: s for s in (
+    System(TARGET_ONLY, Kind.IN_PROCESS),
+    System(HF_ASSISTED, Kind.IN_PROCESS),
+    System("edge_only", Kind.EDGE_LOCAL, ("--mode", "edge_only")),
+    System(CLOUD_ONLY, Kind.WIRE, ("--mode", "cloud_only")),
+    System("speculative", Kind.WIRE),
+    # issue 9: n-gram drafting, NAPD (filler 1) and NASD (the target's top-8 fed back), and the hybrid
+    System("ngram", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "1")),
+    System("ngram8", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "8")),
+    System("hybrid", Kind.WIRE, ("--drafter", "hybrid")),
+    # issue 10: draft the next block while Verify is in flight
+    System("overlap", Kind.WIRE, ("--overlap",)),
+)}
+DEFAULT_SYSTEMS = (TARGET_ONLY, HF_ASSISTED, "edge_only", CLOUD_ONLY, "speculative")
+
+
+def parse_variant(spec: str) -> System:
+    """NAME=edge-agent flags; a variant with --mode edge_only needs no verifier."""
+    name, sep, flags = spec.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ConfigError(f"--variant {spec!r}: expected NAME=edge-agent flags")
+    if name in BUILT_IN:
+        raise ConfigError(f"--variant {name}: that name is a built-in system")
+    args = tuple(shlex.split(flags))
+    edge_only = any(a == "edge_only" and i > 0 and args[i - 1] == "--mode" for i, a in enumerate(args)) \
+        or "--mode=edge_only" in args
+    return System(name, Kind.EDGE_LOCAL if edge_only else Kind.WIRE, args)
+
+
+def resolve_systems(names: list[str], variants: list[str]) -> list[System]:
+    """The systems to run, in the order given, then the variants."""
+    unknown = [n for n in names if n not in BUILT_IN]
+    if unknown:
+        raise ConfigError(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(BUILT_IN)}; "
+                          "others via --variant NAME=flags)")
+    chosen = [BUILT_IN[n] for n in dict.fromkeys(names)] + [parse_variant(v) for v in variants]
+    seen: set[str] = set()
+    for system in chosen:
+        if system.name in seen:
+            raise ConfigError(f"system {system.name} given twice")
+        seen.add(system.name)
+    return chosen
