@@ -1,0 +1,106 @@
+"""The benchmark's arithmetic and prompt selection: percentiles, per-position acceptance,
+run summaries, Spec-Bench task grouping, and the CLI's one-line errors."""
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from bench.__main__ import main
+from bench.summarize import acceptance_by_position, identical_count, percentile, summarize
+from bench.systems import Kind, parse_variant, resolve_systems
+from bench.tasks import TASKS, select_per_task, spec_bench_path, task_of
+from edge.prompts import Prompt, read_prompts
+from shared.errors import ConfigError
+
+
+def test_percentile_matches_numpy_linear() -> None:
+    rng = random.Random(0)
+    for size in (1, 2, 3, 7, 50):
+        values = [rng.uniform(0, 10) for _ in range(size)]
+        for q in (0, 5, 50, 95, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([], 50) is None
+
+
+def test_acceptance_by_position_counts_rounds_that_drafted_each_position() -> None:
+    rounds = [{"k": 3, "accepted_len": 1}, {"k": 2, "accepted_len": 2}, {"k": 1, "accepted_len": 0},
+              {"k": 4, "accepted_len": 4, "local": True}]  # a local (lossy) block never reached the cloud
+    assert acceptance_by_position(rounds) == pytest.approx([2 / 3, 1 / 2, 0 / 1])
+    assert acceptance_by_position([]) == []
+
+
+def _record(tokens: int, rounds: int, drafted: int, accepted: int, passes: int, elapsed: float, ttft: float,
+            verify_up: int = 0, **extra: object) -> dict[str, object]:
+    return {"id": str(extra.pop("id", "x")), "token_ids": list(range(tokens)), "rounds": rounds,
+            "draft_tokens": drafted, "accepted_tokens": accepted, "target_forward_passes": passes,
+            "elapsed_s": elapsed, "ttft_s": ttft, "bytes_up": 100, "bytes_down": 50, "verify_bytes_up": verify_up,
+            **extra}
+
+
+def test_summary_rates_come_from_totals_not_means_of_ratios() -> None:
+    records = [_record(10, 4, 12, 6, 5, 2.0, 0.5, verify_up=60, ahead_drafted=5, ahead_used=1),
+               _record(30, 6, 18, 24, 7, 4.0, 1.5, verify_up=90)]
+    s = summarize(records)
+    assert s["output_tokens"] == 40
+    assert s["tokens_per_s"] == pytest.approx(40 / 6.0)  # not the mean of 5 and 7.5
+    assert s["decode_tokens_per_s"] == pytest.approx(38 / 4.0)
+    assert s["tau"] == pytest.approx(40 / 10)
+    assert s["acceptance_rate"] == pytest.approx(30 / 30)
+    assert s["target_passes_per_token"] == pytest.approx(12 / 40)
+    assert s["cloud_call_ratio"] == pytest.approx(10 / 40)
+    assert s["verify_bytes_up_per_drafted_token"] == pytest.approx(150 / 30)
+    assert s["bytes_up_per_token"] == pytest.approx(200 / 40)
+    assert s["thrown_away_per_token"] == pytest.approx(4 / 40)
+    assert s["ttft_s_p50"] == pytest.approx(1.0) and s["latency_s_p95"] == pytest.approx(3.9)
+    no_rounds = summarize([_record(5, 0, 0, 0, 5, 1.0, 0.2)])
+    assert no_rounds["tau"] is None and no_rounds["acceptance_rate"] is None
+
+
+def test_identical_count_is_token_for_token() -> None:
+    records = [{"id": "a", "token_ids": [1, 2, 3]}, {"id": "b", "token_ids": [1, 2]}, {"id": "c", "token_ids": [4]}]
+    assert identical_count(records, {"a": [1, 2, 3], "b": [1, 2, 4]}) == 1
+
+
+def test_spec_bench_labels_group_into_six_tasks_of_eighty() -> None:
+    prompts = read_prompts(spec_bench_path())
+    assert Counter(task_of(p.category) for p in prompts) == dict.fromkeys(TASKS, 80)
+
+
+def test_per_task_selection_is_the_shortest_round_robin_over_labels() -> None:
+    prompts = read_prompts(spec_bench_path())
+    chosen = select_per_task(prompts, 3)
+    assert [task_of(p.category) for p in chosen] == [t for t in TASKS for _ in range(3)]
+    conversation = chosen[:3]
+    assert len({p.category for p in conversation}) == 3  # three labels, not three math questions
+    for prompt in conversation:  # each is its label's shortest
+        assert len(prompt.text) == min(len(p.text) for p in prompts if p.category == prompt.category)
+    for task in TASKS[1:]:  # single-label tasks: nothing left out is shorter than what was taken
+        taken = [p for p in chosen if task_of(p.category) == task]
+        left = [p for p in prompts if task_of(p.category) == task and p not in taken]
+        assert max(len(p.text) for p in taken) <= min(len(p.text) for p in left)
+    assert select_per_task(prompts, 3) == chosen  # deterministic
+
+
+def test_selection_keeps_a_short_task_whole_and_puts_unknown_labels_last() -> None:
+    prompts = [Prompt("u", "zz", "poetry"), Prompt("q1", "long question", "qa"), Prompt("q2", "short", "qa")]
+    assert [p.id for p in select_per_task(prompts, 5)] == ["q2", "q1", "u"]
+
+
+def test_variants_and_systems() -> None:
+    assert parse_variant("solo=--mode edge_only --k 2").kind is Kind.EDGE_LOCAL
+    assert parse_variant("k8=--k 8 --k-policy fixed").edge_flags == ("--k", "8", "--k-policy", "fixed")
+    for bad in ("noflags", "=--k 2", "speculative=--k 2"):
+        with pytest.raises(ConfigError):
+            parse_variant(bad)
+    with pytest.raises(ConfigError, match="unknown"):
+        resolve_systems(["speculative", "nope"], [])
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--quick", "--systems", "nope", "--output", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bench: error: --systems: unknown nope")
+    assert main(["--quick", "--rtt-ms", "0,fast", "--output", str(tmp_path / "r.json")]) == 1
+    assert "expected comma-separated numbers" in capsys.readouterr().err
