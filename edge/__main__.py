@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
@@ -19,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from cloud.__main__ import build_verifier
 from cloud.config import VerifierSettings
 from cloud.grpc_server import create_server
-from edge.client import VerifierClient
+from edge.client import CapacityRetry, VerifierClient
 from edge.config import EdgeSettings
 from edge.display import StepPrinter, TextStream, format_stats
 from edge.drafter import Drafter, DrafterConfig, DraftSource
@@ -38,6 +39,7 @@ from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
 from edge.metrics import EdgeMetrics, MeteredObserver
 from edge.ngram import HybridDrafter, NGramDrafter, NGramStore
 from edge.prompts import Prompt, encode_prompt, read_prompts
+from edge.trace import SessionRecorder, TraceHeader, trace_file_name, write_trace
 from shared import lm
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
@@ -56,6 +58,7 @@ class EdgeContext:
     vocab_size: int
     stop_token_ids: frozenset[int]
     metrics: EdgeMetrics | None = None
+    draft_name: str = ""  # the draft model folder's name, for recorded traces
 
     def observer(self, inner: Observer | None) -> Observer | None:
         return MeteredObserver(self.metrics, inner) if self.metrics else inner
@@ -131,7 +134,7 @@ def load_edge(settings: EdgeSettings) -> EdgeContext:
     # An n-gram edge never loads a model: only the tokenizer.
     model = lm.load_model(folder, settings.dtype, settings.device) if needs_model else None
     vocab = len(tokenizer) if model is None else min(len(tokenizer), lm.logits_width(model))
-    return EdgeContext(settings, tokenizer, model, vocab, _stop_ids(tokenizer, model))
+    return EdgeContext(settings, tokenizer, model, vocab, _stop_ids(tokenizer, model), draft_name=Path(folder).name)
 
 
 @asynccontextmanager
@@ -150,17 +153,39 @@ async def cloud_address(settings: EdgeSettings) -> AsyncIterator[str | None]:
         await server.stop(None)
 
 
+def _trace_header(ctx: EdgeContext, prompt_ids: list[int], cfg: GenerationConfig) -> TraceHeader:
+    s = ctx.settings
+    edge = {"k_policy": s.k_policy, "k": s.k, "k_min": s.k_min, "k_max": s.k_max, "drafter": s.drafter,
+            "draft_top_k": s.draft_top_k, "overlap": s.overlap, "gating": s.gating, "timeout_mode": s.timeout_mode(),
+            "verify_timeout_ms": s.verify_timeout_ms, "dtype": s.dtype}
+    session = cfg.session
+    return TraceHeader(s.mode, list(prompt_ids), session.sampling, session.seed, session.accept_mode.value,
+                       session.vocab_size, cfg.max_new_tokens, sorted(cfg.stop_token_ids), ctx.draft_name,
+                       started_at=time.time(), edge=edge)
+
+
 async def generate_one(ctx: EdgeContext, client: VerifierClient | None, prompt_ids: list[int], seed: int,
-                       on_commit: Observer | None) -> GenerationResult:
+                       on_commit: Observer | None, label: str = "prompt") -> GenerationResult:
     s = ctx.settings
     cfg = ctx.generation_config(seed)
     if s.mode == "edge_only":
         return edge_only_generate(prompt_ids, ctx.drafter(seed), cfg, on_commit)
     if client is None:
         raise ConfigError("no verifier address")
-    if s.mode == "cloud_only":
-        return await cloud_only_generate(prompt_ids, client, cfg, on_commit)
-    return await speculative_generate(prompt_ids, ctx.draft_source(seed), client, ctx.k_policy(), cfg, on_commit)
+    recorder = SessionRecorder(_trace_header(ctx, prompt_ids, cfg)) if s.record else None
+    client.tap = recorder  # sees every call of this one generation
+    try:
+        if s.mode == "cloud_only":
+            result = await cloud_only_generate(prompt_ids, client, cfg, on_commit)
+        else:
+            result = await speculative_generate(prompt_ids, ctx.draft_source(seed), client, ctx.k_policy(), cfg,
+                                                on_commit)
+    finally:
+        client.tap = None
+    if recorder is not None and s.record:
+        trace = recorder.finish(result.token_ids, result.finish_reason, result.rounds, result.reopens)
+        write_trace(Path(s.record) / trace_file_name(label, recorder.header.started_at), trace)
+    return result
 
 
 def _output_record(prompt: Prompt, result: GenerationResult, ctx: EdgeContext) -> dict[str, Any]:
@@ -185,7 +210,7 @@ async def run_batch(ctx: EdgeContext, client: VerifierClient | None) -> None:
     try:
         for index, prompt in enumerate(prompts):
             ids = encode_prompt(ctx.tokenizer, prompt.text, s.chat)
-            result = await generate_one(ctx, client, ids, s.seed, ctx.observer(None))
+            result = await generate_one(ctx, client, ids, s.seed, ctx.observer(None), prompt.id)
             out.write(json.dumps(_output_record(prompt, result, ctx)) + "\n")
             _log_rounds(s.log_rounds, prompt.id, result)
             out.flush()
@@ -209,6 +234,8 @@ async def run_single(ctx: EdgeContext, client: VerifierClient | None) -> None:
 async def run_agent(settings: EdgeSettings) -> None:
     if (settings.prompt is None) == (settings.prompts is None):
         raise ConfigError("give exactly one of --prompt or --prompts")
+    if settings.record and settings.mode == "edge_only":
+        raise ConfigError("--record records calls to the verifier: edge_only makes none")
     if settings.threads:
         torch.set_num_threads(settings.threads)
     ctx = load_edge(settings)
@@ -216,7 +243,8 @@ async def run_agent(settings: EdgeSettings) -> None:
         ctx.metrics = EdgeMetrics()
         log.info("edge metrics on 127.0.0.1:%d", ctx.metrics.serve(settings.metrics_port))
     async with cloud_address(settings) as address:
-        client = VerifierClient(address, settings.call_timeout_ms / 1000) if address else None
+        retry = CapacityRetry(settings.capacity_retries, settings.capacity_backoff_ms / 1000)
+        client = VerifierClient(address, settings.call_timeout_ms / 1000, capacity_retry=retry) if address else None
         try:
             await (run_batch(ctx, client) if settings.prompts else run_single(ctx, client))
         finally:

@@ -1,10 +1,15 @@
 """gRPC client of the verifier: deadlines per call, byte counts, status codes mapped back
-to the project's error types."""
+to the project's error types, resends after RESOURCE_EXHAUSTED (the server's retry hint, with
+jitter), and an optional tap that sees every call (edge-agent --record)."""
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -29,6 +34,38 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 class WireStats:
     bytes_up: int = 0  # serialized request payloads
     bytes_down: int = 0  # serialized response payloads
+    capacity_rejections: int = 0  # RESOURCE_EXHAUSTED answers, resent or not
+    capacity_wait_s: float = 0.0  # time spent waiting to resend them
+
+
+@dataclass(frozen=True)
+class CapacityRetry:
+    """How a call answered RESOURCE_EXHAUSTED is resent: after the server's retry hint, or
+    without one after an exponential backoff, never past the call's own deadline."""
+
+    max_retries: int = 6  # 0: raise CapacityExceeded at once
+    backoff_s: float = 0.05  # first wait without a hint; doubled per retry
+    max_backoff_s: float = 2.0
+
+    def delay_s(self, retry: int, hint_ms: int) -> float:
+        wait = max(hint_ms / 1000.0, min(self.backoff_s * 2**retry, self.max_backoff_s))
+        # Never earlier than the hint; the spread keeps edges rejected together from all
+        # coming back in the same instant.
+        return wait * random.uniform(1.0, 1.5)
+
+
+class CallTap(Protocol):
+    """Sees each finished call with its send and reply times (time.perf_counter()); `error` is
+    set when the call failed, after any resends. Used to record sessions."""
+
+    def opened(self, req: OpenSessionRequest, result: OpenSessionResult | None, error: SpecDecError | None,
+               sent: float, replied: float) -> None: ...
+
+    def verified(self, req: VerifyRequest, result: VerifyResult | None, error: SpecDecError | None,
+                 sent: float, replied: float, resends: int) -> None: ...
+
+    def generated(self, req: GenerateRequest, tokens: list[int], error: SpecDecError | None,
+                  sent: float, first: float | None, replied: float) -> None: ...
 
 
 def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
@@ -46,11 +83,14 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
 
 
 class VerifierClient:
-    def __init__(self, target: str, verify_timeout_s: float = 30.0, open_timeout_s: float = 600.0) -> None:
+    def __init__(self, target: str, verify_timeout_s: float = 30.0, open_timeout_s: float = 600.0,
+                 capacity_retry: CapacityRetry | None = None) -> None:
         self.target = target
         self.verify_timeout_s = verify_timeout_s
         self.open_timeout_s = open_timeout_s  # prefill of a long prompt takes longer than a round
+        self.capacity_retry = capacity_retry or CapacityRetry()
         self.stats = WireStats()
+        self.tap: CallTap | None = None
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.VerifierStub(self._channel)
 
@@ -59,13 +99,31 @@ class VerifierClient:
 
     async def open_session(self, req: OpenSessionRequest) -> OpenSessionResult:
         msg = wire.open_request_to_pb(req)
-        reply: pb.OpenSessionResponse = await self._unary(self._stub.OpenSession, msg, self.open_timeout_s)
-        return wire.open_result_from_pb(reply)
+        sent = time.perf_counter()
+        try:
+            reply: pb.OpenSessionResponse = await self._unary(self._stub.OpenSession, msg, self.open_timeout_s)
+        except SpecDecError as err:
+            if self.tap:
+                self.tap.opened(req, None, err, sent, time.perf_counter())
+            raise
+        result = wire.open_result_from_pb(reply)
+        if self.tap:
+            self.tap.opened(req, result, None, sent, time.perf_counter())
+        return result
 
     async def verify(self, req: VerifyRequest, timeout_s: float | None = None) -> VerifyResult:
         msg = wire.verify_request_to_pb(req)
-        reply: pb.VerifyResponse = await self._unary(self._stub.Verify, msg, timeout_s or self.verify_timeout_s)
-        return wire.verify_result_from_pb(reply)
+        sent, rejections = time.perf_counter(), self.stats.capacity_rejections
+        try:
+            reply: pb.VerifyResponse = await self._unary(self._stub.Verify, msg, timeout_s or self.verify_timeout_s)
+        except SpecDecError as err:
+            if self.tap:
+                self.tap.verified(req, None, err, sent, time.perf_counter(), self.stats.capacity_rejections - rejections)
+            raise
+        result = wire.verify_result_from_pb(reply)
+        if self.tap:
+            self.tap.verified(req, result, None, sent, time.perf_counter(), self.stats.capacity_rejections - rejections)
+        return result
 
     async def close_session(self, session_id: str) -> CloseSessionResult:
         msg = pb.CloseSessionRequest(session_id=session_id)
@@ -73,20 +131,46 @@ class VerifierClient:
         return wire.close_result_from_pb(reply)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Not resent on RESOURCE_EXHAUSTED: a stream may have yielded tokens already."""
         msg = wire.generate_request_to_pb(req)
         self.stats.bytes_up += msg.ByteSize()
+        sent, first, tokens = time.perf_counter(), None, list[int]()
+        error: SpecDecError | None = None
         try:
             async for chunk in self._stub.Generate(msg):
                 self.stats.bytes_down += chunk.ByteSize()
+                first = first or time.perf_counter()
+                tokens += chunk.tokens
                 yield wire.generate_chunk_from_pb(chunk)
         except grpc.aio.AioRpcError as err:
-            raise _error_from_rpc(err) from None
+            error = _error_from_rpc(err)
+            if error.status == "RESOURCE_EXHAUSTED":
+                self.stats.capacity_rejections += 1
+            raise error from None
+        finally:
+            if self.tap:
+                self.tap.generated(req, tokens, error, sent, first, time.perf_counter())
 
     async def _unary(self, method: grpc.aio.UnaryUnaryMultiCallable, msg, timeout_s: float):  # type: ignore[no-untyped-def]
-        self.stats.bytes_up += msg.ByteSize()
-        try:
-            reply = await method(msg, timeout=timeout_s)
-        except grpc.aio.AioRpcError as err:
-            raise _error_from_rpc(err) from None
-        self.stats.bytes_down += reply.ByteSize()
-        return reply
+        """One call; a RESOURCE_EXHAUSTED answer is resent per capacity_retry, all within timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        policy = self.capacity_retry
+        for retry in range(policy.max_retries + 1):
+            self.stats.bytes_up += msg.ByteSize()
+            try:
+                reply = await method(msg, timeout=max(deadline - loop.time(), 0.001))
+            except grpc.aio.AioRpcError as err:
+                error = _error_from_rpc(err)
+                if not isinstance(error, CapacityExceeded):
+                    raise error from None
+                self.stats.capacity_rejections += 1
+                wait = policy.delay_s(retry, error.retry_after_ms)
+                if retry == policy.max_retries or loop.time() + wait >= deadline:
+                    raise error from None
+                self.stats.capacity_wait_s += wait
+                await asyncio.sleep(wait)
+                continue
+            self.stats.bytes_down += reply.ByteSize()
+            return reply
+        raise AssertionError("unreachable: the last retry returns or raises")

@@ -59,6 +59,11 @@ class EdgeSettings(BaseSettings):
     local_commit: bool = Field(False, description="LOSSY: commit easy blocks without the cloud (counted, reported)")
     verify_timeout_ms: float = Field(400.0, gt=0, description="soft deadline of a Verify: then a token goes provisional")
     call_timeout_ms: float = Field(30000.0, gt=0, description="hard deadline of a Verify call: then reconnect")
+    capacity_retries: int = Field(
+        6, ge=0, description="RESOURCE_EXHAUSTED: resends after the server's retry hint (jitter), within the call's deadline")
+    capacity_backoff_ms: float = Field(
+        50.0, gt=0, description="RESOURCE_EXHAUSTED without a hint: first wait before a resend, doubled each time (max 2 s)")
+    record: str | None = Field(None, description="write each session as a JSONL trace (token ids only) into this folder")
     strict: bool = Field(False, description="never show unverified text: wait and retry")
     accept_unverified: bool = Field(False, description="seed behaviour: on timeout a draft token is final, counted UNVERIFIED")
     overlap: bool = Field(False, description="draft the next block while Verify is in flight (kept if all pass)")

@@ -8,7 +8,10 @@ recovered/bonus token. Around that core:
   (shown, not final; retracted if the cloud rejects it), or final-but-unverified with
   accept-unverified; strict mode only waits;
 - a lost call or session (deadline, restart, eviction, position drift) reopens a session
-  with the committed prefix after a backoff, so nothing final is lost or duplicated.
+  with the committed prefix after a backoff, so nothing final is lost or duplicated;
+- a full verifier (RESOURCE_EXHAUSTED) is retried by the client after its hint; meanwhile the
+  soft deadline applies as above, and once the resends run out accept-unverified goes on
+  locally while the other modes stop with the error.
 The Verify call runs as a task, so drafting ahead while it is in flight fits in later.
 """
 
@@ -25,7 +28,7 @@ from edge.client import VerifierClient
 from edge.drafter import Draft, Drafter, DraftSource, StopRule
 from edge.gating import EscalationRules, GatingThresholds, TokenSignals
 from edge.kpolicy import KPolicy, RoundObservation
-from shared.errors import CloudUnavailable, PositionMismatch, SessionNotFound
+from shared.errors import CapacityExceeded, CloudUnavailable, PositionMismatch, SessionNotFound
 from shared.protocol import (
     GenerateRequest,
     OpenSessionRequest,
@@ -363,6 +366,18 @@ class SpeculativeRun:
         except _RECOVERABLE:
             self.ahead = Draft()
             await self._reopen()
+            return None
+        except CapacityExceeded:
+            # Still full after the client's resends: accept-unverified falls back locally as on a
+            # slow cloud (the block goes out again as catch-up); the other modes never make
+            # unverified text final, so they give up with the verifier's answer.
+            if policy.mode != "accept-unverified":
+                raise
+            self.ahead = Draft()
+            if not self.pending.token_ids:  # a round of k = 0 (the last token): draft it here
+                self.drafter.sync(self.committed)
+                self.pending = self.drafter.propose(1)
+            self._accept_unverified()
             return None
 
     def _can_draft_ahead(self) -> bool:

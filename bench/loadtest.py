@@ -1,0 +1,188 @@
+"""`loadtest`: replay recorded edge sessions against a verifier, open-loop, and report.
+
+    loadtest --cloud 127.0.0.1:50051 --output result.json [--trace DIR] [--azure FILE.csv | --rate R]
+             [--sessions N] [--scale X] [--max-prompt-tokens N] [--max-output-tokens N]
+             [--max-sessions N] [--duration S] [--mode speculative|cloud_only] [--report DIR]
+             [--metrics-url http://127.0.0.1:8080/metrics]
+
+Sessions come from the traces `edge-agent --record DIR` writes (default: the Qwen traces shipped
+in bench/data/traces/qwen). Arrivals (loadtest_arrivals.py): the traces' own start times
+(`--sessions N` copies of them), the Azure 2023 trace's timestamps and lengths (`--azure`), or
+Poisson at `--rate` per second. Each session is replayed as loadtest_replay.py says, in its own
+task and on its own channel, like one edge each; arrivals never wait for completions (the
+pattern of vLLM's benchmark_serving). Loopback only: this is a tool for a verifier on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from tqdm import tqdm
+
+from bench.loadtest_arrivals import Caps, PlannedSession, azure_plan, poisson_plan, read_azure, trace_plan
+from bench.loadtest_replay import LoadClock, SessionOutcome, replay
+from bench.loadtest_report import ServerSample, summarize, write_report
+from edge.client import CapacityRetry, VerifierClient
+from edge.trace import read_traces
+from shared.cli import add_settings_flags, run_cli, settings_from_args
+from shared.errors import ConfigError
+
+log = logging.getLogger("loadtest")
+SHIPPED_TRACES = Path(__file__).resolve().parent / "data" / "traces" / "qwen"
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+DRAIN_TIMEOUT_CODE = "LOADTEST_DRAIN_TIMEOUT"  # sessions still running when the drain time ran out
+
+
+class LoadtestSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_LOADTEST_")
+
+    cloud: str = Field(description="verifier HOST:PORT on this machine (loopback only)")
+    output: str = Field(description="RESULT.json to write")
+    trace: str | None = Field(None, description="folder of recorded session traces; default: the shipped Qwen traces")
+    azure: str | None = Field(None, description="arrivals and lengths from an Azure 2023 trace CSV")
+    rate: float | None = Field(None, gt=0, description="Poisson arrivals per second")
+    sessions: int = Field(1, ge=1, description="trace arrivals: copies of the recorded sessions, each starting at 0")
+    scale: float = Field(1.0, gt=0, description="multiplies every arrival time (2 = half the rate)")
+    think_scale: float = Field(1.0, ge=0, description="multiplies the recorded edge think-time between rounds")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="cap on prompt length (tiled/cut recorded prompts)")
+    max_output_tokens: int | None = Field(None, ge=1, description="cap on tokens generated per session")
+    max_sessions: int | None = Field(None, ge=1, description="stop planning arrivals after this many sessions")
+    duration: float | None = Field(None, gt=0, description="no arrivals after this many seconds (scaled time)")
+    drain_timeout: float = Field(600.0, gt=0, description="after the last arrival, seconds to wait for sessions to end")
+    mode: Literal["speculative", "cloud_only"] = Field("speculative", description="replay Verify rounds or Generate")
+    seed: int = Field(0, ge=0, description="seeds the Poisson arrivals")
+    capacity_retries: int = Field(0, ge=0, description="resend RESOURCE_EXHAUSTED after the server's hint (0: count it, "
+                                  "end the session)")
+    call_timeout: float = Field(120.0, gt=0, description="deadline of one call, seconds")
+    report: str | None = Field(None, description="folder for summary.md and plots over time")
+    metrics_url: str | None = Field(None, description="verifier /metrics to poll for specdec_kv_cache_bytes (loopback)")
+    bin_s: float = Field(1.0, gt=0, description="time bin of the series over time, seconds")
+    progress: bool = Field(True, description="progress bar on stderr")
+
+    @model_validator(mode="after")
+    def _one_arrival_source(self) -> LoadtestSettings:
+        if self.azure and self.rate:
+            raise ValueError("give at most one of --azure and --rate")
+        if (self.azure or self.rate) and self.max_sessions is None and self.duration is None:
+            raise ValueError("--azure and --rate need --max-sessions or --duration to end")
+        return self
+
+    def arrivals(self) -> str:
+        if self.azure:
+            return f"azure {Path(self.azure).name}"
+        return f"poisson {self.rate}/s" if self.rate else f"trace start times x{self.sessions} copies"
+
+    def caps(self) -> Caps:
+        return Caps(self.max_prompt_tokens, self.max_output_tokens, self.max_sessions, self.duration)
+
+
+def _check_loopback(host: str | None, what: str) -> None:
+    if (host or "").strip("[]") not in LOOPBACK:
+        raise ConfigError(f"{what} must be on this machine (127.0.0.1, localhost, ::1), got {host!r}")
+
+
+def plan_sessions(s: LoadtestSettings) -> list[PlannedSession]:
+    traces = read_traces(Path(s.trace) if s.trace else SHIPPED_TRACES)
+    if any(t.header.mode != "speculative" for t in traces) and s.mode == "speculative":
+        raise ConfigError("speculative replay needs traces recorded in speculative mode")
+    if s.azure:
+        return azure_plan(traces, read_azure(Path(s.azure)), s.scale, s.caps())
+    if s.rate:
+        return poisson_plan(traces, s.rate, s.scale, s.caps(), s.seed)
+    return trace_plan(traces, s.sessions, s.scale, s.caps())
+
+
+def _metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def poll_metrics(url: str, clock: LoadClock, samples: list[ServerSample], every_s: float) -> None:
+    def fetch() -> str:
+        with urllib.request.urlopen(url, timeout=2) as reply:  # noqa: S310 (loopback, checked)
+            return str(reply.read().decode())
+    while True:
+        try:
+            text = await asyncio.to_thread(fetch)
+            samples.append(ServerSample(clock.now(), _metric(text, "specdec_kv_cache_bytes"),
+                                        _metric(text, "specdec_open_sessions")))
+        except OSError as err:
+            log.debug("metrics poll failed: %s", err)
+        await asyncio.sleep(every_s)
+
+
+async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
+    _check_loopback(s.cloud.rsplit(":", 1)[0], "--cloud")
+    if s.metrics_url:
+        _check_loopback(urlparse(s.metrics_url).hostname, "--metrics-url")
+    plan = plan_sessions(s)
+    if not plan:
+        raise ConfigError("no session to replay within the given bounds")
+    clock = LoadClock()
+    samples: list[ServerSample] = []
+    poller = asyncio.create_task(poll_metrics(s.metrics_url, clock, samples, s.bin_s / 2)) if s.metrics_url else None
+    bar = tqdm(total=len(plan), unit="session", disable=not s.progress, file=sys.stderr)
+    outcomes: list[SessionOutcome] = []
+
+    async def one(session: PlannedSession) -> None:
+        await asyncio.sleep(max(session.arrival_s - clock.now(), 0.0))
+        client = VerifierClient(s.cloud, s.call_timeout, s.call_timeout, CapacityRetry(max_retries=s.capacity_retries))
+        try:
+            outcomes.append(await replay(session, client, clock, s.mode, s.think_scale))
+        finally:
+            await client.close()
+        bar.update(1)
+        bar.set_postfix(rounds=len(clock.rounds), errors=sum(clock.errors_by_code.values()))
+
+    tasks = [asyncio.create_task(one(p)) for p in plan]
+    _, unfinished = await asyncio.wait(tasks, timeout=plan[-1].arrival_s + s.drain_timeout)
+    for task in unfinished:
+        task.cancel()
+    if unfinished:
+        clock.errors_by_code[DRAIN_TIMEOUT_CODE] += len(unfinished)
+        await asyncio.wait(unfinished)
+    wall_s = clock.now()
+    if poller is not None:
+        poller.cancel()
+    bar.close()
+    settings = s.model_dump() | {"arrivals": s.arrivals(), "trace": s.trace or str(SHIPPED_TRACES)}
+    return summarize(sorted(outcomes, key=lambda o: o.index), clock, samples, wall_s, settings, len(plan), s.bin_s)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loadtest", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_settings_flags(parser, LoadtestSettings)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+
+    def run() -> int:
+        settings = settings_from_args(LoadtestSettings, args)
+        result = asyncio.run(run_loadtest(settings))
+        Path(settings.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(settings.output).write_text(json.dumps(result, indent=1) + "\n")
+        if settings.report:
+            write_report(result, Path(settings.report))
+        log.info("%d/%d sessions completed, %.1f verified tokens/s, errors %s -> %s", result["sessions_completed"],
+                 result["sessions_planned"], result["verified_tokens_per_s"], result["errors_by_code"] or "none",
+                 settings.output)
+        return 0
+
+    return run_cli("loadtest", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

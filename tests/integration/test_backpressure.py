@@ -1,0 +1,105 @@
+"""The edge under a full verifier (RESOURCE_EXHAUSTED): resends after the server's retry hint,
+falls back locally in accept-unverified mode, and otherwise stops with a clear error."""
+
+import asyncio
+import time
+
+import pytest
+
+from cloud.grpc_server import create_server
+from cloud.sessions import SessionLimits
+from cloud.verifier import Verifier, VerifierLimits
+from edge.client import CapacityRetry, VerifierClient
+from edge.generate import TimeoutPolicy, cloud_only_generate, speculative_generate
+from edge.kpolicy import FixedK
+from shared.errors import CapacityExceeded
+from shared.protocol import OpenSessionRequest, OpenSessionResult
+from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
+
+HINT_MS = 40
+
+
+class AdmitsAfterRejections(Verifier):
+    """A real verifier that first answers `rejections` OpenSession calls with RESOURCE_EXHAUSTED
+    and a retry hint, as a full admission queue does, then serves normally. Only the admission
+    decision is scripted; server, wire (the hint in trailing metadata) and client are the real
+    ones. Verify refusals come from the real KV cap in the tests below."""
+
+    def __init__(self, *args, rejections: int, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.rejections = rejections
+
+    def open_session(self, req: OpenSessionRequest) -> OpenSessionResult:
+        if self.rejections > 0:
+            self.rejections -= 1
+            raise CapacityExceeded("queue full", retry_after_ms=HINT_MS)
+        return super().open_session(req)
+
+
+def test_edge_resends_after_the_retry_hint_and_output_is_unchanged(target_model, draft_model) -> None:
+    prompt = random_prompt(7, length=6)
+
+    async def run() -> None:
+        async with running_verifier(target_model) as (direct, _):
+            reference = (await cloud_only_generate(prompt, direct, gen_config(max_new_tokens=20))).token_ids
+        server, port = create_server(AdmitsAfterRejections(target_model, "tiny", rejections=3), "127.0.0.1:0")
+        await server.start()
+        client = VerifierClient(f"127.0.0.1:{port}", 10, capacity_retry=CapacityRetry(max_retries=3, backoff_s=0.001))
+        try:
+            start = time.perf_counter()
+            result = await speculative_generate(prompt, make_drafter(draft_model), client, FixedK(4),
+                                                gen_config(max_new_tokens=20, timeouts=TimeoutPolicy(soft_deadline_s=5)))
+            elapsed = time.perf_counter() - start
+        finally:
+            await client.close()
+            await server.stop(None)
+        assert result.token_ids == reference and result.reopens == 0
+        assert client.stats.capacity_rejections == 3
+        # Each wait honours the hint (never earlier; jitter only adds), though the backoff is 1 ms.
+        assert client.stats.capacity_wait_s >= 3 * HINT_MS / 1000 and elapsed >= 3 * HINT_MS / 1000
+
+    asyncio.run(run())
+
+
+def test_edge_gives_up_after_its_retries_when_the_prompt_never_fits(target_model) -> None:
+    """The verifier's real KV cap: a prompt over it is refused (RESOURCE_EXHAUSTED, no hint)
+    every time; the edge resends max_retries times, then raises; the server keeps serving."""
+    limits = VerifierLimits(sessions=SessionLimits(max_kv_bytes=8 * 256))  # the tiny target: 256 KV bytes a token
+
+    async def run() -> None:
+        async with running_verifier(target_model, limits) as (client, verifier):
+            assert verifier.sessions.kv_bytes_per_token == 256
+            client.capacity_retry = CapacityRetry(max_retries=2, backoff_s=0.001)
+            with pytest.raises(CapacityExceeded):
+                await client.open_session(OpenSessionRequest(random_prompt(1, length=20), gen_config().session))
+            assert client.stats.capacity_rejections == 3
+            opened = await client.open_session(OpenSessionRequest(random_prompt(1, length=4), gen_config().session))
+            assert opened.position == 4
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["accept-unverified", "provisional"])
+def test_verify_refused_for_good_falls_back_locally_only_in_accept_unverified(target_model, draft_model, mode) -> None:
+    """Sessions grow past the real KV cap, so every later Verify is refused: accept-unverified
+    finishes on the edge (each such token counted unverified); provisional mode never makes
+    unverified text final, so it stops with the verifier's RESOURCE_EXHAUSTED."""
+    limits = VerifierLimits(sessions=SessionLimits(max_kv_bytes=12 * 256))
+    prompt = random_prompt(3, length=6)
+    timeouts = TimeoutPolicy(soft_deadline_s=5, mode=mode)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        async with running_verifier(target_model, limits) as (client, _):
+            client.capacity_retry = CapacityRetry(max_retries=1, backoff_s=0.001)
+            run = speculative_generate(prompt, make_drafter(draft_model), client, FixedK(3),
+                                       gen_config(max_new_tokens=20, timeouts=timeouts))
+            if mode == "provisional":
+                with pytest.raises(CapacityExceeded):
+                    await run
+                return
+            result = await run
+            assert len(result.token_ids) == 20 and result.unverified_tokens > 0
+            assert result.rounds >= 1  # the first rounds fitted and were verified
+            assert client.stats.capacity_rejections >= 2 * result.unverified_tokens  # each: a send and a resend
+
+    asyncio.run(run())

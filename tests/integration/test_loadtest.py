@@ -1,0 +1,115 @@
+"""Recording sessions and replaying them under load against a real verifier (tiny models,
+grpc.aio on loopback port 0)."""
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.loadtest import LoadtestSettings, run_loadtest
+from edge.generate import speculative_generate
+from edge.kpolicy import FixedK
+from edge.trace import SessionRecorder, TraceHeader, read_traces, trace_file_name, write_trace
+from shared.sampling import SamplingParams
+from shared.speculative import AcceptMode
+from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
+from tests.tiny_models import save_pair
+
+SAMPLED = SamplingParams(temperature=0.8, top_k=20)
+REQUIRED_KEYS = {"sessions_completed", "errors_by_code", "verified_tokens_per_s", "rounds_per_s", "verify_latency_ms",
+                 "ttft_ms", "queue_ms", "fidelity", "sessions", "settings", "machine", "timeline"}
+
+
+async def _record(client, draft_model, folder: Path) -> None:
+    """Three greedy sessions and one sampled (sparse) one, written as trace files."""
+    for n, (params, mode) in enumerate([(SamplingParams(), AcceptMode.GREEDY)] * 3 + [(SAMPLED, AcceptMode.SPARSE)]):
+        prompt = random_prompt(40 + n, length=6)
+        cfg = gen_config(max_new_tokens=24, params=params, mode=mode, seed=n)
+        drafter = make_drafter(draft_model, params, mode, seed=n + 1)
+        header = TraceHeader("speculative", prompt, cfg.session.sampling, n, mode.value, 96, 24, [],
+                             started_at=time.time())
+        recorder = SessionRecorder(header)
+        client.tap = recorder
+        result = await speculative_generate(prompt, drafter, client, FixedK(4), cfg)
+        client.tap = None
+        write_trace(folder / trace_file_name(f"s{n}", header.started_at),
+                    recorder.finish(result.token_ids, result.finish_reason, result.rounds, result.reopens))
+
+
+def _max_overlap(sessions: list[dict]) -> int:
+    edges = sorted([(s["start_s"], 1) for s in sessions] + [(s["end_s"], -1) for s in sessions])
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def test_replay_eight_concurrent_sessions_matches_the_recording(target_model, draft_model, tmp_path: Path) -> None:
+    async def run() -> None:
+        async with running_verifier(target_model) as (client, _):
+            await _record(client, draft_model, tmp_path)
+            traces = read_traces(tmp_path)
+            assert len(traces) == 4 and all(t.replied_verifies() for t in traces)
+            # Two copies of the four sessions, all arriving at once (scale shrinks the recorded gaps).
+            settings = LoadtestSettings(cloud=client.target, output=str(tmp_path / "r.json"), trace=str(tmp_path),
+                                        sessions=2, scale=1e-6, progress=False)
+            result = await run_loadtest(settings)
+        assert result["sessions_completed"] == 8 and result["errors_by_code"] == {}
+        assert _max_overlap(result["sessions"]) == 8
+        fidelity = result["fidelity"]
+        assert fidelity["rounds_compared"] == 2 * sum(len(t.replied_verifies()) for t in traces)
+        assert fidelity["accepted_len_mismatches"] == fidelity["next_token_mismatches"] == 0
+        assert fidelity["sessions_output_equal"] == fidelity["sessions_compared"] == 8
+        assert result["verified_tokens"] == 2 * sum(len(t.end.output_tokens) for t in traces)
+
+    asyncio.run(run())
+
+
+async def _cli(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, *args, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return proc.returncode or 0, out.decode()
+
+
+def test_record_with_edge_agent_then_loadtest_cli_writes_result_and_report(target_model, tmp_path: Path) -> None:
+    """edge-agent --record and the loadtest CLI as processes, against one verifier; the second
+    run takes Azure arrivals and lengths in cloud_only mode."""
+    draft, _ = save_pair(tmp_path / "models")  # its target has the fixture target's weights
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "w5 w6 w7 w8"}\n{"id": "b", "prompt": "w9 w10 w11"}\n')
+    traces, report = tmp_path / "traces", tmp_path / "report"
+
+    async def run() -> None:
+        async with running_verifier(target_model) as (client, _):
+            code, out = await _cli("-m", "edge", "--cloud", client.target, "--prompts", str(prompts), "--draft-model",
+                                   str(draft), "--dtype", "float32", "--max-new-tokens", "16", "--k", "3",
+                                   "--record", str(traces), "--output", str(tmp_path / "out.jsonl"))
+            assert code == 0, out
+            code, out = await _cli("-m", "bench.loadtest", "--cloud", client.target, "--trace", str(traces),
+                                   "--sessions", "2", "--output", str(tmp_path / "spec.json"), "--report", str(report),
+                                   "--no-progress")
+            assert code == 0, out
+            azure = Path(__file__).resolve().parents[2] / "bench" / "data" / "traces" / "azure_code_2023.csv"
+            code, out = await _cli("-m", "bench.loadtest", "--cloud", client.target, "--trace", str(traces), "--azure",
+                                   str(azure), "--scale", "0.01", "--max-sessions", "3", "--max-prompt-tokens", "40",
+                                   "--max-output-tokens", "12", "--mode", "cloud_only", "--no-progress",
+                                   "--output", str(tmp_path / "cloud.json"))
+            assert code == 0, out
+
+    asyncio.run(run())
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    assert REQUIRED_KEYS <= spec.keys()
+    assert spec["sessions_completed"] == 4 and spec["errors_by_code"] == {}
+    assert spec["fidelity"]["sessions_output_equal"] == 4
+    assert spec["verify_latency_ms"]["p50"] > 0 and spec["queue_ms"] is not None
+    assert {"scale", "max_prompt_tokens", "max_output_tokens", "sessions", "arrivals"} <= spec["settings"].keys()
+    assert spec["machine"]["git_commit"]
+    assert {p.name for p in report.iterdir()} >= {"summary.md", "throughput.png", "latency.png", "open_sessions.png"}
+    cloud = json.loads((tmp_path / "cloud.json").read_text())
+    assert cloud["sessions_completed"] == 3 and cloud["mode"] == "cloud_only"
+    assert cloud["settings"]["arrivals"].startswith("azure")
+    # Lengths from the Azure rows, under the caps: every session generated min(GeneratedTokens, 12).
+    assert all(s["output_tokens"] == s["output_target"] <= 12 and s["prompt_tokens"] <= 40 for s in cloud["sessions"])
