@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
+from cloud.batcher import BatchLimits
 from cloud.sessions import SessionLimits
 from cloud.verifier import VerifierLimits
 from shared.errors import ConfigError
@@ -47,6 +48,16 @@ class VerifierSettings(BaseSettings):
     session_ttl_s: float = Field(600.0, gt=0, description="idle seconds before a session is dropped")
     max_sessions: int = Field(64, ge=1, description="open sessions; the least recently used is evicted past it")
     max_kv_bytes: int = Field(4 << 30, ge=1, description="KV-cache bytes across sessions; LRU eviction past it")
+
+    max_batch_size: int = Field(16, ge=1, description="rounds (and Generate steps) of different sessions batched "
+                                "into one forward pass (1 = no batching)")
+    max_batch_wait_ms: float = Field(2.0, ge=0, description="how long a round waits for others to join its batch")
+    max_batch_tokens: int = Field(2048, ge=1, description="tokens fed per batched forward pass (a longer step runs alone)")
+    max_queue: int = Field(256, ge=1, description="rounds waiting for a forward pass; past it, RESOURCE_EXHAUSTED "
+                           "with a retry hint")
+
+    def batch_limits(self) -> BatchLimits:
+        return BatchLimits(self.max_batch_size, self.max_batch_wait_ms, self.max_batch_tokens, self.max_queue)
 
     def limits(self) -> VerifierLimits:
         sessions = SessionLimits(self.session_ttl_s, self.max_sessions, self.max_kv_bytes)

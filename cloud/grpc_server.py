@@ -106,22 +106,23 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
         async def call() -> pb.OpenSessionResponse:
             req = wire.open_request_from_pb(request)
-            verifier = self.state.verifier_for(new_session=True)
+            verifier, _ = self.state.verifier_for(new_session=True)
             return wire.open_result_to_pb(await self.state.worker.run(verifier.open_session, req))
         return await _translated(context, self._call("OpenSession", request), call())
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
         async def call() -> pb.VerifyResponse:
             req = wire.verify_request_from_pb(request)
-            verifier = self.state.verifier_for(new_session=False)
-            result = await self.state.worker.run_timed(lambda queue_ms: verifier.verify(req, queue_ms))
+            verifier, batcher = self.state.verifier_for(new_session=False)
+            tokens = len(req.committed_tokens) + len(req.draft_tokens) + 1
+            result = await batcher.submit(req.session_id, tokens, lambda: verifier.begin_verify(req))
             self.state.record_round(len(req.draft_tokens), result)
             return wire.verify_result_to_pb(result)
         return await _translated(context, self._call("Verify", request), call())
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
         async def call() -> pb.CloseSessionResponse:
-            verifier = self.state.verifier_for(new_session=False)
+            verifier, _ = self.state.verifier_for(new_session=False)
             result = await self.state.worker.run(verifier.close_session, request.session_id)
             return wire.close_result_to_pb(result)
         return await _translated(context, self._call("CloseSession", request), call())
@@ -130,10 +131,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         call = self._call("Generate", request)
         async with _translating(context, call):
             req = wire.generate_request_from_pb(request)
-            verifier = self.state.verifier_for(new_session=True)
-            steps = await self.state.worker.run(verifier.generate, req)
-            # Each step runs on the worker, so other sessions' rounds interleave with it.
-            while (chunk := await self.state.worker.run(next, steps, None)) is not None:
+            verifier, batcher = self.state.verifier_for(new_session=True)
+            stream = verifier.open_generate(req)  # validation only: no model work
+            owner = uuid.uuid4().hex
+            # Continuous batching: each token is one step, batched with other streams' steps and rounds.
+            while not stream.finished:
+                chunk = await batcher.submit(owner, len(stream.feed), stream.begin_step)
                 reply = wire.generate_chunk_to_pb(chunk)
                 call.sent += reply.ByteSize()
                 yield reply

@@ -34,11 +34,16 @@ class VerifierMetrics:
                                         buckets=LATENCY_BUCKETS_S, registry=r)
         self.forward_time = Histogram("specdec_forward_seconds", "target forward pass per round",
                                       buckets=LATENCY_BUCKETS_S, registry=r)
-        self.queue_time = Histogram("specdec_queue_seconds", "wait for the model worker per round",
+        self.queue_time = Histogram("specdec_queue_seconds", "wait in the batch queue per round",
                                     buckets=LATENCY_BUCKETS_S, registry=r)
         positions = [float(i) for i in range(max_draft_tokens + 1)]  # one bucket per possible length
         self.draft_len = Histogram("specdec_draft_length", "k: drafted tokens per round", buckets=positions, registry=r)
         self.accepted_len = Histogram("specdec_accepted_length", "accepted drafts per round", buckets=positions, registry=r)
+        self.batch_size = Histogram("specdec_batch_size", "steps (rounds and Generate tokens) per target forward pass",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
+        self.queue_depth = Gauge("specdec_queue_depth", "steps waiting for a forward pass", registry=r)
+        self.rejected = Counter("specdec_rejected_requests", "calls refused with RESOURCE_EXHAUSTED (queue, KV or "
+                                "session caps)", ["method"], registry=r)
         self.open_sessions = Gauge("specdec_open_sessions", "sessions holding a KV cache", registry=r)
         self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions", registry=r)
         for position in range(max_draft_tokens):  # every position exists from the start, at 0
@@ -46,6 +51,8 @@ class VerifierMetrics:
 
     def record_rpc(self, method: str, code: str, received: int, sent: int) -> None:
         self.requests.labels(method, code).inc()
+        if code == "RESOURCE_EXHAUSTED":
+            self.rejected.labels(method).inc()
         self.received_bytes.labels(method).inc(received)
         self.sent_bytes.labels(method).inc(sent)
 

@@ -33,7 +33,8 @@ class Servers:
 
 
 async def start_servers(settings: VerifierSettings) -> Servers:
-    state = ServerState(settings.max_draft_tokens, log_prompts=settings.log_prompts)
+    state = ServerState(settings.max_draft_tokens, log_prompts=settings.log_prompts,
+                        batch_limits=settings.batch_limits())
     http = await start_http(create_app(state), settings.host, settings.http_port)
     log_event(log, logging.INFO, f"http on {settings.host}:{http.port}", http_port=http.port)
     server, port = await start_server(state, f"{settings.host}:{settings.port}", settings.reflection)

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import metadata
 
+from cloud.batcher import BatchLimits, ForwardBatcher
 from cloud.live import LiveStats
 from cloud.metrics import VerifierMetrics
 from cloud.sessions import Session, SessionStore
@@ -62,8 +63,11 @@ def _read_sessions(store: SessionStore) -> list[Session]:
 
 
 class ServerState:
-    def __init__(self, max_draft_tokens: int, verifier: Verifier | None = None, log_prompts: bool = False) -> None:
-        self.verifier = verifier
+    def __init__(self, max_draft_tokens: int, verifier: Verifier | None = None, log_prompts: bool = False,
+                 batch_limits: BatchLimits | None = None) -> None:
+        self.verifier: Verifier | None = None
+        self.batcher: ForwardBatcher | None = None
+        self.batch_limits = batch_limits or BatchLimits()
         self.draining = False
         self.log_prompts = log_prompts  # debug only: prompts are user data
         self.started = time.monotonic()
@@ -72,10 +76,16 @@ class ServerState:
         self.metrics = VerifierMetrics(max_draft_tokens)
         self.live = LiveStats(max_draft_tokens)
         self._listeners: list[ReadinessListener] = []
+        if verifier is not None:
+            self._serve(verifier)
 
     @classmethod
-    def for_verifier(cls, verifier: Verifier) -> ServerState:
-        return cls(verifier.limits.max_draft_tokens, verifier)
+    def for_verifier(cls, verifier: Verifier, batch_limits: BatchLimits | None = None) -> ServerState:
+        return cls(verifier.limits.max_draft_tokens, verifier, batch_limits=batch_limits)
+
+    def _serve(self, verifier: Verifier) -> None:
+        self.batcher = ForwardBatcher(verifier, self.worker, self.batch_limits, self.metrics)
+        self.verifier = verifier
 
     @property
     def status(self) -> str:
@@ -90,13 +100,13 @@ class ServerState:
     def uptime_s(self) -> float:
         return time.monotonic() - self.started
 
-    def verifier_for(self, new_session: bool) -> Verifier:
-        """The loaded verifier. While draining, open sessions go on; new ones are refused."""
-        if self.verifier is None:
+    def verifier_for(self, new_session: bool) -> tuple[Verifier, ForwardBatcher]:
+        """The loaded verifier and its batcher. While draining, open sessions go on; new ones are refused."""
+        if self.verifier is None or self.batcher is None:
             raise ModelLoading("the model is still loading; retry shortly")
         if new_session and self.draining:
             raise ServerDraining("the verifier is shutting down and takes no new sessions")
-        return self.verifier
+        return self.verifier, self.batcher
 
     # ---- readiness ----------------------------------------------------------------------
 
@@ -108,7 +118,7 @@ class ServerState:
             await listener(self.ready)
 
     async def set_verifier(self, verifier: Verifier) -> None:
-        self.verifier = verifier
+        self._serve(verifier)
         await self.publish()
 
     async def drain(self) -> None:

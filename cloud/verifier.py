@@ -7,15 +7,16 @@ model worker so rounds never interleave on a cache.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from cloud.sessions import Session, SessionLimits, SessionStore
 from shared import lm
-from shared.errors import InvalidRequest, PositionMismatch
+from shared.errors import InvalidRequest, PositionMismatch, SpecDecError
 from shared.protocol import (
     CloseSessionResult,
     GenerateChunk,
@@ -156,35 +157,66 @@ class Verifier:
     # ---- one round --------------------------------------------------------------------
 
     def verify(self, req: VerifyRequest, queue_ms: float = 0.0) -> VerifyResult:
+        """One round on its own: begin, one forward pass, finish."""
+        result = self.run_batch([(self.begin_verify(req), queue_ms)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def begin_verify(self, req: VerifyRequest) -> ForwardStep[VerifyResult]:
+        """Validate a round against its session and reserve its KV; the forward pass comes
+        later, possibly batched with other sessions' rounds (run_steps)."""
         start = time.perf_counter()
         session = self.sessions.get(req.session_id)
         self._check_verify(req, session)
         self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id)
-        block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
+        position = len(session.tokens)
+
+        def finish(logits: torch.Tensor, forward_ms: float, queue_ms: float) -> VerifyResult:
+            outcome, probs = self._accept(req, session, logits)
+            accepted = req.draft_tokens[: outcome.accepted_len]
+            session.tokens.extend([*req.committed_tokens, *accepted, outcome.next_token])
+            lm.crop(session.cache, len(session.tokens) - 1)
+            session.rounds += 1
+            self.sessions.touch(session)
+            k = len(req.draft_tokens)
+            metrics = RoundMetrics(
+                alpha_mean=float(outcome.accept_probs.mean()) if k else 0.0,
+                la_over_k=outcome.accepted_len / k if k else 0.0,
+                verify_ms=_ms_since(start) + queue_ms, queue_ms=queue_ms, forward_ms=forward_ms,
+                hard_tokens=sum(req.hard_mask))
+            top_k = _top_k(probs[: outcome.accepted_len + 1], req.want_top_k)
+            return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus,
+                                len(session.tokens), metrics, top_k)
+
+        # Rows for the last committed token and each draft: k + 1 predictions.
+        return ForwardStep(session.cache, [session.tokens[-1], *req.committed_tokens, *req.draft_tokens],
+                           len(req.draft_tokens) + 1, finish, lambda: lm.crop(session.cache, position - 1))
+
+    def run_batch(self, steps: list[tuple[ForwardStep[Any], float]]) -> list[Any]:
+        """ONE forward pass over every (step, queue_ms), whatever session or stream each
+        belongs to; returns each step's result, or the exception that ended it. A failed
+        forward leaves every cache as it was."""
+        if not steps:
+            return []
         forward_start = time.perf_counter()
         try:
-            # Rows for the last committed token and each draft: k + 1 predictions.
-            logits = lm.forward(self.model, session.cache, block, keep=len(req.draft_tokens) + 1)  # [k + 1, V]
+            logits = lm.forward_packed(self.model, [s.cache for s, _ in steps], [s.block for s, _ in steps],
+                                       [s.keep for s, _ in steps])
         except BaseException:
-            lm.crop(session.cache, len(session.tokens) - 1)  # leave the session as it was
+            for step, _ in steps:
+                step.undo()
             raise
         forward_ms = _ms_since(forward_start)
         self.forward_passes += 1
-        outcome, probs = self._accept(req, session, logits)
-        accepted = req.draft_tokens[: outcome.accepted_len]
-        session.tokens.extend([*req.committed_tokens, *accepted, outcome.next_token])
-        lm.crop(session.cache, len(session.tokens) - 1)
-        session.rounds += 1
-        self.sessions.touch(session)
-        k = len(req.draft_tokens)
-        metrics = RoundMetrics(
-            alpha_mean=float(outcome.accept_probs.mean()) if k else 0.0,
-            la_over_k=outcome.accepted_len / k if k else 0.0,
-            verify_ms=_ms_since(start) + queue_ms, queue_ms=queue_ms, forward_ms=forward_ms,
-            hard_tokens=sum(req.hard_mask))
-        top_k = _top_k(probs[: outcome.accepted_len + 1], req.want_top_k)
-        return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus,
-                            len(session.tokens), metrics, top_k)
+        results: list[Any] = []
+        for (step, queue_ms), rows in zip(steps, logits, strict=True):
+            try:
+                results.append(step.finish(rows, forward_ms, queue_ms))
+            except SpecDecError as err:
+                step.undo()
+                results.append(err)
+        return results
 
     def _accept(self, req: VerifyRequest, session: Session, rows: torch.Tensor) -> tuple[RoundOutcome, torch.Tensor]:
         """Target distributions for the block and the accept/reject outcome."""
@@ -205,7 +237,7 @@ class Verifier:
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
 
-    def generate(self, req: GenerateRequest) -> Iterator[GenerateChunk]:
+    def open_generate(self, req: GenerateRequest) -> GenerateStream:
         vocab = self._check_config(req.config)
         self._check_prompt(req.prompt_tokens, vocab)
         if not 0 < req.max_new_tokens <= self.limits.max_new_tokens:
@@ -213,25 +245,65 @@ class Verifier:
         self._check_ids("stop_token_ids", req.stop_token_ids, self.model_vocab)
         if len(req.prompt_tokens) + req.max_new_tokens > self.limits.max_context_tokens:
             raise InvalidRequest(f"prompt + max_new_tokens pass the context limit {self.limits.max_context_tokens}")
-        params = req.config.sampling
-        generator = torch.Generator().manual_seed(req.config.seed)
-        cache = lm.new_cache(self.model)
-        tokens, feed = list(req.prompt_tokens), list(req.prompt_tokens)
-        for produced in range(1, req.max_new_tokens + 1):
-            start = time.perf_counter()
-            logits = lm.forward(self.model, cache, feed, keep=1)  # [1, V]
-            self.forward_passes += 1
-            penalized = penalized_logits(logits, tokens, [], params, vocab)
-            if params.greedy:
-                token = int(penalized[0].argmax())
-            else:
-                token = sample_token(probs_from_logits(penalized, params)[0], generator)
-            tokens.append(token)
-            feed = [token]
-            done = token in req.stop_token_ids or produced == req.max_new_tokens
-            yield GenerateChunk([token], _ms_since(start), done)
-            if done:
-                return
+        return GenerateStream(req, vocab, lm.new_cache(self.model))
+
+    def generate(self, req: GenerateRequest) -> Iterator[GenerateChunk]:
+        """Target-only decoding, one forward pass per token, unbatched."""
+        stream = self.open_generate(req)
+        while not stream.finished:
+            chunk = self.run_batch([(stream.begin_step(), 0.0)])[0]
+            if isinstance(chunk, BaseException):
+                raise chunk
+            yield chunk
+
+
+R = TypeVar("R")
+
+
+@dataclass
+class ForwardStep(Generic[R]):
+    """One sequence's share of a forward pass that may be batched with others: feed `block`
+    after `cache`, keep the last `keep` rows of logits, turn them into a result with
+    finish(logits, forward_ms, queue_ms); undo() puts the cache back after a failure."""
+
+    cache: DynamicCache
+    block: list[int]
+    keep: int
+    finish: Callable[[torch.Tensor, float, float], R]
+    undo: Callable[[], None]
+
+
+class GenerateStream:
+    """One Generate call's state between its steps: its own cache (no session), one token per step."""
+
+    def __init__(self, req: GenerateRequest, vocab: int, cache: DynamicCache) -> None:
+        self.req = req
+        self.vocab = vocab
+        self.cache = cache
+        self.tokens = list(req.prompt_tokens)
+        self.feed = list(req.prompt_tokens)  # the first step is the prefill
+        self.generator = torch.Generator().manual_seed(req.config.seed)
+        self.produced = 0
+        self.finished = False
+
+    def begin_step(self) -> ForwardStep[GenerateChunk]:
+        if self.finished:
+            raise InvalidRequest("the stream has finished")
+        length = self.cache.get_seq_length()
+        return ForwardStep(self.cache, self.feed, 1, self._finish, lambda: lm.crop(self.cache, length))
+
+    def _finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> GenerateChunk:
+        params = self.req.config.sampling
+        penalized = penalized_logits(logits, self.tokens, [], params, self.vocab)  # [1, V]
+        if params.greedy:
+            token = int(penalized[0].argmax())
+        else:
+            token = sample_token(probs_from_logits(penalized, params)[0], self.generator)
+        self.tokens.append(token)
+        self.feed = [token]
+        self.produced += 1
+        self.finished = token in self.req.stop_token_ids or self.produced == self.req.max_new_tokens
+        return GenerateChunk([token], forward_ms, self.finished)
 
 
 def _dense_sparse(req: VerifyRequest, vocab: int) -> torch.Tensor:  # [k, V]

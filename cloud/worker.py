@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -20,11 +19,6 @@ class ModelWorker:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def run_timed(self, fn: Callable[[float], T]) -> T:
-        """Call fn(queue_ms), where queue_ms is how long the call waited for the worker."""
-        submitted = time.perf_counter()
-        return await self.run(lambda: fn((time.perf_counter() - submitted) * 1000.0))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

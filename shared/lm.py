@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -66,6 +67,66 @@ def forward_with_hidden(model: PreTrainedModel, cache: DynamicCache, token_ids: 
     return out.logits[0].float().cpu(), last_hidden
 
 
+@torch.inference_mode()
+def forward_packed(model: PreTrainedModel, caches: Sequence[DynamicCache], blocks: Sequence[Sequence[int]],
+                   keeps: Sequence[int]) -> list[torch.Tensor]:
+    """One forward pass over several sequences, each fed after its own cache: like `forward`
+    per sequence, but the weights are read once for all of them.
+
+    The new tokens of every sequence are packed into one row (as vLLM flattens a batch, so
+    no padding rows run through the MLPs) after the concatenation of all caches; a
+    block-diagonal causal mask keeps each sequence to its own past and its own block, and
+    per-token position ids restart at each cache's length. Each cache then gains its
+    sequence's new KV. Full-attention models only (every layer keeps all positions).
+    Returns, per sequence, the last keeps[i] rows of float32 logits (all rows when 0).
+    """
+    if len(caches) == 1:
+        return [forward(model, caches[0], blocks[0], keeps[0])]
+    pasts = [cache.get_seq_length() for cache in caches]
+    lengths = [len(block) for block in blocks]
+    total_past, total_new = sum(pasts), sum(lengths)
+    dtype, device = model.dtype, model.device
+    packed = new_cache(model)
+    if total_past:
+        for index in range(len(caches[0].layers)):
+            filled = [_keys_values(cache.layers[index]) for cache, past in zip(caches, pasts, strict=True) if past]
+            packed.update(torch.cat([keys for keys, _ in filled], dim=-2),
+                          torch.cat([values for _, values in filled], dim=-2), index)
+    # mask [1, 1, total_new, total_past + total_new]: 0 where a query may look, the dtype's min elsewhere.
+    allowed = torch.zeros(total_new, total_past + total_new, dtype=torch.bool)
+    positions, rows = [], []
+    past_start = new_start = 0
+    for past, length, keep in zip(pasts, lengths, keeps, strict=True):
+        block = slice(new_start, new_start + length)
+        allowed[block, past_start:past_start + past] = True
+        allowed[block, total_past + new_start:total_past + new_start + length] = torch.ones(
+            length, length, dtype=torch.bool).tril()
+        positions.append(torch.arange(past, past + length))
+        first_kept = new_start + length - (keep or length)
+        rows.append(torch.arange(first_kept, new_start + length))
+        past_start += past
+        new_start += length
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    kept = torch.cat(rows)
+    out = model(input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
+                attention_mask=mask[None, None].to(device), position_ids=torch.cat(positions)[None].to(device),
+                past_key_values=packed, use_cache=True, logits_to_keep=kept.to(device))
+    new_start = 0
+    for cache, length in zip(caches, lengths, strict=True):
+        block = slice(total_past + new_start, total_past + new_start + length)
+        for index, layer in enumerate(packed.layers):
+            keys, values = _keys_values(layer)
+            cache.update(keys[..., block, :].clone(), values[..., block, :].clone(), index)
+        new_start += length
+    logits = out.logits[0].float().cpu()
+    return list(logits.split([len(r) for r in rows]))
+
+
+def _keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [1, kv_heads, positions, head_dim] of one attention layer of a cache."""
+    return layer.keys, layer.values
+
+
 def crop(cache: DynamicCache, length: int) -> None:
     """Shrink the cache to its first `length` positions (no-op when already shorter)."""
     excess = cache.get_seq_length() - length
@@ -84,7 +145,6 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
     forward(model, cache, [0, 0])
     total = 0
     for layer in cache.layers:
-        for tensor in (layer.keys, layer.values):  # type: ignore[union-attr]  # attention layers only
-            if tensor is not None:
-                total += tensor.numel() * tensor.element_size()
+        for tensor in _keys_values(layer):
+            total += tensor.numel() * tensor.element_size()
     return total // 2

@@ -1,0 +1,171 @@
+"""Cross-session batching: rounds and Generate steps of concurrent sessions share forward
+passes, and every session still gets exactly what it would get alone (greedy, fp32)."""
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+
+from cloud.batcher import BatchLimits
+from cloud.grpc_server import create_server
+from cloud.sessions import SessionLimits
+from cloud.state import ServerState
+from cloud.verifier import Verifier, VerifierLimits
+from edge.client import VerifierClient
+from edge.generate import cloud_only_generate, speculative_generate
+from edge.kpolicy import FixedK
+from shared import lm
+from shared.errors import CapacityExceeded, SessionNotFound
+from shared.protocol import GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
+from tests.harness import gen_config, make_drafter, random_prompt
+
+PROMPTS = [random_prompt(seed, length=3 + seed % 7) for seed in range(100, 108)]
+NEW_TOKENS = 24
+
+
+@asynccontextmanager
+async def batching_verifier(model, batch: BatchLimits, limits: VerifierLimits | None = None,  # type: ignore[no-untyped-def]
+                            ) -> AsyncIterator[tuple[VerifierClient, ServerState]]:
+    state = ServerState.for_verifier(Verifier(model, "tiny-target", limits), batch)
+    server, port = create_server(state, "127.0.0.1:0")
+    await server.start()
+    client = VerifierClient(f"127.0.0.1:{port}", verify_timeout_s=30)
+    try:
+        yield client, state
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+def _alone(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:  # type: ignore[no-untyped-def]
+    """Target-only greedy on a verifier of its own: one sequence per forward pass."""
+    chunks = Verifier(model, "reference").generate(GenerateRequest(prompt, SessionConfig(vocab_size=96), n))
+    return [t for chunk in chunks for t in chunk.tokens]
+
+
+def _mean_batch(state: ServerState) -> float:
+    registry = state.metrics.registry
+    return (registry.get_sample_value("specdec_batch_size_sum") or 0.0) / (
+        registry.get_sample_value("specdec_batch_size_count") or 1.0)
+
+
+def test_concurrent_sessions_batched_equal_each_alone(target_model, draft_model) -> None:
+    """Four speculative edges and four cloud_only streams at once: their rounds and tokens
+    are batched together, and each output equals the target alone, token for token."""
+    cfg = gen_config(max_new_tokens=NEW_TOKENS)
+
+    async def run() -> None:
+        async with batching_verifier(target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
+            speculative = [speculative_generate(p, make_drafter(draft_model), client, FixedK(3), cfg) for p in PROMPTS[:4]]
+            cloud_only = [cloud_only_generate(p, client, cfg) for p in PROMPTS[4:]]
+            results = await asyncio.gather(*speculative, *cloud_only)
+            assert _mean_batch(state) > 2.0  # the steps really shared forward passes
+        for prompt, result in zip(PROMPTS, results, strict=True):
+            assert result.token_ids == _alone(target_model, prompt), f"prompt {prompt}"
+        assert sum(r.accepted_tokens for r in results[:4]) > 0
+
+    asyncio.run(run())
+
+
+def test_unbatched_server_matches_batched_one(target_model, draft_model) -> None:
+    """max_batch_size 1 is the unbatched verifier: same outputs, every forward pass alone."""
+    cfg = gen_config(max_new_tokens=12)
+
+    async def run() -> None:
+        async with batching_verifier(target_model, BatchLimits(max_batch_size=1)) as (client, state):
+            results = await asyncio.gather(*[speculative_generate(p, make_drafter(draft_model), client, FixedK(3), cfg)
+                                             for p in PROMPTS[:3]])
+            assert _mean_batch(state) == 1.0
+        for prompt, result in zip(PROMPTS, results, strict=False):
+            assert result.token_ids == _alone(target_model, prompt, 12)
+
+    asyncio.run(run())
+
+
+async def _drive(client: VerifierClient, prompt: list[int], reference: list[int], rng: random.Random,
+                 session_id: str | None = None) -> tuple[list[int], dict[str, int]]:
+    """Verify rounds until NEW_TOKENS are committed; drafts are the reference's next tokens,
+    the last one spoiled half the time. A refused round waits the server's hint and retries;
+    an evicted session is reopened with its committed prefix, as the edge does."""
+    tokens, events = list(prompt), {"refused": 0, "reopened": 0}
+    config = SessionConfig(vocab_size=96)
+    while len(tokens) - len(prompt) < NEW_TOKENS:
+        done = len(tokens) - len(prompt)
+        draft = reference[done:done + 3]
+        if draft and rng.random() < 0.5:
+            draft[-1] = (draft[-1] + 1) % 96
+        try:
+            if session_id is None:
+                session_id = (await client.open_session(OpenSessionRequest(tokens, config))).session_id
+            reply = await client.verify(VerifyRequest(session_id, len(tokens), draft))
+        except CapacityExceeded as err:
+            assert err.retry_after_ms > 0, "a full queue answers with a retry hint"
+            events["refused"] += 1
+            await asyncio.sleep(err.retry_after_ms / 1000.0)
+            continue
+        except SessionNotFound:
+            events["reopened"] += 1
+            assert events["reopened"] < 100, "eviction thrash"
+            session_id = None
+            continue
+        tokens += [*draft[:reply.accepted_len], reply.next_token]
+    return tokens[len(prompt):len(prompt) + NEW_TOKENS], events
+
+
+def test_past_queue_and_kv_caps_clear_errors_and_admitted_sessions_complete(target_model) -> None:
+    prompts = [random_prompt(seed, length=20) for seed in range(200, 208)]
+    references = [_alone(target_model, p, NEW_TOKENS + 4) for p in prompts]
+    # KV room for 120 tokens (three sessions at the end of their run); a queue of two rounds,
+    # each batch waiting 100 ms for more: rounds sent together overflow the queue every time.
+    limits = VerifierLimits(sessions=SessionLimits(max_kv_bytes=120 * lm.kv_bytes_per_token(target_model)))
+    batch = BatchLimits(max_batch_size=8, max_batch_wait_ms=100, max_queue=2)
+
+    async def run() -> None:
+        async with batching_verifier(target_model, batch, limits) as (client, state):
+            config = SessionConfig(vocab_size=96)
+            opened = [await client.open_session(OpenSessionRequest(p, config)) for p in prompts]
+            # Eight 20-token prompts in room for 120 tokens: the least recently used were evicted.
+            with pytest.raises(SessionNotFound):
+                await client.verify(VerifyRequest(opened[0].session_id, len(prompts[0]), []))
+            live = range(4, 8)
+            rng = random.Random(0)
+            outcomes = await asyncio.gather(*[_drive(client, prompts[i], references[i], rng, opened[i].session_id)
+                                              for i in live])
+            # Four sessions with rounds in flight against a queue of two: some rounds were
+            # refused (and resent, by the client or by _drive); sessions outgrowing the KV room
+            # were evicted and reopened...
+            assert sum(events["reopened"] for _, events in outcomes) > 0
+            assert (state.metrics.registry.get_sample_value("specdec_rejected_requests_total", {"method": "Verify"})
+                    or 0) > 0
+            # ...and every session still produced exactly the target's tokens.
+            for i, (tokens, _) in zip(live, outcomes, strict=True):
+                assert tokens == references[i][:NEW_TOKENS], f"session {i}"
+            # The server is still up and serving.
+            again = await client.open_session(OpenSessionRequest(prompts[0], config))
+            assert again.position == len(prompts[0])
+
+    asyncio.run(run())
+
+
+def test_refused_round_carries_retry_hint_over_the_wire(target_model) -> None:
+    """The hint travels as trailing metadata next to RESOURCE_EXHAUSTED, readable by any client."""
+    from shared import wire
+    from shared.pb import verifier_pb2 as pb
+    from shared.pb import verifier_pb2_grpc as pb_grpc
+
+    async def run() -> None:
+        async with batching_verifier(target_model, BatchLimits(max_batch_size=1, max_batch_wait_ms=50, max_queue=1)) as (
+                client, _):
+            opened = [await client.open_session(OpenSessionRequest(p, SessionConfig(vocab_size=96))) for p in PROMPTS[:4]]
+            stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
+            calls = [stub.Verify(pb.VerifyRequest(session_id=o.session_id, base_position=o.position)) for o in opened]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+            assert refused and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+            assert all(int(dict(r.trailing_metadata())[wire.RETRY_AFTER_MS_KEY]) > 0 for r in refused)
+            assert any(isinstance(r, pb.VerifyResponse) for r in results)
+
+    asyncio.run(run())
