@@ -244,8 +244,8 @@ class SessionRecorder:
     def opened(self, req: OpenSessionRequest, result: OpenSessionResult | None, error: SpecDecError | None,
                sent: float, replied: float) -> None:
         prefix = req.prompt_tokens[len(self.header.prompt_tokens):]
-        if result is not None:
-            self.target_model = self.target_model or result.model_id
+        if result is not None:  # a folder's name, not the verifier's local path
+            self.target_model = self.target_model or result.model_id.rstrip("/").rsplit("/", 1)[-1]
         self.events.append(OpenEvent(self._t(sent), self._t(replied), req.config.seed, prefix,
                                      result.position if result else 0, result.prefill_ms if result else 0.0,
                                      _code(error)))
