@@ -26,6 +26,18 @@ from edge.prompts import Prompt, encode_prompt
 WARMUP = Prompt("__warmup__", "Hello", "warmup")
 
 
+@dataclass(frozen=True)
+class RunFiles:
+    """A run's files, named NAME.EXT (Path.with_suffix would eat the dots in
+    "speculative.pinned.rtt50")."""
+
+    folder: Path
+    name: str
+
+    def path(self, ext: str) -> Path:
+        return self.folder / f"{self.name}{ext}"
+
+
 @dataclass
 class Run:
     system: System
@@ -74,12 +86,12 @@ class BenchRunner:
         self.bar.update(len(self.prompts) - shown)
         return finished
 
-    def _hf_command(self, system: str, placement: Placement, stem: Path, extra: list[str]) -> list[str]:
+    def _hf_command(self, system: str, placement: Placement, stem: RunFiles, extra: list[str]) -> list[str]:
         s = self.s
         return [*placement.prefix(placement.cloud_cores), *_python(), "-m", "bench.hf_runner", "--system", system,
                 "--target", str(s.target_model), "--draft", str(s.draft_model), "--prompts", str(self.child_prompts),
-                "--output", str(stem.with_suffix(".jsonl")), "--log-rounds", str(stem.with_suffix(".rounds.jsonl")),
-                "--meta", str(stem.with_suffix(".meta.json")), "--max-new-tokens", str(s.max_new_tokens),
+                "--output", str(stem.path(".jsonl")), "--log-rounds", str(stem.path(".rounds.jsonl")),
+                "--meta", str(stem.path(".meta.json")), "--max-new-tokens", str(s.max_new_tokens),
                 "--dtype", s.dtype, "--temperature", str(s.temperature), "--seed", str(s.seed),
                 *placement.thread_flags(), *extra]
 
@@ -87,16 +99,16 @@ class BenchRunner:
         """The target's KV bytes per token, measured on real cache tensors in a child (the
         bench process never loads a model)."""
         if self.kv_bytes_per_token is None:
-            stem = self.files / "kv_probe"
+            stem = RunFiles(self.files, "kv_probe")
             cmd = self._hf_command("target-only", Placement("unpinned"), stem, ["--kv-only"])
-            run_measured(cmd, stem.with_suffix(".log"), "KV probe")
-            self.kv_bytes_per_token = int(json.loads(stem.with_suffix(".meta.json").read_text())["kv_bytes_per_token"])
+            run_measured(cmd, stem.path(".log"), "KV probe")
+            self.kv_bytes_per_token = int(json.loads(stem.path(".meta.json").read_text())["kv_bytes_per_token"])
         return self.kv_bytes_per_token
 
-    def _edge_command(self, system: System, placement: Placement, stem: Path, cloud: str | None) -> list[str]:
+    def _edge_command(self, system: System, placement: Placement, stem: RunFiles, cloud: str | None) -> list[str]:
         s = self.s
         cmd = [*placement.prefix(placement.edge_cores), *_python(), "-m", "edge", "--prompts", str(self.child_prompts),
-               "--output", str(stem.with_suffix(".jsonl")), "--log-rounds", str(stem.with_suffix(".rounds.jsonl")),
+               "--output", str(stem.path(".jsonl")), "--log-rounds", str(stem.path(".rounds.jsonl")),
                "--draft-model", str(s.draft_model), "--dtype", s.dtype, "--max-new-tokens", str(s.max_new_tokens),
                "--temperature", str(s.temperature), "--seed", str(s.seed), *placement.thread_flags()]
         if cloud is not None:
@@ -107,10 +119,10 @@ class BenchRunner:
 
     # ---- runs ----------------------------------------------------------------------------
 
-    def _collect(self, system: System, placement: Placement, rtt: float | None, stem: Path,
+    def _collect(self, system: System, placement: Placement, rtt: float | None, stem: RunFiles,
                  finished: Finished) -> Run:
-        records = [r for r in load_jsonl(stem.with_suffix(".jsonl")) if r["id"] != WARMUP.id]
-        rounds_path = stem.with_suffix(".rounds.jsonl")
+        records = [r for r in load_jsonl(stem.path(".jsonl")) if r["id"] != WARMUP.id]
+        rounds_path = stem.path(".rounds.jsonl")
         rounds = [r for r in load_jsonl(rounds_path) if r.get("id") != WARMUP.id] if rounds_path.exists() else []
         missing = {p.id for p in self.prompts} - {r["id"] for r in records}
         if missing:
@@ -134,11 +146,11 @@ class BenchRunner:
             record["kv_peak_bytes"] = length * per_token
 
     def run_in_process(self, system: System, placement: Placement) -> Run:
-        stem = self.files / f"{system.name}.{placement.name}"
+        stem = RunFiles(self.files, f"{system.name}.{placement.name}")
         finished = self._measured(self._hf_command(system.name, placement, stem, []), system.name,
-                                  stem.with_suffix(".jsonl"))
+                                  stem.path(".jsonl"))
         run = self._collect(system, placement, None, stem, finished)
-        meta = json.loads(stem.with_suffix(".meta.json").read_text())
+        meta = json.loads(stem.path(".meta.json").read_text())
         self.kv_bytes_per_token = self.kv_bytes_per_token or int(meta["kv_bytes_per_token"])
         self.runner_meta[system.name] = meta
         return run
@@ -146,12 +158,12 @@ class BenchRunner:
     def run_edge(self, system: System, placement: Placement, rtt: float | None, cloud: str | None,
                  verifier_pid: int | None) -> Run:
         where = f".rtt{rtt:g}" if rtt is not None else ""
-        stem = self.files / f"{system.name}.{placement.name}{where}"
-        stem.with_suffix(".rounds.jsonl").unlink(missing_ok=True)  # edge-agent appends to it
+        stem = RunFiles(self.files, f"{system.name}.{placement.name}{where}")
+        stem.path(".rounds.jsonl").unlink(missing_ok=True)  # edge-agent appends to it
         if verifier_pid is not None:
             reset_peak_rss(verifier_pid)
         finished = self._measured(self._edge_command(system, placement, stem, cloud), system.name,
-                                  stem.with_suffix(".jsonl"))
+                                  stem.path(".jsonl"))
         run = self._collect(system, placement, rtt, stem, finished)
         if verifier_pid is not None:
             run.verifier_peak_rss_kib = peak_rss_kib(verifier_pid)

@@ -44,7 +44,9 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert 1 <= len(speculative["acceptance_by_position"]) <= 3  # --k 3 reached the edge
     assert runs["speculative"]["process"]["verifier_peak_rss_mib"] > 0
     assert runs["speculative"]["ratios"].keys() == {"vs_target_only", "vs_hf_assisted", "vs_cloud_only"}
-    # the exact prompt set is kept beside the result
+    # the exact prompt set and every run's raw JSONL are kept beside the result
+    assert (tmp_path / "result_files" / "speculative.unpinned.rtt50.jsonl").is_file()
+    assert (tmp_path / "result_files" / "target-only.unpinned.jsonl").is_file()
     kept = (tmp_path / "result_files" / "prompts.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in kept] == ["p1", "p2"]  # a --prompts file keeps its order
     report = tmp_path / "report"
