@@ -2,13 +2,16 @@
 # Issue 8's figures: the shipped Qwen traces replayed with N sessions arriving at once, against
 # a verifier with cross-session batching and one without (--max-batch-size 1), speculative and
 # cloud_only, one verifier process per configuration; then one table (tools/load_table.py).
-#   tools/load_sweep.sh OUT_DIR [DTYPE] [SESSIONS] [PROMPT_CAP] [OUTPUT_CAP]
+#   tools/load_sweep.sh OUT_DIR [DTYPE] [SESSIONS] [PROMPT_CAP] [OUTPUT_CAP] [THINK_SCALE]
+# THINK_SCALE 0 (default) sends each round as soon as the last reply arrives: the verifier's
+# capacity, with no edge drafting time between rounds.
 set -euo pipefail
 out=${1:?usage: tools/load_sweep.sh OUT_DIR [DTYPE] [SESSIONS] [PROMPT_CAP] [OUTPUT_CAP]}
 dtype=${2:-bfloat16}
 sessions=${3:-1 4 8 16}
 prompt_cap=${4:-48}
 output_cap=${5:-32}
+think_scale=${6:-0}
 py=${PY:-.venv/bin/python}
 mkdir -p "$out"
 
@@ -24,8 +27,8 @@ run_config() {  # name, verifier flags, loadtest mode
     address=$(grep -o "serving .* on [0-9.]*:[0-9]*" "$log" | grep -o "[0-9.]*:[0-9]*$")
     http=$(grep -o "http on [0-9.]*:[0-9]*" "$log" | grep -o "[0-9.]*:[0-9]*$")
     for n in $sessions; do
-        # --scale 0: every session arrives at once; copies of the ten traces, cut to n sessions.
-        $py -m bench.loadtest --cloud "$address" --mode "$mode" --scale 0 --sessions $(( (n + 9) / 10 )) \
+        # --scale 0.001: every session arrives at once; copies of the ten traces, cut to n sessions.
+        $py -m bench.loadtest --cloud "$address" --mode "$mode" --scale 0.001 --think-scale "$think_scale" --sessions $(( (n + 9) / 10 )) \
             --max-sessions "$n" --max-prompt-tokens "$prompt_cap" --max-output-tokens "$output_cap" \
             --metrics-url "http://$http/metrics" --no-progress --output "$out/$name.n$n.json"
         echo "$name n=$n done" >&2
