@@ -9,7 +9,7 @@ set -euo pipefail
 out=${1:?usage: tools/load_sweep.sh OUT_DIR [DTYPE] [SESSIONS] [PROMPT_CAP] [OUTPUT_CAP]}
 dtype=${2:-bfloat16}
 sessions=${3:-1 4 8 16}
-prompt_cap=${4:-48}
+prompt_cap=${4:-48}  # "none": the recorded prompts as they are (their drafts stay valid)
 output_cap=${5:-32}
 think_scale=${6:-0}
 py=${PY:-.venv/bin/python}
@@ -28,8 +28,10 @@ run_config() {  # name, verifier flags, loadtest mode
     http=$(grep -o "http on [0-9.]*:[0-9]*" "$log" | grep -o "[0-9.]*:[0-9]*$")
     for n in $sessions; do
         # --scale 0.001: every session arrives at once; copies of the ten traces, cut to n sessions.
+        local caps=(--max-output-tokens "$output_cap")
+        [ "$prompt_cap" = none ] || caps+=(--max-prompt-tokens "$prompt_cap")
         $py -m bench.loadtest --cloud "$address" --mode "$mode" --scale 0.001 --think-scale "$think_scale" --sessions $(( (n + 9) / 10 )) \
-            --max-sessions "$n" --max-prompt-tokens "$prompt_cap" --max-output-tokens "$output_cap" \
+            --max-sessions "$n" "${caps[@]}" \
             --metrics-url "http://$http/metrics" --no-progress --output "$out/$name.n$n.json"
         echo "$name n=$n done" >&2
     done
@@ -37,6 +39,6 @@ run_config() {  # name, verifier flags, loadtest mode
 }
 
 run_config spec_batched "" speculative
-run_config spec_unbatched "--max-batch-size 1" speculative
+[ -n "${SKIP_UNBATCHED:-}" ] || run_config spec_unbatched "--max-batch-size 1" speculative
 run_config cloud_only_batched "" cloud_only
 $py tools/load_table.py "$out"
