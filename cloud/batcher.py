@@ -53,10 +53,6 @@ class ForwardBatcher:
         self._runner: asyncio.Task[None] | None = None
         self._batch_ms = 0.0  # moving average of recent batches, for the retry hint
 
-    @property
-    def queue_depth(self) -> int:
-        return len(self._waiting)
-
     async def submit(self, owner: str, tokens: int, begin: Callable[[], ForwardStep[R]]) -> R:
         """Run begin() and its forward pass in the next batch with room; the step's result."""
         if len(self._waiting) >= self.limits.max_queue:
@@ -143,7 +139,8 @@ class ForwardBatcher:
                 began.append(index)
             except Exception as err:  # a bad request fails alone, never its batch
                 results[index] = err
-        self.metrics.batch_size.observe(len(steps))
+        if steps:
+            self.metrics.batch_size.observe(len(steps))
         for index, result in zip(began, self.verifier.run_batch(steps), strict=True):
             results[index] = result
         return results

@@ -158,10 +158,7 @@ class Verifier:
 
     def verify(self, req: VerifyRequest, queue_ms: float = 0.0) -> VerifyResult:
         """One round on its own: begin, one forward pass, finish."""
-        result = self.run_batch([(self.begin_verify(req), queue_ms)])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return self._run_alone(self.begin_verify(req), queue_ms)
 
     def begin_verify(self, req: VerifyRequest) -> ForwardStep[VerifyResult]:
         """Validate a round against its session and reserve its KV; the forward pass comes
@@ -251,10 +248,13 @@ class Verifier:
         """Target-only decoding, one forward pass per token, unbatched."""
         stream = self.open_generate(req)
         while not stream.finished:
-            chunk = self.run_batch([(stream.begin_step(), 0.0)])[0]
-            if isinstance(chunk, BaseException):
-                raise chunk
-            yield chunk
+            yield self._run_alone(stream.begin_step(), 0.0)
+
+    def _run_alone(self, step: ForwardStep[R], queue_ms: float) -> R:
+        result = self.run_batch([(step, queue_ms)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result  # type: ignore[no-any-return]  # run_batch returns the step's own result
 
 
 R = TypeVar("R")

@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from cloud.grpc_server import create_server
+from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
 from edge.client import VerifierClient
 from edge.drafter import Drafter, DrafterConfig
@@ -22,17 +23,24 @@ GREEDY = SamplingParams()
 
 
 @asynccontextmanager
-async def running_verifier(model: PreTrainedModel, limits: VerifierLimits | None = None,
-                           ) -> AsyncIterator[tuple[VerifierClient, Verifier]]:
-    verifier = Verifier(model, "tiny-target", limits)
-    server, port = create_server(verifier, "127.0.0.1:0")
+async def serving(state: ServerState, verify_timeout_s: float = 10) -> AsyncIterator[VerifierClient]:
+    """A real grpc.aio server for `state` on a loopback port 0, and a client of it."""
+    server, port = create_server(state, "127.0.0.1:0")
     await server.start()
-    client = VerifierClient(f"127.0.0.1:{port}", verify_timeout_s=10)
+    client = VerifierClient(f"127.0.0.1:{port}", verify_timeout_s=verify_timeout_s)
     try:
-        yield client, verifier
+        yield client
     finally:
         await client.close()
         await server.stop(None)
+
+
+@asynccontextmanager
+async def running_verifier(model: PreTrainedModel, limits: VerifierLimits | None = None,
+                           ) -> AsyncIterator[tuple[VerifierClient, Verifier]]:
+    verifier = Verifier(model, "tiny-target", limits)
+    async with serving(ServerState.for_verifier(verifier)) as client:
+        yield client, verifier
 
 
 def random_prompt(seed: int, length: int = 8, vocab: int = 96) -> list[int]:

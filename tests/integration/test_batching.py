@@ -10,7 +10,6 @@ import grpc
 import pytest
 
 from cloud.batcher import BatchLimits
-from cloud.grpc_server import create_server
 from cloud.sessions import SessionLimits
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
@@ -20,7 +19,7 @@ from edge.kpolicy import FixedK
 from shared import lm
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
-from tests.harness import gen_config, make_drafter, random_prompt
+from tests.harness import gen_config, make_drafter, random_prompt, serving
 
 PROMPTS = [random_prompt(seed, length=3 + seed % 7) for seed in range(100, 108)]
 NEW_TOKENS = 24
@@ -30,14 +29,8 @@ NEW_TOKENS = 24
 async def batching_verifier(model, batch: BatchLimits, limits: VerifierLimits | None = None,  # type: ignore[no-untyped-def]
                             ) -> AsyncIterator[tuple[VerifierClient, ServerState]]:
     state = ServerState.for_verifier(Verifier(model, "tiny-target", limits), batch)
-    server, port = create_server(state, "127.0.0.1:0")
-    await server.start()
-    client = VerifierClient(f"127.0.0.1:{port}", verify_timeout_s=30)
-    try:
+    async with serving(state, verify_timeout_s=30) as client:
         yield client, state
-    finally:
-        await client.close()
-        await server.stop(None)
 
 
 def _alone(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:  # type: ignore[no-untyped-def]
