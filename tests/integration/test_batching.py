@@ -150,7 +150,9 @@ def test_refused_round_carries_retry_hint_over_the_wire(target_model) -> None:
     from shared.pb import verifier_pb2_grpc as pb_grpc
 
     async def run() -> None:
-        async with batching_verifier(target_model, BatchLimits(max_batch_size=1, max_batch_wait_ms=50, max_queue=1)) as (
+        # The first round waits 500 ms for company in a queue of one: the others arrive meanwhile
+        # (loopback) and find it full, however slow the machine.
+        async with batching_verifier(target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=500, max_queue=1)) as (
                 client, _):
             opened = [await client.open_session(OpenSessionRequest(p, SessionConfig(vocab_size=96))) for p in PROMPTS[:4]]
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
