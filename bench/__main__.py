@@ -45,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, required=True, help="result JSON; logs and raw JSONL go to OUTPUT_files/")
     p.add_argument("--report", type=Path, help="folder for report.md and the PNG plots")
     p.add_argument("--quick", action="store_true", help="smoke run on tiny random models (fp32, few tokens)")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated; default: %(default)s")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="comma-separated; NAME@0 runs a wire system at RTT 0 only (NAME@0/50: at those); "
+                        "default: %(default)s")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="an extra edge-agent system, e.g. 'k8=--k 8' or 'cost=--k-policy cost' (repeatable)")
     p.add_argument("--prompts", type=Path, help="JSONL of prompts (edge-agent's format); default: Spec-Bench")
@@ -112,7 +114,8 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         raise ConfigError("--max-new-tokens must be at least 1")
     if args.k is not None and args.k < 0:
         raise ConfigError("--k must be at least 0")
-    systems = resolve_systems([s.strip() for s in args.systems.split(",") if s.strip()], args.variant)
+    rtts_ms = _floats(args.rtt_ms or ("0" if args.quick else "0,50"), "--rtt-ms")
+    systems = resolve_systems([s.strip() for s in args.systems.split(",") if s.strip()], args.variant, rtts_ms)
     if not systems:
         raise ConfigError("--systems: nothing to run")
     files = args.output.parent / f"{args.output.stem}_files"
@@ -121,7 +124,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         # Tiny random models, rebuilt per run: seconds, and no download.
         draft, target = save_pair(files / "tiny_models")
     return BenchSettings(
-        systems=systems, rtts_ms=_floats(args.rtt_ms or ("0" if args.quick else "0,50"), "--rtt-ms"),
+        systems=systems, rtts_ms=rtts_ms,
         placements=_placements(args), output=args.output, report=args.report,
         draft_model=Path(draft) if draft else Path(model_folder(None, DRAFT_MODEL)),
         target_model=Path(target) if target else Path(model_folder(None, TARGET_MODEL)),

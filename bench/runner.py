@@ -206,12 +206,12 @@ class BenchRunner:
                 pid, address = stack.enter_context(self.verifier(placement))
                 for rtt in self.s.rtts_ms:
                     with self.link(address, rtt) as cloud:
-                        for system in wire:
+                        for system in (s for s in wire if s.runs_at(rtt)):
                             log(f"{system.name} ({placement.name}, +{rtt:g} ms RTT)")
                             runs.append(self.run_edge(system, placement, rtt, cloud, pid))
         return runs
 
     def total_prompt_runs(self) -> int:
-        wire = sum(1 for s in self.s.systems if s.crosses_wire)
-        local = len(self.s.systems) - wire
-        return len(self.s.placements) * (local + wire * len(self.s.rtts_ms)) * len(self.prompts)
+        local = sum(1 for s in self.s.systems if not s.crosses_wire)
+        wire = sum(1 for s in self.s.systems if s.crosses_wire for rtt in self.s.rtts_ms if s.runs_at(rtt))
+        return len(self.s.placements) * (local + wire) * len(self.prompts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass
 from enum import Enum
@@ -20,10 +21,14 @@ class System:
     name: str
     kind: Kind
     edge_flags: tuple[str, ...] = ()
+    only_rtts_ms: tuple[float, ...] | None = None  # a wire system run at these RTTs only (name@0/50)
 
     @property
     def crosses_wire(self) -> bool:
         return self.kind is Kind.WIRE
+
+    def runs_at(self, rtt_ms: float) -> bool:
+        return self.only_rtts_ms is None or rtt_ms in self.only_rtts_ms
 
 
 TARGET_ONLY = "target-only"
@@ -60,13 +65,30 @@ def parse_variant(spec: str) -> System:
     return System(name, Kind.EDGE_LOCAL if edge_only else Kind.WIRE, args)
 
 
-def resolve_systems(names: list[str], variants: list[str]) -> list[System]:
+def _restrict_rtts(spec: str, rtts_ms: list[float]) -> System:
+    """`name` or `name@r1/r2`: a built-in system, a wire one optionally at some RTTs only (so a
+    run can add rows at RTT 0 without paying for them at every RTT)."""
+    name, sep, rtts = spec.partition("@")
+    if name not in BUILT_IN:
+        raise ConfigError(f"--systems: unknown {name} (known: {', '.join(BUILT_IN)}; others via --variant NAME=flags)")
+    system = BUILT_IN[name]
+    if not sep:
+        return system
+    if not system.crosses_wire:
+        raise ConfigError(f"--systems {spec}: {name} does not cross the network, it has no RTT")
+    try:
+        only = tuple(float(r) for r in rtts.split("/"))
+    except ValueError:
+        raise ConfigError(f"--systems {spec}: expected {name}@RTT[/RTT...] in ms") from None
+    missing = [r for r in only if r not in rtts_ms]
+    if missing:
+        raise ConfigError(f"--systems {spec}: RTT {missing[0]:g} ms is not in --rtt-ms")
+    return dataclasses.replace(system, only_rtts_ms=only)
+
+
+def resolve_systems(names: list[str], variants: list[str], rtts_ms: list[float]) -> list[System]:
     """The systems to run, in the order given, then the variants."""
-    unknown = [n for n in names if n not in BUILT_IN]
-    if unknown:
-        raise ConfigError(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(BUILT_IN)}; "
-                          "others via --variant NAME=flags)")
-    chosen = [BUILT_IN[n] for n in dict.fromkeys(names)] + [parse_variant(v) for v in variants]
+    chosen = [_restrict_rtts(n, rtts_ms) for n in dict.fromkeys(names)] + [parse_variant(v) for v in variants]
     seen: set[str] = set()
     for system in chosen:
         if system.name in seen:

@@ -95,7 +95,17 @@ def test_variants_and_systems() -> None:
         with pytest.raises(ConfigError):
             parse_variant(bad)
     with pytest.raises(ConfigError, match="unknown"):
-        resolve_systems(["speculative", "nope"], [])
+        resolve_systems(["speculative", "nope"], [], [0.0])
+
+
+def test_a_wire_system_can_be_limited_to_some_rtts() -> None:
+    cloud, ngram = resolve_systems(["cloud_only", "ngram@0"], [], [0.0, 50.0])
+    assert cloud.only_rtts_ms is None and cloud.runs_at(0.0) and cloud.runs_at(50.0)
+    assert ngram.only_rtts_ms == (0.0,) and ngram.runs_at(0.0) and not ngram.runs_at(50.0)
+    assert ngram.edge_flags == ("--drafter", "ngram", "--filler-top-k", "1")
+    for bad, why in (("target-only@0", "has no RTT"), ("ngram@20", "not in --rtt-ms"), ("ngram@fast", "expected")):
+        with pytest.raises(ConfigError, match=why):
+            resolve_systems([bad], [], [0.0, 50.0])
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
