@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on a server or in CI
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 
 def fmt(value: Any, digits: int = 2) -> str:
@@ -102,8 +103,14 @@ def plot_tokens_per_s(runs: Sequence[dict[str, Any]], placements: int, path: Pat
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(runs) + 2), 4.2))
     names = [label(r, placements) for r in runs]
     values = [r["summary"]["tokens_per_s"] or 0.0 for r in runs]
-    colors = ["#888888" if r["rtt_ms"] is None else f"C{int(r['rtt_ms']) % 10 if r['rtt_ms'] else 0}" for r in runs]
+    # One colour per link (grey: no network), so +0 and +50 ms rows are told apart at a glance.
+    links = sorted({r["rtt_ms"] for r in runs if r["rtt_ms"] is not None})
+    colors = ["#888888" if r["rtt_ms"] is None else f"C{links.index(r['rtt_ms']) % 10}" for r in runs]
     ax.bar(range(len(runs)), values, color=colors)
+    handles = [Patch(color=f"C{i % 10}", label=f"+{rtt:g} ms RTT") for i, rtt in enumerate(links)]
+    if any(r["rtt_ms"] is None for r in runs):
+        handles.insert(0, Patch(color="#888888", label="no network"))
+    ax.legend(handles=handles, fontsize=8)
     ax.set_xticks(range(len(runs)), names, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("output tokens / s (end to end)")
     ax.set_title(f"tokens/s by system and RTT\n{machine}", fontsize=9)
