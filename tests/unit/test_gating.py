@@ -79,7 +79,12 @@ def test_drafter_ends_the_block_at_a_hard_token(draft_model) -> None:
     drafter.sync(random_prompt(4))
     full = drafter.propose(8)
     assert len(full) == 8 and len(full.signals) == 8
+    # The two largest NLLs are "hard". The threshold sits midway to the third largest, not on it:
+    # the second pass reuses the synced cache, and a float-level difference on a value equal to
+    # the threshold would flip a strict comparison.
+    nlls = sorted(x.nll for x in full.signals)
+    threshold = (nlls[-2] + nlls[-3]) / 2
     drafter.sync(random_prompt(4))
-    flagged = drafter.propose(8, stop_after=lambda s: s.nll > sorted(x.nll for x in full.signals)[-3])
-    first_hard = next(i for i, s in enumerate(full.signals) if s.nll > sorted(x.nll for x in full.signals)[-3])
+    flagged = drafter.propose(8, stop_after=lambda s: s.nll > threshold)
+    first_hard = next(i for i, s in enumerate(full.signals) if s.nll > threshold)
     assert flagged.token_ids == full.token_ids[: first_hard + 1]
