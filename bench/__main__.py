@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated; NAME@0 runs a wire system at RTT 0 only (NAME@0/50: at those); "
                         "default: %(default)s")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="an extra edge-agent system, e.g. 'k8=--k 8' or 'cost=--k-policy cost' (repeatable)")
+                   help="an extra edge-agent system, e.g. 'k8=--k 8' or 'cost@0=--k-policy cost' "
+                        "(NAME@0: at RTT 0 only; repeatable)")
     p.add_argument("--prompts", type=Path, help="JSONL of prompts (edge-agent's format); default: Spec-Bench")
     p.add_argument("--per-task", type=int, help="prompts per task: the shortest of each, round-robin over its labels "
                    "(default 3 for Spec-Bench, all prompts of a --prompts file)")

@@ -51,10 +51,10 @@ BUILT_IN: dict[str, System] = {s.name: s for s in (
 DEFAULT_SYSTEMS = (TARGET_ONLY, HF_ASSISTED, "edge_only", CLOUD_ONLY, "speculative")
 
 
-def parse_variant(spec: str) -> System:
-    """NAME=edge-agent flags; a variant with --mode edge_only needs no verifier."""
-    name, sep, flags = spec.partition("=")
-    name = name.strip()
+def parse_variant(spec: str, rtts_ms: list[float]) -> System:
+    """NAME=edge-agent flags (NAME@0=... at RTT 0 only); a variant with --mode edge_only needs no verifier."""
+    label, sep, flags = spec.partition("=")
+    name = label.partition("@")[0].strip()
     if not sep or not name:
         raise ConfigError(f"--variant {spec!r}: expected NAME=edge-agent flags")
     if name in BUILT_IN:
@@ -62,16 +62,20 @@ def parse_variant(spec: str) -> System:
     args = tuple(shlex.split(flags))
     edge_only = any(a == "edge_only" and i > 0 and args[i - 1] == "--mode" for i, a in enumerate(args)) \
         or "--mode=edge_only" in args
-    return System(name, Kind.EDGE_LOCAL if edge_only else Kind.WIRE, args)
+    return _restrict_rtts(label.strip(), System(name, Kind.EDGE_LOCAL if edge_only else Kind.WIRE, args), rtts_ms)
 
 
-def _restrict_rtts(spec: str, rtts_ms: list[float]) -> System:
-    """`name` or `name@r1/r2`: a built-in system, a wire one optionally at some RTTs only (so a
-    run can add rows at RTT 0 without paying for them at every RTT)."""
-    name, sep, rtts = spec.partition("@")
+def _built_in(spec: str, rtts_ms: list[float]) -> System:
+    name = spec.partition("@")[0]
     if name not in BUILT_IN:
         raise ConfigError(f"--systems: unknown {name} (known: {', '.join(BUILT_IN)}; others via --variant NAME=flags)")
-    system = BUILT_IN[name]
+    return _restrict_rtts(spec, BUILT_IN[name], rtts_ms)
+
+
+def _restrict_rtts(spec: str, system: System, rtts_ms: list[float]) -> System:
+    """`name` or `name@r1/r2`: a wire system optionally at some RTTs only (so a run can add
+    rows at RTT 0 without paying for them at every RTT)."""
+    name, sep, rtts = spec.partition("@")
     if not sep:
         return system
     if not system.crosses_wire:
@@ -88,7 +92,7 @@ def _restrict_rtts(spec: str, rtts_ms: list[float]) -> System:
 
 def resolve_systems(names: list[str], variants: list[str], rtts_ms: list[float]) -> list[System]:
     """The systems to run, in the order given, then the variants."""
-    chosen = [_restrict_rtts(n, rtts_ms) for n in dict.fromkeys(names)] + [parse_variant(v) for v in variants]
+    chosen = [_built_in(n, rtts_ms) for n in dict.fromkeys(names)] + [parse_variant(v, rtts_ms) for v in variants]
     seen: set[str] = set()
     for system in chosen:
         if system.name in seen:

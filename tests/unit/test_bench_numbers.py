@@ -89,11 +89,14 @@ def test_selection_keeps_a_short_task_whole_and_puts_unknown_labels_last() -> No
 
 
 def test_variants_and_systems() -> None:
-    assert parse_variant("solo=--mode edge_only --k 2").kind is Kind.EDGE_LOCAL
-    assert parse_variant("k8=--k 8 --k-policy fixed").edge_flags == ("--k", "8", "--k-policy", "fixed")
-    for bad in ("noflags", "=--k 2", "speculative=--k 2"):
+    assert parse_variant("solo=--mode edge_only --k 2", [0.0]).kind is Kind.EDGE_LOCAL
+    assert parse_variant("k8=--k 8 --k-policy fixed", [0.0]).edge_flags == ("--k", "8", "--k-policy", "fixed")
+    assert parse_variant("k8=--k 8", [0.0, 50.0]).runs_at(50.0)
+    at_zero = parse_variant("loose@0=--drafter hybrid --hybrid-min-count 1", [0.0, 50.0])
+    assert at_zero.name == "loose" and at_zero.runs_at(0.0) and not at_zero.runs_at(50.0)
+    for bad in ("noflags", "=--k 2", "speculative=--k 2", "@0=--k 2", "k8@20=--k 8", "solo@0=--mode edge_only"):
         with pytest.raises(ConfigError):
-            parse_variant(bad)
+            parse_variant(bad, [0.0, 50.0])
     with pytest.raises(ConfigError, match="unknown"):
         resolve_systems(["speculative", "nope"], [], [0.0])
 
