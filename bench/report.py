@@ -13,6 +13,8 @@ matplotlib.use("Agg")  # files only: no display on a server or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from bench.systems import CLOUD_ONLY  # noqa: E402
+
 
 def fmt(value: Any, digits: int = 2) -> str:
     if value is None:
@@ -84,6 +86,26 @@ def task_table(runs: Sequence[dict[str, Any]]) -> str:
             rows.append([run["system"], run["placement"], where(run), task, str(s["requests"]), fmt(s["tokens_per_s"]),
                          fmt(s["tau"]), fmt(s["acceptance_rate"]), fmt(s["target_passes_per_token"], 3)])
     return _table(header, rows)
+
+
+def round_time_table(runs: Sequence[dict[str, Any]]) -> str:
+    """The profile of a round beside cloud_only's decode step on the same link: when verifying a
+    position costs about one decode step, a round of k drafts costs about k + 1 steps."""
+    step_ms = {(r["placement"], r["rtt_ms"]): 1000 / r["summary"]["decode_tokens_per_s"] for r in runs
+               if r["system"] == CLOUD_ONLY and r["summary"]["decode_tokens_per_s"]}
+    header = ["system", "placement", "link", "tau", "draft ms / round", "verifier ms / round", "wire ms / round",
+              "verifier ms / position", "cloud_only ms / token", "position / cloud_only token"]
+    rows = []
+    for run in runs:
+        s = run["summary"]
+        if s.get("round_verify_ms") is None:
+            continue
+        step = step_ms.get((run["placement"], run["rtt_ms"]))
+        per_position = s["verify_ms_per_position"]
+        rows.append([run["system"], run["placement"], where(run), fmt(s["tau"]), fmt(s["round_draft_ms"], 0),
+                     fmt(s["round_verify_ms"], 0), fmt(s["round_wire_ms"], 0), fmt(per_position, 0), fmt(step, 0),
+                     fmt(per_position / step if step else None)])
+    return _table(header, rows) if rows else "No timed rounds in this run.\n"
 
 
 def position_table(runs: Sequence[dict[str, Any]]) -> str:
@@ -189,6 +211,11 @@ def write_report(result: dict[str, Any], folder: Path) -> Path:
         "\nPeak RSS: the measured process (edge-agent or the in-process runner) by wait4, and the verifier's "
         "VmHWM over that run. Peak KV: the target's cache.\n",
         "## Speedups (tokens/s ratios, same run)\n", ratio_table(runs),
+        "## Where a round's time goes\n",
+        "Mean per verified round, from the edge's round log: drafting, the verifier's own time (queue, one "
+        "forward, accept) and the rest of the Verify call (wire, serialization, added RTT). The last columns "
+        "set the verifier's time per verified position beside one cloud_only decode step on the same link.\n",
+        round_time_table(runs),
         "## Acceptance per draft position\n", position_table(runs),
         "## Per task\n", task_table(runs),
         "## Plots\n", "![tokens/s](tokens_per_s.png)\n", "![tau and acceptance](acceptance.png)\n",

@@ -49,6 +49,26 @@ def acceptance_by_position(rounds: Sequence[dict[str, Any]]) -> list[float]:
     return rates
 
 
+ROUND_TIME_FIELDS = ("round_draft_ms", "round_verify_ms", "round_wire_ms", "verify_ms_per_position")
+
+
+def round_time(rounds: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """Where a verified round's time goes (the profile behind the speedups), mean ms per round:
+    drafting on the edge, the verifier's own time (queue, forward, accept) and the rest of the
+    Verify call (wire, serialization, added RTT). Per position: the verifier's ms over the rows
+    it verified (block + the last committed token), to set beside one decode step."""
+    timed = [r for r in rounds if not r.get("local", False) and "cloud_verify_ms" in r]
+    if not timed:
+        return dict.fromkeys(ROUND_TIME_FIELDS)
+    verify_ms = sum(r["cloud_verify_ms"] for r in timed)
+    return {
+        "round_draft_ms": sum(r["edge_time_ms"] for r in timed) / len(timed),
+        "round_verify_ms": verify_ms / len(timed),
+        "round_wire_ms": sum(r["rtt_ms"] - r["cloud_verify_ms"] for r in timed) / len(timed),
+        "verify_ms_per_position": verify_ms / sum(int(r["k"]) + 1 for r in timed),
+    }
+
+
 def summarize(records: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """One run (or one task of it): totals-based rates, p50/p95 of the latencies."""
     tokens = sum(len(r["token_ids"]) for r in records)
@@ -84,7 +104,7 @@ def summarize(records: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]
         "verify_bytes_up_per_drafted_token": ratio(sum(r.get("verify_bytes_up", 0) for r in records), drafted),
         "thrown_away_per_token": ratio(thrown, tokens),
         "kv_peak_bytes": max((r["kv_peak_bytes"] for r in records if r.get("kv_peak_bytes") is not None), default=None),
-    }
+    } | round_time(rounds)
 
 
 def identical_count(records: Sequence[dict[str, Any]], reference: dict[str, list[int]]) -> int:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from bench.__main__ import main
-from bench.summarize import acceptance_by_position, identical_count, percentile, summarize
+from bench.report import round_time_table
+from bench.summarize import acceptance_by_position, identical_count, percentile, round_time, summarize
 from bench.systems import Kind, parse_variant, resolve_systems
 from bench.tasks import TASKS, select_per_task, spec_bench_path, task_of
 from edge.prompts import Prompt, read_prompts
@@ -29,6 +30,32 @@ def test_acceptance_by_position_counts_rounds_that_drafted_each_position() -> No
               {"k": 4, "accepted_len": 4, "local": True}]  # a local (lossy) block never reached the cloud
     assert acceptance_by_position(rounds) == pytest.approx([2 / 3, 1 / 2, 0 / 1])
     assert acceptance_by_position([]) == []
+
+
+def test_round_time_splits_a_round_into_drafting_verifier_and_wire() -> None:
+    rounds = [{"k": 4, "accepted_len": 2, "edge_time_ms": 300.0, "cloud_verify_ms": 900.0, "rtt_ms": 960.0},
+              {"k": 2, "accepted_len": 2, "edge_time_ms": 100.0, "cloud_verify_ms": 500.0, "rtt_ms": 600.0},
+              {"k": 8, "accepted_len": 8, "local": True, "edge_time_ms": 1.0, "cloud_verify_ms": 0.0, "rtt_ms": 0.0},
+              {"k": 3, "accepted_len": 1}]  # hf-assisted's rounds carry no times
+    profile = round_time(rounds)
+    assert profile["round_draft_ms"] == pytest.approx(200.0)
+    assert profile["round_verify_ms"] == pytest.approx(700.0)
+    assert profile["round_wire_ms"] == pytest.approx(80.0)
+    assert profile["verify_ms_per_position"] == pytest.approx(1400.0 / 8)  # (4 + 1) + (2 + 1) rows verified
+    assert set(round_time([{"k": 3, "accepted_len": 1}]).values()) == {None}
+    assert summarize([_record(4, 2, 6, 4, 2, 1.0, 0.1)], rounds)["round_verify_ms"] == pytest.approx(700.0)
+
+
+def test_round_time_table_sets_a_position_beside_cloud_only_on_the_same_link() -> None:
+    def run(system: str, rtt: float, **summary: float | None) -> dict[str, object]:
+        return {"system": system, "placement": "unpinned", "rtt_ms": rtt, "kind": "wire", "summary": summary}
+    runs = [run("cloud_only", 0.0, decode_tokens_per_s=4.0, round_verify_ms=None),
+            run("cloud_only", 50.0, decode_tokens_per_s=2.0, round_verify_ms=None),
+            run("speculative", 50.0, tau=3.0, round_draft_ms=300.0, round_verify_ms=1000.0, round_wire_ms=60.0,
+                verify_ms_per_position=250.0)]
+    rows = [line for line in round_time_table(runs).splitlines() if line.startswith("| speculative")]
+    assert len(rows) == 1 and rows[0].endswith("| 250 | 500 | 0.50 |")  # the +50 ms cloud_only step, not +0's
+    assert "No timed rounds" in round_time_table(runs[:2])
 
 
 def _record(tokens: int, rounds: int, drafted: int, accepted: int, passes: int, elapsed: float, ttft: float,
