@@ -20,6 +20,23 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# The instructions that decide how a bf16 matmul scales with its rows on a CPU: without
+# avx512_bf16 / amx_bf16 a bf16 row costs the same alone or shared, with them a block of k
+# rows costs about one row (machines of the same name differ here, so results name them).
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def _matmul_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in MATMUL_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def _memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -33,6 +50,7 @@ def _memory_gib() -> float | None:
 def machine() -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu_model": _cpu_model(), "cores": cores, "memory_gib": _memory_gib(),
+            "cpu_flags": " ".join(_matmul_flags()) or "none of " + " ".join(MATMUL_FLAGS),
             "platform": platform.platform(), "hostname": platform.node()}
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench import environment
 from bench.loadtest_replay import LoadClock, SessionOutcome
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,14 +32,12 @@ def percentiles(values: list[float], qs: tuple[int, ...] = (50, 95, 99)) -> dict
 
 
 def machine() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except OSError:
-            return ""
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "git_commit": git("rev-parse", "HEAD") or "unknown", "git_dirty": bool(git("status", "--porcelain"))}
+    """The bench's machine facts (CPU model and the matmul instructions among them), the
+    CPU count and the commit."""
+    git = environment.git_state(REPO)
+    return environment.machine() | {
+        "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "python": platform.python_version(), "git_commit": git["commit"] or "unknown", "git_dirty": bool(git["dirty"])}
 
 
 def _open_sessions_at(changes: list[tuple[float, int]], times: list[float]) -> list[int]:
@@ -127,7 +125,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Arrivals: {s['arrivals']}; scale {s['scale']}; think-time scale {s['think_scale']}; "
         f"caps: prompt {_cell(s['max_prompt_tokens'])}, output {_cell(s['max_output_tokens'])} tokens, "
         f"sessions {_cell(s['max_sessions'])}, duration {_cell(s['duration'])} s; verifier {s['cloud']}.",
-        f"Machine: {result['machine']['platform']}, {result['machine']['cpu_count']} CPUs, "
+        f"Machine: {result['machine']['platform']}, {result['machine']['cpu_count']} CPUs "
+        f"({result['machine'].get('cpu_flags', 'flags not recorded')}), "
         f"commit {result['machine']['git_commit'][:12]}{' (dirty)' if result['machine']['git_dirty'] else ''}.",
         "",
         "| metric | value |",

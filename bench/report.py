@@ -181,7 +181,8 @@ def write_report(result: dict[str, Any], folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     runs, m, v, st = result["runs"], result["machine"], result["versions"], result["settings"]
     placements = len(st["placements"])
-    machine = f"{m['cpu_model']}, {m['cores']} cores, {fmt(m['memory_gib'], 0)} GiB"
+    flags = f" ({m['cpu_flags']})" if m.get("cpu_flags") else ""
+    machine = f"{m['cpu_model']}{flags}, {m['cores']} cores, {fmt(m['memory_gib'], 0)} GiB"
     plot_tokens_per_s(runs, placements, folder / "tokens_per_s.png", machine)
     plot_acceptance(runs, placements, folder / "acceptance.png", machine)
     plot_latency_cdf(runs, placements, folder / "latency_cdf.png", machine)
