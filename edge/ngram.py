@@ -155,7 +155,7 @@ class HybridDrafter:
     """Per position: the n-gram proposal when its context order and count pass the
     thresholds, the draft model's otherwise. n-gram tokens are points (q = 1)."""
 
-    def __init__(self, model: Drafter, ngram: NGramDrafter, min_order: int = 2, min_count: float = 2.0) -> None:
+    def __init__(self, model: Drafter, ngram: NGramDrafter, min_order: int = 3, min_count: float = 1.0) -> None:
         self.model, self.ngram = model, ngram
         self.min_order, self.min_count = min_order, min_count
         self.filler_top_k = ngram.filler_top_k
