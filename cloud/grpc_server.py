@@ -106,8 +106,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
         async def call() -> pb.OpenSessionResponse:
             req = wire.open_request_from_pb(request)
-            verifier, _ = self.state.verifier_for(new_session=True)
-            return wire.open_result_to_pb(await self.state.worker.run(verifier.open_session, req))
+            verifier, batcher = self.state.verifier_for(new_session=True)
+            # The prefill is one more step for the batcher: rounds of open sessions share its forward pass.
+            result = await batcher.submit(uuid.uuid4().hex, len(req.prompt_tokens), lambda: verifier.begin_open(req))
+            return wire.open_result_to_pb(result)
         return await _translated(context, self._call("OpenSession", request), call())
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:

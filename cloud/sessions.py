@@ -104,6 +104,10 @@ class SessionStore:
         del self._sessions[session_id]
         return session
 
+    def discard(self, session_id: str) -> None:
+        """Drop a session if it is still here (a prefill that failed, or one evicted meanwhile)."""
+        self._sessions.pop(session_id, None)
+
     def _evict_one(self, keep: str | None) -> bool:
         for sid in self._sessions:
             if sid != keep:

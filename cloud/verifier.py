@@ -135,20 +135,31 @@ class Verifier:
     # ---- sessions ---------------------------------------------------------------------
 
     def open_session(self, req: OpenSessionRequest) -> OpenSessionResult:
+        """Prefill on its own: begin, one forward pass, finish."""
+        return self._run_alone(self.begin_open(req), 0.0)
+
+    def begin_open(self, req: OpenSessionRequest) -> ForwardStep[OpenSessionResult]:
+        """Validate a new session and hold its KV; its prefill is a forward step like a round's,
+        so it can share a forward pass with other sessions' rounds and prefills instead of
+        making them queue behind it. The session is stored at once, so the KV cap counts it
+        while its prefill waits; its id reaches the client only after the prefill."""
         vocab = self._check_config(req.config)
         self._check_prompt(req.prompt_tokens, vocab)
         start = time.perf_counter()
-        session_id = self.sessions.new_id()
         self.sessions.reserve(len(req.prompt_tokens))
-        cache = lm.new_cache(self.model)
-        if len(req.prompt_tokens) > 1:
-            lm.forward(self.model, cache, req.prompt_tokens[:-1], keep=1)
-            self.forward_passes += 1
-        generator = torch.Generator().manual_seed(req.config.seed)
         now = self.sessions.clock()
-        self.sessions.add(Session(session_id, req.config, list(req.prompt_tokens), cache, generator, now, now))
-        return OpenSessionResult(session_id, len(req.prompt_tokens), self.limits.max_draft_tokens,
-                                 vocab, _ms_since(start), self.model_id)
+        generator = torch.Generator().manual_seed(req.config.seed)
+        session = Session(self.sessions.new_id(), req.config, list(req.prompt_tokens), lm.new_cache(self.model),
+                          generator, now, now)
+        self.sessions.add(session)
+
+        def finish(logits: torch.Tensor, forward_ms: float, queue_ms: float) -> OpenSessionResult:
+            return OpenSessionResult(session.session_id, len(session.tokens), self.limits.max_draft_tokens,
+                                     vocab, _ms_since(start), self.model_id)
+
+        # The cache holds the KV of tokens[:-1]: the last prompt token is the first round's first row.
+        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, finish,
+                           lambda: self.sessions.discard(session.session_id))
 
     def close_session(self, session_id: str) -> CloseSessionResult:
         session = self.sessions.remove(session_id)
@@ -196,18 +207,21 @@ class Verifier:
         forward leaves every cache as it was."""
         if not steps:
             return []
+        fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
         forward_start = time.perf_counter()
         try:
-            logits = lm.forward_packed(self.model, [s.cache for s, _ in steps], [s.block for s, _ in steps],
-                                       [s.keep for s, _ in steps])
+            logits = lm.forward_packed(self.model, [s.cache for s in fed], [s.block for s in fed],
+                                       [s.keep for s in fed]) if fed else []
         except BaseException:
             for step, _ in steps:
                 step.undo()
             raise
         forward_ms = _ms_since(forward_start)
-        self.forward_passes += 1
+        self.forward_passes += 1 if fed else 0
+        rows_of = iter(logits)
         results: list[Any] = []
-        for (step, queue_ms), rows in zip(steps, logits, strict=True):
+        for step, queue_ms in steps:
+            rows = next(rows_of) if step.block else torch.empty(0)
             try:
                 results.append(step.finish(rows, forward_ms, queue_ms))
             except SpecDecError as err:

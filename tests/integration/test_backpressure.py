@@ -8,7 +8,7 @@ import pytest
 
 from cloud.grpc_server import create_server
 from cloud.sessions import SessionLimits
-from cloud.verifier import Verifier, VerifierLimits
+from cloud.verifier import ForwardStep, Verifier, VerifierLimits
 from edge.client import CapacityRetry, VerifierClient
 from edge.generate import TimeoutPolicy, cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK
@@ -29,11 +29,11 @@ class AdmitsAfterRejections(Verifier):
         super().__init__(*args, **kwargs)
         self.rejections = rejections
 
-    def open_session(self, req: OpenSessionRequest) -> OpenSessionResult:
+    def begin_open(self, req: OpenSessionRequest) -> ForwardStep[OpenSessionResult]:
         if self.rejections > 0:
             self.rejections -= 1
             raise CapacityExceeded("queue full", retry_after_ms=HINT_MS)
-        return super().open_session(req)
+        return super().begin_open(req)
 
 
 def test_edge_resends_after_the_retry_hint_and_output_is_unchanged(target_model, draft_model) -> None:

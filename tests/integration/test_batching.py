@@ -108,6 +108,29 @@ async def _drive(client: VerifierClient, prompt: list[int], reference: list[int]
     return tokens[len(prompt):len(prompt) + NEW_TOKENS], events
 
 
+def test_prefills_of_sessions_opened_together_share_one_forward_pass(target_model) -> None:
+    """OpenSession is a batched step too: prompts opened at once are prefilled in ONE forward
+    pass instead of queueing one behind another (a one-token prompt needs none), and every
+    session's KV is its prefill alone: its rounds commit the target's own tokens."""
+    prompts = [*PROMPTS, [5]]
+    references = [_alone(target_model, p, NEW_TOKENS + 4) for p in prompts]
+
+    async def run() -> None:
+        async with batching_verifier(target_model, BatchLimits(max_batch_size=16, max_batch_wait_ms=500)) as (
+                client, state):
+            assert state.verifier is not None
+            config = SessionConfig(vocab_size=96)
+            opened = await asyncio.gather(*[client.open_session(OpenSessionRequest(p, config)) for p in prompts])
+            assert state.verifier.forward_passes == 1
+            assert [o.position for o in opened] == [len(p) for p in prompts]
+            outcomes = await asyncio.gather(*[_drive(client, p, r, random.Random(i), o.session_id)
+                                              for i, (p, r, o) in enumerate(zip(prompts, references, opened, strict=True))])
+        for (tokens, _), reference in zip(outcomes, references, strict=True):
+            assert tokens == reference[:NEW_TOKENS]
+
+    asyncio.run(run())
+
+
 def test_past_queue_and_kv_caps_clear_errors_and_admitted_sessions_complete(target_model) -> None:
     prompts = [random_prompt(seed, length=20) for seed in range(200, 208)]
     references = [_alone(target_model, p, NEW_TOKENS + 4) for p in prompts]
