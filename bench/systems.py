@@ -62,31 +62,32 @@ def parse_variant(spec: str, rtts_ms: list[float]) -> System:
     args = tuple(shlex.split(flags))
     edge_only = any(a == "edge_only" and i > 0 and args[i - 1] == "--mode" for i, a in enumerate(args)) \
         or "--mode=edge_only" in args
-    return _restrict_rtts(label.strip(), System(name, Kind.EDGE_LOCAL if edge_only else Kind.WIRE, args), rtts_ms)
+    system = System(name, Kind.EDGE_LOCAL if edge_only else Kind.WIRE, args)
+    return _restrict_rtts("--variant", label.strip(), system, rtts_ms)
 
 
 def _built_in(spec: str, rtts_ms: list[float]) -> System:
     name = spec.partition("@")[0]
     if name not in BUILT_IN:
         raise ConfigError(f"--systems: unknown {name} (known: {', '.join(BUILT_IN)}; others via --variant NAME=flags)")
-    return _restrict_rtts(spec, BUILT_IN[name], rtts_ms)
+    return _restrict_rtts("--systems", spec, BUILT_IN[name], rtts_ms)
 
 
-def _restrict_rtts(spec: str, system: System, rtts_ms: list[float]) -> System:
+def _restrict_rtts(flag: str, spec: str, system: System, rtts_ms: list[float]) -> System:
     """`name` or `name@r1/r2`: a wire system optionally at some RTTs only (so a run can add
     rows at RTT 0 without paying for them at every RTT)."""
     name, sep, rtts = spec.partition("@")
     if not sep:
         return system
     if not system.crosses_wire:
-        raise ConfigError(f"--systems {spec}: {name} does not cross the network, it has no RTT")
+        raise ConfigError(f"{flag} {spec}: {name} does not cross the network, it has no RTT")
     try:
         only = tuple(float(r) for r in rtts.split("/"))
     except ValueError:
-        raise ConfigError(f"--systems {spec}: expected {name}@RTT[/RTT...] in ms") from None
+        raise ConfigError(f"{flag} {spec}: expected {name}@RTT[/RTT...] in ms") from None
     missing = [r for r in only if r not in rtts_ms]
     if missing:
-        raise ConfigError(f"--systems {spec}: RTT {missing[0]:g} ms is not in --rtt-ms")
+        raise ConfigError(f"{flag} {spec}: RTT {missing[0]:g} ms is not in --rtt-ms")
     return dataclasses.replace(system, only_rtts_ms=only)
 
 

@@ -39,7 +39,7 @@ class VerifierMetrics:
         positions = [float(i) for i in range(max_draft_tokens + 1)]  # one bucket per possible length
         self.draft_len = Histogram("specdec_draft_length", "k: drafted tokens per round", buckets=positions, registry=r)
         self.accepted_len = Histogram("specdec_accepted_length", "accepted drafts per round", buckets=positions, registry=r)
-        self.batch_size = Histogram("specdec_batch_size", "steps (rounds and Generate tokens) per target forward pass",
+        self.batch_size = Histogram("specdec_batch_size", "steps (rounds, prefills and Generate tokens) per target forward pass",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
         self.queue_depth = Gauge("specdec_queue_depth", "steps waiting for a forward pass", registry=r)
         self.rejected = Counter("specdec_rejected_requests", "calls refused with RESOURCE_EXHAUSTED (queue, KV or "

@@ -124,6 +124,8 @@ def test_variants_and_systems() -> None:
     for bad in ("noflags", "=--k 2", "speculative=--k 2", "@0=--k 2", "k8@20=--k 8", "solo@0=--mode edge_only"):
         with pytest.raises(ConfigError):
             parse_variant(bad, [0.0, 50.0])
+    with pytest.raises(ConfigError, match="^--variant k8@20: RTT 20 ms is not in --rtt-ms"):
+        parse_variant("k8@20=--k 8", [0.0, 50.0])
     with pytest.raises(ConfigError, match="unknown"):
         resolve_systems(["speculative", "nope"], [], [0.0])
 
