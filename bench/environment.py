@@ -10,14 +10,20 @@ from pathlib import Path
 from typing import Any
 
 
-def _cpu_model() -> str:
+def _proc_field(path: str, key: str) -> str | None:
+    """The value after `key:` on the first line of a /proc file that starts with key; None
+    where the file or the line is missing (not Linux)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def _cpu_model() -> str:
+    return _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown"
 
 
 # The instructions that decide how a bf16 matmul scales with its rows on a CPU: without
@@ -27,24 +33,13 @@ MATMUL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "am
 
 
 def _matmul_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                present = set(line.split(":", 1)[1].split())
-                return [flag for flag in MATMUL_FLAGS if flag in present]
-    except OSError:
-        pass
-    return []
+    present = set((_proc_field("/proc/cpuinfo", "flags") or "").split())
+    return [flag for flag in MATMUL_FLAGS if flag in present]
 
 
 def _memory_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
+    total = _proc_field("/proc/meminfo", "MemTotal:")
+    return round(int(total.split()[0]) / 2**20, 1) if total else None
 
 
 def machine() -> dict[str, Any]:
