@@ -7,11 +7,13 @@ DEMO_ARGS ?= --max-new-tokens 96 --k 4
 
 .PHONY: demo test lint proto install clean
 
-$(VENV)/.installed: pyproject.toml
+# torch first, pinned (the CPU build on disk); llama-cpp-python built once for this CPU and cached.
+$(VENV)/.installed: pyproject.toml tools/build_llama_cpp.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	bash tools/build_llama_cpp.sh $(PY)
+	$(PY) -m pip install --quiet -e '.[all,dev]'
 	touch $@
 
 install: $(VENV)/.installed

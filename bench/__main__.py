@@ -3,8 +3,10 @@ one run, at each added RTT; one JSON result (checked against bench/result.schema
 with --report, a Markdown report with plots.
 
 Systems: target-only (transformers generate, the reference), hf-assisted (generate with
-assistant_model: the peer), edge_only, cloud_only, speculative, and the named rows ngram,
-ngram8, hybrid (issue 9), overlap (issue 10); more with --variant NAME="edge-agent flags".
+assistant_model: the peer), edge_only, cloud_only, speculative (the edge's default drafter:
+llama.cpp on the draft GGUF), and the named rows speculative-transformers (the same draft
+model in transformers), ngram, ngram8, hybrid (n-gram drafting) and overlap (drafting while
+Verify is in flight); more with --variant NAME="edge-agent flags".
 
     bench --systems target-only,hf-assisted,cloud_only,speculative --per-task 3 --rtt-ms 0,50 \\
           --max-new-tokens 64 --output results/bench.json --report results/bench

@@ -19,17 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    AutoTokenizer,
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from edge.prompts import encode_prompt, read_prompts
+from edge.tokenizer import EdgeTokenizer
 from shared import lm
 from shared.cli import run_cli
 from shared.errors import ConfigError
@@ -100,14 +94,6 @@ class MaskBeyondVocab(LogitsProcessor):
         return scores
 
 
-def stop_ids(tokenizer: PreTrainedTokenizerBase, draft_folder: Path) -> list[int]:
-    """The edge's stop set: the tokenizer's EOS and the draft model's generation EOS ids."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    eos = GenerationConfig.from_pretrained(draft_folder).eos_token_id
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return sorted(int(i) for i in ids)
-
-
 def generation_config(args: argparse.Namespace, stops: list[int]) -> GenerationConfig:
     sampling: dict[str, Any] = ({"do_sample": True, "temperature": args.temperature, "top_k": None, "top_p": None}
                                 if args.temperature > 0 else
@@ -132,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target_folder, draft_folder = Path(args.target), Path(args.draft)
-    tokenizer = AutoTokenizer.from_pretrained(draft_folder)
+    tokenizer = EdgeTokenizer(draft_folder)
     target = lm.load_model(target_folder, args.dtype, args.device)
     target_counter = ForwardCounter(measure_kv=True)
     target.register_forward_hook(target_counter.hook, with_kwargs=True)
@@ -142,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         draft = lm.load_model(draft_folder, args.dtype, args.device)
         draft.register_forward_hook(draft_counter.hook, with_kwargs=True)
     vocab = min(len(tokenizer), lm.logits_width(target), *([lm.logits_width(draft)] if draft is not None else []))
-    stops = stop_ids(tokenizer, draft_folder)
+    stops = sorted(tokenizer.stop_token_ids)
     config = generation_config(args, stops)
     meta = {"system": args.system, "kv_bytes_per_token": lm.kv_bytes_per_token(target), "vocab_size": vocab,
             "stop_token_ids": stops, "generation_config": config.to_diff_dict(),

@@ -23,7 +23,7 @@ class BenchError(SpecDecError):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where processes run: unpinned, or the two-machine mode (issue 10): the verifier on one
+    """Where processes run: unpinned, or the two-machine emulation: the verifier on one
     core, the edge on another, one torch thread each; an in-process system on one core."""
 
     name: str  # "unpinned" | "pinned"

@@ -94,17 +94,19 @@ def round_time_table(runs: Sequence[dict[str, Any]]) -> str:
     step_ms = {(r["placement"], r["rtt_ms"]): 1000 / r["summary"]["decode_tokens_per_s"] for r in runs
                if r["system"] == CLOUD_ONLY and r["summary"]["decode_tokens_per_s"]}
     header = ["system", "placement", "link", "tau", "draft ms / round", "verifier ms / round", "wire ms / round",
-              "verifier ms / position", "cloud_only ms / token", "position / cloud_only token"]
+              "verifier ms / position", "cloud_only ms / token", "position / cloud_only token", "draft ms / token",
+              "c = draft token / cloud_only token"]
     rows = []
     for run in runs:
         s = run["summary"]
         if s.get("round_verify_ms") is None:
             continue
         step = step_ms.get((run["placement"], run["rtt_ms"]))
-        per_position = s["verify_ms_per_position"]
+        per_position, per_draft = s["verify_ms_per_position"], s.get("draft_ms_per_token")
         rows.append([run["system"], run["placement"], where(run), fmt(s["tau"]), fmt(s["round_draft_ms"], 0),
                      fmt(s["round_verify_ms"], 0), fmt(s["round_wire_ms"], 0), fmt(per_position, 0), fmt(step, 0),
-                     fmt(per_position / step if step else None)])
+                     fmt(per_position / step if step else None), fmt(per_draft, 1),
+                     fmt(per_draft / step if step and per_draft is not None else None)])
     return _table(header, rows) if rows else "No timed rounds in this run.\n"
 
 

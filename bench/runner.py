@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from bench.config import BenchSettings
 from bench.processes import BenchError, Finished, Placement, peak_rss_kib, reset_peak_rss, run_measured, running
@@ -20,6 +19,7 @@ from bench.summarize import load_jsonl
 from bench.systems import Kind, System
 from bench.tasks import task_of, write_prompts
 from edge.prompts import Prompt, encode_prompt
+from edge.tokenizer import EdgeTokenizer
 
 # Every child answers this prompt first and the bench drops it: first-touch of the weights
 # and the allocator then costs every system the same, instead of the first real prompt.
@@ -63,7 +63,7 @@ class BenchRunner:
         write_prompts(prompts, self.files / "prompts.jsonl")
         self.child_prompts = self.files / "prompts_with_warmup.jsonl"
         write_prompts([WARMUP, *prompts], self.child_prompts)
-        tokenizer = AutoTokenizer.from_pretrained(settings.draft_model)
+        tokenizer = EdgeTokenizer(settings.draft_model)
         self.prompt_tokens = {p.id: len(encode_prompt(tokenizer, p.text, True)) for p in prompts}
         self.kv_bytes_per_token: int | None = None
         self.runner_meta: dict[str, Any] = {}

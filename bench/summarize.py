@@ -49,14 +49,15 @@ def acceptance_by_position(rounds: Sequence[dict[str, Any]]) -> list[float]:
     return rates
 
 
-ROUND_TIME_FIELDS = ("round_draft_ms", "round_verify_ms", "round_wire_ms", "verify_ms_per_position")
+ROUND_TIME_FIELDS = ("round_draft_ms", "round_verify_ms", "round_wire_ms", "verify_ms_per_position", "draft_ms_per_token")
 
 
 def round_time(rounds: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     """Where a verified round's time goes (the profile behind the speedups), mean ms per round:
     drafting on the edge, the verifier's own time (queue, forward, accept) and the rest of the
     Verify call (wire, serialization, added RTT). Per position: the verifier's ms over the rows
-    it verified (block + the last committed token), to set beside one decode step."""
+    it verified (block + the last committed token), to set beside one decode step; per drafted
+    token: the edge's drafting time over the tokens it drafted (the draft cost c, over a step)."""
     timed = [r for r in rounds if not r.get("local", False) and "cloud_verify_ms" in r]
     if not timed:
         return dict.fromkeys(ROUND_TIME_FIELDS)
@@ -66,6 +67,7 @@ def round_time(rounds: Sequence[dict[str, Any]]) -> dict[str, float | None]:
         "round_verify_ms": verify_ms / len(timed),
         "round_wire_ms": sum(r["rtt_ms"] - r["cloud_verify_ms"] for r in timed) / len(timed),
         "verify_ms_per_position": verify_ms / sum(int(r["k"]) + 1 for r in timed),
+        "draft_ms_per_token": ratio(sum(r["edge_time_ms"] for r in timed), sum(int(r["k"]) for r in timed)),
     }
 
 

@@ -40,12 +40,13 @@ BUILT_IN: dict[str, System] = {s.name: s for s in (
     System(HF_ASSISTED, Kind.IN_PROCESS),
     System("edge_only", Kind.EDGE_LOCAL, ("--mode", "edge_only")),
     System(CLOUD_ONLY, Kind.WIRE, ("--mode", "cloud_only")),
-    System("speculative", Kind.WIRE),
-    # issue 9: n-gram drafting, NAPD (filler 1) and NASD (the target's top-8 fed back), and the hybrid
+    System("speculative", Kind.WIRE),  # the edge's default drafter: llama.cpp on the draft GGUF
+    System("speculative-transformers", Kind.WIRE, ("--draft-runtime", "transformers")),
+    # n-gram drafting, NAPD (filler 1) and NASD (the target's top-8 fed back), and the hybrid
     System("ngram", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "1")),
     System("ngram8", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "8")),
     System("hybrid", Kind.WIRE, ("--drafter", "hybrid")),
-    # issue 10: draft the next block while Verify is in flight
+    # draft the next block while Verify is in flight
     System("overlap", Kind.WIRE, ("--overlap",)),
 )}
 DEFAULT_SYSTEMS = (TARGET_ONLY, HF_ASSISTED, "edge_only", CLOUD_ONLY, "speculative")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders
 from tokenizers.models import WordLevel
@@ -49,7 +50,8 @@ def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
 
 
 def save_pair(folder: Path, noise: float = 0.2) -> tuple[Path, Path]:
-    """Save a tiny target and draft (with the tokenizer) as HF folders; returns (draft, target)."""
+    """Save a tiny target and draft (with the tokenizer) as HF folders, and the draft as a GGUF
+    inside its folder; returns (draft, target)."""
     target = tiny_target()
     draft = tiny_draft(target, noise)
     paths = folder / "draft", folder / "target"
@@ -57,4 +59,59 @@ def save_pair(folder: Path, noise: float = 0.2) -> tuple[Path, Path]:
         model.generation_config.eos_token_id = 1
         model.save_pretrained(path)
         tiny_tokenizer().save_pretrained(path)
+    save_gguf(draft, paths[0] / "draft.gguf")  # what the edge's llama.cpp runtime loads
     return paths
+
+
+def _rope_pairs(weight: torch.Tensor, heads: int) -> np.ndarray:
+    """HF rotates the two halves of each head; llama.cpp's llama graph rotates adjacent pairs.
+    Reorder the rows of q/k projections the way llama.cpp's own converter does."""
+    rows = weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+    return rows.swapaxes(1, 2).reshape(weight.shape).numpy()
+
+
+def save_gguf(model: PreTrainedModel, path: Path) -> Path:
+    """Write a tiny Llama as an f32 GGUF that llama.cpp loads: the same weights, so its logits
+    match transformers' to float rounding. No vocabulary inside ("none"): the edge feeds
+    llama.cpp the HF tokenizer's ids."""
+    import gguf  # the model store's dependency; only the tests and bench --quick write GGUFs
+
+    cfg = model.config
+    heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("none")
+    weights = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
+    tensors = {"token_embd.weight": weights["model.embed_tokens.weight"].numpy(),
+               "output_norm.weight": weights["model.norm.weight"].numpy(),
+               "output.weight": weights["lm_head.weight"].numpy()}
+    for i in range(cfg.num_hidden_layers):
+        hf = f"model.layers.{i}."
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": weights[hf + "input_layernorm.weight"].numpy(),
+            f"blk.{i}.attn_q.weight": _rope_pairs(weights[hf + "self_attn.q_proj.weight"], heads),
+            f"blk.{i}.attn_k.weight": _rope_pairs(weights[hf + "self_attn.k_proj.weight"], kv_heads),
+            f"blk.{i}.attn_v.weight": weights[hf + "self_attn.v_proj.weight"].numpy(),
+            f"blk.{i}.attn_output.weight": weights[hf + "self_attn.o_proj.weight"].numpy(),
+            f"blk.{i}.ffn_norm.weight": weights[hf + "post_attention_layernorm.weight"].numpy(),
+            f"blk.{i}.ffn_gate.weight": weights[hf + "mlp.gate_proj.weight"].numpy(),
+            f"blk.{i}.ffn_up.weight": weights[hf + "mlp.up_proj.weight"].numpy(),
+            f"blk.{i}.ffn_down.weight": weights[hf + "mlp.down_proj.weight"].numpy(),
+        }
+    for name, array in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

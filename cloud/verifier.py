@@ -18,6 +18,7 @@ from cloud.sessions import Session, SessionLimits, SessionStore
 from shared import lm
 from shared.errors import InvalidRequest, PositionMismatch, SpecDecError
 from shared.protocol import (
+    AcceptMode,
     CloseSessionResult,
     GenerateChunk,
     GenerateRequest,
@@ -30,15 +31,7 @@ from shared.protocol import (
     VerifyResult,
 )
 from shared.sampling import penalized_logits, probs_from_logits
-from shared.speculative import (
-    AcceptMode,
-    RoundOutcome,
-    rejection_sample,
-    residual_draft_weights,
-    sample_token,
-    verify_greedy,
-    verify_top1,
-)
+from shared.speculative import RoundOutcome, rejection_sample, residual_draft_weights, sample_token, verify_greedy, verify_top1
 
 
 @dataclass(frozen=True)

@@ -14,16 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
-from cloud.__main__ import build_verifier
-from cloud.config import VerifierSettings
-from cloud.grpc_server import create_server
 from edge.client import CapacityRetry, VerifierClient
 from edge.config import EdgeSettings
 from edge.display import StepPrinter, TextStream, format_stats
-from edge.drafter import Drafter, DrafterConfig, DraftSource
+from edge.drafter import Drafter, DrafterConfig, DraftLM, DraftSource
 from edge.gating import EscalationRules, GatingThresholds, load_gating_config
 from edge.generate import (
     Gating,
@@ -36,16 +30,17 @@ from edge.generate import (
     speculative_generate,
 )
 from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
+from edge.local_verifier import local_verifier
 from edge.metrics import EdgeMetrics, MeteredObserver
 from edge.ngram import HybridDrafter, NGramDrafter, NGramStore
 from edge.prompts import Prompt, encode_prompt, read_prompts
+from edge.runtime_llamacpp import LlamaCppDraftLM, find_gguf
+from edge.tokenizer import EdgeTokenizer
 from edge.trace import SessionRecorder, TraceHeader, trace_file_name, write_trace
-from shared import lm
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
-from shared.model_store import DRAFT_MODEL, TARGET_MODEL, model_folder
-from shared.protocol import SessionConfig
-from shared.speculative import AcceptMode
+from shared.model_store import DRAFT_MODEL, model_folder
+from shared.protocol import AcceptMode, SessionConfig
 
 log = logging.getLogger("edge-agent")
 
@@ -53,8 +48,8 @@ log = logging.getLogger("edge-agent")
 @dataclass
 class EdgeContext:
     settings: EdgeSettings
-    tokenizer: PreTrainedTokenizerBase
-    draft_model: PreTrainedModel | None
+    tokenizer: EdgeTokenizer
+    draft_lm: DraftLM | None
     vocab_size: int
     stop_token_ids: frozenset[int]
     metrics: EdgeMetrics | None = None
@@ -110,47 +105,55 @@ class EdgeContext:
         return HybridDrafter(self.drafter(seed), ngram, s.hybrid_min_order, s.hybrid_min_count)
 
     def drafter(self, seed: int) -> Drafter:
-        if self.draft_model is None:
+        if self.draft_lm is None:
             raise ConfigError("this mode needs a draft model")
         s = self.settings
         mode = s.resolved_accept_mode()
         signals = s.gating or s.k_policy == "egag"
         config = DrafterConfig(s.sampling(), mode, self.vocab_size, s.draft_top_k, self.stop_token_ids,
                                signals=signals, mc_passes=s.mc_passes if s.gating else 0)
-        return Drafter(self.draft_model, config, seed + 1)  # the cloud's generator uses `seed`
+        return Drafter(self.draft_lm, config, seed + 1)  # the cloud's generator uses `seed`
 
 
-def _stop_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None) -> frozenset[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    eos = model.generation_config.eos_token_id if model is not None else None
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return frozenset(ids)
+def load_draft_lm(settings: EdgeSettings, folder: str) -> DraftLM:
+    """The draft model in the runtime --draft-runtime names (auto: llama.cpp when it is
+    installed and a GGUF is at hand, else transformers)."""
+    gguf = Path(settings.draft_gguf) if settings.draft_gguf else find_gguf(folder)
+    runtime = settings.resolved_draft_runtime(gguf is not None)
+    threads = settings.draft_threads or settings.threads
+    if runtime == "llama.cpp":
+        if gguf is None:
+            raise ConfigError(f"--draft-runtime llama.cpp: no .gguf in {folder} (name one with --draft-gguf)")
+        return LlamaCppDraftLM(gguf, threads, settings.draft_context)
+    from edge.runtime_transformers import TransformersDraftLM  # torch: only on this path
+
+    return TransformersDraftLM.load(folder, settings.dtype, settings.device, threads,
+                                    keep_hidden=settings.gating and settings.mc_passes > 0)
 
 
 def load_edge(settings: EdgeSettings) -> EdgeContext:
     folder = model_folder(settings.draft_model, DRAFT_MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = EdgeTokenizer(folder)
     needs_model = settings.mode == "edge_only" or (settings.mode == "speculative" and settings.drafter != "ngram")
     # An n-gram edge never loads a model: only the tokenizer.
-    model = lm.load_model(folder, settings.dtype, settings.device) if needs_model else None
-    vocab = len(tokenizer) if model is None else min(len(tokenizer), lm.logits_width(model))
-    return EdgeContext(settings, tokenizer, model, vocab, _stop_ids(tokenizer, model), draft_name=Path(folder).name)
+    draft_lm = load_draft_lm(settings, folder) if needs_model else None
+    vocab = len(tokenizer) if draft_lm is None else min(len(tokenizer), draft_lm.logits_width)
+    return EdgeContext(settings, tokenizer, draft_lm, vocab, tokenizer.stop_token_ids, draft_name=Path(folder).name)
 
 
 @asynccontextmanager
 async def cloud_address(settings: EdgeSettings) -> AsyncIterator[str | None]:
-    """The verifier to talk to: --cloud, or one started here on a loopback port."""
+    """The verifier to talk to: --cloud, or a cloud-verifier started here on a loopback port."""
     if settings.cloud or settings.mode == "edge_only":
         yield settings.cloud
         return
-    cloud = VerifierSettings(model=model_folder(settings.target_model, TARGET_MODEL),
-                             dtype=settings.dtype, device=settings.device)
-    server, port = create_server(build_verifier(cloud), "127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
+    flags = ["--dtype", settings.dtype, "--device", settings.device, "--drain-grace-s", "1"]
+    if settings.target_model:  # else the verifier's default: the packaged target model
+        flags += ["--model", settings.target_model]
+    if settings.threads:
+        flags += ["--threads", str(settings.threads)]
+    async with local_verifier(flags) as address:
+        yield address
 
 
 def _trace_header(ctx: EdgeContext, prompt_ids: list[int], cfg: GenerationConfig) -> TraceHeader:
@@ -190,8 +193,9 @@ async def generate_one(ctx: EdgeContext, client: VerifierClient | None, prompt_i
 
 def _output_record(prompt: Prompt, result: GenerationResult, ctx: EdgeContext) -> dict[str, Any]:
     text = ctx.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    runtime = ctx.draft_lm.runtime if ctx.draft_lm is not None else None
     return {"id": prompt.id, "category": prompt.category, "mode": ctx.settings.mode, "text": text,
-            **result.summary()}
+            "draft_runtime": runtime, **result.summary()}
 
 
 def _log_rounds(path: str | None, prompt_id: str, result: GenerationResult) -> None:
@@ -236,8 +240,6 @@ async def run_agent(settings: EdgeSettings) -> None:
         raise ConfigError("give exactly one of --prompt or --prompts")
     if settings.record and settings.mode == "edge_only":
         raise ConfigError("--record records calls to the verifier: edge_only makes none")
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     ctx = load_edge(settings)
     if settings.metrics_port is not None:
         ctx.metrics = EdgeMetrics()

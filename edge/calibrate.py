@@ -18,16 +18,15 @@ from pathlib import Path
 import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from transformers import AutoTokenizer
 
 from edge.drafter import Drafter, DrafterConfig
 from edge.gating import GatingThresholds, TokenSignals, save_gating_config, token_frequencies
 from edge.prompts import encode_prompt, read_prompts
-from shared import lm
+from edge.runtime_transformers import TransformersDraftLM
+from edge.tokenizer import EdgeTokenizer
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.model_store import DRAFT_MODEL, model_folder
-from shared.sampling import SamplingParams
-from shared.speculative import AcceptMode
+from shared.protocol import AcceptMode, SamplingParams
 
 log = logging.getLogger("edge-calibrate")
 
@@ -51,19 +50,19 @@ def nll_threshold(signals: Sequence[TokenSignals], percentile: float) -> float:
 
 def calibrate(settings: CalibrateSettings) -> GatingThresholds:
     folder = model_folder(settings.draft_model, DRAFT_MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = lm.load_model(folder, settings.dtype, "cpu")
+    tokenizer = EdgeTokenizer(folder)
+    draft_lm = TransformersDraftLM.load(folder, settings.dtype, "cpu", threads=0, keep_hidden=False)
     prompts = read_prompts(Path(settings.prompts))
     encoded = [encode_prompt(tokenizer, p.text, chat=True) for p in prompts]
-    vocab = min(len(tokenizer), lm.logits_width(model))
+    vocab = min(len(tokenizer), draft_lm.logits_width)
     config = DrafterConfig(SamplingParams(), AcceptMode.GREEDY, vocab, signals=True)
     signals: list[TokenSignals] = []
     for ids in encoded[: settings.max_prompts]:
-        drafter = Drafter(model, config, seed=0)
+        drafter = Drafter(draft_lm, config, seed=0)
         drafter.sync(ids)
         signals += drafter.propose(settings.max_new_tokens).signals
     thresholds = replace(GatingThresholds(), nll=nll_threshold(signals, settings.nll_percentile))
-    counts = token_frequencies(tokenizer(p.text).input_ids for p in prompts)
+    counts = token_frequencies(tokenizer.encode(p.text) for p in prompts)
     save_gating_config(Path(settings.output), thresholds, counts)
     hard = sum(thresholds.is_hard(s) for s in signals) / len(signals)
     log.info("%d drafted tokens: T_nll %.3f, hard ratio at these thresholds %.2f; wrote %s",

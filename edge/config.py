@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.sampling import SamplingParams
-from shared.speculative import AcceptMode
+from edge.runtime_llamacpp import available as llama_cpp_available
+from shared.protocol import AcceptMode, SamplingParams
 
 
 class EdgeSettings(BaseSettings):
@@ -22,9 +22,15 @@ class EdgeSettings(BaseSettings):
     draft_model: str | None = Field(None, description="draft model folder; default: the packaged Qwen2.5-Coder-0.5B-Instruct")
     target_model: str | None = Field(
         None, description="target model folder for the in-process verifier; default: packaged Qwen2.5-Coder-1.5B-Instruct")
-    dtype: str = Field("bfloat16", description="float32 | bfloat16 | float16 for local models")
-    device: str = Field("auto", description="auto | cpu | cuda[:N] for local models")
-    threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")
+    draft_runtime: Literal["auto", "llama.cpp", "transformers"] = Field(
+        "auto", description="what runs the draft model: llama.cpp on the folder's GGUF, or transformers on its HF "
+        "weights (auto: llama.cpp when llama-cpp-python is installed and a GGUF is there)")
+    draft_gguf: str | None = Field(None, description="llama.cpp: the GGUF file (default: the draft folder's .gguf)")
+    draft_threads: int = Field(0, ge=0, description="draft model CPU threads (0 = --threads, else every usable core)")
+    draft_context: int = Field(8192, ge=16, description="llama.cpp: tokens the draft's KV cache holds per session")
+    dtype: str = Field("bfloat16", description="float32 | bfloat16 | float16 for models run by transformers")
+    device: str = Field("auto", description="auto | cpu | cuda[:N] for models run by transformers")
+    threads: int = Field(0, ge=0, description="CPU threads of local models (0 = the runtime's default)")
     max_new_tokens: int = Field(128, ge=1, description="tokens to generate per prompt")
     temperature: float = Field(0.0, ge=0, description="0 = greedy")
     top_k: int = Field(0, ge=0, description="0 = off")
@@ -86,6 +92,11 @@ class EdgeSettings(BaseSettings):
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+
+    def resolved_draft_runtime(self, have_gguf: bool) -> Literal["llama.cpp", "transformers"]:
+        if self.draft_runtime != "auto":
+            return self.draft_runtime
+        return "llama.cpp" if have_gguf and llama_cpp_available() else "transformers"
 
     def resolved_accept_mode(self) -> AcceptMode:
         if self.temperature == 0:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from transformers import PreTrainedTokenizerBase
-
 from edge.generate import GenerationResult, RoundRecord
+from edge.tokenizer import EdgeTokenizer
 
 GREEN, RED, YELLOW, CYAN, MAGENTA = "\033[32m", "\033[31;9m", "\033[33m", "\033[36m", "\033[35m"
 DIM, RESET = "\033[2m", "\033[0m"
@@ -23,7 +22,7 @@ class TextStream:
 
     SAVE, RESTORE_CLEAR = "\0337", "\0338\033[J"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, out: TextIO = sys.stdout) -> None:
+    def __init__(self, tokenizer: EdgeTokenizer, out: TextIO = sys.stdout) -> None:
         self.tokenizer = tokenizer
         self.out = out
         self.token_ids: list[int] = []
@@ -60,7 +59,7 @@ class StepPrinter:
     """One line per round: accepted drafts green, rejected drafts red, then the correction
     (yellow) or bonus (cyan) token."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, out: TextIO = sys.stdout) -> None:
+    def __init__(self, tokenizer: EdgeTokenizer, out: TextIO = sys.stdout) -> None:
         self.tokenizer = tokenizer
         self.out = out
 

@@ -1,5 +1,10 @@
 """The edge's draft model with its own KV cache: propose k tokens, then sync to what the
-cloud committed (the cache is cropped to the longest prefix still valid)."""
+cloud committed (the cache is cropped to the longest prefix still valid).
+
+The model itself runs in a *draft runtime* (`DraftLM`): llama.cpp on a GGUF file
+(edge/runtime_llamacpp.py) or transformers (edge/runtime_transformers.py). Everything
+else here is numpy, so a llama.cpp or n-gram edge never imports torch.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-from transformers import PreTrainedModel
+import numpy as np
 
-from edge.gating import TokenSignals, mc_dropout_variance, token_signals
-from shared import lm
-from shared.protocol import SparseDistribution, TopK
-from shared.sampling import SamplingParams, penalized_logits, probs_from_logits, truncate_top_k
-from shared.speculative import AcceptMode, sample_token
+from edge import draft_sampling
+from edge.gating import TokenSignals, token_signals
+from shared.errors import ConfigError
+from shared.protocol import AcceptMode, SamplingParams, SparseDistribution, TopK
 
 
 @dataclass
@@ -76,51 +79,71 @@ class DraftSource(Protocol):
     def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[TopK]) -> None: ...
 
 
+class DraftCache(Protocol):
+    """One session's KV cache in a draft runtime. Its length is the number of tokens fed."""
+
+    def __len__(self) -> int: ...
+
+    def feed(self, token_ids: Sequence[int]) -> np.ndarray: ...  # [V_model] float32 logits after the last
+
+    def crop(self, length: int) -> None: ...  # keep the first `length` tokens' KV
+
+    def mc_dropout_variance(self, token: int, passes: int, dropout_p: float) -> float: ...
+
+
+class DraftLM(Protocol):
+    """A loaded draft model: weights shared by every session, one cache per session."""
+
+    runtime: str  # "llama.cpp" | "transformers"
+    logits_width: int  # the model's vocabulary rows (may exceed the tokenizer's)
+
+    def new_cache(self, seed: int) -> DraftCache: ...  # seed: the runtime's own randomness (MC dropout)
+
+
 class Drafter:
     filler_top_k = 0  # a model drafter learns nothing from the target's top-K
 
-    def __init__(self, model: PreTrainedModel, config: DrafterConfig, seed: int) -> None:
-        self.model = model
+    def __init__(self, lm: DraftLM, config: DrafterConfig, seed: int) -> None:
+        if config.mc_passes > 0 and lm.runtime != "transformers":
+            raise ConfigError("MC-dropout signals need --draft-runtime transformers (they read hidden states)")
+        self.lm = lm
         self.config = config
-        self.generator = torch.Generator().manual_seed(seed)  # one per session, never reseeded
-        self.mc_generator = torch.Generator().manual_seed(seed + 1)  # dropout masks: drafts stay reproducible
-        self.cache = lm.new_cache(model)
+        self.rng = np.random.Generator(np.random.PCG64(seed))  # one per session, never reseeded
+        self.cache = lm.new_cache(seed + 1)  # dropout masks: drafts stay reproducible
         self.tokens: list[int] = []  # the sequence drafts continue from
-        self._cached: list[int] = []  # the tokens whose KV the cache holds, in order
-        self._hidden: torch.Tensor | None = None
+        self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
         self.forward_passes = 0
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Continue from `tokens`; keep the cached KV of its longest shared prefix."""
         self.tokens = list(tokens)
         keep = 0
-        limit = min(len(self._cached), len(self.tokens) - 1)
-        while keep < limit and self._cached[keep] == self.tokens[keep]:
+        limit = min(len(self.cached), len(self.tokens) - 1)
+        while keep < limit and self.cached[keep] == self.tokens[keep]:
             keep += 1
-        lm.crop(self.cache, keep)
-        del self._cached[keep:]
+        self.cache.crop(keep)
+        del self.cached[keep:]
 
     def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[TopK]) -> None:
         pass
 
     def prefill(self) -> None:
         """Cache all but the last token now (e.g. while the cloud prefills the same prompt)."""
-        if len(self._cached) < len(self.tokens) - 1:
-            self._feed(self.tokens[len(self._cached):-1])
+        if len(self.cached) < len(self.tokens) - 1:
+            self._feed(self.tokens[len(self.cached):-1])
 
-    def _feed(self, token_ids: list[int]) -> torch.Tensor:  # [1, V] logits after the last fed token
-        logits, self._hidden = lm.forward_with_hidden(self.model, self.cache, token_ids, keep=1,
-                                                      hidden=self.config.mc_passes > 0)
-        self._cached.extend(token_ids)
+    def _feed(self, token_ids: list[int]) -> np.ndarray:  # [V_model] logits after the last fed token
+        logits = self.cache.feed(token_ids)
+        self.cached.extend(token_ids)
         self.forward_passes += 1
-        return logits[-1:]
+        return logits
 
     def propose(self, k: int, stop_after: StopRule | None = None) -> Draft:
         """Draft up to k tokens; stop early after a stop token or a token `stop_after` flags."""
         draft = Draft()
         if k <= 0:
             return draft
-        logits = self._feed(self.tokens[len(self._cached):])
+        logits = self._feed(self.tokens[len(self.cached):])
         while True:
             self._pick(logits, draft)
             if len(draft) == k or draft.token_ids[-1] in self.config.stop_token_ids:
@@ -129,33 +152,32 @@ class Drafter:
                 return draft
             logits = self._feed(draft.token_ids[-1:])
 
-    def _pick(self, logits: torch.Tensor, draft: Draft) -> None:
+    def _pick(self, logits: np.ndarray, draft: Draft) -> None:
         cfg = self.config
-        context = self.tokens + draft.token_ids
-        penalized = penalized_logits(logits, context, [], cfg.sampling, cfg.vocab_size)[0]  # [V]
+        penalized = draft_sampling.penalized_logits(logits, self.tokens + draft.token_ids, cfg.sampling,
+                                                    cfg.vocab_size)  # [V]
         if cfg.accept_mode in (AcceptMode.GREEDY, AcceptMode.POINT):
             # Deterministic drafts; q (at temperature 1) is sent for gating and logs only.
-            q = penalized.softmax(dim=-1)
+            q = draft_sampling.softmax(penalized)
             token = int(penalized.argmax())
         else:
-            q = probs_from_logits(penalized[None], cfg.sampling)[0]
+            q = draft_sampling.probs_from_logits(penalized, cfg.sampling)
             if cfg.accept_mode is AcceptMode.SPARSE:
-                q = truncate_top_k(q[None], cfg.draft_top_k)[0]
-                support = q.nonzero()[:, 0]
+                q = draft_sampling.truncate_top_k(q, cfg.draft_top_k)
+                support = np.flatnonzero(q)
                 draft.sparse.append(SparseDistribution(support.tolist(), q[support].tolist()))
-            token = sample_token(q, self.generator)
+            token = draft_sampling.sample_token(q, self.rng)
         draft.token_ids.append(token)
         draft.probs.append(float(q[token]))
         draft.sources.append("model")
         if cfg.signals:
             draft.signals.append(self._signals(q, token, draft))
 
-    def _signals(self, q: torch.Tensor, token: int, draft: Draft) -> TokenSignals:
+    def _signals(self, q: np.ndarray, token: int, draft: Draft) -> TokenSignals:
         signals = token_signals(q, token)
-        if self.config.mc_passes <= 0 or self._hidden is None:
+        if self.config.mc_passes <= 0:
             return signals
         start = time.perf_counter()
-        var = mc_dropout_variance(self._hidden, self.model.get_output_embeddings(), token,
-                                  self.config.mc_passes, self.config.mc_dropout_p, self.mc_generator)
+        var = self.cache.mc_dropout_variance(token, self.config.mc_passes, self.config.mc_dropout_p)
         draft.mc_ms += (time.perf_counter() - start) * 1000.0
         return TokenSignals(signals.nll, signals.entropy_bits, signals.margin, var)

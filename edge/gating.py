@@ -1,4 +1,4 @@
-"""Hard-token gating (seed 003): per drafted token, how unsure is the draft model?
+"""Hard-token gating: per drafted token, how unsure is the draft model?
 
 Signals (all from the draft's processed distribution q at that position):
 - nll: -ln q(y) of the drafted token;
@@ -16,13 +16,14 @@ lossless; committing a block without the cloud (--local-commit) is lossy and cou
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
+import numpy as np
+
+from edge import draft_sampling
 
 
 @dataclass(frozen=True)
@@ -46,23 +47,9 @@ class GatingThresholds:
                 or s.mc_var > self.mc_var)
 
 
-def token_signals(q: torch.Tensor, token: int) -> TokenSignals:
+def token_signals(q: np.ndarray, token: int) -> TokenSignals:
     """Signals of drafted `token` under the draft distribution q [V]."""
-    q_token = float(q[token])
-    nonzero = q[q > 0]
-    entropy = float(-(nonzero * nonzero.log2()).sum())
-    top2 = torch.topk(q, 2).values if q.shape[0] > 1 else torch.cat([q, q.new_zeros(1)])
-    return TokenSignals(-math.log(max(q_token, 1e-30)), entropy, float(top2[0] - top2[1]))
-
-
-def mc_dropout_variance(hidden: torch.Tensor, lm_head: torch.nn.Module, token: int, passes: int,
-                        p: float, generator: torch.Generator) -> float:
-    """Variance of softmax(lm_head(dropout(h)))[token] over `passes` dropout masks; hidden [H]."""
-    keep = torch.rand(passes, hidden.shape[-1], generator=generator) >= p  # [passes, H]
-    dropped = hidden.float()[None] * keep / (1.0 - p)
-    with torch.inference_mode():
-        logits = lm_head(dropped.to(hidden.dtype)).float()  # [passes, V]
-    return float(logits.softmax(dim=-1)[:, token].var())
+    return TokenSignals(draft_sampling.nll(q, token), draft_sampling.entropy_bits(q), draft_sampling.top2_margin(q))
 
 
 # ---- rules that always escalate -------------------------------------------------------

@@ -30,6 +30,7 @@ from edge.gating import EscalationRules, GatingThresholds, TokenSignals
 from edge.kpolicy import KPolicy, RoundObservation
 from shared.errors import CapacityExceeded, CloudUnavailable, PositionMismatch, SessionNotFound
 from shared.protocol import (
+    AcceptMode,
     GenerateRequest,
     OpenSessionRequest,
     OpenSessionResult,
@@ -37,7 +38,6 @@ from shared.protocol import (
     VerifyRequest,
     VerifyResult,
 )
-from shared.speculative import AcceptMode
 
 TimeoutMode = Literal["provisional", "strict", "accept-unverified"]
 _RECOVERABLE = (CloudUnavailable, SessionNotFound, PositionMismatch)

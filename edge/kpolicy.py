@@ -63,7 +63,7 @@ class LaRatioK:
 
 
 class EgagK:
-    """Entropy-adaptive gamma (seed 002): the EMA of the draft's normalised entropy sets k
+    """Entropy-adaptive gamma (EGAG): the EMA of the draft's normalised entropy sets k
     between gamma_min and gamma_max (confident draft -> long blocks). The drafter also stops a
     block early at a token above `stop_bits` (see stop_bits)."""
 

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
-
+from edge.tokenizer import EdgeTokenizer
 from shared.errors import ConfigError
 
 
@@ -46,14 +45,12 @@ def read_prompts(path: Path) -> list[Prompt]:
     return prompts
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> list[int]:
+def encode_prompt(tokenizer: EdgeTokenizer, text: str, chat: bool) -> list[int]:
     """Token ids of a user prompt, wrapped in the chat template when the model has one."""
     if chat and tokenizer.chat_template:
-        text = str(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True))
-        ids = tokenizer(text, add_special_tokens=False).input_ids
+        ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
     else:
-        ids = tokenizer(text).input_ids
+        ids = tokenizer.encode(text)
     if not ids:
         raise ConfigError("the prompt encodes to no tokens")
-    return list(ids)
+    return ids

@@ -39,11 +39,11 @@ from shared.protocol import (
     GenerateRequest,
     OpenSessionRequest,
     OpenSessionResult,
+    SamplingParams,
     SparseDistribution,
     VerifyRequest,
     VerifyResult,
 )
-from shared.sampling import SamplingParams
 
 TRACE_VERSION = 1
 

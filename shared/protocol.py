@@ -3,10 +3,37 @@ from protobuf; everything else in the project uses only these."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from shared.sampling import SamplingParams
-from shared.speculative import AcceptMode
+
+class AcceptMode(enum.Enum):
+    """How the verifier accepts drafts; shared/speculative.py says what each mode does."""
+
+    GREEDY = "greedy"
+    POINT = "point"
+    SPARSE = "sparse"
+    SCALAR = "scalar"
+    SHORTCUT = "shortcut"
+    TOP1 = "top1"
+
+    @property
+    def exact(self) -> bool:
+        return self not in (AcceptMode.SCALAR, AcceptMode.SHORTCUT, AcceptMode.TOP1)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Logits processors of a session; shared/sampling.py applies them (in transformers' order)."""
+
+    temperature: float = 0.0  # 0 = greedy: argmax of the penalised logits
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off (HF semantics: divide positive, multiply negative)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
 
 
 @dataclass(frozen=True)

@@ -8,21 +8,10 @@ repetition penalty, then temperature, top-k, top-p.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy: argmax of the penalised logits
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    repetition_penalty: float = 1.0  # 1 = off (HF semantics: divide positive, multiply negative)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
+from shared.protocol import SamplingParams
 
 
 def penalized_logits(

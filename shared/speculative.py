@@ -18,27 +18,15 @@ Temperature 0 is GREEDY: accept while the draft equals the target argmax. Exact.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
+from shared.protocol import AcceptMode
+
 # q values come from the wire; the server validates q > 0, this guard keeps the
 # ratio finite even if a caller skips validation.
 MIN_DRAFT_PROB = 1e-12
-
-
-class AcceptMode(enum.Enum):
-    GREEDY = "greedy"
-    POINT = "point"
-    SPARSE = "sparse"
-    SCALAR = "scalar"
-    SHORTCUT = "shortcut"
-    TOP1 = "top1"
-
-    @property
-    def exact(self) -> bool:
-        return self not in (AcceptMode.SCALAR, AcceptMode.SHORTCUT, AcceptMode.TOP1)
 
 
 @dataclass(frozen=True)

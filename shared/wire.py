@@ -5,8 +5,7 @@ from __future__ import annotations
 from shared import protocol as p
 from shared.errors import InvalidRequest
 from shared.pb import verifier_pb2 as pb
-from shared.sampling import SamplingParams
-from shared.speculative import AcceptMode
+from shared.protocol import AcceptMode, SamplingParams
 
 # Trailing-metadata key that carries the server's position on FAILED_PRECONDITION.
 SERVER_POSITION_KEY = "specdec-server-position"

@@ -1,6 +1,9 @@
 import pytest
 import torch
 
+from edge.drafter import DraftLM
+from edge.runtime_transformers import TransformersDraftLM
+from tests.harness import gguf_lm
 from tests.tiny_models import tiny_draft, tiny_target
 
 
@@ -18,3 +21,16 @@ def target_model():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def draft_model(target_model):  # type: ignore[no-untyped-def]
     return tiny_draft(target_model, noise=0.2)
+
+
+@pytest.fixture(scope="session")
+def gguf_draft(draft_model, tmp_path_factory):  # type: ignore[no-untyped-def]
+    return gguf_lm(draft_model, tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(params=["transformers", "llama.cpp"])
+def draft_lm(request, draft_model) -> DraftLM:  # type: ignore[no-untyped-def]
+    """The tiny draft model in each edge runtime."""
+    if request.param == "llama.cpp":
+        return request.getfixturevalue("gguf_draft")  # type: ignore[no-any-return]
+    return TransformersDraftLM(draft_model)

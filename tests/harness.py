@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,11 +14,12 @@ from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
 from edge.client import VerifierClient
-from edge.drafter import Drafter, DrafterConfig
+from edge.drafter import Drafter, DrafterConfig, DraftLM
 from edge.generate import GenerationConfig
-from shared.protocol import SessionConfig
-from shared.sampling import SamplingParams
-from shared.speculative import AcceptMode
+from edge.runtime_llamacpp import LlamaCppDraftLM
+from edge.runtime_transformers import TransformersDraftLM
+from shared.protocol import AcceptMode, SamplingParams, SessionConfig
+from tests.tiny_models import save_gguf
 
 GREEDY = SamplingParams()
 
@@ -47,11 +49,12 @@ def random_prompt(seed: int, length: int = 8, vocab: int = 96) -> list[int]:
     return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def make_drafter(model: PreTrainedModel, params: SamplingParams = GREEDY,
+def make_drafter(model: PreTrainedModel | DraftLM, params: SamplingParams = GREEDY,
                  mode: AcceptMode = AcceptMode.GREEDY, seed: int = 1, vocab: int = 96,
                  stop: frozenset[int] = frozenset(), signals: bool = False) -> Drafter:
     config = DrafterConfig(params, mode, vocab, draft_top_k=8, stop_token_ids=stop, signals=signals)
-    return Drafter(model, config, seed)
+    draft_lm = TransformersDraftLM(model) if isinstance(model, PreTrainedModel) else model
+    return Drafter(draft_lm, config, seed)
 
 
 def gen_config(max_new_tokens: int = 40, params: SamplingParams = GREEDY,
@@ -59,3 +62,8 @@ def gen_config(max_new_tokens: int = 40, params: SamplingParams = GREEDY,
                stop: frozenset[int] = frozenset(), **options: Any) -> GenerationConfig:
     """options: GenerationConfig's timeouts, gating, stop_rule."""
     return GenerationConfig(SessionConfig(params, seed, mode, vocab), max_new_tokens, stop, **options)
+
+
+def gguf_lm(model: PreTrainedModel, folder: Path) -> LlamaCppDraftLM:
+    """`model` as llama.cpp runs it: written to an f32 GGUF, one thread."""
+    return LlamaCppDraftLM(save_gguf(model, folder / "draft.gguf"), threads=1, context_size=1024)

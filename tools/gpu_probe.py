@@ -17,10 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from cloud.verifier import Verifier
 from edge.drafter import Drafter, DrafterConfig
+from edge.runtime_transformers import TransformersDraftLM
 from shared import lm
-from shared.protocol import GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
-from shared.sampling import SamplingParams
-from shared.speculative import AcceptMode
+from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
 from tests.tiny_models import tiny_draft, tiny_target
 
 
@@ -53,7 +52,7 @@ def greedy_equality(prompts: int = 20) -> dict[str, int]:
             prompt = torch.randint(2, 96, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
             config = SessionConfig(SamplingParams(), 0, AcceptMode.GREEDY, 96)
             reference = [c.tokens[0] for c in verifier.generate(GenerateRequest(prompt, config, 32))]
-            drafter = Drafter(draft, DrafterConfig(SamplingParams(), AcceptMode.GREEDY, 96), seed=1)
+            drafter = Drafter(TransformersDraftLM(draft), DrafterConfig(SamplingParams(), AcceptMode.GREEDY, 96), seed=1)
             opened = verifier.open_session(OpenSessionRequest(prompt, config))
             committed = list(prompt)
             while len(committed) < len(prompt) + 32:

@@ -1,5 +1,5 @@
 """Tabulate tools/load_sweep.sh's results: one row per configuration and session count, with
-the ratios issue 8 asks for (all from the same sweep).
+batched against unbatched and speculative against cloud_only (all from the same sweep).
 
     python tools/load_table.py OUT_DIR      # writes OUT_DIR/table.md and prints it
 """

@@ -112,3 +112,43 @@ def test_ngram_edge_loads_no_model(models: tuple[Path, Path], verifier_address: 
         records[mode] = json.loads(out.read_text())
     assert records["speculative"]["token_ids"] == records["cloud_only"]["token_ids"]
     assert records["speculative"]["rounds"] > 0
+
+
+# Run edge-agent with torch, transformers and the cloud package unimportable: a lean edge install.
+LEAN = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class Missing(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "cloud"):
+            raise ImportError(f"{name} is not installed (lean edge)")
+        return None
+
+sys.meta_path.insert(0, Missing())
+from edge.__main__ import main
+code = main(sys.argv[1:])
+assert not any(m.split(".")[0] in ("torch", "transformers", "cloud") for m in sys.modules), "heavy import"
+sys.exit(code)
+"""
+
+
+def test_a_llamacpp_edge_imports_no_torch(models: tuple[Path, Path], verifier_address: str, tmp_path: Path) -> None:
+    """The llama.cpp and n-gram drafters run without torch, transformers or the cloud's code,
+    and the llama.cpp edge's output equals cloud_only's."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i + 3} w{i + 9} w{i}"}) + "\n" for i in range(3)))
+    tokens = {}
+    for name, flags in {"llama.cpp": ["--draft-runtime", "llama.cpp"], "ngram": ["--drafter", "ngram"],
+                        "cloud_only": ["--mode", "cloud_only"]}.items():
+        out = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-c", LEAN, "--cloud", verifier_address, "--draft-model", str(models[0]),
+               "--draft-threads", "1", "--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "20", *flags]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+        assert done.returncode == 0, done.stderr
+        tokens[name] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    assert tokens["llama.cpp"] == tokens["ngram"] == tokens["cloud_only"]
+    # Without --cloud the lean edge says what it needs instead of failing on an import.
+    done = subprocess.run([sys.executable, "-c", LEAN, "--draft-model", str(models[0]), "--prompt", "w5"],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 1 and "cloud-verifier is not installed" in done.stderr

@@ -8,7 +8,7 @@ import torch
 
 from edge.generate import cloud_only_generate, speculative_generate
 from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
 
 PROMPTS = [random_prompt(seed, length=3 + seed % 9) for seed in range(20)]
@@ -22,14 +22,14 @@ def _policy(name: str) -> KPolicy:
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(repetition_penalty=1.3)],
                          ids=["plain", "repetition-penalty"])
 @pytest.mark.parametrize("policy", ["1", "3", "8", "la-ratio", "egag", "cost"])
-def test_speculative_equals_target_only(target_model, draft_model, policy: str, params: SamplingParams) -> None:
+def test_speculative_equals_target_only(target_model, draft_lm, policy: str, params: SamplingParams) -> None:
     async def run() -> None:
         cfg = gen_config(max_new_tokens=32, params=params)
         async with running_verifier(target_model) as (client, _):
             accepted = drafted = 0
             for prompt in PROMPTS:
                 reference = await cloud_only_generate(prompt, client, cfg)
-                drafter = make_drafter(draft_model, params, signals=policy == "egag")
+                drafter = make_drafter(draft_lm, params, signals=policy == "egag")
                 result = await speculative_generate(prompt, drafter, client, _policy(policy), cfg)
                 assert result.token_ids == reference.token_ids, f"prompt {prompt}"
                 accepted += result.accepted_tokens

@@ -11,8 +11,7 @@ from bench.loadtest import LoadtestSettings, run_loadtest
 from edge.generate import speculative_generate
 from edge.kpolicy import FixedK
 from edge.trace import SessionRecorder, TraceHeader, read_traces, trace_file_name, write_trace
-from shared.sampling import SamplingParams
-from shared.speculative import AcceptMode
+from shared.protocol import AcceptMode, SamplingParams
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
 from tests.tiny_models import save_pair
 

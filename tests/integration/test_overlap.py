@@ -18,7 +18,7 @@ PROMPTS = [random_prompt(seed, length=4 + seed % 5) for seed in range(12)]
 
 
 @pytest.mark.parametrize("policy", ["1", "3", "8", "la-ratio"])
-def test_overlap_keeps_greedy_output_exact(target_model, draft_model, policy: str) -> None:
+def test_overlap_keeps_greedy_output_exact(target_model, draft_lm, policy: str) -> None:
     def k_policy() -> KPolicy:
         return LaRatioK() if policy == "la-ratio" else FixedK(int(policy))
 
@@ -27,7 +27,7 @@ def test_overlap_keeps_greedy_output_exact(target_model, draft_model, policy: st
         async with running_verifier(target_model) as (client, _):
             for prompt in PROMPTS:
                 reference = await cloud_only_generate(prompt, client, gen_config(max_new_tokens=30))
-                result = await speculative_generate(prompt, make_drafter(draft_model), client, k_policy(), cfg)
+                result = await speculative_generate(prompt, make_drafter(draft_lm), client, k_policy(), cfg)
                 assert result.token_ids == reference.token_ids, f"prompt {prompt}"
 
     asyncio.run(run())

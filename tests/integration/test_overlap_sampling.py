@@ -10,9 +10,10 @@ import torch
 from edge.drafter import Drafter, DrafterConfig
 from edge.generate import speculative_generate
 from edge.kpolicy import FixedK
+from edge.runtime_transformers import TransformersDraftLM
 from shared import lm
-from shared.sampling import SamplingParams, penalized_logits, probs_from_logits
-from shared.speculative import AcceptMode
+from shared.protocol import AcceptMode, SamplingParams
+from shared.sampling import penalized_logits, probs_from_logits
 from tests.harness import gen_config, running_verifier
 from tests.tiny_models import tiny_draft, tiny_target
 from tests.unit.test_sampling_exactness import _pvalue
@@ -49,7 +50,8 @@ def test_overlap_keeps_sparse_sampling_exact() -> None:
         counts, used = torch.zeros(V * V), 0
         async with running_verifier(target) as (client, _):
             for trial in range(TRIALS):
-                drafter = Drafter(draft, DrafterConfig(PARAMS, AcceptMode.SPARSE, V, draft_top_k=V), seed=10_000 + trial)
+                config = DrafterConfig(PARAMS, AcceptMode.SPARSE, V, draft_top_k=V)
+                drafter = Drafter(TransformersDraftLM(draft), config, seed=10_000 + trial)
                 cfg = gen_config(max_new_tokens=4, params=PARAMS, mode=AcceptMode.SPARSE, seed=trial, vocab=V,
                                  overlap=True)
                 result = await speculative_generate(PROMPT, drafter, client, FixedK(1), cfg)

@@ -127,7 +127,7 @@ def test_strict_mode_never_shows_unverified_text(target_model, draft_model) -> N
     asyncio.run(run())
 
 
-def test_verifier_restarted_mid_generation(target_model, draft_model) -> None:
+def test_verifier_restarted_mid_generation(target_model, draft_lm) -> None:
     """Kill the verifier after a few rounds, start a new one behind the same proxy address:
     the edge reopens a session with its committed prefix and ends with target-only output."""
     async def run() -> None:
@@ -157,7 +157,7 @@ def test_verifier_restarted_mid_generation(target_model, draft_model) -> None:
         try:
             recorder = RestartAfterThreeRounds()
             cfg = gen_config(max_new_tokens=40, timeouts=TimeoutPolicy(soft_deadline_s=5.0, backoff_s=0.05))
-            result = await speculative_generate(PROMPTS[4], make_drafter(draft_model), client, FixedK(3), cfg,
+            result = await speculative_generate(PROMPTS[4], make_drafter(draft_lm), client, FixedK(3), cfg,
                                                 recorder)
             reference = await _reference(client, PROMPTS[4], 40)
             assert restarted.is_set() and result.reopens >= 1

@@ -42,6 +42,7 @@ def test_round_time_splits_a_round_into_drafting_verifier_and_wire() -> None:
     assert profile["round_verify_ms"] == pytest.approx(700.0)
     assert profile["round_wire_ms"] == pytest.approx(80.0)
     assert profile["verify_ms_per_position"] == pytest.approx(1400.0 / 8)  # (4 + 1) + (2 + 1) rows verified
+    assert profile["draft_ms_per_token"] == pytest.approx(400.0 / 6)  # 4 + 2 tokens drafted
     assert set(round_time([{"k": 3, "accepted_len": 1}]).values()) == {None}
     assert summarize([_record(4, 2, 6, 4, 2, 1.0, 0.1)], rounds)["round_verify_ms"] == pytest.approx(700.0)
 
@@ -52,9 +53,10 @@ def test_round_time_table_sets_a_position_beside_cloud_only_on_the_same_link() -
     runs = [run("cloud_only", 0.0, decode_tokens_per_s=4.0, round_verify_ms=None),
             run("cloud_only", 50.0, decode_tokens_per_s=2.0, round_verify_ms=None),
             run("speculative", 50.0, tau=3.0, round_draft_ms=300.0, round_verify_ms=1000.0, round_wire_ms=60.0,
-                verify_ms_per_position=250.0)]
+                verify_ms_per_position=250.0, draft_ms_per_token=50.0)]
     rows = [line for line in round_time_table(runs).splitlines() if line.startswith("| speculative")]
-    assert len(rows) == 1 and rows[0].endswith("| 250 | 500 | 0.50 |")  # the +50 ms cloud_only step, not +0's
+    # the +50 ms cloud_only step (500 ms), not +0's: a position costs 0.5 steps, a drafted token c = 0.1
+    assert len(rows) == 1 and rows[0].endswith("| 250 | 500 | 0.50 | 50.0 | 0.10 |")
     assert "No timed rounds" in round_time_table(runs[:2])
 
 

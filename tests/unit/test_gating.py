@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,16 +11,16 @@ from edge.gating import (
     GatingThresholds,
     TokenSignals,
     load_gating_config,
-    mc_dropout_variance,
     save_gating_config,
     token_frequencies,
     token_signals,
 )
+from edge.runtime_transformers import mc_dropout_variance
 from tests.harness import make_drafter, random_prompt
 
 
 def test_signals_of_a_known_distribution() -> None:
-    q = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    q = np.array([0.5, 0.25, 0.125, 0.125], dtype=np.float32)
     s = token_signals(q, 1)
     assert s.nll == pytest.approx(math.log(4))
     assert s.entropy_bits == pytest.approx(1.75)

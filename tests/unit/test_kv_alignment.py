@@ -34,9 +34,9 @@ def test_both_caches_hold_the_committed_prefix(target_model, draft_model) -> Non
             assert result.rounds > 5
             # The drafter synced to the committed sequence: its cache holds a prefix of it, short by
             # the correction token, or also by the last draft when the round ended in a bonus.
-            cached = drafter.cache.get_seq_length()
+            cached = len(drafter.cache)
             assert len(committed) - 2 <= cached <= len(committed) - 1
-            _assert_cache_is_prefill_of(draft_model, drafter.cache, committed[:cached])
+            _assert_cache_is_prefill_of(draft_model, drafter.cache.kv, committed[:cached])
             # The verifier's session was closed; replay the same rounds on a fresh session instead.
             opened = verifier.open_session(OpenSessionRequest(prompt, SessionConfig(vocab_size=96)))
             session = verifier.sessions.get(opened.session_id)
@@ -57,10 +57,10 @@ def test_drafter_sync_keeps_only_the_valid_prefix(draft_model) -> None:
     tokens = random_prompt(5, length=10)
     drafter.sync(tokens)
     draft = drafter.propose(5)
-    assert drafter.cache.get_seq_length() == len(tokens) + len(draft) - 1
+    assert len(drafter.cache) == len(tokens) + len(draft) - 1
     # The cloud accepted two drafts and corrected the third.
     committed = tokens + draft.token_ids[:2] + [(draft.token_ids[2] + 1) % 96]
     drafter.sync(committed)
-    assert drafter.cache.get_seq_length() == len(tokens) + 2
-    _assert_cache_is_prefill_of(draft_model, drafter.cache, committed[: len(tokens) + 2])
+    assert len(drafter.cache) == len(tokens) + 2
+    _assert_cache_is_prefill_of(draft_model, drafter.cache.kv, committed[: len(tokens) + 2])
 

@@ -130,14 +130,31 @@ def test_packaged_models_are_consistent() -> None:
         assert len(model.packages()) == model.num_parts
 
 
-def test_ensure_model_is_noop_when_manifest_matches(tmp_path: Path) -> None:
-    model = PACKAGED_MODELS[DRAFT_MODEL]
+def _finished_folder(tmp_path: Path, name: str) -> Path:
+    model = PACKAGED_MODELS[name]
     folder = tmp_path / model.name
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     manifest = {"format": model_store.MANIFEST_FORMAT, "gguf_sha256": model.sha256}
     (folder / model_store.MANIFEST_NAME).write_text(json.dumps(manifest))
-    assert ensure_model(DRAFT_MODEL, tmp_path) == folder
+    return folder
+
+
+def test_ensure_model_is_noop_when_manifest_matches(tmp_path: Path) -> None:
+    folder = _finished_folder(tmp_path, TARGET_MODEL)
+    assert ensure_model(TARGET_MODEL, tmp_path) == folder
+
+
+def test_the_draft_folder_is_complete_only_with_its_gguf(tmp_path: Path) -> None:
+    model = PACKAGED_MODELS[DRAFT_MODEL]
+    folder = _finished_folder(tmp_path, DRAFT_MODEL)
+    assert model.keep_gguf and not model_store.is_complete(model, folder)
+    with (folder / model.gguf_name).open("wb") as handle:
+        handle.truncate(model.size_bytes - 1)  # sparse: no disk used
+    assert not model_store.is_complete(model, folder)
+    with (folder / model.gguf_name).open("wb") as handle:
+        handle.truncate(model.size_bytes)
+    assert model_store.is_complete(model, folder)
 
 
 def test_main_unknown_model_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

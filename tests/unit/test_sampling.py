@@ -9,7 +9,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from shared.sampling import SamplingParams, penalized_logits, probs_from_logits, truncate_top_k
+from shared.protocol import SamplingParams
+from shared.sampling import penalized_logits, probs_from_logits, truncate_top_k
 
 V = 50
 

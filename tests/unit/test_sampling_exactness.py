@@ -9,10 +9,11 @@ from scipy.stats import chisquare
 from cloud.verifier import Verifier
 from edge.drafter import Drafter, DrafterConfig
 from edge.ngram import NGramDrafter, NGramStore
+from edge.runtime_transformers import TransformersDraftLM
 from shared import lm
-from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
-from shared.sampling import SamplingParams, penalized_logits, probs_from_logits
-from shared.speculative import AcceptMode
+from shared.protocol import AcceptMode, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
+from shared.sampling import penalized_logits, probs_from_logits
+from tests.harness import gguf_lm
 from tests.tiny_models import tiny_draft, tiny_target
 
 V = 8
@@ -43,7 +44,7 @@ def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None) -> torch.Te
     target, draft = pair
     verifier = Verifier(target, "tiny")
     drafter_mode = AcceptMode.POINT if mode is AcceptMode.TOP1 else mode
-    drafter = drafter or Drafter(draft, DrafterConfig(PARAMS, drafter_mode, V, draft_top_k=4), seed=123)
+    drafter = drafter or Drafter(TransformersDraftLM(draft), DrafterConfig(PARAMS, drafter_mode, V, draft_top_k=4), seed=123)
     counts = torch.zeros(V * V)
     for trial in range(TRIALS):
         opened = verifier.open_session(OpenSessionRequest(PROMPT, SessionConfig(PARAMS, trial, mode, V)))
@@ -71,10 +72,13 @@ def _pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
+@pytest.mark.parametrize("runtime", ["transformers", "llama.cpp"])
 @pytest.mark.parametrize(("mode", "k"), [(AcceptMode.SPARSE, 2), (AcceptMode.POINT, 3)])
-def test_exact_modes_follow_target(pair, mode: AcceptMode, k: int) -> None:
+def test_exact_modes_follow_target(pair, mode: AcceptMode, k: int, runtime: str, tmp_path) -> None:
     joint = _two_token_reference(pair[0])
-    counts = _sample_two_tokens(pair, mode, k)
+    draft_lm = gguf_lm(pair[1], tmp_path) if runtime == "llama.cpp" else TransformersDraftLM(pair[1])
+    drafter = Drafter(draft_lm, DrafterConfig(PARAMS, mode, V, draft_top_k=4), seed=123)
+    counts = _sample_two_tokens(pair, mode, k, drafter)
     assert _pvalue(counts, joint) > 1e-3
     first, first_ref = counts.view(V, V).sum(dim=1), joint.view(V, V).sum(dim=1)
     assert _pvalue(first, first_ref) > 1e-3

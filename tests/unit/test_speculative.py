@@ -5,7 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from shared.speculative import AcceptMode, rejection_sample, residual_draft_weights, verify_greedy
+from shared.protocol import AcceptMode
+from shared.speculative import rejection_sample, residual_draft_weights, verify_greedy
 
 V = 6
 

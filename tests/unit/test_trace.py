@@ -20,8 +20,7 @@ from edge.trace import (
     trace_lines,
     write_trace,
 )
-from shared.protocol import SparseDistribution, VerifyRequest
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams, SparseDistribution, VerifyRequest
 
 SHIPPED_AZURE = Path(__file__).resolve().parents[2] / "bench" / "data" / "traces" / "azure_conv_2023.csv"
 

@@ -7,9 +7,7 @@ import pytest
 from shared import protogen, wire
 from shared.errors import InvalidRequest
 from shared.pb import verifier_pb2 as pb
-from shared.protocol import SessionConfig, SparseDistribution, VerifyRequest
-from shared.sampling import SamplingParams
-from shared.speculative import AcceptMode
+from shared.protocol import AcceptMode, SamplingParams, SessionConfig, SparseDistribution, VerifyRequest
 
 
 def test_generated_code_is_current() -> None:
