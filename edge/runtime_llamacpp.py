@@ -129,7 +129,7 @@ def _free_context(api: Any, ctx: Any, batch: Any) -> None:
 class LlamaCppDraftLM:
     runtime = "llama.cpp"
 
-    def __init__(self, gguf: str | Path, threads: int = 0, context_size: int = 4096, batch_size: int = 256) -> None:
+    def __init__(self, gguf: str | Path, threads: int = 0, context_size: int = 4096, batch_size: int = 64) -> None:
         path = Path(gguf).expanduser()
         if not path.is_file():
             raise ConfigError(f"draft GGUF {path} does not exist")

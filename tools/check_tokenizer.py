@@ -30,9 +30,9 @@ def main(folder: str, prompts_file: str) -> int:
         counts["plain_ids_equal"] += encode_prompt(ours, prompt.text, chat=False) == theirs(prompt.text).input_ids
         counts["decoded_equal"] += ours.decode(got, skip_special_tokens=True) == theirs.decode(want, skip_special_tokens=True)
         counts["tokens"] += len(want)
-    counts["stop_ids"] = sorted(ours.stop_token_ids)
-    sys.stdout.write(json.dumps(counts) + "\n")
-    return 0 if counts["chat_ids_equal"] == counts["plain_ids_equal"] == counts["decoded_equal"] == len(prompts) else 1
+    sys.stdout.write(json.dumps({**counts, "stop_ids": sorted(ours.stop_token_ids)}) + "\n")
+    equal = [counts[key] for key in ("chat_ids_equal", "plain_ids_equal", "decoded_equal")]
+    return 0 if all(n == len(prompts) for n in equal) else 1
 
 
 if __name__ == "__main__":
