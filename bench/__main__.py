@@ -34,8 +34,10 @@ from bench.systems import DEFAULT_SYSTEMS, resolve_systems
 from bench.tasks import TASKS, select_per_task, spec_bench_path, write_prompts
 from bench.tiny_models import save_pair
 from edge.prompts import Prompt, read_prompts
+from shared import lm
 from shared.cli import run_cli
 from shared.errors import ConfigError
+from shared.hardware import choose_dtype
 from shared.model_store import DRAFT_MODEL, TARGET_MODEL, model_folder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rtt-ms", default=None, help="comma-separated added RTTs for wire systems (default 0,50; --quick: 0)")
     p.add_argument("--bandwidth-kbps", type=float, default=0.0, help="link cap for wire systems in kbit/s (0 = none)")
     p.add_argument("--max-new-tokens", type=int, help=f"per prompt (default 64; --quick: {QUICK_MAX_NEW_TOKENS})")
-    p.add_argument("--dtype", help="bfloat16 | float32 | float16 (default bfloat16; --quick: float32)")
+    p.add_argument("--dtype", help="auto | bfloat16 | float32 | float16 (default auto: bf16 on CUDA and on CPUs with "
+                   "avx512_bf16/amx_bf16, else fp32; --quick: float32)")
     p.add_argument("--k", type=int, help="draft tokens per round for edge-agent systems (default: edge-agent's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then outputs are compared to target-only)")
     p.add_argument("--seed", type=int, default=0)
@@ -123,6 +126,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         raise ConfigError("--systems: nothing to run")
     files = args.output.parent / f"{args.output.stem}_files"
     draft, target = args.draft_model, args.target_model
+    dtype = choose_dtype(args.dtype or ("float32" if args.quick else "auto"), lm.resolve_device("auto").type)
     if args.quick and (draft is None or target is None):
         # Tiny random models, rebuilt per run: seconds, and no download.
         draft, target = save_pair(files / "tiny_models")
@@ -133,7 +137,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         target_model=Path(target) if target else Path(model_folder(None, TARGET_MODEL)),
         prompts=args.prompts, per_task=args.per_task,
         max_new_tokens=args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else 64),
-        dtype=args.dtype or ("float32" if args.quick else "bfloat16"), k=args.k, temperature=args.temperature,
+        dtype=dtype.name, dtype_reason=dtype.reason, k=args.k, temperature=args.temperature,
         seed=args.seed, bandwidth_kbps=args.bandwidth_kbps, quick=args.quick)
 
 

@@ -22,7 +22,8 @@ class BenchSettings:
     prompts: Path | None  # None: Spec-Bench (or the tiny set with --quick)
     per_task: int | None  # Spec-Bench or any labelled file: prompts per task
     max_new_tokens: int
-    dtype: str
+    dtype: str  # what both sides load the models in (an "auto" request is resolved before the run)
+    dtype_reason: str
     k: int | None  # None: edge-agent's default
     temperature: float
     seed: int
@@ -45,7 +46,8 @@ class BenchSettings:
             "rtt_ms": self.rtts_ms, "placements": [p.name for p in self.placements],
             "draft_model": str(self.draft_model), "target_model": str(self.target_model),
             "prompts": str(self.prompts) if self.prompts else None, "per_task": self.per_task,
-            "max_new_tokens": self.max_new_tokens, "dtype": self.dtype, "k": self.k,
+            "max_new_tokens": self.max_new_tokens, "dtype": self.dtype,
+            "dtype_reason": self.dtype_reason, "k": self.k,
             "temperature": self.temperature, "seed": self.seed, "bandwidth_kbps": self.bandwidth_kbps,
             "quick": self.quick,
         }

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from bench.loadtest_arrivals import Caps, PlannedSession, azure_plan, poisson_plan, read_azure, trace_plan
 from bench.loadtest_replay import LoadClock, SessionOutcome, replay
-from bench.loadtest_report import ServerSample, summarize, write_report
+from bench.loadtest_report import ServerSample, ended_by_line, summarize, write_report
 from edge.client import CapacityRetry, VerifierClient
 from edge.trace import read_traces
 from shared.cli import add_settings_flags, run_cli, settings_from_args
@@ -179,9 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(settings.output).write_text(json.dumps(result, indent=1) + "\n")
         if settings.report:
             write_report(result, Path(settings.report))
-        log.info("%d/%d sessions completed, %.1f verified tokens/s, errors %s -> %s", result["sessions_completed"],
-                 result["sessions_planned"], result["verified_tokens_per_s"], result["errors_by_code"] or "none",
-                 settings.output)
+        log.info("%s of %d planned; %.1f verified tokens/s -> %s", ended_by_line(result), result["sessions_planned"],
+                 result["verified_tokens_per_s"], settings.output)
         return 0
 
     return run_cli("loadtest", run)

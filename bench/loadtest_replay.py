@@ -78,7 +78,13 @@ class SessionOutcome:
     output_equal: bool | None = None  # None: not comparable (resized, or sampled cloud_only)
     capacity_rejections: int = 0
     error: str | None = None  # the status code that ended the session early
+    opened: bool = False  # the verifier took the session (OpenSession answered, or the stream's first token)
     errors: dict[str, int] = field(default_factory=dict)  # every error answer met, recovered or not
+
+    @property
+    def ended_by(self) -> str | None:
+        """Where and how the session ended early: "open RESOURCE_EXHAUSTED", "round DEADLINE_EXCEEDED"."""
+        return None if self.error is None else f"{'round' if self.opened else 'open'} {self.error}"
 
     def note_error(self, clock: LoadClock, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
@@ -137,6 +143,7 @@ class SpeculativeReplay:
         reply = await self.client.open_session(OpenSessionRequest(tokens, _session_config(self.trace, seed)))
         self.session_id, self.position, self.max_draft = reply.session_id, reply.position, reply.max_draft_tokens
         self.committed = list(tokens)
+        self.out.opened = True
 
     def _steps(self) -> Iterator[tuple[Event, float]]:
         """(event, think-time) pairs to replay: the recording in order, or its replied Verify
@@ -239,6 +246,7 @@ async def replay_cloud_only(plan: PlannedSession, client: VerifierClient, clock:
         now = clock.now()
         if out.ttft_ms is None:
             out.ttft_ms = (now - out.start_s) * 1000.0  # prefill + first step: not a step latency
+            out.opened = True
         else:
             clock.rounds.append(RoundSample(now, (now - last) * 1000.0, len(chunk.tokens), None))
         last = now

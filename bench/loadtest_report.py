@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,9 @@ def summarize(outcomes: list[SessionOutcome], clock: LoadClock, samples: list[Se
         "sessions_completed": len(done),
         "sessions_failed": len(outcomes) - len(done),
         "errors_by_code": dict(sorted(clock.errors_by_code.items())),
+        # what ended the failed sessions, and where: "open RESOURCE_EXHAUSTED" is admission
+        # refusing a session it could not serve in time; "round ..." a session lost midway
+        "sessions_ended_by": dict(sorted(Counter(o.ended_by for o in outcomes if o.ended_by).items())),
         "capacity_rejections": sum(o.capacity_rejections for o in outcomes),
         "wall_s": round(wall_s, 3),
         "verified_tokens": sum(o.verified_tokens for o in outcomes),
@@ -112,6 +116,18 @@ def summarize(outcomes: list[SessionOutcome], clock: LoadClock, samples: list[Se
     }
 
 
+def ended_by_line(result: dict[str, Any]) -> str:
+    """"served 8, refused at open 16 (RESOURCE_EXHAUSTED 16)": what an operator reads first."""
+    ended = result.get("sessions_ended_by", {})
+    parts = [f"served {result['sessions_completed']}"]
+    for where in ("open", "round"):
+        codes = {key.split(" ", 1)[1]: n for key, n in ended.items() if key.startswith(where + " ")}
+        if codes:
+            label = "refused at open" if where == "open" else "lost in a round"
+            parts.append(f"{label} {sum(codes.values())} ({', '.join(f'{c} {n}' for c, n in codes.items())})")
+    return ", ".join(parts)
+
+
 def _cell(value: Any) -> str:
     return "–" if value is None else str(value)
 
@@ -133,7 +149,8 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|",
         f"| sessions completed / started / planned | {result['sessions_completed']} / {result['sessions_started']} / "
         f"{result['sessions_planned']} |",
-        f"| errors by code | {result['errors_by_code'] or 'none'} |",
+        f"| sessions ended early, by where and status | {ended_by_line(result)} |",
+        f"| errors by code (recovered or not) | {result['errors_by_code'] or 'none'} |",
         f"| RESOURCE_EXHAUSTED answers (resent or not) | {result['capacity_rejections']} |",
         f"| wall time | {result['wall_s']} s |",
         f"| verified tokens/s | {result['verified_tokens_per_s']} |",

@@ -200,7 +200,8 @@ def write_report(result: dict[str, Any], folder: Path) -> Path:
         "every ratio compares systems measured in this same run.\n",
         f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}; "
         f"git {git['commit'] or 'unknown'}{' (dirty tree)' if git['dirty'] else ''}.\n",
-        f"Models: draft `{result['models']['draft']}`, target `{result['models']['target']}`; dtype {st['dtype']}; "
+        f"Models: draft `{result['models']['draft']}`, target `{result['models']['target']}`; "
+        f"dtype {st['dtype']} ({st.get('dtype_reason', 'set by --dtype')}); "
         f"{sampling}, seed {st['seed']}; "
         f"max {st['max_new_tokens']} new tokens; k {k}; "
         f"{result['prompts']['count']} prompts (`{result['prompts']['file']}`).\n",

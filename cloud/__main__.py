@@ -5,30 +5,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
-from cloud.logs import configure_logging
+from cloud.logs import configure_logging, log_event
 from cloud.service import serve
 from cloud.verifier import Verifier
 from shared import lm
 from shared.cli import add_settings_flags, run_cli
+from shared.hardware import choose_dtype
+
+log = logging.getLogger("cloud-verifier")
 
 
 def build_verifier(settings: VerifierSettings) -> Verifier:
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    device = lm.resolve_device(settings.device)
+    dtype = choose_dtype(settings.dtype, device.type)
+    threads = lm.configure_cpu(device, settings.threads)
+    log_event(log, logging.INFO, f"{device.type}, {dtype.name} ({dtype.reason})"
+              + (f", {threads} CPU threads" if threads else ""), dtype=dtype.name, dtype_reason=dtype.reason,
+              threads=threads)
     if settings.model is None:
         from shared.model_store import TARGET_MODEL, ensure_model
 
         path = str(ensure_model(TARGET_MODEL))
     else:
         path = settings.model
-    model = lm.load_model(path, settings.dtype, settings.device)
-    return Verifier(model, path, settings.limits())
+    model = lm.load_model(path, dtype.name, str(device))
+    return Verifier(model, path, settings.limits(), dtype_reason=dtype.reason)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

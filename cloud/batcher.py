@@ -4,6 +4,12 @@ forward pass of the target, on the one model worker.
 A bounded queue in front of it is the verifier's backpressure: past `max_queue` waiting
 steps, a call is refused with RESOURCE_EXHAUSTED and a retry hint (how long the queue ahead
 takes to drain at the recent batch time) instead of waiting without bound.
+
+Admission: the batcher learns what a forward pass costs here (a decode step, and the time per
+prefilled token). A new session whose prefill cannot start and finish before its caller's
+deadline is refused at once with RESOURCE_EXHAUSTED and a retry hint, so that the sessions
+it admits are served instead of all of them timing out together; prefills join a batch only
+while the batch still ends before every deadline in it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,36 @@ class BatchLimits:
     max_queue: int = 256  # waiting steps; past it, RESOURCE_EXHAUSTED
 
 
+PREFILL_TOKENS = 32  # a pass feeding this many tokens or more measures prefill throughput
+MARGIN = 1.25  # estimates are compared with deadlines after this factor: a pass may run slower than the last ones
+
+
+def _ema(old: float, new: float) -> float:
+    return new if not old else 0.8 * old + 0.2 * new
+
+
+@dataclass
+class ForwardCost:
+    """What a forward pass costs on this machine, learned from the passes run: a decode
+    step (a few tokens) and the time per token of a prefill. Zero until measured."""
+
+    step_ms: float = 0.0
+    ms_per_token: float = 0.0
+
+    def observe(self, tokens: int, ms: float) -> None:
+        if tokens >= PREFILL_TOKENS:
+            self.ms_per_token = _ema(self.ms_per_token, ms / tokens)
+        else:
+            self.step_ms = _ema(self.step_ms, ms)
+
+    @property
+    def known(self) -> bool:
+        return self.ms_per_token > 0
+
+    def estimate_ms(self, tokens: int) -> float:
+        return max(self.step_ms, tokens * self.ms_per_token)
+
+
 @dataclass
 class _Waiting:
     owner: str  # session or stream: at most one step of each per forward pass
@@ -38,6 +74,8 @@ class _Waiting:
     begin: Callable[[], ForwardStep[Any]]  # validates on the worker, when its batch runs
     submitted: float
     future: asyncio.Future[Any] = field(repr=False)
+    deadline: float | None = None  # time.perf_counter() when the caller stops waiting
+    admitting: bool = False  # a new session's prefill: refused (not run late) when it cannot meet its deadline
 
 
 class ForwardBatcher:
@@ -52,14 +90,21 @@ class ForwardBatcher:
         self._arrived = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
         self._batch_ms = 0.0  # moving average of recent batches, for the retry hint
+        self.cost = ForwardCost()
+        self._running_until = 0.0  # when the pass running now should end (perf_counter)
 
-    async def submit(self, owner: str, tokens: int, begin: Callable[[], ForwardStep[R]]) -> R:
-        """Run begin() and its forward pass in the next batch with room; the step's result."""
+    async def submit(self, owner: str, tokens: int, begin: Callable[[], ForwardStep[R]],
+                     deadline: float | None = None, admitting: bool = False) -> R:
+        """Run begin() and its forward pass in the next batch with room; the step's result.
+        `deadline` (perf_counter time) is when the caller stops waiting; with `admitting` (a
+        new session) a step that cannot finish by then is refused rather than run late."""
         if len(self._waiting) >= self.limits.max_queue:
             raise CapacityExceeded(f"the verifier's queue is full ({self.limits.max_queue} waiting steps)",
                                    self._retry_after_ms())
+        if admitting and deadline is not None:
+            self._admit(tokens, deadline)
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiting(owner, tokens, begin, time.perf_counter(), future))
+        self._waiting.append(_Waiting(owner, tokens, begin, time.perf_counter(), future, deadline, admitting))
         self.metrics.queue_depth.set(len(self._waiting))
         self._arrived.set()
         if self._runner is None or self._runner.done():
@@ -70,6 +115,31 @@ class ForwardBatcher:
         batches_ahead = math.ceil(len(self._waiting) / self.limits.max_batch_size)
         return max(1, math.ceil(batches_ahead * max(self._batch_ms, 1.0)))
 
+    def work_ahead_ms(self) -> float:
+        """Estimated time until the steps queued now have run: the pass running, the queued
+        prefills at the measured throughput, the small steps in shared batches."""
+        now = time.perf_counter()
+        running = max(self._running_until - now, 0.0) * 1000.0
+        live = [w for w in self._waiting if not w.future.done()]
+        prefill = sum(w.tokens for w in live if w.tokens >= PREFILL_TOKENS) * self.cost.ms_per_token
+        small = math.ceil(sum(1 for w in live if w.tokens < PREFILL_TOKENS) / self.limits.max_batch_size)
+        return running + prefill + small * self.cost.step_ms
+
+    def _admit(self, tokens: int, deadline: float) -> None:
+        if not self.cost.known:
+            return  # nothing measured yet: the first prefill runs alone and is the measurement
+        ahead_ms = self.work_ahead_ms()
+        need_ms = (ahead_ms + self.cost.estimate_ms(tokens)) * MARGIN
+        left_ms = (deadline - time.perf_counter()) * 1000.0
+        if need_ms > left_ms:
+            raise self._refusal(tokens, need_ms, left_ms, ahead_ms)
+
+    def _refusal(self, tokens: int, need_ms: float, left_ms: float, ahead_ms: float) -> CapacityExceeded:
+        self.metrics.admission_refusals.inc()
+        return CapacityExceeded(f"cannot prefill {tokens} tokens before the call's deadline: about "
+                                f"{need_ms / 1000:.1f} s of work, {max(left_ms, 0) / 1000:.1f} s left",
+                                max(1, math.ceil(ahead_ms)))
+
     async def _run(self) -> None:
         while self._waiting:
             await self._gather()
@@ -78,6 +148,8 @@ class ForwardBatcher:
                 continue
             self.metrics.queue_depth.set(len(self._waiting))
             started = time.perf_counter()
+            fed = sum(w.tokens for w in batch)
+            self._running_until = started + self.cost.estimate_ms(fed) / 1000.0
             try:
                 results = await self.worker.run(self._forward, batch)
             except BaseException as err:  # the forward failed: every step of the batch gets the error
@@ -88,7 +160,8 @@ class ForwardBatcher:
                     raise
                 continue
             elapsed_ms = (time.perf_counter() - started) * 1000.0
-            self._batch_ms = elapsed_ms if not self._batch_ms else 0.8 * self._batch_ms + 0.2 * elapsed_ms
+            self._batch_ms = _ema(self._batch_ms, elapsed_ms)
+            self.cost.observe(fed, elapsed_ms)
             for waiting, result in zip(batch, results, strict=True):
                 if waiting.future.done():  # the caller went away meanwhile
                     continue
@@ -108,15 +181,25 @@ class ForwardBatcher:
                 return
 
     def _take(self) -> list[_Waiting]:
-        """The oldest steps that fit one forward pass, one per owner; the rest keep waiting."""
+        """The oldest steps that fit one forward pass, one per owner; the rest keep waiting.
+        A new session that can no longer meet its deadline is refused here; a prefill joins
+        only if the pass still ends before every deadline in it (before any pass was
+        measured, at most one prefill runs per pass)."""
         batch: list[_Waiting] = []
         owners: set[str] = set()
         tokens = 0
         keep: list[_Waiting] = []
+        now = time.perf_counter()
         for waiting in self._waiting:
             if waiting.future.done():  # cancelled while queued: the caller gave up, do not run it
                 continue
-            fits = not batch or tokens + waiting.tokens <= self.limits.max_batch_tokens
+            if waiting.admitting and waiting.deadline is not None and self.cost.known:
+                alone_ms, left_ms = self.cost.estimate_ms(waiting.tokens) * MARGIN, (waiting.deadline - now) * 1000.0
+                if alone_ms > left_ms:
+                    waiting.future.set_exception(self._refusal(waiting.tokens, alone_ms, left_ms, self.work_ahead_ms()))
+                    continue
+            fits = not batch or (tokens + waiting.tokens <= self.limits.max_batch_tokens
+                                 and self._in_time(batch, tokens, waiting, now))
             if len(batch) < self.limits.max_batch_size and fits and waiting.owner not in owners:
                 batch.append(waiting)
                 owners.add(waiting.owner)
@@ -125,6 +208,16 @@ class ForwardBatcher:
                 keep.append(waiting)
         self._waiting = keep
         return batch
+
+    def _in_time(self, batch: list[_Waiting], tokens: int, joining: _Waiting, now: float) -> bool:
+        """Whether `joining` may join `batch` (feeding `tokens` so far) without the pass ending
+        after a deadline in it."""
+        if joining.tokens < PREFILL_TOKENS:
+            return True  # a round or decode step adds next to nothing to a pass
+        if not self.cost.known:
+            return all(w.tokens < PREFILL_TOKENS for w in batch)  # measure one prefill first
+        end = now + self.cost.estimate_ms(tokens + joining.tokens) * MARGIN / 1000.0
+        return all(w.deadline is None or end <= w.deadline for w in (*batch, joining))
 
     def _forward(self, batch: list[_Waiting]) -> list[Any]:
         """On the model worker: begin each step (validation against the session as it is

@@ -29,7 +29,8 @@ class VerifierSettings(BaseSettings):
         None, description="JSON or TOML file of settings (keys as the flags, without --); flags and env override it")
     model: str | None = Field(
         None, description="target model folder (HF format); default: the packaged Qwen2.5-Coder-1.5B-Instruct")
-    dtype: str = Field("bfloat16", description="float32 | bfloat16 | float16 (greedy equality checks need float32)")
+    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16; auto: bf16 on CUDA and on CPUs with "
+                       "avx512_bf16/amx_bf16, else fp32 (greedy equality checks need float32)")
     device: str = Field("auto", description="auto | cpu | cuda[:N]")
     host: str = Field("127.0.0.1", description="address to bind (gRPC and HTTP); 0.0.0.0 to serve other machines")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
@@ -42,7 +43,8 @@ class VerifierSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="debug adds one line per Verify round")
     log_prompts: bool = Field(False, description="debug: log prompt token ids (user data; off by default)")
-    threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default)")
+    threads: int = Field(0, ge=0, description="torch CPU threads (0 = the cores this process may use: affinity, "
+                         "cgroup quota)")
     max_draft_tokens: int = Field(16, ge=0, description="largest k accepted per round")
     max_context_tokens: int = Field(32768, ge=2, description="prompt + generated tokens per session")
     session_ttl_s: float = Field(600.0, gt=0, description="idle seconds before a session is dropped")

@@ -108,7 +108,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             req = wire.open_request_from_pb(request)
             verifier, batcher = self.state.verifier_for(new_session=True)
             # The prefill is one more step for the batcher: rounds of open sessions share its forward pass.
-            result = await batcher.submit(uuid.uuid4().hex, len(req.prompt_tokens), lambda: verifier.begin_open(req))
+            result = await batcher.submit(uuid.uuid4().hex, len(req.prompt_tokens), lambda: verifier.begin_open(req),
+                                          _deadline(context), admitting=True)
             return wire.open_result_to_pb(result)
         return await _translated(context, self._call("OpenSession", request), call())
 
@@ -117,7 +118,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             req = wire.verify_request_from_pb(request)
             verifier, batcher = self.state.verifier_for(new_session=False)
             tokens = len(req.committed_tokens) + len(req.draft_tokens) + 1
-            result = await batcher.submit(req.session_id, tokens, lambda: verifier.begin_verify(req))
+            result = await batcher.submit(req.session_id, tokens, lambda: verifier.begin_verify(req), _deadline(context))
             self.state.record_round(len(req.draft_tokens), result)
             return wire.verify_result_to_pb(result)
         return await _translated(context, self._call("Verify", request), call())
@@ -135,13 +136,21 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             req = wire.generate_request_from_pb(request)
             verifier, batcher = self.state.verifier_for(new_session=True)
             stream = verifier.open_generate(req)  # validation only: no model work
-            owner = uuid.uuid4().hex
+            owner, deadline = uuid.uuid4().hex, _deadline(context)
             # Continuous batching: each token is one step, batched with other streams' steps and rounds.
+            # The first step is the prompt's prefill: admitted only if it can end before the deadline.
             while not stream.finished:
-                chunk = await batcher.submit(owner, len(stream.feed), stream.begin_step)
+                chunk = await batcher.submit(owner, len(stream.feed), stream.begin_step, deadline,
+                                             admitting=stream.produced == 0)
                 reply = wire.generate_chunk_to_pb(chunk)
                 call.sent += reply.ByteSize()
                 yield reply
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The caller's deadline as a time.perf_counter() time (gRPC propagates it), or None."""
+    left = context.time_remaining()
+    return time.perf_counter() + left if left is not None else None
 
 
 def _health_listener(health: health_aio.HealthServicer) -> ReadinessListener:

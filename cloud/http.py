@@ -21,10 +21,10 @@ from cloud.state import ServerState
 
 def _model_info(state: ServerState) -> dict[str, Any]:
     if state.verifier is None:
-        return {"model_ids": [], "dtype": None, "device": None}
+        return {"model_ids": [], "dtype": None, "dtype_reason": None, "device": None}
     model = state.verifier.model
     return {"model_ids": [state.verifier.model_id], "dtype": str(model.dtype).removeprefix("torch."),
-            "device": str(model.device)}
+            "dtype_reason": state.verifier.dtype_reason, "device": str(model.device)}
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -44,6 +44,8 @@ class VerifierMetrics:
         self.queue_depth = Gauge("specdec_queue_depth", "steps waiting for a forward pass", registry=r)
         self.rejected = Counter("specdec_rejected_requests", "calls refused with RESOURCE_EXHAUSTED (queue, KV or "
                                 "session caps)", ["method"], registry=r)
+        self.admission_refusals = Counter("specdec_admission_refusals", "new sessions refused because their prefill "
+                                          "could not finish before the caller's deadline", registry=r)
         self.open_sessions = Gauge("specdec_open_sessions", "sessions holding a KV cache", registry=r)
         self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions", registry=r)
         for position in range(max_draft_tokens):  # every position exists from the start, at 0

@@ -49,9 +49,11 @@ def _ms_since(start: float) -> float:
 
 
 class Verifier:
-    def __init__(self, model: PreTrainedModel, model_id: str, limits: VerifierLimits | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, model_id: str, limits: VerifierLimits | None = None,
+                 dtype_reason: str = "") -> None:
         self.model = model
         self.model_id = model_id
+        self.dtype_reason = dtype_reason  # why the model runs in its dtype (`--dtype auto`), for /healthz
         self.limits = limits or VerifierLimits()
         self.model_vocab = lm.logits_width(model)
         self.sessions = SessionStore(self.limits.sessions, lm.kv_bytes_per_token(model))

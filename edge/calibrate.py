@@ -1,8 +1,8 @@
 """`edge-calibrate`: derive gating thresholds from a prompt set.
 
 Runs the draft model greedily over the prompts, records each drafted token's signals, sets
-T_nll to the chosen percentile of the NLLs (seed default: 80th), and stores a token-frequency
-table of the prompts for the rare-word rule. The other thresholds keep the seed's defaults
+T_nll to the chosen percentile of the NLLs (default: 80th), and stores a token-frequency
+table of the prompts for the rare-word rule. The other thresholds keep their defaults
 unless overridden. Output: the JSON file that `edge-agent --gating-config` reads.
 """
 

@@ -14,7 +14,14 @@ from typing import Protocol
 import grpc
 
 from shared import wire
-from shared.errors import ERRORS_BY_STATUS, CapacityExceeded, CloudUnavailable, PositionMismatch, SpecDecError
+from shared.errors import (
+    ERRORS_BY_STATUS,
+    CapacityExceeded,
+    CloudUnavailable,
+    DeadlineExceeded,
+    PositionMismatch,
+    SpecDecError,
+)
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.protocol import (
@@ -27,7 +34,7 @@ from shared.protocol import (
     VerifyResult,
 )
 
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 @dataclass
@@ -77,6 +84,8 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         metadata = dict(err.trailing_metadata() or ())
         return CapacityExceeded(f"{code.name}: {details}", int(metadata.get(wire.RETRY_AFTER_MS_KEY, 0)))
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"the verifier did not answer within the call's deadline ({code.name}): {details}")
     if code in _UNREACHABLE:
         return CloudUnavailable(f"verifier unreachable ({code.name}): {details}")
     return ERRORS_BY_STATUS.get(code.name, SpecDecError)(f"{code.name}: {details}")

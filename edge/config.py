@@ -29,7 +29,8 @@ class EdgeSettings(BaseSettings):
     draft_threads: int = Field(0, ge=0, description="draft model CPU threads (0 = --threads, else every usable core)")
     draft_context: int = Field(4096, ge=16, description="llama.cpp: tokens the draft's KV cache holds per session "
                                "(prompt + generated; 4096 keeps the 0.5B edge under 700 MiB)")
-    dtype: str = Field("bfloat16", description="float32 | bfloat16 | float16 for models run by transformers")
+    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16 for models run by transformers "
+                       "(auto: bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else fp32)")
     device: str = Field("auto", description="auto | cpu | cuda[:N] for models run by transformers")
     threads: int = Field(0, ge=0, description="CPU threads of local models (0 = the runtime's default)")
     max_new_tokens: int = Field(128, ge=1, description="tokens to generate per prompt")
@@ -76,7 +77,7 @@ class EdgeSettings(BaseSettings):
         50.0, gt=0, description="RESOURCE_EXHAUSTED without a hint: first wait before a resend, doubled each time (max 2 s)")
     record: str | None = Field(None, description="write each session as a JSONL trace (token ids only) into this folder")
     strict: bool = Field(False, description="never show unverified text: wait and retry")
-    accept_unverified: bool = Field(False, description="seed behaviour: on timeout a draft token is final, counted UNVERIFIED")
+    accept_unverified: bool = Field(False, description="LOSSY: on timeout a draft token is final, counted UNVERIFIED")
     overlap: bool = Field(False, description="draft the next block while Verify is in flight (kept if all pass)")
     log_rounds: str | None = Field(None, description="write one JSON line per round to this file")
     metrics_port: int | None = Field(None, ge=0, le=65535,

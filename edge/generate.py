@@ -404,7 +404,7 @@ class SpeculativeRun:
         self.result.overlap_draft_ms += _ms(start)
 
     def _accept_unverified(self) -> None:
-        """The seed's behaviour: the first pending token becomes final, counted as unverified,
+        """Accept-unverified (lossy): the first pending token becomes final, counted as unverified,
         and reaches the cloud as catch-up."""
         token = self.pending.token_ids[0]
         self.committed.append(token)

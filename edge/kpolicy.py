@@ -37,7 +37,7 @@ class FixedK:
 
 
 class LaRatioK:
-    """The seed default: start at k_start, +1 when accepted/k over the last `window` rounds
+    """The la-ratio rule: start at k_start, +1 when accepted/k over the last `window` rounds
     is >= raise_at, -1 when <= lower_at, clamped to [k_min, k_max]."""
 
     def __init__(self, k_start: int = 6, k_min: int = 3, k_max: int = 12, raise_at: float = 0.8,

@@ -61,8 +61,8 @@ class TransformersDraftLM:
 
     @classmethod
     def load(cls, folder: str | Path, dtype: str, device: str, threads: int, keep_hidden: bool) -> TransformersDraftLM:
-        if threads:
-            torch.set_num_threads(threads)
+        """dtype "auto" and threads 0 choose for the hardware (shared/hardware.py)."""
+        lm.configure_cpu(lm.resolve_device(device), threads)
         return cls(lm.load_model(folder, dtype, device), keep_hidden)
 
     def new_cache(self, seed: int) -> TransformersCache:

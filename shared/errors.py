@@ -45,9 +45,16 @@ class ServerDraining(SpecDecError):
 
 
 class CloudUnavailable(SpecDecError):
-    """The edge could not reach the verifier (connection refused, deadline exceeded)."""
+    """The edge could not reach the verifier (connection refused or lost)."""
 
     status = "UNAVAILABLE"
+
+
+class DeadlineExceeded(CloudUnavailable):
+    """A call ran past its deadline: the verifier did not answer in time (too busy, or cut
+    off). Recoverable as an outage is, but named for what happened."""
+
+    status = "DEADLINE_EXCEEDED"
 
 
 class DraftFailed(SpecDecError):

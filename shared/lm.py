@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from shared.errors import ConfigError
+from shared.hardware import choose_dtype, usable_cores
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -36,8 +37,20 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def configure_cpu(device: torch.device, threads: int) -> int:
+    """Torch's CPU threads: `threads`, or with 0 the cores this process may use (affinity and
+    a container's CPU quota; torch's own default counts every core of the machine)."""
+    if device.type != "cpu":
+        return 0
+    chosen = threads or usable_cores()
+    torch.set_num_threads(chosen)
+    return chosen
+
+
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "auto") -> PreTrainedModel:
-    """Load a local HF model folder for inference."""
+    """Load a local HF model folder for inference (`dtype` "auto": see shared/hardware.py)."""
+    if dtype == "auto":
+        dtype = choose_dtype(dtype, resolve_device(device).type).name
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
         raise ConfigError(f"model folder {folder} has no config.json")

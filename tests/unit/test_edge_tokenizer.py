@@ -21,11 +21,14 @@ QWEN_STYLE = """{%- if tools %}{{- '<|im_start|>system\\n' }}{%- for tool in too
 {%- endfor %}{%- if add_generation_prompt %}{{- 'w20 w23 ' }}{%- endif %}"""
 
 
-@pytest.fixture(params=["plain", "qwen-style"])
+QWEN = (Path(__file__).parent.parent / "data" / "qwen2.5-coder_chat_template.jinja").read_text()
+
+
+@pytest.fixture(params=["plain", "qwen-style", "qwen2.5-coder"])
 def folder(request, tmp_path: Path) -> Path:  # type: ignore[no-untyped-def]
     tokenizer = tiny_tokenizer()
-    if request.param == "qwen-style":
-        tokenizer.chat_template = QWEN_STYLE
+    if request.param != "plain":
+        tokenizer.chat_template = QWEN_STYLE if request.param == "qwen-style" else QWEN
     tokenizer.save_pretrained(tmp_path)
     return tmp_path
 
@@ -41,6 +44,8 @@ def test_prompt_ids_equal_transformers(folder: Path) -> None:
             assert encode_prompt(ours, text, chat=False) == theirs(text).input_ids
     system = [{"role": "system", "content": "w40"}, {"role": "user", "content": "w41"}]
     assert ours.render_chat(system) == theirs.apply_chat_template(system, tokenize=False, add_generation_prompt=True)
+    turns = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7"}, {"role": "user", "content": "w8"}]
+    assert ours.render_chat(turns) == theirs.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
 
 def test_decode_and_stop_ids_equal_transformers(folder: Path) -> None:
