@@ -6,19 +6,20 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from cloud.logs import log_event
-from cloud.state import ReadinessListener, ServerState, session_tag
+from cloud.sessions import session_tag
+from cloud.state import ReadinessListener, ServerState
 from cloud.verifier import Verifier
 from cloud.worker import ModelWorker
 from shared import wire
@@ -59,12 +60,13 @@ class _Call:
             log_event(log, logging.DEBUG if self.method == "Verify" else logging.INFO, self.method, **fields)
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: SpecDecError) -> None:
+async def _abort(context: grpc.aio.ServicerContext, err: SpecDecError, request_id: str) -> None:
     if isinstance(err, PositionMismatch):
         context.set_trailing_metadata(((wire.SERVER_POSITION_KEY, str(err.server_position)),))
     elif isinstance(err, CapacityExceeded) and err.retry_after_ms > 0:
         context.set_trailing_metadata(((wire.RETRY_AFTER_MS_KEY, str(err.retry_after_ms)),))
-    await context.abort(grpc.StatusCode[err.status], str(err))
+    detail = f"{err} (request_id {request_id})" if err.status == "INTERNAL" else str(err)
+    await context.abort(grpc.StatusCode[err.status], detail)
 
 
 @asynccontextmanager
@@ -74,10 +76,11 @@ async def _translating(context: grpc.aio.ServicerContext, call: _Call) -> AsyncI
         yield
     except SpecDecError as err:
         call.finish(err.status, str(err))
-        await _abort(context, err)
-    except Exception as err:
-        call.finish("UNKNOWN", repr(err))  # grpc answers UNKNOWN for an unexpected exception
-        raise
+        await _abort(context, err, call.request_id)
+    except Exception:  # a bug: logged in full here, the caller gets a status and the request id only
+        log.exception("%s failed unexpectedly (request_id=%s)", call.method, call.request_id)
+        call.finish("INTERNAL", "unexpected error")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id {call.request_id})")
     except BaseException:  # cancelled: the client went away, its deadline passed, or the server stops
         call.finish("CANCELLED", "cancelled")
         raise
@@ -118,7 +121,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             req = wire.verify_request_from_pb(request)
             verifier, batcher = self.state.verifier_for(new_session=False)
             tokens = len(req.committed_tokens) + len(req.draft_tokens) + 1
-            result = await batcher.submit(req.session_id, tokens, lambda: verifier.begin_verify(req), _deadline(context))
+            with verifier.sessions.holding(req.session_id):  # no eviction while its round waits or runs
+                result = await batcher.submit(req.session_id, tokens, lambda: verifier.begin_verify(req),
+                                              _deadline(context))
             self.state.record_round(len(req.draft_tokens), result)
             return wire.verify_result_to_pb(result)
         return await _translated(context, self._call("Verify", request), call())
@@ -153,6 +158,57 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return time.perf_counter() + left if left is not None else None
 
 
+@dataclass(frozen=True)
+class _Undecodable:
+    """What a request that does not parse as its message type (truncated, invalid UTF-8 in a
+    string field) becomes, so the call can answer INVALID_ARGUMENT rather than UNKNOWN."""
+
+    size: int
+
+
+def _lenient(message: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
+    def parse(data: bytes) -> Message | _Undecodable:
+        try:
+            return message.FromString(data)
+        except DecodeError:
+            return _Undecodable(len(data))
+    return parse
+
+
+def _refusing_undecodable(state: ServerState, method: str, behavior: Callable[..., Any], streaming: bool) -> Any:
+    async def refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+        state.metrics.record_rpc(method, "INVALID_ARGUMENT", request.size, 0)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {method} message")
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await refuse(request, context)
+        return await behavior(request, context)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, _Undecodable):
+            await refuse(request, context)
+        async for reply in behavior(request, context):
+            yield reply
+
+    return stream if streaming else unary
+
+
+def _add_verifier(servicer: VerifierServicer, server: grpc.aio.Server) -> None:
+    """The generated add_VerifierServicer_to_server, with requests parsed leniently."""
+    requests: dict[str, tuple[type[Message], bool]] = {
+        "OpenSession": (pb.OpenSessionRequest, False), "Verify": (pb.VerifyRequest, False),
+        "CloseSession": (pb.CloseSessionRequest, False), "Generate": (pb.GenerateRequest, True)}
+    handlers = {}
+    for method, (request, streaming) in requests.items():
+        make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        behavior = _refusing_undecodable(servicer.state, method, getattr(servicer, method), streaming)
+        handlers[method] = make(behavior, request_deserializer=_lenient(request),
+                                response_serializer=lambda message: message.SerializeToString())
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def _health_listener(health: health_aio.HealthServicer) -> ReadinessListener:
     async def update(ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -168,7 +224,7 @@ def create_server(source: Verifier | ServerState, address: str = "127.0.0.1:0",
     does it) so the health service says NOT_SERVING from the first probe."""
     state = source if isinstance(source, ServerState) else ServerState.for_verifier(source)
     server = grpc.aio.server()
-    pb_grpc.add_VerifierServicer_to_server(VerifierServicer(state), server)
+    _add_verifier(VerifierServicer(state), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     state.on_readiness(_health_listener(health))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +15,12 @@ from transformers import DynamicCache
 
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import SessionConfig
+
+
+def session_tag(session_id: str) -> str:
+    """A short hash of a session id for logs and /v1/sessions: it matches lines up without
+    handing out the id itself, which is all a caller needs to drive (and read) the session."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:8]
 
 
 @dataclass
@@ -37,7 +45,8 @@ class SessionLimits:
 
 class SessionStore:
     """Sessions in least-recently-used order. Not thread-safe: the verifier calls it from
-    its single model worker."""
+    its single model worker; only `holding` runs on the event loop (one counter update under
+    the GIL), which is what keeps a session with a call in flight from being evicted."""
 
     def __init__(self, limits: SessionLimits, kv_bytes_per_token: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -45,6 +54,18 @@ class SessionStore:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self.busy: Counter[str] = Counter()  # sessions with a step queued or running: never evicted
+
+    @contextmanager
+    def holding(self, session_id: str) -> Iterator[None]:
+        """Keep `session_id` from eviction while a call's step for it waits or runs."""
+        self.busy[session_id] += 1
+        try:
+            yield
+        finally:
+            self.busy[session_id] -= 1
+            if self.busy[session_id] <= 0:
+                del self.busy[session_id]
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -66,7 +87,7 @@ class SessionStore:
         now = self.clock()
         while self._sessions:
             oldest = next(iter(self._sessions.values()))
-            if now - oldest.last_used < self.limits.ttl_s:
+            if now - oldest.last_used < self.limits.ttl_s or self.busy.get(oldest.session_id):
                 break
             self._sessions.popitem(last=False)
 
@@ -74,7 +95,8 @@ class SessionStore:
         self.expire()
         session = self._sessions.get(session_id)
         if session is None:
-            raise SessionNotFound(f"session {session_id!r} is unknown or was evicted")
+            # The id is the caller's input, of any length: name it by its tag, as the logs do.
+            raise SessionNotFound(f"session {session_tag(session_id)} (tag) is unknown or was evicted")
         return session
 
     def touch(self, session: Session) -> None:
@@ -97,6 +119,8 @@ class SessionStore:
     def add(self, session: Session) -> None:
         while len(self._sessions) >= self.limits.max_sessions and self._evict_one(None):
             pass
+        if len(self._sessions) >= self.limits.max_sessions:
+            raise CapacityExceeded(f"all {self.limits.max_sessions} sessions are in use")
         self._sessions[session.session_id] = session
 
     def remove(self, session_id: str) -> Session:
@@ -109,8 +133,9 @@ class SessionStore:
         self._sessions.pop(session_id, None)
 
     def _evict_one(self, keep: str | None) -> bool:
+        """Drop the least recently used session that is not `keep` and has no call in flight."""
         for sid in self._sessions:
-            if sid != keep:
+            if sid != keep and not self.busy.get(sid):
                 del self._sessions[sid]
                 return True
         return False

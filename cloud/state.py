@@ -3,7 +3,6 @@ model once loaded, readiness (loading / ready / draining), the model worker and 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from importlib import metadata
 from cloud.batcher import BatchLimits, ForwardBatcher
 from cloud.live import LiveStats
 from cloud.metrics import VerifierMetrics
-from cloud.sessions import Session, SessionStore
+from cloud.sessions import Session, SessionStore, session_tag
 from cloud.verifier import Verifier
 from cloud.worker import ModelWorker
 from shared.errors import ServerDraining, SpecDecError
@@ -35,12 +34,6 @@ class SessionRow:
     length: int  # committed tokens: prompt + generated
     rounds: int
     kv_bytes: int
-
-
-def session_tag(session_id: str) -> str:
-    """A short hash of a session id for logs and /v1/sessions: it matches lines up without
-    handing out the id itself, which is all a caller needs to drive (and read) the session."""
-    return hashlib.sha256(session_id.encode()).hexdigest()[:8]
 
 
 def package_version() -> str:

@@ -6,6 +6,7 @@ model worker so rounds never interleave on a cache.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from cloud.sessions import Session, SessionLimits, SessionStore
 from shared import lm
-from shared.errors import InvalidRequest, PositionMismatch, SpecDecError
+from shared.errors import InvalidRequest, PositionMismatch, SpecDecError, VerifierFault
 from shared.protocol import (
     AcceptMode,
     CloseSessionResult,
@@ -32,6 +33,11 @@ from shared.protocol import (
 )
 from shared.sampling import penalized_logits, probs_from_logits
 from shared.speculative import RoundOutcome, rejection_sample, residual_draft_weights, sample_token, verify_greedy, verify_top1
+
+log = logging.getLogger("cloud-verifier")
+# Temperature and repetition penalty divide or multiply logits: inside this range every
+# logit stays finite in fp32 (|logit| <= 1e2 -> at most 1e8), outside it softmax meets inf.
+SAMPLING_RANGE = (1e-3, 1e3)
 
 
 @dataclass(frozen=True)
@@ -67,9 +73,18 @@ class Verifier:
         return config.vocab_size or self.model_vocab
 
     def _check_config(self, config: SessionConfig) -> int:
+        """Only settings that sample finitely: outside these ranges logits overflow to inf and
+        the probabilities to NaN."""
         s = config.sampling
-        if not (s.temperature >= 0 and s.top_k >= 0 and 0 < s.top_p <= 1 and s.repetition_penalty > 0):
-            raise InvalidRequest(f"bad sampling config {s}")
+        low, high = SAMPLING_RANGE
+        if not (s.temperature == 0 or low <= s.temperature <= high):
+            raise InvalidRequest(f"temperature must be 0 (greedy) or in [{low:g}, {high:g}]")
+        if not low <= s.repetition_penalty <= high:
+            raise InvalidRequest(f"repetition_penalty must be in [{low:g}, {high:g}] (1 = off)")
+        if not 0 < s.top_p <= 1:
+            raise InvalidRequest("top_p must be in (0, 1] (1 = off)")
+        if s.top_k < 0:
+            raise InvalidRequest("top_k must be >= 0 (0 = off)")
         return self._vocab(config)
 
     def _check_ids(self, what: str, ids: list[int], vocab: int) -> None:
@@ -199,7 +214,8 @@ class Verifier:
     def run_batch(self, steps: list[tuple[ForwardStep[Any], float]]) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
         belongs to; returns each step's result, or the exception that ended it. A failed
-        forward leaves every cache as it was."""
+        forward leaves every cache as it was; a step that fails after it is undone alone, so
+        it never fails or corrupts the others of its pass."""
         if not steps:
             return []
         fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
@@ -222,6 +238,10 @@ class Verifier:
             except SpecDecError as err:
                 step.undo()
                 results.append(err)
+            except Exception:  # a bug in one step's accept/sample path: that step alone fails
+                log.exception("a step failed after the forward pass; undone")
+                step.undo()
+                results.append(VerifierFault("the verifier failed on this step (see its log)"))
         return results
 
     def _accept(self, req: VerifyRequest, session: Session, rows: torch.Tensor) -> tuple[RoundOutcome, torch.Tensor]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ConfigError, DraftFailed
+from shared.hardware import usable_cores
 
 log = logging.getLogger("edge-agent")
 _GGML_LOG_LEVEL_ERROR = 4
@@ -39,11 +39,6 @@ def _api() -> Any:
     except (ImportError, OSError) as err:
         raise ConfigError(f"--draft-runtime llama.cpp: llama-cpp-python is not importable ({err})") from None
     return llama_cpp
-
-
-def default_threads() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0))
 
 
 class _Logs:
@@ -142,7 +137,7 @@ class LlamaCppDraftLM:
         weakref.finalize(self, self.api.llama_model_free, self.model)
         vocab = self.api.llama_model_get_vocab(self.model)
         self.logits_width = int(self.api.llama_vocab_n_tokens(vocab))
-        self.threads = threads or default_threads()
+        self.threads = threads or usable_cores()  # affinity, capped by a container's CPU quota
         self.context_size, self.batch_size = context_size, batch_size
         self.path = path
 

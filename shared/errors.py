@@ -40,6 +40,13 @@ class CapacityExceeded(SpecDecError):
         self.retry_after_ms = retry_after_ms
 
 
+class VerifierFault(SpecDecError):
+    """The verifier failed on this request's step (a bug, logged with its request id); the
+    step was undone and no other request was touched."""
+
+    status = "INTERNAL"
+
+
 class ServerDraining(SpecDecError):
     status = "UNAVAILABLE"
 

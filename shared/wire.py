@@ -42,12 +42,13 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingConfig:
 
 
 def sampling_from_pb(msg: pb.SamplingConfig) -> SamplingParams:
-    # proto3 zero means "unset": map it to the processor's neutral value.
+    # proto3 zero means "unset": map it to the processor's neutral value. Anything else,
+    # negative or NaN included, goes on as sent for the verifier to accept or refuse.
     return SamplingParams(
         temperature=msg.temperature,
         top_k=msg.top_k,
-        top_p=msg.top_p if msg.top_p > 0 else 1.0,
-        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty > 0 else 1.0,
+        top_p=msg.top_p if msg.top_p != 0 else 1.0,
+        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty != 0 else 1.0,
     )
 
 
@@ -56,7 +57,12 @@ def config_from_pb(sampling: pb.SamplingConfig, seed: int, mode: int, vocab_size
     if params.greedy:
         accept_mode = AcceptMode.GREEDY
     else:
-        accept_mode = _MODE_FROM_PB.get(mode, AcceptMode.POINT)  # type: ignore[call-overload]
+        if mode == pb.ACCEPT_MODE_UNSPECIFIED:
+            accept_mode = AcceptMode.POINT
+        elif mode in _MODE_FROM_PB:
+            accept_mode = _MODE_FROM_PB[mode]  # type: ignore[index]
+        else:
+            raise InvalidRequest(f"unknown accept_mode {mode}")
     return p.SessionConfig(params, seed, accept_mode, vocab_size)
 
 

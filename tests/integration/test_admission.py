@@ -7,13 +7,16 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.verifier import ForwardStep, Verifier
 from edge.client import CapacityRetry, VerifierClient
 from edge.generate import cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK
-from shared.errors import CapacityExceeded, SpecDecError
+from shared.errors import CapacityExceeded, CloudUnavailable, DeadlineExceeded, SpecDecError
+from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
 from tests.harness import gen_config, make_drafter, random_prompt
 
 MS_PER_TOKEN = 8.0  # a 48-token prefill: about 0.4 s
@@ -79,5 +82,24 @@ def test_sessions_opened_at_once_are_admitted_or_refused_in_time(target_model, d
         # The second wave's refusals come at once, not after waiting in the queue.
         assert max(seconds for outcome, seconds, _ in second if outcome == "refused") < 0.5
         assert state.metrics.registry.get_sample_value("specdec_admission_refusals_total") >= 2
+
+    asyncio.run(run())
+
+
+def test_a_call_past_its_deadline_is_deadline_exceeded_not_unavailable(target_model) -> None:
+    async def run() -> None:
+        server, _, address = await _serve(SlowVerifier(target_model, "tiny"))
+        client = VerifierClient(address, verify_timeout_s=30)
+        try:
+            opened = await client.open_session(OpenSessionRequest(random_prompt(5), SessionConfig(vocab_size=96)))
+            # 40 catch-up tokens and one draft: about 0.35 s of work against a 50 ms deadline
+            block = VerifyRequest(opened.session_id, opened.position, [5], committed_tokens=random_prompt(6, length=40))
+            with pytest.raises(DeadlineExceeded) as caught:
+                await client.verify(block, timeout_s=0.05)
+            assert caught.value.status == "DEADLINE_EXCEEDED"
+            assert isinstance(caught.value, CloudUnavailable)  # the edge recovers from it as from an outage
+        finally:
+            await client.close()
+            await server.stop(None)
 
     asyncio.run(run())

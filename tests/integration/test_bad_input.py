@@ -40,6 +40,17 @@ BAD_OPEN = [
     ("negative temperature", {"sampling": pb.SamplingConfig(temperature=-1.0)}),
     ("top_p above one", {"sampling": pb.SamplingConfig(temperature=1.0, top_p=1.5)}),
     ("vocab larger than the model", {"vocab_size": 4096}),
+    # Settings that used to pass and then sampled NaN (failing every step batched beside them):
+    ("temperature 1e-45", {"sampling": pb.SamplingConfig(temperature=1e-45)}),
+    ("temperature 1e-40", {"sampling": pb.SamplingConfig(temperature=1e-40)}),
+    ("temperature inf", {"sampling": pb.SamplingConfig(temperature=math.inf, repetition_penalty=3.4e38)}),
+    ("temperature NaN", {"sampling": pb.SamplingConfig(temperature=math.nan)}),
+    ("repetition penalty 1e-40", {"sampling": pb.SamplingConfig(temperature=1.0, repetition_penalty=1e-40)}),
+    ("repetition penalty NaN", {"sampling": pb.SamplingConfig(temperature=1.0, repetition_penalty=math.nan)}),
+    ("negative repetition penalty", {"sampling": pb.SamplingConfig(temperature=1.0, repetition_penalty=-2.0)}),
+    ("top_p NaN", {"sampling": pb.SamplingConfig(temperature=1.0, top_p=math.nan)}),
+    ("negative top_p", {"sampling": pb.SamplingConfig(temperature=1.0, top_p=-0.5)}),
+    ("unknown accept mode", {"sampling": pb.SamplingConfig(temperature=1.0), "accept_mode": 99}),
 ]
 
 LIMITS = VerifierLimits(max_draft_tokens=8)
@@ -119,5 +130,134 @@ def test_unknown_session_close_is_not_found(target_model) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.CloseSession(pb.CloseSessionRequest(session_id="missing"))
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(run())
+
+
+def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
+    """A bug in one session's accept path, batched in one forward pass with honest sessions
+    (first, in the middle, last): that session gets INTERNAL with no exception class in the
+    message and its KV undone; the others' rounds equal the same rounds run alone."""
+    from cloud.grpc_server import create_server
+    from cloud.sessions import Session
+    from cloud.state import ServerState
+    from cloud.verifier import Verifier
+
+    class BrokenForOne(Verifier):
+        broken = ""
+
+        def _accept(self, req, session: Session, rows):  # type: ignore[no-untyped-def]
+            if session.session_id == self.broken:
+                raise RuntimeError("probability tensor contains inf, nan or element < 0")
+            return super()._accept(req, session, rows)
+
+    def outcome(reply: pb.VerifyResponse) -> tuple[int, int, int]:
+        return reply.accepted_len, reply.next_token, reply.new_base_position
+
+    async def run() -> None:
+        verifier = BrokenForOne(target_model, "tiny")
+        server, port = create_server(ServerState.for_verifier(verifier), "127.0.0.1:0")
+        await server.start()
+        stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+        try:
+            ids = [(await stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96))).session_id
+                   for _ in range(4)]
+            served: dict[str, list[tuple[int, int, int]]] = {sid: [] for sid in ids}
+            for bad in (0, 1, 3):
+                verifier.broken = ids[bad]
+                before = {sid: list(verifier.sessions.get(sid).tokens) for sid in ids}
+                replies = await asyncio.gather(*(stub.Verify(_valid_verify(sid, base_position=len(before[sid])))
+                                                 for sid in ids), return_exceptions=True)
+                for sid, reply in zip(ids, replies, strict=True):
+                    stored = verifier.sessions.get(sid)
+                    assert stored.cache.get_seq_length() == len(stored.tokens) - 1  # KV holds the committed prefix
+                    if sid == verifier.broken:
+                        assert isinstance(reply, grpc.aio.AioRpcError) and reply.code() == grpc.StatusCode.INTERNAL
+                        assert "RuntimeError" not in reply.details() and "request_id" in reply.details()
+                        assert stored.tokens == before[sid]
+                    else:
+                        assert isinstance(reply, pb.VerifyResponse), reply
+                        served[sid].append(outcome(reply))
+            verifier.broken = ""
+            for sid in ids:  # the same rounds, alone, on a fresh session
+                alone = await stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96))
+                position, replay = len(PROMPT), []
+                for _ in served[sid]:
+                    reply = await stub.Verify(_valid_verify(alone.session_id, base_position=position))
+                    replay.append(outcome(reply))
+                    position = reply.new_base_position
+                assert replay == served[sid]
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(("method", "frame"), [
+    ("Verify", b"\x0a\x02\xff\xfe"),  # session_id with invalid UTF-8
+    ("Verify", b"\x0a\x40abc"),  # truncated: a 64-byte string with 3 bytes
+    ("OpenSession", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"),  # a varint that never ends
+    ("Generate", b"\x0a\x05\x01"),  # truncated packed prompt
+])
+def test_undecodable_frames_are_invalid_argument(target_model, method: str, frame: bytes) -> None:
+    async def run() -> None:
+        async with running_verifier(target_model, LIMITS) as (client, _):
+            channel = grpc.aio.insecure_channel(client.target)
+            path = f"/specdec.v1.Verifier/{method}"
+            call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
+                path, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                reply = call(frame)
+                if method == "Generate":
+                    async for _ in reply:
+                        pass
+                else:
+                    await reply
+            assert err.value.code() == INVALID, err.value.details()
+            # The server goes on serving.
+            stub = pb_grpc.VerifierStub(channel)
+            opened = await stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96))
+            assert (await stub.Verify(_valid_verify(opened.session_id))).new_base_position > len(PROMPT)
+            await channel.close()
+
+    asyncio.run(run())
+
+
+def test_errors_never_echo_a_long_session_id(target_model) -> None:
+    async def run() -> None:
+        async with running_verifier(target_model, LIMITS) as (client, _):
+            stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
+            for call in (stub.Verify(_valid_verify("x" * 16_000)),
+                         stub.CloseSession(pb.CloseSessionRequest(session_id="y" * 16_000))):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND
+                assert len(err.value.details()) < 200 and "xxxx" not in err.value.details()
+
+    asyncio.run(run())
+
+
+def test_a_full_store_never_evicts_a_session_whose_round_is_in_flight(target_model) -> None:
+    """One session allowed; Verify(A) and OpenSession(B) race in the same batches. A's rounds
+    never fail (its session is held while its round waits or runs); B is refused with
+    RESOURCE_EXHAUSTED while A is busy, and never anyone gets UNKNOWN or INTERNAL."""
+    limits = VerifierLimits(max_draft_tokens=8, sessions=SessionLimits(max_sessions=1))
+
+    async def run() -> None:
+        async with running_verifier(target_model, limits) as (client, _):
+            stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
+            codes: dict[str, int] = {}
+            for _ in range(10):
+                opened = await stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96))
+                verify, other = await asyncio.gather(
+                    stub.Verify(_valid_verify(opened.session_id)),
+                    stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96)),
+                    return_exceptions=True)
+                assert isinstance(verify, pb.VerifyResponse), verify
+                code = other.code().name if isinstance(other, grpc.aio.AioRpcError) else "OK"
+                codes[code] = codes.get(code, 0) + 1
+                session_id = other.session_id if isinstance(other, pb.OpenSessionResponse) else opened.session_id
+                await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id))
+            assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"} and codes.get("RESOURCE_EXHAUSTED", 0) > 0, codes
 
     asyncio.run(run())

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cloud.config import VerifierSettings
-from cloud.state import session_tag
+from cloud.sessions import session_tag
 from shared.pb import verifier_pb2 as pb
 from tests.harness import random_prompt
 from tests.ops import SETTINGS, greedy_continuation, http_get, http_json, metric_samples, running_servers, stub
