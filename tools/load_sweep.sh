@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8's figures: the shipped Qwen traces replayed with N sessions arriving at once, against
+# The load sweep: the shipped Qwen traces replayed with N sessions arriving at once, against
 # a verifier with cross-session batching and one without (--max-batch-size 1), speculative and
 # cloud_only, one verifier process per configuration; then one table (tools/load_table.py).
 #   tools/load_sweep.sh OUT_DIR [DTYPE] [SESSIONS] [PROMPT_CAP] [OUTPUT_CAP] [THINK_SCALE]
