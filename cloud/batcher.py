@@ -10,6 +10,13 @@ prefilled token). A new session whose prefill cannot start and finish before its
 deadline is refused at once with RESOURCE_EXHAUSTED and a retry hint, so that the sessions
 it admits are served instead of all of them timing out together; prefills join a batch only
 while the batch still ends before every deadline in it.
+
+Long prompts are fed in chunks of `max_prefill_chunk` tokens, one chunk per pass, so a long
+prefill delays the other sessions' rounds by at most one chunk's pass.
+
+Fairness between API keys: each pass takes the oldest step of every key before a second
+step of any key, a full queue still takes steps from keys holding less than their share of
+it, and each key's own limits (cloud/quotas.py) are checked as its steps arrive.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from cloud.metrics import VerifierMetrics
-from cloud.verifier import ForwardStep, Verifier
+from cloud.quotas import KeyLimits, TokenRate, key_label
+from cloud.verifier import PARTIAL, ForwardStep, Verifier
 from cloud.worker import ModelWorker
 from shared.errors import CapacityExceeded
 
@@ -35,6 +43,8 @@ class BatchLimits:
     max_batch_wait_ms: float = 2.0  # how long the first step waits for others to join
     max_batch_tokens: int = 2048  # fed tokens per forward (a long prefill runs alone)
     max_queue: int = 256  # waiting steps; past it, RESOURCE_EXHAUSTED
+    max_prefill_chunk: int = 512  # prompt tokens fed per pass (0 = a whole prompt in one pass)
+    per_key: KeyLimits = KeyLimits()  # queued steps and tokens/s of any one key
 
 
 PREFILL_TOKENS = 32  # a pass feeding this many tokens or more measures prefill throughput
@@ -70,12 +80,20 @@ class ForwardCost:
 @dataclass
 class _Waiting:
     owner: str  # session or stream: at most one step of each per forward pass
-    tokens: int  # tokens this step feeds, for max_batch_tokens
+    remaining: int  # tokens this step has still to feed
     begin: Callable[[], ForwardStep[Any]]  # validates on the worker, when its batch runs
     submitted: float
     future: asyncio.Future[Any] = field(repr=False)
     deadline: float | None = None  # time.perf_counter() when the caller stops waiting
     admitting: bool = False  # a new session's prefill: refused (not run late) when it cannot meet its deadline
+    key: str = ""  # the API key it runs for
+    chunk: int = 0  # tokens fed per pass (0 = all at once)
+    step: ForwardStep[Any] | None = None  # once begun: what is left of it (chunked prefills)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the next pass feeds for this step."""
+        return min(self.remaining, self.chunk) if self.chunk else self.remaining
 
 
 class ForwardBatcher:
@@ -92,24 +110,42 @@ class ForwardBatcher:
         self._batch_ms = 0.0  # moving average of recent batches, for the retry hint
         self.cost = ForwardCost()
         self._running_until = 0.0  # when the pass running now should end (perf_counter)
+        self.rate = TokenRate(limits.per_key.tokens_per_s)
 
     async def submit(self, owner: str, tokens: int, begin: Callable[[], ForwardStep[R]],
-                     deadline: float | None = None, admitting: bool = False) -> R:
-        """Run begin() and its forward pass in the next batch with room; the step's result.
-        `deadline` (perf_counter time) is when the caller stops waiting; with `admitting` (a
-        new session) a step that cannot finish by then is refused rather than run late."""
-        if len(self._waiting) >= self.limits.max_queue:
-            raise CapacityExceeded(f"the verifier's queue is full ({self.limits.max_queue} waiting steps)",
-                                   self._retry_after_ms())
+                     deadline: float | None = None, admitting: bool = False, key: str = "") -> R:
+        """Run begin() and its forward pass in the next batch with room (a long prefill: in
+        chunks over several passes); the step's result. `deadline` (perf_counter time) is
+        when the caller stops waiting; with `admitting` (a new session) a step that cannot
+        finish by then is refused rather than run late. `key` is the API key it runs for."""
+        self._check_queue(key)
         if admitting and deadline is not None:
             self._admit(tokens, deadline)
+        self.rate.take(key, tokens)
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiting(owner, tokens, begin, time.perf_counter(), future, deadline, admitting))
+        self._waiting.append(_Waiting(owner, tokens, begin, time.perf_counter(), future, deadline, admitting, key,
+                                      self.limits.max_prefill_chunk))
         self.metrics.queue_depth.set(len(self._waiting))
         self._arrived.set()
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run())
         return await future
+
+    def _check_queue(self, key: str) -> None:
+        """Refuse a step its key has no room for: over the key's own limit, or the queue is
+        full and the key already holds its share of it (so a flood from one key fills the
+        queue without locking the others out: the queue may reach twice max_queue)."""
+        queued = [w.key for w in self._waiting if not w.future.done()]
+        mine = queued.count(key)
+        per_key = self.limits.per_key.max_queued
+        if per_key and mine >= per_key:
+            raise CapacityExceeded(f"{key_label(key)} has {per_key} steps waiting, its limit", self._retry_after_ms())
+        if len(queued) < self.limits.max_queue:
+            return
+        share = self.limits.max_queue // len(set(queued) | {key})
+        if mine >= share or len(queued) >= 2 * self.limits.max_queue:
+            raise CapacityExceeded(f"the verifier's queue is full ({self.limits.max_queue} waiting steps)",
+                                   self._retry_after_ms())
 
     def _retry_after_ms(self) -> int:
         batches_ahead = math.ceil(len(self._waiting) / self.limits.max_batch_size)
@@ -121,7 +157,7 @@ class ForwardBatcher:
         now = time.perf_counter()
         running = max(self._running_until - now, 0.0) * 1000.0
         live = [w for w in self._waiting if not w.future.done()]
-        prefill = sum(w.tokens for w in live if w.tokens >= PREFILL_TOKENS) * self.cost.ms_per_token
+        prefill = sum(w.remaining for w in live if w.remaining >= PREFILL_TOKENS) * self.cost.ms_per_token
         small = math.ceil(sum(1 for w in live if w.tokens < PREFILL_TOKENS) / self.limits.max_batch_size)
         return running + prefill + small * self.cost.step_ms
 
@@ -163,9 +199,13 @@ class ForwardBatcher:
             self._batch_ms = _ema(self._batch_ms, elapsed_ms)
             self.cost.observe(fed, elapsed_ms)
             for waiting, result in zip(batch, results, strict=True):
-                if waiting.future.done():  # the caller went away meanwhile
+                if result is PARTIAL:  # a chunk of a long prefill: the rest queues again
+                    waiting.remaining -= waiting.tokens
+                    waiting.admitting = False  # begun: it finishes rather than being refused
+                    self._waiting.append(waiting)
+                elif waiting.future.done():  # the caller went away meanwhile
                     continue
-                if isinstance(result, BaseException):
+                elif isinstance(result, BaseException):
                     waiting.future.set_exception(result)
                 else:
                     waiting.future.set_result(result)
@@ -190,13 +230,16 @@ class ForwardBatcher:
         tokens = 0
         keep: list[_Waiting] = []
         now = time.perf_counter()
-        for waiting in self._waiting:
+        for waiting in _fair_order(self._waiting):
             if waiting.future.done():  # cancelled while queued: the caller gave up, do not run it
+                if waiting.step is not None:  # a prefill cut off between chunks: drop what it built
+                    self.worker.submit(waiting.step.undo)
                 continue
             if waiting.admitting and waiting.deadline is not None and self.cost.known:
-                alone_ms, left_ms = self.cost.estimate_ms(waiting.tokens) * MARGIN, (waiting.deadline - now) * 1000.0
+                alone_ms, left_ms = self.cost.estimate_ms(waiting.remaining) * MARGIN, (waiting.deadline - now) * 1000.0
                 if alone_ms > left_ms:
-                    waiting.future.set_exception(self._refusal(waiting.tokens, alone_ms, left_ms, self.work_ahead_ms()))
+                    waiting.future.set_exception(self._refusal(waiting.remaining, alone_ms, left_ms,
+                                                               self.work_ahead_ms()))
                     continue
             fits = not batch or (tokens + waiting.tokens <= self.limits.max_batch_tokens
                                  and self._in_time(batch, tokens, waiting, now))
@@ -206,7 +249,7 @@ class ForwardBatcher:
                 tokens += waiting.tokens
             else:
                 keep.append(waiting)
-        self._waiting = keep
+        self._waiting = sorted(keep, key=lambda w: w.submitted)
         return batch
 
     def _in_time(self, batch: list[_Waiting], tokens: int, joining: _Waiting, now: float) -> bool:
@@ -228,12 +271,28 @@ class ForwardBatcher:
         began: list[int] = []
         for index, waiting in enumerate(batch):
             try:
-                steps.append((waiting.begin(), (now - waiting.submitted) * 1000.0))
-                began.append(index)
+                step = waiting.step or waiting.begin()
             except Exception as err:  # a bad request fails alone, never its batch
                 results[index] = err
+                continue
+            parts = step.split(waiting.chunk)
+            waiting.step = parts[1] if parts else None
+            steps.append((parts[0] if parts else step, (now - waiting.submitted) * 1000.0))
+            began.append(index)
         if steps:
             self.metrics.batch_size.observe(len(steps))
         for index, result in zip(began, self.verifier.run_batch(steps), strict=True):
             results[index] = result
         return results
+
+
+def _fair_order(waiting: list[_Waiting]) -> list[_Waiting]:
+    """Steps in rounds across keys: every key's oldest step, then every key's second oldest,
+    and so on (age order within a round), so a key with many steps queued cannot push a
+    key with few out of the next pass."""
+    seen: dict[str, int] = {}
+    ranked = []
+    for w in sorted(waiting, key=lambda w: w.submitted):
+        ranked.append((seen.get(w.key, 0), w.submitted, w))
+        seen[w.key] = seen.get(w.key, 0) + 1
+    return [w for _, _, w in sorted(ranked, key=lambda r: (r[0], r[1]))]

@@ -8,11 +8,12 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from cloud.quotas import KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import SessionConfig
 
@@ -33,7 +34,11 @@ class Session:
     created: float
     last_used: float
     rounds: int = 0
-    stats: dict[str, int] = field(default_factory=dict)
+    owner: str = ""  # the API key that opened it: no other key can see or drive it
+    planned: int = 0  # KV positions reserved ahead (a Generate stream's whole length), counted from the start
+
+
+RETRY_AFTER_IN_USE_MS = 1000  # every session busy: a round ends, or an edge closes one, within about this
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class SessionLimits:
     ttl_s: float = 600.0  # idle time before a session is dropped
     max_sessions: int = 64
     max_kv_bytes: int = 4 << 30  # across all sessions
+    per_key: KeyLimits = KeyLimits()  # sessions and KV bytes of any one key
 
 
 class SessionStore:
@@ -77,11 +83,12 @@ class SessionStore:
         # 72 random bits in 12 characters: unguessable, and short because it rides in every Verify.
         return secrets.token_urlsafe(9)
 
-    def kv_bytes(self) -> int:
-        return sum(self._session_bytes(s) for s in self._sessions.values())
+    def kv_bytes(self, owner: str | None = None) -> int:
+        """KV bytes of every session, or of `owner`'s."""
+        return sum(self.session_bytes(s) for s in self._sessions.values() if owner is None or s.owner == owner)
 
-    def _session_bytes(self, session: Session) -> int:
-        return max(len(session.tokens) - 1, 0) * self.kv_bytes_per_token
+    def session_bytes(self, session: Session) -> int:
+        return max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
 
     def expire(self) -> None:
         now = self.clock()
@@ -91,10 +98,11 @@ class SessionStore:
                 break
             self._sessions.popitem(last=False)
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, owner: str = "") -> Session:
+        """The session, if `owner` opened it: to any other key it does not exist."""
         self.expire()
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or session.owner != owner:
             # The id is the caller's input, of any length: name it by its tag, as the logs do.
             raise SessionNotFound(f"session {session_tag(session_id)} (tag) is unknown or was evicted")
         return session
@@ -103,28 +111,42 @@ class SessionStore:
         session.last_used = self.clock()
         self._sessions.move_to_end(session.session_id)
 
-    def reserve(self, new_tokens: int, keep: str | None = None) -> None:
-        """Make room for new_tokens more KV positions, evicting least-recently-used sessions
-        other than `keep`; raises CapacityExceeded when even that cannot fit them."""
+    def reserve(self, new_tokens: int, keep: str | None = None, owner: str = "") -> None:
+        """Make room for new_tokens more KV positions of one of `owner`'s sessions: within the
+        key's cap by evicting its own least recently used sessions, then within the global cap
+        by evicting anyone's, never `keep` or a session with a call in flight; raises
+        CapacityExceeded when even that cannot fit them."""
         self.expire()
         need = new_tokens * self.kv_bytes_per_token
-        if need > self.limits.max_kv_bytes:
-            raise CapacityExceeded(
-                f"{new_tokens} tokens need {need} KV bytes, over the cap of {self.limits.max_kv_bytes}")
-        while self.kv_bytes() + need > self.limits.max_kv_bytes and self._evict_one(keep):
-            pass
-        if self.kv_bytes() + need > self.limits.max_kv_bytes:
-            raise CapacityExceeded("KV-cache memory cap reached")
+        per_key = self.limits.per_key.max_kv_bytes
+        for cap, whose in ((per_key, owner), (self.limits.max_kv_bytes, None)):
+            if not cap:
+                continue
+            if need > cap:
+                raise CapacityExceeded(f"{new_tokens} tokens need {need} KV bytes, over the cap of {cap}")
+            while self.kv_bytes(whose) + need > cap and self._evict_one(keep, whose):
+                pass
+            if self.kv_bytes(whose) + need > cap:
+                raise CapacityExceeded("KV-cache memory cap reached" if whose is None
+                                       else f"{key_label(owner)} holds its KV-cache cap of {cap} bytes")
 
     def add(self, session: Session) -> None:
+        owner, per_key = session.owner, self.limits.per_key.max_sessions
+        while per_key and self._count(owner) >= per_key and self._evict_one(None, owner):
+            pass
+        if per_key and self._count(owner) >= per_key:
+            raise CapacityExceeded(f"{key_label(owner)} has all its {per_key} sessions in use", RETRY_AFTER_IN_USE_MS)
         while len(self._sessions) >= self.limits.max_sessions and self._evict_one(None):
             pass
         if len(self._sessions) >= self.limits.max_sessions:
-            raise CapacityExceeded(f"all {self.limits.max_sessions} sessions are in use")
+            raise CapacityExceeded(f"all {self.limits.max_sessions} sessions are in use", RETRY_AFTER_IN_USE_MS)
         self._sessions[session.session_id] = session
 
-    def remove(self, session_id: str) -> Session:
-        session = self.get(session_id)
+    def _count(self, owner: str) -> int:
+        return sum(1 for s in self._sessions.values() if s.owner == owner)
+
+    def remove(self, session_id: str, owner: str = "") -> Session:
+        session = self.get(session_id, owner)
         del self._sessions[session_id]
         return session
 
@@ -132,10 +154,11 @@ class SessionStore:
         """Drop a session if it is still here (a prefill that failed, or one evicted meanwhile)."""
         self._sessions.pop(session_id, None)
 
-    def _evict_one(self, keep: str | None) -> bool:
-        """Drop the least recently used session that is not `keep` and has no call in flight."""
-        for sid in self._sessions:
-            if sid != keep and not self.busy.get(sid):
+    def _evict_one(self, keep: str | None, owner: str | None = None) -> bool:
+        """Drop the least recently used session (of `owner`, when given) that is not `keep`
+        and has no call in flight."""
+        for sid, session in self._sessions.items():
+            if sid != keep and not self.busy.get(sid) and (owner is None or session.owner == owner):
                 del self._sessions[sid]
                 return True
         return False

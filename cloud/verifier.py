@@ -148,20 +148,17 @@ class Verifier:
         """Prefill on its own: begin, one forward pass, finish."""
         return self._run_alone(self.begin_open(req), 0.0)
 
-    def begin_open(self, req: OpenSessionRequest) -> ForwardStep[OpenSessionResult]:
+    def begin_open(self, req: OpenSessionRequest, session_id: str | None = None,
+                   owner: str = "") -> ForwardStep[OpenSessionResult]:
         """Validate a new session and hold its KV; its prefill is a forward step like a round's,
         so it can share a forward pass with other sessions' rounds and prefills instead of
         making them queue behind it. The session is stored at once, so the KV cap counts it
-        while its prefill waits; its id reaches the client only after the prefill."""
+        while its prefill waits; its id reaches the client only after the prefill. The
+        caller may choose the id (to hold the session while its prefill runs in chunks)."""
         vocab = self._check_config(req.config)
         self._check_prompt(req.prompt_tokens, vocab)
         start = time.perf_counter()
-        self.sessions.reserve(len(req.prompt_tokens))
-        now = self.sessions.clock()
-        generator = torch.Generator().manual_seed(req.config.seed)
-        session = Session(self.sessions.new_id(), req.config, list(req.prompt_tokens), lm.new_cache(self.model),
-                          generator, now, now)
-        self.sessions.add(session)
+        session = self.new_session(session_id or self.sessions.new_id(), req.config, req.prompt_tokens, owner)
 
         def finish(logits: torch.Tensor, forward_ms: float, queue_ms: float) -> OpenSessionResult:
             return OpenSessionResult(session.session_id, len(session.tokens), self.limits.max_draft_tokens,
@@ -171,8 +168,20 @@ class Verifier:
         return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, finish,
                            lambda: self.sessions.discard(session.session_id))
 
-    def close_session(self, session_id: str) -> CloseSessionResult:
-        session = self.sessions.remove(session_id)
+    def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str,
+                    planned: int = 0) -> Session:
+        """A session stored with room for its prompt's KV (or `planned` positions), counted
+        against the caps from now on."""
+        self.sessions.reserve(max(len(prompt), planned), owner=owner)
+        now = self.sessions.clock()
+        generator = torch.Generator().manual_seed(config.seed)
+        session = Session(session_id, config, list(prompt), lm.new_cache(self.model), generator, now, now,
+                          owner=owner, planned=planned)
+        self.sessions.add(session)
+        return session
+
+    def close_session(self, session_id: str, owner: str = "") -> CloseSessionResult:
+        session = self.sessions.remove(session_id, owner)
         return CloseSessionResult(len(session.tokens), session.rounds)
 
     # ---- one round --------------------------------------------------------------------
@@ -181,13 +190,14 @@ class Verifier:
         """One round on its own: begin, one forward pass, finish."""
         return self._run_alone(self.begin_verify(req), queue_ms)
 
-    def begin_verify(self, req: VerifyRequest) -> ForwardStep[VerifyResult]:
-        """Validate a round against its session and reserve its KV; the forward pass comes
-        later, possibly batched with other sessions' rounds (run_steps)."""
+    def begin_verify(self, req: VerifyRequest, owner: str = "") -> ForwardStep[VerifyResult]:
+        """Validate a round against its session (which `owner` must have opened) and reserve
+        its KV; the forward pass comes later, possibly batched with other sessions' rounds."""
         start = time.perf_counter()
-        session = self.sessions.get(req.session_id)
+        session = self.sessions.get(req.session_id, owner)
         self._check_verify(req, session)
-        self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id)
+        self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id,
+                              owner=owner)
         position = len(session.tokens)
 
         def finish(logits: torch.Tensor, forward_ms: float, queue_ms: float) -> VerifyResult:
@@ -263,7 +273,10 @@ class Verifier:
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
 
-    def open_generate(self, req: GenerateRequest) -> GenerateStream:
+    def open_generate(self, req: GenerateRequest, stream_id: str = "", owner: str = "") -> GenerateStream:
+        """Validate a Generate call (no model work, no state: safe off the model worker). Its
+        stream lives in the session store as a session nobody else can name, so it counts
+        against the same session and KV caps; the first step stores it, close() drops it."""
         vocab = self._check_config(req.config)
         self._check_prompt(req.prompt_tokens, vocab)
         if not 0 < req.max_new_tokens <= self.limits.max_new_tokens:
@@ -271,13 +284,16 @@ class Verifier:
         self._check_ids("stop_token_ids", req.stop_token_ids, self.model_vocab)
         if len(req.prompt_tokens) + req.max_new_tokens > self.limits.max_context_tokens:
             raise InvalidRequest(f"prompt + max_new_tokens pass the context limit {self.limits.max_context_tokens}")
-        return GenerateStream(req, vocab, lm.new_cache(self.model))
+        return GenerateStream(self, req, vocab, stream_id or self.sessions.new_id(), owner)
 
     def generate(self, req: GenerateRequest) -> Iterator[GenerateChunk]:
         """Target-only decoding, one forward pass per token, unbatched."""
         stream = self.open_generate(req)
-        while not stream.finished:
-            yield self._run_alone(stream.begin_step(), 0.0)
+        try:
+            while not stream.finished:
+                yield self._run_alone(stream.begin_step(), 0.0)
+        finally:
+            stream.close()
 
     def _run_alone(self, step: ForwardStep[R], queue_ms: float) -> R:
         result = self.run_batch([(step, queue_ms)])[0]
@@ -287,6 +303,13 @@ class Verifier:
 
 
 R = TypeVar("R")
+
+
+class Partial:
+    """What the head of a split step returns: its tokens are in the cache, the rest follows."""
+
+
+PARTIAL = Partial()
 
 
 @dataclass
@@ -301,38 +324,67 @@ class ForwardStep(Generic[R]):
     finish: Callable[[torch.Tensor, float, float], R]
     undo: Callable[[], None]
 
+    def split(self, chunk: int) -> tuple[ForwardStep[Partial], ForwardStep[R]] | None:
+        """A long prefill as two steps for consecutive passes: the first `chunk` tokens
+        (their result is PARTIAL), then the rest, which keeps the rows and the finish. Each
+        part undoes the whole step. None when the block is short enough to feed at once."""
+        head = min(chunk, len(self.block) - self.keep)
+        if chunk <= 0 or head <= 0 or len(self.block) <= chunk:
+            return None
+        first = ForwardStep(self.cache, self.block[:head], 1, lambda logits, forward_ms, queue_ms: PARTIAL, self.undo)
+        return first, ForwardStep(self.cache, self.block[head:], self.keep, self.finish, self.undo)
+
 
 class GenerateStream:
-    """One Generate call's state between its steps: its own cache (no session), one token per step."""
+    """One Generate call between its steps, one token per step. Its KV is a session in the
+    store (under an id only the stream knows), so the caps count it like any session's."""
 
-    def __init__(self, req: GenerateRequest, vocab: int, cache: DynamicCache) -> None:
+    def __init__(self, verifier: Verifier, req: GenerateRequest, vocab: int, stream_id: str, owner: str) -> None:
+        self.verifier = verifier
         self.req = req
         self.vocab = vocab
-        self.cache = cache
-        self.tokens = list(req.prompt_tokens)
-        self.feed = list(req.prompt_tokens)  # the first step is the prefill
-        self.generator = torch.Generator().manual_seed(req.config.seed)
+        self.stream_id = stream_id
+        self.owner = owner
+        self.session: Session | None = None  # stored by the first step, on the model worker
         self.produced = 0
         self.finished = False
+
+    @property
+    def feed(self) -> list[int]:
+        """Tokens the next step feeds: the prompt (the prefill), then the last token."""
+        return list(self.req.prompt_tokens) if self.session is None else self.session.tokens[-1:]
 
     def begin_step(self) -> ForwardStep[GenerateChunk]:
         if self.finished:
             raise InvalidRequest("the stream has finished")
-        length = self.cache.get_seq_length()
-        return ForwardStep(self.cache, self.feed, 1, self._finish, lambda: lm.crop(self.cache, length))
+        store = self.verifier.sessions
+        if self.session is None:  # its whole length is reserved now: a stream is never cut short for KV
+            planned = len(self.req.prompt_tokens) + self.req.max_new_tokens - 1
+            self.session = self.verifier.new_session(self.stream_id, self.req.config, self.req.prompt_tokens,
+                                                     self.owner, planned)
+            session = self.session
+            return ForwardStep(session.cache, list(session.tokens), 1, self._finish, lambda: store.discard(session.session_id))
+        session = store.get(self.stream_id, self.owner)  # evicted only if the caller has gone
+        length = session.cache.get_seq_length()
+        return ForwardStep(session.cache, session.tokens[-1:], 1, self._finish, lambda: lm.crop(session.cache, length))
 
     def _finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> GenerateChunk:
+        assert self.session is not None
         params = self.req.config.sampling
-        penalized = penalized_logits(logits, self.tokens, [], params, self.vocab)  # [1, V]
+        penalized = penalized_logits(logits, self.session.tokens, [], params, self.vocab)  # [1, V]
         if params.greedy:
             token = int(penalized[0].argmax())
         else:
-            token = sample_token(probs_from_logits(penalized, params)[0], self.generator)
-        self.tokens.append(token)
-        self.feed = [token]
+            token = sample_token(probs_from_logits(penalized, params)[0], self.session.generator)
+        self.session.tokens.append(token)
+        self.verifier.sessions.touch(self.session)
         self.produced += 1
         self.finished = token in self.req.stop_token_ids or self.produced == self.req.max_new_tokens
         return GenerateChunk([token], forward_ms, self.finished)
+
+    def close(self) -> None:
+        """Drop the stream's KV (on the model worker)."""
+        self.verifier.sessions.discard(self.stream_id)
 
 
 def _dense_sparse(req: VerifyRequest, vocab: int) -> torch.Tensor:  # [k, V]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("cloud-verifier")
 
 
 class ModelWorker:
@@ -19,6 +21,20 @@ class ModelWorker:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run fn after the work queued now, without waiting for it (clean-up when a caller
+        has gone: nothing is left to tell if it fails, so it is logged)."""
+        def logged() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("clean-up on the model worker failed")
+
+        try:
+            self._executor.submit(logged)
+        except RuntimeError:  # shut down: the process is stopping and its state with it
+            pass
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -29,11 +29,12 @@ class AdmitsAfterRejections(Verifier):
         super().__init__(*args, **kwargs)
         self.rejections = rejections
 
-    def begin_open(self, req: OpenSessionRequest) -> ForwardStep[OpenSessionResult]:
+    def begin_open(self, req: OpenSessionRequest, session_id: str | None = None,
+                   owner: str = "") -> ForwardStep[OpenSessionResult]:
         if self.rejections > 0:
             self.rejections -= 1
             raise CapacityExceeded("queue full", retry_after_ms=HINT_MS)
-        return super().begin_open(req)
+        return super().begin_open(req, session_id, owner)
 
 
 def test_edge_resends_after_the_retry_hint_and_output_is_unchanged(target_model, draft_model) -> None:

@@ -1,0 +1,62 @@
+"""What one API key may take of a verifier, so a heavy client cannot starve the others.
+
+A key is the name an API key has in --api-keys-file; without a keys file every client is
+the one key "". Each limit is per key, 0 meaning no limit:
+- sessions and KV bytes are held by the session store (a key over its cap first loses its
+  own least recently used idle session, never another key's);
+- queued steps and fed tokens per second are checked by the batcher when a step arrives.
+Over a limit the call gets RESOURCE_EXHAUSTED with a retry hint, as for the global caps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.errors import CapacityExceeded
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    max_sessions: int = 0  # open sessions (and Generate streams) per key
+    max_kv_bytes: int = 0  # KV-cache bytes those hold
+    max_queued: int = 0  # steps waiting for a forward pass
+    tokens_per_s: float = 0.0  # tokens fed to the model (prompts, rounds), averaged over a burst
+
+
+def key_label(key: str) -> str:
+    """How a key is named in errors and logs: its name from the keys file, never the key."""
+    return f"key {key!r}" if key else "this client"
+
+
+@dataclass
+class _Bucket:
+    level: float
+    updated: float
+
+
+@dataclass
+class TokenRate:
+    """Fed tokens per key as a token bucket that may go into debt: a call is refused while its
+    key's bucket is empty, and a call larger than the bucket (a long prompt) is admitted once
+    and paid back over the following seconds, so no prompt is refused for being long."""
+
+    per_s: float
+    burst_s: float = 2.0  # an idle key may feed this many seconds' worth at once
+    clock: Callable[[], float] = time.monotonic
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    def take(self, key: str, tokens: int) -> None:
+        if self.per_s <= 0:
+            return
+        now = self.clock()
+        capacity = self.per_s * self.burst_s
+        bucket = self._buckets.setdefault(key, _Bucket(capacity, now))
+        bucket.level = min(capacity, bucket.level + (now - bucket.updated) * self.per_s)
+        bucket.updated = now
+        if bucket.level <= 0:
+            wait_ms = math.ceil(-bucket.level / self.per_s * 1000.0) + 1
+            raise CapacityExceeded(f"{key_label(key)} is over its rate of {self.per_s:g} tokens/s", wait_ms)
+        bucket.level -= tokens
