@@ -32,7 +32,7 @@ from shared.protocol import (
     VerifyResult,
 )
 from shared.sampling import penalized_logits, probs_from_logits
-from shared.speculative import RoundOutcome, rejection_sample, residual_draft_weights, sample_token, verify_greedy, verify_top1
+from shared.speculative import RoundOutcome, accept, dense_draft, sample_token
 
 log = logging.getLogger("cloud-verifier")
 # Temperature and repetition penalty divide or multiply logits: inside this range every
@@ -255,21 +255,17 @@ class Verifier:
         return results
 
     def _accept(self, req: VerifyRequest, session: Session, rows: torch.Tensor) -> tuple[RoundOutcome, torch.Tensor]:
-        """Target distributions for the block and the accept/reject outcome."""
+        """The accept/reject outcome of a round and the target distributions [k + 1, V]."""
         config = session.config
         vocab = self._vocab(config)
-        context = session.tokens + req.committed_tokens
-        penalized = penalized_logits(rows, context, req.draft_tokens, config.sampling, vocab)
-        drafts = torch.tensor(req.draft_tokens, dtype=torch.long)
-        if config.accept_mode is AcceptMode.GREEDY:
-            return verify_greedy(drafts, penalized), penalized.softmax(dim=-1)
-        probs = probs_from_logits(penalized, config.sampling)
-        if config.accept_mode is AcceptMode.TOP1:
-            return verify_top1(drafts, probs, session.generator), probs
-        sparse = _dense_sparse(req, vocab) if config.accept_mode is AcceptMode.SPARSE else None
-        draft_probs = _draft_probs(req, config.accept_mode, sparse)
-        weights = residual_draft_weights(config.accept_mode, drafts, draft_probs, sparse, vocab)
-        return rejection_sample(drafts, draft_probs, weights, probs, session.generator), probs
+        penalized = penalized_logits(rows, session.tokens + req.committed_tokens, req.draft_tokens, config.sampling, vocab)
+        greedy = config.accept_mode is AcceptMode.GREEDY
+        probs = penalized.softmax(dim=-1) if greedy else probs_from_logits(penalized, config.sampling)
+        outcome = accept(config.accept_mode, torch.tensor(req.draft_tokens, dtype=torch.long),
+                         penalized if greedy else probs, session.generator,
+                         draft_probs=torch.tensor(req.draft_probs, dtype=torch.float32) if req.draft_probs else None,
+                         sparse_draft=dense_draft(req.sparse_draft, vocab) if req.sparse_draft else None)
+        return outcome, probs
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
 
@@ -385,23 +381,6 @@ class GenerateStream:
     def close(self) -> None:
         """Drop the stream's KV (on the model worker)."""
         self.verifier.sessions.discard(self.stream_id)
-
-
-def _dense_sparse(req: VerifyRequest, vocab: int) -> torch.Tensor:  # [k, V]
-    dense = torch.zeros(len(req.draft_tokens), vocab)
-    for i, dist in enumerate(req.sparse_draft):
-        dense[i, torch.tensor(dist.token_ids, dtype=torch.long)] = torch.tensor(dist.probs)
-    return dense
-
-
-def _draft_probs(req: VerifyRequest, mode: AcceptMode, sparse: torch.Tensor | None) -> torch.Tensor:  # [k]
-    """q(y) per draft token: from the sparse distribution, else the scalars; 1 for point drafts."""
-    k = len(req.draft_tokens)
-    if sparse is not None:
-        return sparse[torch.arange(k), torch.tensor(req.draft_tokens, dtype=torch.long)]
-    if req.draft_probs and mode is not AcceptMode.POINT:
-        return torch.tensor(req.draft_probs, dtype=torch.float32)
-    return torch.ones(k)
 
 
 def _top_k(probs: torch.Tensor, k: int) -> list[TopK]:

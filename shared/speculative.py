@@ -18,11 +18,12 @@ Temperature 0 is GREEDY: accept while the draft equals the target argmax. Exact.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from shared.protocol import AcceptMode
+from shared.protocol import AcceptMode, SparseDistribution
 
 # q values come from the wire; the server validates q > 0, this guard keeps the
 # ratio finite even if a caller skips validation.
@@ -35,6 +36,45 @@ class RoundOutcome:
     next_token: int  # recovered token, or bonus token when bonus is True
     bonus: bool
     accept_probs: torch.Tensor  # [k] min(1, p(y)/q(y)) per draft position (greedy: 0 or 1)
+
+
+def accept(
+    mode: AcceptMode,
+    draft_token_ids: torch.Tensor,  # [k] long
+    target: torch.Tensor,  # [k + 1, V]: GREEDY: penalised logits; other modes: processed probabilities p
+    generator: torch.Generator,
+    draft_probs: torch.Tensor | None = None,  # [k] q(y) of each drafted token: SCALAR and SHORTCUT
+    sparse_draft: torch.Tensor | None = None,  # [k, V] the draft's distributions q: SPARSE
+) -> RoundOutcome:
+    """The one entry point: the accepted prefix of a draft block and the recovered or bonus
+    token, by the session's mode. GREEDY takes logits (argmax on logits, as target-only
+    decoding does, so no softmax rounding can split a tie differently); POINT drafts have
+    q = 1; SPARSE reads q(y) off its distributions."""
+    k = draft_token_ids.shape[0]
+    if mode is AcceptMode.GREEDY:
+        return verify_greedy(draft_token_ids, target)
+    if mode is AcceptMode.TOP1:
+        return verify_top1(draft_token_ids, target, generator)
+    if mode is AcceptMode.SPARSE:
+        if sparse_draft is None:
+            raise ValueError("SPARSE mode needs the draft distributions")
+        q = sparse_draft[torch.arange(k), draft_token_ids]
+    elif mode is AcceptMode.POINT:
+        q = torch.ones(k)
+    elif draft_probs is None:
+        raise ValueError(f"{mode.value} mode needs q(y) of every draft token")
+    else:
+        q = draft_probs
+    weights = residual_draft_weights(mode, draft_token_ids, q, sparse_draft, target.shape[-1])
+    return rejection_sample(draft_token_ids, q, weights, target, generator)
+
+
+def dense_draft(sparse: Sequence[SparseDistribution], vocab_size: int) -> torch.Tensor:  # [k, V]
+    """The wire's sparse draft distributions (top ids and their probabilities) as dense rows."""
+    dense = torch.zeros(len(sparse), vocab_size)
+    for i, dist in enumerate(sparse):
+        dense[i, torch.tensor(dist.token_ids, dtype=torch.long)] = torch.tensor(dist.probs)
+    return dense
 
 
 def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:

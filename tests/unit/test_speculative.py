@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from shared.protocol import AcceptMode
-from shared.speculative import rejection_sample, residual_draft_weights, verify_greedy
+from shared.speculative import accept, rejection_sample, verify_greedy
 
 V = 6
 
@@ -33,6 +33,22 @@ def test_greedy_first_mismatch_rejects_all() -> None:
     assert (out.accepted_len, out.next_token, out.bonus) == (0, 1, False)
 
 
+def test_accept_greedy_reads_logits_and_top1_reads_probabilities() -> None:
+    logits = _logits_with_argmax([1, 2, 3])
+    gen = torch.Generator().manual_seed(0)
+    out = accept(AcceptMode.GREEDY, torch.tensor([1, 5]), logits, gen)
+    assert (out.accepted_len, out.next_token, out.bonus) == (1, 2, False)
+    out = accept(AcceptMode.TOP1, torch.tensor([1, 2]), torch.softmax(logits * 10, dim=-1), gen)
+    assert (out.accepted_len, out.next_token, out.bonus) == (2, 3, True)
+
+
+def test_accept_refuses_a_mode_without_its_inputs() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for mode in (AcceptMode.SPARSE, AcceptMode.SCALAR, AcceptMode.SHORTCUT):
+        with pytest.raises(ValueError):
+            accept(mode, torch.tensor([1]), TARGET, gen)
+
+
 def test_greedy_empty_draft_returns_target_token() -> None:
     out = verify_greedy(torch.tensor([], dtype=torch.long), _logits_with_argmax([4]))
     assert (out.accepted_len, out.next_token, out.bonus) == (0, 4, True)
@@ -54,13 +70,10 @@ def _first_tokens(mode: AcceptMode, trials: int, seed: int = 0) -> torch.Tensor:
     for _ in range(trials):
         if mode is AcceptMode.POINT:
             token = int(DRAFT.argmax())  # a deterministic drafter
-            q_token = torch.tensor([1.0])
         else:
             token = int(torch.multinomial(DRAFT, 1, generator=gen))
-            q_token = DRAFT[token][None]
         drafts = torch.tensor([token])
-        weights = residual_draft_weights(mode, drafts, q_token, DRAFT[None], V)
-        out = rejection_sample(drafts, q_token, weights, TARGET, gen)
+        out = accept(mode, drafts, TARGET, gen, draft_probs=DRAFT[token][None], sparse_draft=DRAFT[None])
         counts[token if out.accepted_len else out.next_token] += 1
     return counts
 
