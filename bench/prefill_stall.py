@@ -1,0 +1,136 @@
+"""How long one long prompt holds up everyone else's rounds, with and without chunked prefill.
+
+    python -m bench.prefill_stall --model PATH --prompt-tokens 2048 --chunks 0,512,256 --out DIR
+
+A verifier (in this process, on a loopback port) serves one bystander session that sends
+k=0 rounds back to back; after a few rounds another client opens a session on a long
+prompt. For each --max-prefill-chunk value the bystander's round latency while that prefill
+runs (the stall) is measured beside the prefill's own time; the configurations alternate
+in one run, so they share the machine's state. Writes prefill_stall.json and report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.environment import machine, versions
+from cloud.batcher import BatchLimits
+from cloud.grpc_server import create_server
+from cloud.state import ServerState
+from cloud.verifier import Verifier
+from edge.client import VerifierClient
+from shared import lm
+from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
+
+WARMUP_ROUNDS = 3
+
+
+async def _bystander(client: VerifierClient, session_id: str, position: int, stop: asyncio.Event,
+                     latencies: list[float]) -> None:
+    while not stop.is_set():
+        sent = time.perf_counter()
+        reply = await client.verify(VerifyRequest(session_id, position, []), timeout_s=600)
+        latencies.append((time.perf_counter() - sent) * 1000.0)
+        position = reply.new_base_position
+
+
+async def measure(verifier: Verifier, chunk: int, prompt: list[int]) -> dict[str, Any]:
+    """One long prefill beside a bystander's rounds; the bystander's latencies during it."""
+    state = ServerState.for_verifier(verifier, BatchLimits(max_prefill_chunk=chunk))
+    server, port = create_server(state, "127.0.0.1:0", reflect=False)
+    await server.start()
+    client = VerifierClient(f"127.0.0.1:{port}", verify_timeout_s=600, open_timeout_s=600)
+    config = SessionConfig(vocab_size=verifier.model_vocab)
+    try:
+        bystander = await client.open_session(OpenSessionRequest(prompt[:16], config))
+        before: list[float] = []
+        stop = asyncio.Event()
+        rounds = asyncio.ensure_future(_bystander(client, bystander.session_id, bystander.position, stop, before))
+        while len(before) < WARMUP_ROUNDS:
+            await asyncio.sleep(0.01)
+        first_during = len(before)
+        started = time.perf_counter()
+        opened = await client.open_session(OpenSessionRequest(prompt, config))
+        prefill_s = time.perf_counter() - started
+        during = before[first_during:]
+        stop.set()
+        await rounds
+        await client.close_session(opened.session_id)
+        await client.close_session(bystander.session_id)
+    finally:
+        await client.close()
+        await server.stop(None)
+        state.worker.shutdown()
+    return {"chunk": chunk, "prefill_s": round(prefill_s, 3), "bystander_rounds_during": len(during),
+            "stall_max_ms": round(max(during), 1) if during else None,
+            "stall_median_ms": round(statistics.median(during), 1) if during else None,
+            "round_ms_before": round(statistics.median(before[:first_during]), 1)}
+
+
+def _report(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        "# One long prompt beside a bystander's rounds", "",
+        f"Target `{result['model']}` ({result['dtype']}), a {result['prompt_tokens']}-token prompt opened while a "
+        f"bystander session sends k=0 rounds back to back. {m['cpu_model']}, {m['cores']} cores "
+        f"({m['cpu_flags']}), torch {result['versions']['torch']}, {result['date']}.", "",
+        f"Command: `{result['command']}`", "",
+        "| --max-prefill-chunk | prefill (s) | bystander rounds during it | longest round (ms) | median round (ms) "
+        "| round before (ms) |",
+        "|---|---|---|---|---|---|"]
+    for row in result["runs"]:
+        chunk = row["chunk"] or "0 (whole prompt)"
+        lines.append(f"| {chunk} | {row['prefill_s']} | {row['bystander_rounds_during']} | {row['stall_max_ms']} "
+                     f"| {row['stall_median_ms']} | {row['round_ms_before']} |")
+    return "\n".join(lines) + "\n"
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads or lm.configure_cpu(torch.device("cpu"), 0))
+    model = lm.load_model(args.model, args.dtype, "cpu")
+    verifier = Verifier(model, Path(args.model).name)
+    vocab = min(lm.logits_width(model), 30000)
+    prompt = torch.randint(vocab // 10, vocab, (args.prompt_tokens,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    chunks = [int(c) for c in args.chunks.split(",")]
+    runs = []
+    for _ in range(args.repeats):
+        for chunk in chunks:  # alternated: every configuration sees the machine in the same states
+            runs.append(await measure(verifier, chunk, prompt))
+            print(json.dumps(runs[-1]), flush=True)  # noqa: T201  # progress of a long run
+    return {"model": Path(args.model).name, "dtype": str(model.dtype).removeprefix("torch."),
+            "prompt_tokens": args.prompt_tokens, "runs": runs, "machine": machine(), "versions": versions(),
+            "date": time.strftime("%Y-%m-%d"), "command": "python -m bench.prefill_stall " + " ".join(args.argv)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefill_stall", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="target model folder (HF format)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--chunks", default="0,512,256", help="--max-prefill-chunk values, comma-separated")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = usable cores)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    result = asyncio.run(_main(args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "prefill_stall.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "report.md").write_text(_report(result))
+    print(_report(result))  # noqa: T201
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
