@@ -1,4 +1,8 @@
-"""`edge-agent`: draft locally, verify in the cloud, print the target model's text."""
+"""`edge-agent`: draft locally, verify in the cloud, print the target model's text.
+
+Exit status: 0 when every prompt was answered; 1 when the run failed (one line on stderr);
+3 when a --prompts run finished but some prompts failed (their output lines carry "error").
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from edge.generate import (
     GenerationConfig,
     GenerationResult,
     Observer,
+    RoundRecord,
     TimeoutPolicy,
     cloud_only_generate,
     edge_only_generate,
@@ -38,11 +43,12 @@ from edge.runtime_llamacpp import LlamaCppDraftLM, find_gguf
 from edge.tokenizer import EdgeTokenizer
 from edge.trace import SessionRecorder, TraceHeader, trace_file_name, write_trace
 from shared.cli import add_settings_flags, run_cli, settings_from_args
-from shared.errors import ConfigError
+from shared.errors import ConfigError, SpecDecError
 from shared.model_store import DRAFT_MODEL, model_folder
 from shared.protocol import AcceptMode, SessionConfig
 
 log = logging.getLogger("edge-agent")
+PROMPTS_FAILED = 3  # exit status of a --prompts run that finished with some prompts failed
 
 
 @dataclass
@@ -61,7 +67,7 @@ class EdgeContext:
     def generation_config(self, seed: int) -> GenerationConfig:
         s = self.settings
         session = SessionConfig(s.sampling(), seed, s.resolved_accept_mode(), self.vocab_size)
-        timeouts = TimeoutPolicy(s.verify_timeout_ms / 1000, s.timeout_mode())
+        timeouts = TimeoutPolicy(s.verify_timeout_ms / 1000, s.timeout_mode(), s.reconnect_window_s)
         stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if s.k_policy == "egag" else None
         return GenerationConfig(session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule,
                                 s.overlap)
@@ -206,25 +212,71 @@ def _log_rounds(path: str | None, prompt_id: str, result: GenerationResult) -> N
             log_file.write(json.dumps({"id": prompt_id, **asdict(record)}) + "\n")
 
 
-async def run_batch(ctx: EdgeContext, client: VerifierClient | None) -> None:
+class _Committed:
+    """Keeps the final tokens of a generation, so a failed prompt still reports what it got."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+
+    def committed(self, tokens: list[int], record: RoundRecord | None) -> None:
+        self.token_ids += tokens
+
+    def provisional(self, tokens: list[int]) -> None:
+        pass
+
+
+def _one_line(err: SpecDecError) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+async def _answer(ctx: EdgeContext, client: VerifierClient | None, prompt: Prompt) -> tuple[GenerationResult, str | None]:
+    """One prompt's result, and its error as one line if it failed. A failed prompt (after the
+    reconnect window, a request the verifier refuses, ...) keeps the tokens committed before
+    the error, with finish_reason "error"; a bad option stops the whole run instead."""
+    s = ctx.settings
+    ids = encode_prompt(ctx.tokenizer, prompt.text, s.chat)
+    kept, start = _Committed(), time.perf_counter()
+    try:
+        return await generate_one(ctx, client, ids, s.seed, ctx.observer(kept), prompt.id), None
+    except ConfigError:
+        raise
+    except SpecDecError as err:
+        failed = GenerationResult(token_ids=kept.token_ids, finish_reason="error",
+                                  elapsed_s=time.perf_counter() - start)
+        return failed, _one_line(err)
+
+
+async def run_batch(ctx: EdgeContext, client: VerifierClient | None) -> int:
+    """Answer every prompt, one output line each, a failed one included; returns how many failed."""
     s = ctx.settings
     assert s.prompts is not None
     prompts = read_prompts(Path(s.prompts))
     out = open(s.output, "w") if s.output else sys.stdout  # noqa: SIM115
+    failed = 0
     try:
         for index, prompt in enumerate(prompts):
-            ids = encode_prompt(ctx.tokenizer, prompt.text, s.chat)
-            result = await generate_one(ctx, client, ids, s.seed, ctx.observer(None), prompt.id)
-            out.write(json.dumps(_output_record(prompt, result, ctx)) + "\n")
-            _log_rounds(s.log_rounds, prompt.id, result)
+            result, error = await _answer(ctx, client, prompt)
+            record = _output_record(prompt, result, ctx)
+            out.write(json.dumps(record if error is None else {**record, "error": error}) + "\n")
             out.flush()
-            log.info("%d/%d %s", index + 1, len(prompts), format_stats(result, s.mode))
+            _log_rounds(s.log_rounds, prompt.id, result)
+            if error is None:
+                log.info("%d/%d %s", index + 1, len(prompts), format_stats(result, s.mode))
+            else:
+                failed += 1
+                log.error("%d/%d %s failed: %s", index + 1, len(prompts), prompt.id, error)
     finally:
         if out is not sys.stdout:
             out.close()
+    if failed:
+        log.error("%d of %d prompts failed (finish_reason \"error\" in their output lines)", failed, len(prompts))
+    else:
+        log.info("all %d prompts answered", len(prompts))
+    return failed
 
 
-async def run_single(ctx: EdgeContext, client: VerifierClient | None) -> None:
+async def run_single(ctx: EdgeContext, client: VerifierClient | None) -> int:
+    """Stream one answer; an error ends the run (one line, exit status 1)."""
     s = ctx.settings
     assert s.prompt is not None
     ids = encode_prompt(ctx.tokenizer, s.prompt, s.chat)
@@ -233,9 +285,11 @@ async def run_single(ctx: EdgeContext, client: VerifierClient | None) -> None:
     _log_rounds(s.log_rounds, "prompt", result)
     sys.stdout.write("\n")
     print(format_stats(result, s.mode), file=sys.stderr)  # noqa: T201
+    return 0
 
 
-async def run_agent(settings: EdgeSettings) -> None:
+async def run_agent(settings: EdgeSettings) -> int:
+    """Returns how many prompts failed (a --prompts run goes on past them)."""
     if (settings.prompt is None) == (settings.prompts is None):
         raise ConfigError("give exactly one of --prompt or --prompts")
     if settings.record and settings.mode == "edge_only":
@@ -248,7 +302,7 @@ async def run_agent(settings: EdgeSettings) -> None:
         retry = CapacityRetry(settings.capacity_retries, settings.capacity_backoff_ms / 1000)
         client = VerifierClient(address, settings.call_timeout_ms / 1000, capacity_retry=retry) if address else None
         try:
-            await (run_batch(ctx, client) if settings.prompts else run_single(ctx, client))
+            return await (run_batch(ctx, client) if settings.prompts else run_single(ctx, client))
         finally:
             if client:
                 await client.close()
@@ -261,8 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
 
     def run() -> int:
-        asyncio.run(run_agent(settings_from_args(EdgeSettings, args)))
-        return 0
+        failed = asyncio.run(run_agent(settings_from_args(EdgeSettings, args)))
+        return PROMPTS_FAILED if failed else 0
 
     return run_cli("edge-agent", run)
 

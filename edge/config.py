@@ -71,6 +71,11 @@ class EdgeSettings(BaseSettings):
     local_commit: bool = Field(False, description="LOSSY: commit easy blocks without the cloud (counted, reported)")
     verify_timeout_ms: float = Field(400.0, gt=0, description="soft deadline of a Verify: then a token goes provisional")
     call_timeout_ms: float = Field(30000.0, gt=0, description="hard deadline of a Verify call: then reconnect")
+    # Long enough for a verifier to restart and load its model; past it a --prompts run records
+    # the prompt as failed and goes on with the next one.
+    reconnect_window_s: float = Field(
+        300.0, ge=0, description="seconds to keep reconnecting to a lost or still-loading verifier (waits of 0.1 s "
+        "doubling to 2 s, jittered); then the prompt fails (0 = at the first failure)")
     capacity_retries: int = Field(
         6, ge=0, description="RESOURCE_EXHAUSTED: resends after the server's retry hint (jitter), within the call's deadline")
     capacity_backoff_ms: float = Field(

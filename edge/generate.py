@@ -8,7 +8,10 @@ recovered/bonus token. Around that core:
   (shown, not final; retracted if the cloud rejects it), or final-but-unverified with
   accept-unverified; strict mode only waits;
 - a lost call or session (deadline, restart, eviction, position drift) reopens a session
-  with the committed prefix after a backoff, so nothing final is lost or duplicated;
+  with the committed prefix, so nothing final is lost or duplicated; the edge keeps trying
+  (jittered, capped exponential waits) for the reconnect window, the first OpenSession of a
+  generation and the cloud_only Generate stream included, and meanwhile shows the pending
+  block provisionally (provisional mode);
 - a full verifier (RESOURCE_EXHAUSTED) is retried by the client after its hint; meanwhile the
   soft deadline applies as above, and once the resends run out accept-unverified goes on
   locally while the other modes stop with the error.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -28,7 +31,7 @@ from edge.client import VerifierClient
 from edge.drafter import Draft, Drafter, DraftSource, StopRule
 from edge.gating import EscalationRules, GatingThresholds, TokenSignals
 from edge.kpolicy import KPolicy, RoundObservation
-from shared.errors import CapacityExceeded, CloudUnavailable, PositionMismatch, SessionNotFound
+from shared.errors import CapacityExceeded, CloudUnavailable, PositionMismatch, SessionNotFound, SpecDecError
 from shared.protocol import (
     AcceptMode,
     GenerateRequest,
@@ -48,8 +51,42 @@ SCALAR_MODES = (AcceptMode.SCALAR, AcceptMode.SHORTCUT)
 class TimeoutPolicy:
     soft_deadline_s: float = 0.4  # then a pending token becomes provisional (or unverified)
     mode: TimeoutMode = "provisional"
-    max_attempts: int = 8  # reconnects in a row before giving up
-    backoff_s: float = 0.1  # first reconnect delay, doubled per attempt, with jitter
+    # A verifier restart (model load included) takes tens of seconds to minutes: the edge
+    # rides it out rather than counting attempts. 0: the first failure is final.
+    reconnect_window_s: float = 300.0
+    backoff_s: float = 0.1  # first reconnect delay, doubled per attempt, with jitter x0.5-1.5
+    max_backoff_s: float = 2.0  # the doubling stops here: a verifier back is found within seconds
+
+
+class Reconnecting:
+    """The waits of one outage: jittered exponential delays capped at max_backoff_s, until
+    reconnect_window_s has passed since the first failure; then the last error, with how long
+    it was tried, is final. Clock, sleep and random source are injectable for tests."""
+
+    def __init__(self, policy: TimeoutPolicy, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, rng: random.Random | None = None) -> None:
+        self.policy, self.clock, self.sleep = policy, clock, sleep
+        self.rng = rng or random.Random()
+        self.started = clock()
+        self.attempts = 0
+
+    def delay_s(self) -> float:
+        policy = self.policy
+        base = min(policy.backoff_s * 2 ** min(self.attempts, 32), policy.max_backoff_s)
+        # The spread keeps edges cut off together from all coming back in the same instant.
+        return base * self.rng.uniform(0.5, 1.5)
+
+    async def wait(self, err: SpecDecError) -> None:
+        """Sleep before the next attempt; raise CloudUnavailable once the window is spent."""
+        elapsed = self.clock() - self.started
+        left = self.policy.reconnect_window_s - elapsed
+        if left <= 0:
+            raise CloudUnavailable(f"gave up reconnecting to the verifier after {elapsed:.1f} s and "
+                                   f"{self.attempts} attempts (reconnect window {self.policy.reconnect_window_s:g} s); "
+                                   f"last error: {err}") from err
+        delay = min(self.delay_s(), left)  # one last attempt as the window closes
+        self.attempts += 1
+        await self.sleep(delay)
 
 
 @dataclass(frozen=True)
@@ -202,9 +239,7 @@ class SpeculativeRun:
 
     async def _open(self) -> None:
         """Open a session on the committed prefix; the drafter prefills it meanwhile."""
-        seed = self.cfg.session.seed + 1_000_003 * self.result.reopens  # fresh randomness per session
-        config = SessionConfig(self.cfg.session.sampling, seed, self.cfg.session.accept_mode,
-                               self.cfg.session.vocab_size)
+        config = _session_config(self.cfg.session, self.result.reopens)
         opening = asyncio.ensure_future(self.client.open_session(OpenSessionRequest(self.committed, config)))
         self.drafter.sync(self.committed)
         await asyncio.to_thread(self.drafter.prefill)
@@ -212,17 +247,40 @@ class SpeculativeRun:
         self.catchup = []
         self.result.target_forward_passes += 1 if len(self.committed) > 1 else 0
 
-    async def _reopen(self) -> None:
-        policy = self.cfg.timeouts
-        for attempt in range(policy.max_attempts):
-            await asyncio.sleep(policy.backoff_s * 2**attempt * random.uniform(0.5, 1.5))
-            self.result.reopens += 1
+    async def _connect(self, lost: SpecDecError | None) -> None:
+        """Open a session on the committed prefix, at once for the first one (`lost` None) or
+        after a wait once `lost` ended the last; recoverable failures are retried within the
+        reconnect window, showing the pending block meanwhile."""
+        outage = Reconnecting(self.cfg.timeouts)
+        err = lost
+        while True:
+            if err is not None:
+                self._show_while_away()
+                await outage.wait(err)
+                if lost is not None:  # a first open retried is not a reopen: it keeps its seed
+                    self.result.reopens += 1
             try:
                 await self._open()
                 return
-            except CloudUnavailable:
-                continue
-        raise CloudUnavailable(f"verifier unreachable after {policy.max_attempts} reconnects")
+            except _RECOVERABLE as failed:
+                err = failed
+
+    def _show_while_away(self) -> None:
+        """Provisional mode: while the verifier is away, top the pending block up to one block
+        and show it provisionally; verified (or retracted) once a session is back. Strict mode
+        only waits; accept-unverified makes nothing final without a reply here either."""
+        if self.cfg.timeouts.mode != "provisional":
+            return
+        room = min(self.k_policy.next_k(), self.out.remaining() - 1)
+        if self.session is not None:
+            room = min(room, self.session.max_draft_tokens)
+        if len(self.pending) < room:
+            self.drafter.sync(self.committed + self.pending.token_ids)
+            self.pending.extend(self.drafter.propose(room - len(self.pending), self._stop_rule()))
+        if self.provisional < len(self.pending):
+            self.result.provisional_tokens += len(self.pending) - self.provisional
+            self.provisional = len(self.pending)
+            self.out.show_provisional(self.pending.token_ids)
 
     async def _close(self) -> None:
         if self.session is not None:
@@ -235,7 +293,7 @@ class SpeculativeRun:
 
     async def run(self) -> GenerationResult:
         up0, down0 = self.client.stats.bytes_up, self.client.stats.bytes_down
-        await self._open()
+        await self._connect(None)
         try:
             while not self.out.done():
                 await self._round()
@@ -257,6 +315,10 @@ class SpeculativeRun:
         else:
             self.pending = self.pending.head(self.provisional)
         assert self.session is not None
+        if self.provisional > self.session.max_draft_tokens:  # shown while away, before this session's limit was known
+            self.result.retracted_tokens += self.provisional - self.session.max_draft_tokens
+            self.provisional = self.session.max_draft_tokens
+            self.pending = self.pending.head(self.provisional)
         room = min(self.k_policy.next_k(), self.out.remaining() - 1, self.session.max_draft_tokens)
         if len(self.pending) > max(room, self.provisional):
             self.pending = self.pending.head(max(room, self.provisional))
@@ -363,9 +425,9 @@ class SpeculativeRun:
             deadline = loop.time() + soft if soft and self.provisional < len(self.pending) else None
         try:
             return call.result()
-        except _RECOVERABLE:
+        except _RECOVERABLE as err:
             self.ahead = Draft()
-            await self._reopen()
+            await self._connect(err)
             return None
         except CapacityExceeded:
             # Still full after the client's resends: accept-unverified falls back locally as on a
@@ -475,14 +537,34 @@ async def speculative_generate(prompt: list[int], drafter: DraftSource, client: 
 
 async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: GenerationConfig,
                               observer: Observer | None = None) -> GenerationResult:
-    """Target alone through the verifier's Generate stream."""
+    """Target alone through the verifier's Generate stream. A stream lost to a recoverable
+    error is resumed within the reconnect window on the prompt plus the tokens already
+    committed, asking only for the rest, so nothing is duplicated or lost."""
     up0, down0 = client.stats.bytes_up, client.stats.bytes_down
     out = _Output(cfg, GenerationResult(), observer)
-    req = GenerateRequest(prompt, cfg.session, cfg.max_new_tokens, sorted(cfg.stop_token_ids))
-    async for chunk in client.generate(req):
-        out.result.target_forward_passes += 1
-        out.commit(chunk.tokens, None)
+    outage: Reconnecting | None = None
+    while not out.done():
+        req = GenerateRequest(prompt + out.result.token_ids, _session_config(cfg.session, out.result.reopens),
+                              out.remaining(), sorted(cfg.stop_token_ids))
+        try:
+            async for chunk in client.generate(req):
+                outage = None  # it answers again: a later failure starts a new window
+                out.result.target_forward_passes += 1
+                out.commit(chunk.tokens, None)
+            break  # the stream ended by itself: at max_new_tokens or a stop token
+        except _RECOVERABLE as err:
+            outage = outage or Reconnecting(cfg.timeouts)
+            await outage.wait(err)
+            if out.result.token_ids:  # a stream cut midway: resumed with a fresh seed
+                out.result.reopens += 1
     return out.finish(client, up0, down0)
+
+
+def _session_config(session: SessionConfig, reopens: int) -> SessionConfig:
+    """The session's config with a fresh seed per reopen: a reopened session draws new
+    randomness rather than replaying the first one's."""
+    seed = session.seed + 1_000_003 * reopens
+    return SessionConfig(session.sampling, seed, session.accept_mode, session.vocab_size)
 
 
 def edge_only_generate(prompt: list[int], drafter: Drafter, cfg: GenerationConfig,

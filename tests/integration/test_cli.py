@@ -89,9 +89,10 @@ def test_cli_errors_are_one_line(models: tuple[Path, Path], tmp_path: Path) -> N
 
 def test_unreachable_cloud_is_one_line(models: tuple[Path, Path]) -> None:
     done = _edge("--cloud", "127.0.0.1:1", "--draft-model", str(models[0]), "--prompt", "w5",
-                 "--verify-timeout-ms", "2000")
+                 "--verify-timeout-ms", "2000", "--reconnect-window-s", "1")
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert "unreachable" in done.stderr.splitlines()[-1]
+    last = done.stderr.splitlines()[-1]
+    assert "unreachable" in last and "gave up reconnecting to the verifier after 1." in last
 
 
 def test_ngram_edge_loads_no_model(models: tuple[Path, Path], verifier_address: str, tmp_path: Path) -> None:

@@ -2,6 +2,10 @@
 proxy (delays are injected on the link; the product never sleeps to fake them)."""
 
 import asyncio
+import threading
+
+import pytest
+from grpc import aio
 
 from cloud.grpc_server import create_server
 from cloud.verifier import Verifier
@@ -9,8 +13,10 @@ from edge.client import VerifierClient
 from edge.gating import EscalationRules, GatingThresholds
 from edge.generate import Gating, GenerationResult, RoundRecord, TimeoutPolicy, cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK
+from shared.errors import InvalidRequest
 from shared.netproxy import FaultProxy, LinkConditions
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
+from tests.ops import greedy_continuation, running_servers
 
 PROMPTS = [random_prompt(seed, length=6) for seed in range(6)]
 
@@ -127,45 +133,166 @@ def test_strict_mode_never_shows_unverified_text(target_model, draft_model) -> N
     asyncio.run(run())
 
 
+class Restartable:
+    """A verifier behind the fault proxy that can be stopped and, `down_s` later, replaced by a
+    new one at the same address (a new server behind the proxy)."""
+
+    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+        self.model = model
+        self.servers: list[aio.Server] = []
+        self.proxy: FaultProxy | None = None
+        self.restarted = asyncio.Event()
+
+    async def start(self) -> VerifierClient:
+        port = await self._new_server()
+        self.proxy = FaultProxy("127.0.0.1", port)
+        await self.proxy.start()
+        return VerifierClient(self.proxy.address, verify_timeout_s=5)
+
+    async def _new_server(self) -> int:
+        server, port = create_server(Verifier(self.model, "tiny"), "127.0.0.1:0")
+        await server.start()
+        self.servers.append(server)
+        return port
+
+    def restart_soon(self, down_s: float) -> None:
+        """Called from an observer: restart in a task, once."""
+        if not self.restarted.is_set():
+            self.restarted.set()
+            asyncio.get_running_loop().create_task(self._restart(down_s))
+
+    async def _restart(self, down_s: float) -> None:
+        assert self.proxy is not None
+        await self.servers[-1].stop(None)
+        self.proxy.drop_connections()
+        await asyncio.sleep(down_s)
+        self.proxy.target = ("127.0.0.1", await self._new_server())
+
+    async def close(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.close()
+        for server in self.servers:
+            await server.stop(None)
+
+
+class RestartAfter(Recorder):
+    """Restarts the verifier (down for `down_s`) once `rounds` rounds or chunks are final."""
+
+    def __init__(self, verifier: Restartable, rounds: int, down_s: float) -> None:
+        super().__init__()
+        self.verifier, self.after, self.down_s = verifier, rounds, down_s
+        self.chunks = 0
+
+    def committed(self, tokens: list[int], record: RoundRecord | None) -> None:
+        super().committed(tokens, record)
+        self.chunks += 1
+        if self.rounds >= self.after or self.chunks >= self.after:
+            self.verifier.restart_soon(self.down_s)
+
+
 def test_verifier_restarted_mid_generation(target_model, draft_lm) -> None:
     """Kill the verifier after a few rounds, start a new one behind the same proxy address:
     the edge reopens a session with its committed prefix and ends with target-only output."""
     async def run() -> None:
-        first_server, first_port = create_server(Verifier(target_model, "tiny"), "127.0.0.1:0")
-        await first_server.start()
-        proxy = FaultProxy("127.0.0.1", first_port)
-        await proxy.start()
-        client = VerifierClient(proxy.address, verify_timeout_s=5)
-        servers = [first_server]
-        restarted = asyncio.Event()
-
-        class RestartAfterThreeRounds(Recorder):
-            def committed(self, tokens: list[int], record: RoundRecord | None) -> None:
-                super().committed(tokens, record)
-                if self.rounds == 3 and not restarted.is_set():
-                    restarted.set()
-                    asyncio.get_running_loop().create_task(restart())
-
-        async def restart() -> None:
-            await servers[0].stop(None)
-            proxy.drop_connections()
-            server, port = create_server(Verifier(target_model, "tiny"), "127.0.0.1:0")
-            await server.start()
-            servers.append(server)
-            proxy.target = ("127.0.0.1", port)
-
+        verifier = Restartable(target_model)
+        client = await verifier.start()
         try:
-            recorder = RestartAfterThreeRounds()
+            recorder = RestartAfter(verifier, rounds=3, down_s=0.0)
             cfg = gen_config(max_new_tokens=40, timeouts=TimeoutPolicy(soft_deadline_s=5.0, backoff_s=0.05))
             result = await speculative_generate(PROMPTS[4], make_drafter(draft_lm), client, FixedK(3), cfg,
                                                 recorder)
             reference = await _reference(client, PROMPTS[4], 40)
-            assert restarted.is_set() and result.reopens >= 1
+            assert verifier.restarted.is_set() and result.reopens >= 1
             assert result.token_ids == reference == recorder.final
         finally:
             await client.close()
-            await proxy.close()
-            for server in servers:
-                await server.stop(None)
+            await verifier.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["provisional", "strict"])
+def test_the_edge_shows_its_draft_while_the_verifier_is_away(target_model, draft_model, mode) -> None:
+    """Down for a second and a half (many waits of the backoff): provisional mode shows the
+    pending block, at most one block, and the final text is still the target's; strict mode
+    shows nothing."""
+    async def run() -> None:
+        verifier = Restartable(target_model)
+        client = await verifier.start()
+        try:
+            recorder = RestartAfter(verifier, rounds=3, down_s=1.5)
+            timeouts = TimeoutPolicy(soft_deadline_s=5.0, mode=mode, backoff_s=0.05, max_backoff_s=0.2)
+            result = await speculative_generate(PROMPTS[5], make_drafter(draft_model), client, FixedK(4),
+                                                gen_config(max_new_tokens=40, timeouts=timeouts), recorder)
+            reference = await _reference(client, PROMPTS[5], 40)
+        finally:
+            await client.close()
+            await verifier.close()
+        assert result.token_ids == reference == recorder.final and result.reopens >= 1
+        if mode == "strict":
+            assert not recorder.provisional_shown and result.provisional_tokens == 0
+            return
+        assert recorder.provisional_shown and all(1 <= len(shown) <= 4 for shown in recorder.provisional_shown)
+        assert 1 <= result.provisional_tokens <= 4  # one outage, one block shown
+        assert result.retracted_tokens <= result.provisional_tokens
+
+    asyncio.run(run())
+
+
+def test_cloud_only_stream_resumes_where_it_was_cut(target_model) -> None:
+    """The Generate stream dies after a few tokens and the verifier is back half a second later:
+    the stream resumes on prompt + tokens so far; nothing is lost or repeated."""
+    async def run() -> None:
+        verifier = Restartable(target_model)
+        client = await verifier.start()
+        try:
+            recorder = RestartAfter(verifier, rounds=5, down_s=0.5)
+            cfg = gen_config(max_new_tokens=60, timeouts=TimeoutPolicy(backoff_s=0.05))
+            result = await cloud_only_generate(PROMPTS[3], client, cfg, recorder)
+        finally:
+            await client.close()
+            await verifier.close()
+        assert verifier.restarted.is_set() and result.reopens >= 1
+        assert result.token_ids == recorder.final == greedy_continuation(target_model, PROMPTS[3], 60)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["speculative", "cloud_only"])
+def test_the_first_call_waits_for_a_verifier_still_loading(target_model, draft_model, mode) -> None:
+    """The edge starts while the verifier is still loading its model (UNAVAILABLE): the first
+    OpenSession (or Generate) is retried until it is served, and the text is the target's."""
+    async def run() -> None:
+        gate = threading.Event()
+        async with running_servers(target_model, gate) as (servers, _):
+            client = VerifierClient(f"127.0.0.1:{servers.grpc_port}", verify_timeout_s=5)
+            asyncio.get_running_loop().call_later(1.0, gate.set)
+            recorder = Recorder()
+            cfg = gen_config(max_new_tokens=30, timeouts=TimeoutPolicy(backoff_s=0.05, max_backoff_s=0.2))
+            try:
+                if mode == "cloud_only":
+                    result = await cloud_only_generate(PROMPTS[2], client, cfg, recorder)
+                else:
+                    result = await speculative_generate(PROMPTS[2], make_drafter(draft_model), client, FixedK(4),
+                                                        cfg, recorder)
+            finally:
+                await client.close()
+        assert gate.is_set() and result.reopens == 0
+        assert result.token_ids == recorder.final == greedy_continuation(target_model, PROMPTS[2], 30)
+        if mode == "speculative":  # the draft was shown while the model loaded
+            assert recorder.provisional_shown and result.provisional_tokens >= 1
+
+    asyncio.run(run())
+
+
+def test_a_refused_request_is_not_retried(target_model) -> None:
+    """INVALID_ARGUMENT is no outage: it fails at once, even with a long reconnect window."""
+    async def run() -> None:
+        async with running_verifier(target_model) as (client, _):
+            cfg = gen_config(max_new_tokens=8, vocab=10_000, timeouts=TimeoutPolicy(reconnect_window_s=300))
+            start = asyncio.get_running_loop().time()
+            with pytest.raises(InvalidRequest):
+                await cloud_only_generate(PROMPTS[0], client, cfg)
+            assert asyncio.get_running_loop().time() - start < 5
 
     asyncio.run(run())

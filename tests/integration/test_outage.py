@@ -1,0 +1,178 @@
+"""The real console programs through an outage: a cloud-verifier process SIGKILLed in the middle of
+an `edge-agent --prompts` run and started again a minute later on the same port; and a batch in
+which the verifier refuses one prompt."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ops import metric_samples
+from tests.tiny_models import save_pair
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+OUTAGE_S = 60.0  # about what a real verifier takes to be restarted and load its model
+PROMPTS_FAILED = 3  # edge-agent's exit status when some prompts of a --prompts run failed
+
+
+class VerifierProcess:
+    """`cloud-verifier` in its own process; a thread reads its log (so a full pipe never blocks
+    it) and notes the ports it serves on."""
+
+    def __init__(self, model: Path, port: int = 0, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "cloud", "--model", str(model), "--port", str(port), "--http-port", "0",
+               "--dtype", "float32", "--threads", "1", *flags]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
+        self.log: list[str] = []
+        self.grpc_port = self.http_port = 0
+        self.serving = threading.Event()
+        threading.Thread(target=self._read_log, daemon=True).start()
+        assert self.serving.wait(120), "cloud-verifier did not start:\n" + "".join(self.log)
+
+    def _read_log(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if match := re.search(r"http on \S+:(\d+)", line):
+                self.http_port = int(match.group(1))
+            if match := re.search(r"serving .* on \S+:(\d+)", line):
+                self.grpc_port = int(match.group(1))
+                self.serving.set()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def rounds(self) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as reply:
+            return metric_samples(reply.read().decode()).get(("specdec_rounds_total", frozenset()), 0.0)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+@contextmanager
+def verifier_process(model: Path, port: int = 0, *flags: str) -> Iterator[VerifierProcess]:
+    verifier = VerifierProcess(model, port, *flags)
+    try:
+        yield verifier
+    finally:
+        verifier.stop()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_pair(tmp_path_factory.mktemp("models"))
+
+
+def _edge_cmd(draft: Path, address: str, prompts: Path, output: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "edge", "--dtype", "float32", "--threads", "1", "--draft-threads", "1",
+            "--draft-model", str(draft), "--cloud", address, "--prompts", str(prompts), "--output", str(output),
+            "--no-chat", *args]
+
+
+def _write_prompts(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": text}) + "\n" for i, text in enumerate(texts)))
+    return path
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_batch_rides_out_a_verifier_killed_and_restarted_a_minute_later(models: tuple[Path, Path],
+                                                                        tmp_path: Path) -> None:
+    """SIGKILL the verifier once the first prompt is a few dozen rounds in (its /metrics says
+    so), keep it down a minute, start it again on the same port: every prompt finishes with
+    exactly cloud_only's tokens, and the run exits 0."""
+    draft, target = models
+    # 300 tokens is about 170 rounds per prompt: the kill at round 30 lands inside the first one.
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", ["w2 w15 w28 w41 w54", "w9 w22 w35 w48 w61",
+                                                          "w16 w29 w42 w55 w68"])
+    spec_out, cloud_out = tmp_path / "speculative.jsonl", tmp_path / "cloud_only.jsonl"
+    edge_log = (tmp_path / "edge.log").open("w")
+    with verifier_process(target) as first:
+        port = first.grpc_port
+        edge = subprocess.Popen(_edge_cmd(draft, first.address, prompts, spec_out, "--max-new-tokens", "300"),
+                                stdout=edge_log, stderr=subprocess.STDOUT, env=ENV)
+        try:
+            _wait_for(lambda: first.rounds() >= 30, 120, "30 rounds")
+            first.kill()
+            assert edge.poll() is None and not spec_out.read_text(), "the kill missed the first prompt"
+            time.sleep(OUTAGE_S)
+            assert edge.poll() is None, "the edge gave up during the outage"
+            with verifier_process(target, port) as second:
+                assert edge.wait(timeout=120) == 0, (tmp_path / "edge.log").read_text()
+                done = subprocess.run(_edge_cmd(draft, second.address, prompts, cloud_out, "--mode", "cloud_only",
+                                                "--max-new-tokens", "300"),
+                                      capture_output=True, text=True, env=ENV, timeout=120)
+                assert done.returncode == 0, done.stderr
+        finally:
+            if edge.poll() is None:
+                edge.kill()
+            edge_log.close()
+    spec, cloud = _records(spec_out), _records(cloud_out)
+    assert [r["id"] for r in spec] == [r["id"] for r in cloud] == ["p0", "p1", "p2"]
+    for s, c in zip(spec, cloud, strict=True):
+        assert "error" not in s and s["finish_reason"] == c["finish_reason"] == "length"
+        assert s["token_ids"] == c["token_ids"] and s["text"] == c["text"] and len(s["token_ids"]) == 300
+    cut = spec[0]
+    assert cut["reopens"] >= 1 and spec[1]["reopens"] == spec[2]["reopens"] == 0
+    assert cut["provisional_tokens"] >= 1  # the draft was shown while the verifier was away
+    assert cut["retracted_tokens"] <= cut["provisional_tokens"]
+
+
+def test_a_prompt_the_verifier_refuses_fails_alone(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """The middle prompt is longer than the verifier's context limit (INVALID_ARGUMENT, no outage:
+    no reconnecting): its line carries the error, the others are answered, the exit status says
+    some prompts failed. Speculative and cloud_only alike."""
+    draft, target = models
+    long_prompt = " ".join(f"w{i % 90 + 2}" for i in range(40))
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", ["w5 w9 w13", long_prompt, "w7 w11 w3"])
+    records = {}
+    with verifier_process(target, 0, "--max-context-tokens", "30") as verifier:
+        for mode in ("speculative", "cloud_only"):
+            out = tmp_path / f"{mode}.jsonl"
+            start = time.monotonic()
+            done = subprocess.run(_edge_cmd(draft, verifier.address, prompts, out, "--mode", mode,
+                                            "--max-new-tokens", "20"),
+                                  capture_output=True, text=True, env=ENV, timeout=120)
+            assert done.returncode == PROMPTS_FAILED, done.stderr
+            assert time.monotonic() - start < 60  # not retried for the reconnect window
+            assert "Traceback" not in done.stderr
+            assert re.search(r"2/3 p1 failed: INVALID_ARGUMENT: .*limit 30", done.stderr)
+            assert "1 of 3 prompts failed" in done.stderr.splitlines()[-1]
+            records[mode] = _records(out)
+    for mode, lines in records.items():
+        assert [r["id"] for r in lines] == ["p0", "p1", "p2"], mode
+        failed = lines[1]
+        assert failed["finish_reason"] == "error" and "limit 30" in failed["error"] and "\n" not in failed["error"]
+        assert failed["token_ids"] == [] and failed["text"] == ""
+        for answered in (lines[0], lines[2]):
+            assert "error" not in answered and len(answered["token_ids"]) == 20
+    for i in (0, 2):
+        assert records["speculative"][i]["token_ids"] == records["cloud_only"][i]["token_ids"]
