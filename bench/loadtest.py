@@ -3,7 +3,7 @@
     loadtest --cloud 127.0.0.1:50051 --output result.json [--trace DIR] [--azure FILE.csv | --rate R]
              [--sessions N] [--scale X] [--max-prompt-tokens N] [--max-output-tokens N]
              [--max-sessions N] [--duration S] [--mode speculative|cloud_only] [--report DIR]
-             [--metrics-url http://127.0.0.1:8080/metrics]
+             [--metrics-url http://127.0.0.1:8080/metrics] [--api-key KEY] [--tls-ca CA.pem]
 
 Sessions come from the traces `edge-agent --record DIR` writes (default: the Qwen traces shipped
 in bench/data/traces/qwen). Arrivals (loadtest_arrivals.py): the traces' own start times
@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import ssl
 import sys
 import urllib.request
 from collections.abc import Sequence
@@ -26,14 +27,14 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from tqdm import tqdm
 
 from bench.loadtest_arrivals import Caps, PlannedSession, azure_plan, poisson_plan, read_azure, trace_plan
 from bench.loadtest_replay import LoadClock, SessionOutcome, replay
 from bench.loadtest_report import ServerSample, ended_by_line, summarize, write_report
-from edge.client import CapacityRetry, VerifierClient
+from edge.client import CapacityRetry, ClientTls, VerifierClient
 from edge.trace import read_traces
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
@@ -48,6 +49,10 @@ class LoadtestSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_LOADTEST_")
 
     cloud: str = Field(description="verifier HOST:PORT on this machine (loopback only)")
+    api_key: SecretStr | None = Field(None, description="API key of a verifier started with --api-keys-file (also "
+                                      "sent to --metrics-url)")
+    tls_ca: str | None = Field(None, description="PEM CA bundle of a verifier started with --tls-cert (gRPC and an "
+                               "https --metrics-url)")
     output: str = Field(description="RESULT.json to write")
     trace: str | None = Field(None, description="folder of recorded session traces; default: the shipped Qwen traces")
     azure: str | None = Field(None, description="arrivals and lengths from an Azure 2023 trace CSV")
@@ -110,9 +115,14 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
-async def poll_metrics(url: str, clock: LoadClock, samples: list[ServerSample], every_s: float) -> None:
+async def poll_metrics(url: str, clock: LoadClock, samples: list[ServerSample], every_s: float,
+                       s: LoadtestSettings) -> None:
+    headers = {"Authorization": f"Bearer {s.api_key.get_secret_value()}"} if s.api_key else {}
+    context = ssl.create_default_context(cafile=s.tls_ca) if s.tls_ca else None
+
     def fetch() -> str:
-        with urllib.request.urlopen(url, timeout=2) as reply:  # noqa: S310 (loopback, checked)
+        request = urllib.request.Request(url, headers=headers)
+        with urllib.request.urlopen(request, timeout=2, context=context) as reply:  # noqa: S310 (loopback, checked)
             return str(reply.read().decode())
     while True:
         try:
@@ -133,13 +143,16 @@ async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
         raise ConfigError("no session to replay within the given bounds")
     clock = LoadClock()
     samples: list[ServerSample] = []
-    poller = asyncio.create_task(poll_metrics(s.metrics_url, clock, samples, s.bin_s / 2)) if s.metrics_url else None
+    poller = asyncio.create_task(poll_metrics(s.metrics_url, clock, samples, s.bin_s / 2, s)) if s.metrics_url else None
+    tls = ClientTls.from_files(s.tls_ca) if s.tls_ca else None
+    key = s.api_key.get_secret_value() if s.api_key else None
     bar = tqdm(total=len(plan), unit="session", disable=not s.progress, file=sys.stderr)
     outcomes: list[SessionOutcome] = []
 
     async def one(session: PlannedSession) -> None:
         await asyncio.sleep(max(session.arrival_s - clock.now(), 0.0))
-        client = VerifierClient(s.cloud, s.call_timeout, s.call_timeout, CapacityRetry(max_retries=s.capacity_retries))
+        client = VerifierClient(s.cloud, s.call_timeout, s.call_timeout, CapacityRetry(max_retries=s.capacity_retries),
+                                tls=tls, api_key=key)
         try:
             outcomes.append(await replay(session, client, clock, s.mode, s.think_scale))
         finally:
@@ -161,7 +174,7 @@ async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
     if poller is not None:
         poller.cancel()
     bar.close()
-    settings = s.model_dump() | {"arrivals": s.arrivals(), "trace": s.trace or str(SHIPPED_TRACES)}
+    settings = s.model_dump(exclude={"api_key"}) | {"arrivals": s.arrivals(), "trace": s.trace or str(SHIPPED_TRACES)}
     return summarize(sorted(outcomes, key=lambda o: o.index), clock, samples, wall_s, settings, len(plan), s.bin_s)
 
 

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
 from cloud.logs import configure_logging, log_event
@@ -34,7 +35,8 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
     else:
         path = settings.model
     model = lm.load_model(path, dtype.name, str(device))
-    return Verifier(model, path, settings.limits(), dtype_reason=dtype.reason)
+    # The folder's name, not its path: model ids reach callers (OpenSession, /healthz, /v1/stats).
+    return Verifier(model, Path(path).name, settings.limits(), dtype_reason=dtype.reason)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

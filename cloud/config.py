@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from cloud.batcher import BatchLimits
@@ -37,6 +37,16 @@ class VerifierSettings(BaseSettings):
     http_port: int = Field(8080, ge=0, le=65535,
                            description="HTTP port: probes, /metrics, the live page (0 = any free port)")
     reflection: bool = Field(True, description="gRPC server reflection (for grpcurl and friends)")
+    tls_cert: str | None = Field(None, description="PEM certificate: gRPC over TLS and HTTPS (with --tls-key)")
+    tls_key: str | None = Field(None, description="PEM private key of --tls-cert")
+    tls_client_ca: str | None = Field(None, description="PEM CA bundle: gRPC requires client certificates it "
+                                      "signed (mTLS); HTTPS asks none, so probes still reach /livez /readyz")
+    insecure: bool = Field(False, description="allow a non-loopback --host without TLS (plaintext, logged as a warning)")
+    api_keys_file: str | None = Field(None, description="file of accepted API keys, one per line ('[NAME] KEY' or "
+                                      "'[NAME] sha256:HEX'); gRPC calls and HTTP /metrics /v1/* / then need "
+                                      "'authorization: Bearer KEY'")
+    public_metrics: bool = Field(False, description="with --api-keys-file: serve /metrics, /v1/* and the live page "
+                                 "without a key")
     drain_grace_s: float = Field(
         20.0, ge=0, description="on SIGTERM: seconds open sessions get to finish before the server stops")
     log_format: Literal["text", "json"] = Field("text", description="one line per event, as text or JSON")
@@ -57,6 +67,14 @@ class VerifierSettings(BaseSettings):
     max_batch_tokens: int = Field(2048, ge=1, description="tokens fed per batched forward pass (a longer step runs alone)")
     max_queue: int = Field(256, ge=1, description="rounds waiting for a forward pass; past it, RESOURCE_EXHAUSTED "
                            "with a retry hint")
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> VerifierSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return self
 
     def batch_limits(self) -> BatchLimits:
         return BatchLimits(self.max_batch_size, self.max_batch_wait_ms, self.max_batch_tokens, self.max_queue)

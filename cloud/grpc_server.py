@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -45,6 +45,7 @@ class _Call:
     started: float = field(default_factory=time.perf_counter)
     sent: int = 0
     session: str = ""  # the reply's session id, for calls whose request has none (OpenSession)
+    principal: str = ""  # the caller's API key name (--api-keys-file), set once it is authenticated
 
     def finish(self, code: str, detail: str = "") -> None:
         self.state.metrics.record_rpc(self.method, code, self.request.ByteSize(), self.sent)
@@ -52,6 +53,8 @@ class _Call:
                                   "ms": round((time.perf_counter() - self.started) * 1000.0, 2)}
         if session := getattr(self.request, "session_id", "") or self.session:
             fields["session"] = session_tag(session)
+        if self.principal:
+            fields["principal"] = self.principal
         if prompt := getattr(self.request, "prompt_tokens", None):
             fields["prompt_tokens"] = list(prompt) if self.state.log_prompts else len(prompt)
         if code != "OK":
@@ -71,8 +74,10 @@ async def _abort(context: grpc.aio.ServicerContext, err: SpecDecError, request_i
 
 @asynccontextmanager
 async def _translating(context: grpc.aio.ServicerContext, call: _Call) -> AsyncIterator[None]:
-    """The one place that maps project errors to gRPC status codes, and counts every call's code."""
+    """The one place that maps project errors to gRPC status codes, and counts every call's code.
+    Every call is authenticated here first, so a refusal is counted and logged like any error."""
     try:
+        call.principal = call.state.api_keys.principal(_authorization(context))
         yield
     except SpecDecError as err:
         call.finish(err.status, str(err))
@@ -88,13 +93,23 @@ async def _translating(context: grpc.aio.ServicerContext, call: _Call) -> AsyncI
         call.finish("OK")
 
 
-async def _translated(context: grpc.aio.ServicerContext, call: _Call, reply: Awaitable[T]) -> T:
-    async with _translating(context, call):
-        result = await reply
-        call.sent = result.ByteSize()  # type: ignore[attr-defined]  # every reply is a protobuf message
-        call.session = getattr(result, "session_id", "")
-        return result
+async def _translated(context: grpc.aio.ServicerContext, call: _Call, reply: Coroutine[Any, Any, T]) -> T:
+    try:
+        async with _translating(context, call):
+            result = await reply
+            call.sent = result.ByteSize()  # type: ignore[attr-defined]  # every reply is a protobuf message
+            call.session = getattr(result, "session_id", "")
+            return result
+    finally:
+        reply.close()  # a call refused before it ran (authentication) never started its coroutine
     raise AssertionError("unreachable: _translating re-raises or aborts")
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return str(value)
+    return None
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -107,17 +122,21 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return _Call(self.state, method, request, request_id)
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
-        async def call() -> pb.OpenSessionResponse:
+        call = self._call("OpenSession", request)  # call.principal is set before work() runs
+
+        async def work() -> pb.OpenSessionResponse:
             req = wire.open_request_from_pb(request)
             verifier, batcher = self.state.verifier_for(new_session=True)
             # The prefill is one more step for the batcher: rounds of open sessions share its forward pass.
             result = await batcher.submit(uuid.uuid4().hex, len(req.prompt_tokens), lambda: verifier.begin_open(req),
                                           _deadline(context), admitting=True)
             return wire.open_result_to_pb(result)
-        return await _translated(context, self._call("OpenSession", request), call())
+        return await _translated(context, call, work())
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
-        async def call() -> pb.VerifyResponse:
+        call = self._call("Verify", request)
+
+        async def work() -> pb.VerifyResponse:
             req = wire.verify_request_from_pb(request)
             verifier, batcher = self.state.verifier_for(new_session=False)
             tokens = len(req.committed_tokens) + len(req.draft_tokens) + 1
@@ -126,14 +145,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                               _deadline(context))
             self.state.record_round(len(req.draft_tokens), result)
             return wire.verify_result_to_pb(result)
-        return await _translated(context, self._call("Verify", request), call())
+        return await _translated(context, call, work())
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
-        async def call() -> pb.CloseSessionResponse:
+        call = self._call("CloseSession", request)
+
+        async def work() -> pb.CloseSessionResponse:
             verifier, _ = self.state.verifier_for(new_session=False)
             result = await self.state.worker.run(verifier.close_session, request.session_id)
             return wire.close_result_to_pb(result)
-        return await _translated(context, self._call("CloseSession", request), call())
+        return await _translated(context, call, work())
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         call = self._call("Generate", request)
@@ -217,11 +238,12 @@ def _health_listener(health: health_aio.HealthServicer) -> ReadinessListener:
     return update
 
 
-def create_server(source: Verifier | ServerState, address: str = "127.0.0.1:0",
-                  reflect: bool = True) -> tuple[grpc.aio.Server, int]:
-    """Build (not start) a server bound to address; returns it with the bound port. A state
-    whose model is not loaded yet needs `await state.publish()` before start (start_server
-    does it) so the health service says NOT_SERVING from the first probe."""
+def create_server(source: Verifier | ServerState, address: str = "127.0.0.1:0", reflect: bool = True, *,
+                  credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    """Build (not start) a server bound to address, over TLS with `credentials` (cloud/tls.py);
+    returns it with the bound port. A state whose model is not loaded yet needs `await
+    state.publish()` before start (start_server does it) so the health service says
+    NOT_SERVING from the first probe. Health and reflection ask no API key: probes use them."""
     state = source if isinstance(source, ServerState) else ServerState.for_verifier(source)
     server = grpc.aio.server()
     _add_verifier(VerifierServicer(state), server)
@@ -231,14 +253,15 @@ def create_server(source: Verifier | ServerState, address: str = "127.0.0.1:0",
     if reflect:
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}")
     return server, port
 
 
-async def start_server(state: ServerState, address: str, reflect: bool = True) -> tuple[grpc.aio.Server, int]:
-    server, port = create_server(state, address, reflect)
+async def start_server(state: ServerState, address: str, reflect: bool = True, *,
+                       credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    server, port = create_server(state, address, reflect, credentials=credentials)
     await state.publish()
     await server.start()
     return server, port

@@ -12,11 +12,13 @@ from importlib import resources
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from fastapi.responses import HTMLResponse
 
 from cloud.metrics import CONTENT_TYPE
 from cloud.state import ServerState
+from cloud.tls import ServerTls
+from shared.errors import Unauthenticated
 
 
 def _model_info(state: ServerState) -> dict[str, Any]:
@@ -27,11 +29,26 @@ def _model_info(state: ServerState) -> dict[str, Any]:
             "dtype_reason": state.verifier.dtype_reason, "device": str(model.device)}
 
 
-def create_app(state: ServerState) -> FastAPI:
+def _key_guard(state: ServerState, public: bool) -> Any:
+    """A dependency that lets a request in with an accepted API key (or with none configured,
+    or with --public-metrics); else 401 with the reason, never the key."""
+    async def check(authorization: str | None = Header(None)) -> None:
+        if public:
+            return
+        try:
+            state.api_keys.principal(authorization)
+        except Unauthenticated as err:
+            raise HTTPException(401, detail=str(err), headers={"WWW-Authenticate": "Bearer"}) from None
+    return Depends(check)
+
+
+def create_app(state: ServerState, public_metrics: bool = False) -> FastAPI:
     # No /docs: its page pulls scripts from a CDN, and operators read the README. Routes are
     # async so they run on the event loop, where the telemetry they read is written.
     app = FastAPI(title="cloud-verifier", version=state.version, docs_url=None, redoc_url=None)
     page = (resources.files("cloud") / "static" / "index.html").read_text()
+    # Probes (/livez /readyz /healthz) stay open: kubelet sends no key. The rest needs one.
+    keyed = [_key_guard(state, public_metrics)]
 
     @app.get("/livez")
     async def livez() -> dict[str, str]:
@@ -48,23 +65,23 @@ def create_app(state: ServerState) -> FastAPI:
         return {"status": state.status, **_model_info(state), "uptime_s": round(state.uptime_s(), 3),
                 "sessions": len(state.sessions()), "version": state.version}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=keyed)
     async def metrics() -> Response:
         state.sessions()  # refreshes the session gauges
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/sessions")
+    @app.get("/v1/sessions", dependencies=keyed)
     async def sessions() -> dict[str, Any]:
         rows = state.sessions()
         return {"count": len(rows), "sessions": [asdict(row) for row in rows]}
 
-    @app.get("/v1/stats")
+    @app.get("/v1/stats", dependencies=keyed)
     async def stats() -> dict[str, Any]:
         rows = state.sessions()
         return {"status": state.status, **_model_info(state), "uptime_s": round(state.uptime_s(), 3),
                 "open_sessions": len(rows), "kv_bytes": sum(r.kv_bytes for r in rows), **state.live.snapshot()}
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.get("/", response_class=HTMLResponse, dependencies=keyed)
     async def live_page() -> str:
         return page
 
@@ -104,11 +121,12 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_http(app: FastAPI, host: str, port: int) -> HttpServer:
-    """Serve app on host:port (0 = any free port) in this event loop; returns once it listens."""
+async def start_http(app: FastAPI, host: str, port: int, tls: ServerTls | None = None) -> HttpServer:
+    """Serve app on host:port (0 = any free port) in this event loop, HTTPS with `tls` (no
+    client certificate asked: see cloud/tls.py); returns once it listens."""
     sock = _bind(host, port)
     config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
-                            timeout_graceful_shutdown=2)
+                            timeout_graceful_shutdown=2, **(tls.uvicorn_options() if tls else {}))
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from cloud.auth import ApiKeys
 from cloud.config import VerifierSettings
 from cloud.grpc_server import start_server
 from cloud.http import HttpServer, create_app, start_http
 from cloud.logs import log_event
 from cloud.state import ServerState
+from cloud.tls import ServerTls, check_exposure
 from cloud.verifier import Verifier
 
 log = logging.getLogger("cloud-verifier")
@@ -32,14 +34,28 @@ class Servers:
     http: HttpServer
 
 
+def server_tls(settings: VerifierSettings) -> ServerTls | None:
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    return ServerTls.checked(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+
+
 async def start_servers(settings: VerifierSettings) -> Servers:
+    tls = server_tls(settings)
+    check_exposure(settings.host, tls, settings.insecure)
+    keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
     state = ServerState(settings.max_draft_tokens, log_prompts=settings.log_prompts,
-                        batch_limits=settings.batch_limits())
-    http = await start_http(create_app(state), settings.host, settings.http_port)
-    log_event(log, logging.INFO, f"http on {settings.host}:{http.port}", http_port=http.port)
-    server, port = await start_server(state, f"{settings.host}:{settings.port}", settings.reflection)
+                        batch_limits=settings.batch_limits(), api_keys=keys)
+    security = {"tls": tls is not None, "mtls": bool(tls and tls.client_ca),
+                "api_keys": len(keys.entries) if keys else 0}
+    http = await start_http(create_app(state, settings.public_metrics), settings.host, settings.http_port, tls)
+    log_event(log, logging.INFO, f"http on {settings.host}:{http.port}" + (" (HTTPS)" if tls else ""),
+              http_port=http.port, **security)
+    credentials = tls.grpc_credentials() if tls else None
+    server, port = await start_server(state, f"{settings.host}:{settings.port}", settings.reflection,
+                                      credentials=credentials)
     log_event(log, logging.INFO, f"grpc on {settings.host}:{port} (health NOT_SERVING until the model loads)",
-              grpc_port=port)
+              grpc_port=port, **security)
     return Servers(state, server, port, http)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import metadata
 
+from cloud.auth import ApiKeys
 from cloud.batcher import BatchLimits, ForwardBatcher
 from cloud.live import LiveStats
 from cloud.metrics import VerifierMetrics
@@ -57,12 +58,13 @@ def _read_sessions(store: SessionStore) -> list[Session]:
 
 class ServerState:
     def __init__(self, max_draft_tokens: int, verifier: Verifier | None = None, log_prompts: bool = False,
-                 batch_limits: BatchLimits | None = None) -> None:
+                 batch_limits: BatchLimits | None = None, api_keys: ApiKeys | None = None) -> None:
         self.verifier: Verifier | None = None
         self.batcher: ForwardBatcher | None = None
         self.batch_limits = batch_limits or BatchLimits()
         self.draining = False
         self.log_prompts = log_prompts  # debug only: prompts are user data
+        self.api_keys = api_keys or ApiKeys()  # none: every caller is let in, as principal ""
         self.started = time.monotonic()
         self.version = package_version()
         self.worker = ModelWorker()

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from edge.client import CapacityRetry, VerifierClient
+from edge.client import CapacityRetry, ClientTls, VerifierClient
 from edge.config import EdgeSettings
 from edge.display import StepPrinter, TextStream, format_stats
 from edge.drafter import Drafter, DrafterConfig, DraftLM, DraftSource
@@ -162,6 +162,20 @@ async def cloud_address(settings: EdgeSettings) -> AsyncIterator[str | None]:
         yield address
 
 
+def verifier_client(settings: EdgeSettings, address: str) -> VerifierClient:
+    """A client of the verifier at `address`: TLS and the API key apply to --cloud (a verifier
+    started here by cloud_address is plaintext on loopback and asks no key)."""
+    retry = CapacityRetry(settings.capacity_retries, settings.capacity_backoff_ms / 1000)
+    remote = settings.cloud is not None
+    tls = None
+    if remote and settings.uses_tls():
+        tls = ClientTls.from_files(settings.tls_ca, settings.tls_cert, settings.tls_key, settings.tls_server_name)
+    key = settings.api_key.get_secret_value() if settings.api_key and remote else None
+    if key and tls is None and address.rsplit(":", 1)[0].strip("[]") not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("sending the API key to %s without TLS (give --tls-ca)", address)
+    return VerifierClient(address, settings.call_timeout_ms / 1000, capacity_retry=retry, tls=tls, api_key=key)
+
+
 def _trace_header(ctx: EdgeContext, prompt_ids: list[int], cfg: GenerationConfig) -> TraceHeader:
     s = ctx.settings
     edge = {"k_policy": s.k_policy, "k": s.k, "k_min": s.k_min, "k_max": s.k_max, "drafter": s.drafter,
@@ -299,8 +313,7 @@ async def run_agent(settings: EdgeSettings) -> int:
         ctx.metrics = EdgeMetrics()
         log.info("edge metrics on 127.0.0.1:%d", ctx.metrics.serve(settings.metrics_port))
     async with cloud_address(settings) as address:
-        retry = CapacityRetry(settings.capacity_retries, settings.capacity_backoff_ms / 1000)
-        client = VerifierClient(address, settings.call_timeout_ms / 1000, capacity_retry=retry) if address else None
+        client = verifier_client(settings, address) if address else None
         try:
             return await (run_batch(ctx, client) if settings.prompts else run_single(ctx, client))
         finally:

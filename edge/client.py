@@ -1,6 +1,7 @@
 """gRPC client of the verifier: deadlines per call, byte counts, status codes mapped back
 to the project's error types, resends after RESOURCE_EXHAUSTED (the server's retry hint, with
-jitter), and an optional tap that sees every call (edge-agent --record)."""
+jitter), an optional tap that sees every call (edge-agent --record), TLS (mTLS with a client
+certificate) and an API key sent with every call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -18,9 +20,12 @@ from shared.errors import (
     ERRORS_BY_STATUS,
     CapacityExceeded,
     CloudUnavailable,
+    ConfigError,
     DeadlineExceeded,
     PositionMismatch,
     SpecDecError,
+    TlsHandshakeFailed,
+    Unauthenticated,
 )
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
@@ -35,6 +40,38 @@ from shared.protocol import (
 )
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# grpc's default reconnect backoff grows to 120 s: an edge would sit idle up to two minutes
+# after a restarted verifier is back. Retry the connection within 0.1 to 2 s instead.
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS of the channel to the verifier: the CAs to trust (None: the system's), and a client
+    certificate and key for a verifier that requires one (mTLS). PEM bytes."""
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = field(default=None, repr=False)
+    server_name: str | None = None  # the name to verify the server's certificate against, if not the target's host
+
+    @classmethod
+    def from_files(cls, ca: str | None = None, cert: str | None = None, key: str | None = None,
+                   server_name: str | None = None) -> ClientTls:
+        return cls(_read_pem(ca, "--tls-ca"), _read_pem(cert, "--tls-cert"), _read_pem(key, "--tls-key"), server_name)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+
+def _read_pem(path: str | None, flag: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{flag} {path}: {err.strerror or err}") from None
 
 
 @dataclass
@@ -84,8 +121,13 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         metadata = dict(err.trailing_metadata() or ())
         return CapacityExceeded(f"{code.name}: {details}", int(metadata.get(wire.RETRY_AFTER_MS_KEY, 0)))
+    if code == grpc.StatusCode.UNAUTHENTICATED:  # not recoverable: the edge stops, saying why
+        return Unauthenticated(f"the verifier refused the call ({code.name}): {details}; "
+                               "give its API key with --api-key or SPECDEC_EDGE_API_KEY")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"the verifier did not answer within the call's deadline ({code.name}): {details}")
+    if code in _UNREACHABLE and "handshake failed" in details.lower():
+        return TlsHandshakeFailed(f"TLS with the verifier failed (check --tls-ca, --tls-server-name): {details}")
     if code in _UNREACHABLE:
         return CloudUnavailable(f"verifier unreachable ({code.name}): {details}")
     return ERRORS_BY_STATUS.get(code.name, SpecDecError)(f"{code.name}: {details}")
@@ -93,14 +135,22 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
 
 class VerifierClient:
     def __init__(self, target: str, verify_timeout_s: float = 30.0, open_timeout_s: float = 600.0,
-                 capacity_retry: CapacityRetry | None = None) -> None:
+                 capacity_retry: CapacityRetry | None = None, *, tls: ClientTls | None = None,
+                 api_key: str | None = None) -> None:
         self.target = target
         self.verify_timeout_s = verify_timeout_s
         self.open_timeout_s = open_timeout_s  # prefill of a long prompt takes longer than a round
         self.capacity_retry = capacity_retry or CapacityRetry()
         self.stats = WireStats()
         self.tap: CallTap | None = None
-        self._channel = grpc.aio.insecure_channel(target)
+        # Per-call metadata rather than call credentials: those need a TLS channel, and a
+        # plaintext verifier on loopback (or behind --insecure) may ask for a key too.
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        else:
+            name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=_CHANNEL_OPTIONS + name)
         self._stub = pb_grpc.VerifierStub(self._channel)
 
     async def close(self) -> None:
@@ -146,7 +196,7 @@ class VerifierClient:
         sent, first, tokens = time.perf_counter(), None, list[int]()
         error: SpecDecError | None = None
         try:
-            async for chunk in self._stub.Generate(msg):
+            async for chunk in self._stub.Generate(msg, metadata=self._metadata):
                 self.stats.bytes_down += chunk.ByteSize()
                 first = first or time.perf_counter()
                 tokens += chunk.tokens
@@ -168,7 +218,7 @@ class VerifierClient:
         for retry in range(policy.max_retries + 1):
             self.stats.bytes_up += msg.ByteSize()
             try:
-                reply = await method(msg, timeout=max(deadline - loop.time(), 0.001))
+                reply = await method(msg, timeout=max(deadline - loop.time(), 0.001), metadata=self._metadata)
             except grpc.aio.AioRpcError as err:
                 error = _error_from_rpc(err)
                 if not isinstance(error, CapacityExceeded):

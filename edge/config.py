@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from edge.runtime_llamacpp import available as llama_cpp_available
@@ -18,6 +18,13 @@ class EdgeSettings(BaseSettings):
     prompts: str | None = Field(None, description="JSONL of prompts ({id, prompt} or Spec-Bench question.jsonl)")
     output: str | None = Field(None, description="JSONL results of --prompts, one line per prompt")
     cloud: str | None = Field(None, description="verifier HOST:PORT; without it a verifier starts in-process on loopback")
+    api_key: SecretStr | None = Field(None, description="API key sent to the verifier with every call")
+    tls_ca: str | None = Field(None, description="PEM CA bundle to trust: TLS to the verifier")
+    tls: bool = Field(False, description="TLS to the verifier, trusting the system's CAs (implied by --tls-ca)")
+    tls_cert: str | None = Field(None, description="PEM client certificate, for a verifier that requires one (mTLS)")
+    tls_key: str | None = Field(None, description="PEM private key of --tls-cert")
+    tls_server_name: str | None = Field(None, description="name the verifier's certificate must carry, when it is "
+                                        "not --cloud's host")
     mode: Literal["speculative", "cloud_only", "edge_only"] = Field("speculative", description="what generates the text")
     draft_model: str | None = Field(None, description="draft model folder; default: the packaged Qwen2.5-Coder-0.5B-Instruct")
     target_model: str | None = Field(
@@ -95,6 +102,15 @@ class EdgeSettings(BaseSettings):
         if self.strict and self.accept_unverified:
             raise ValueError("--strict and --accept-unverified exclude each other")
         return self
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> EdgeSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        return self
+
+    def uses_tls(self) -> bool:
+        return self.tls or self.tls_ca is not None or self.tls_cert is not None
 
     def timeout_mode(self) -> Literal["provisional", "strict", "accept-unverified"]:
         return "strict" if self.strict else "accept-unverified" if self.accept_unverified else "provisional"

@@ -68,6 +68,20 @@ class DraftFailed(SpecDecError):
     """The edge's draft model could not evaluate a block (its runtime said why)."""
 
 
+class Unauthenticated(SpecDecError):
+    """The call carried no API key, or one the verifier does not know. The message never
+    holds the key that was presented."""
+
+    status = "UNAUTHENTICATED"
+
+
+class TlsHandshakeFailed(SpecDecError):
+    """The edge and the verifier could not agree on TLS (an untrusted certificate, a name it
+    does not carry). Not retried as an outage is: the same certificates fail the same way."""
+
+    status = "UNAVAILABLE"
+
+
 class ConfigError(SpecDecError):
     """A bad command-line option or model folder: reported as one line by the CLIs."""
 
@@ -75,5 +89,6 @@ class ConfigError(SpecDecError):
 
 
 ERRORS_BY_STATUS: dict[str, type[SpecDecError]] = {
-    cls.status: cls for cls in (InvalidRequest, SessionNotFound, CapacityExceeded, ServerDraining)
+    cls.status: cls for cls in (InvalidRequest, SessionNotFound, CapacityExceeded, ServerDraining,
+                             Unauthenticated)
 }
