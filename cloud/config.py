@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from cloud.batcher import BatchLimits
+from cloud.quotas import KeyLimits
 from cloud.sessions import SessionLimits
 from cloud.verifier import VerifierLimits
 from shared.errors import ConfigError
@@ -66,7 +67,15 @@ class VerifierSettings(BaseSettings):
     max_batch_wait_ms: float = Field(2.0, ge=0, description="how long a round waits for others to join its batch")
     max_batch_tokens: int = Field(2048, ge=1, description="tokens fed per batched forward pass (a longer step runs alone)")
     max_queue: int = Field(256, ge=1, description="rounds waiting for a forward pass; past it, RESOURCE_EXHAUSTED "
-                           "with a retry hint")
+                           "with a retry hint (a key holding less than its share of the queue is still taken)")
+    max_prefill_chunk: int = Field(512, ge=0, description="prompt tokens fed per forward pass: a long prompt delays "
+                                   "other sessions' rounds by one chunk at most (0 = whole prompts)")
+    key_max_sessions: int = Field(0, ge=0, description="per API key: open sessions and Generate streams (0 = no "
+                                  "limit; without --api-keys-file all clients count as one key)")
+    key_max_kv_bytes: int = Field(0, ge=0, description="per API key: KV-cache bytes of its sessions (0 = no limit)")
+    key_max_queued: int = Field(0, ge=0, description="per API key: steps waiting for a forward pass (0 = no limit)")
+    key_tokens_per_s: float = Field(0.0, ge=0, description="per API key: tokens fed to the model per second, "
+                                    "prompts and rounds (0 = no limit)")
 
     @model_validator(mode="after")
     def _tls_files_together(self) -> VerifierSettings:
@@ -76,11 +85,15 @@ class VerifierSettings(BaseSettings):
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         return self
 
+    def key_limits(self) -> KeyLimits:
+        return KeyLimits(self.key_max_sessions, self.key_max_kv_bytes, self.key_max_queued, self.key_tokens_per_s)
+
     def batch_limits(self) -> BatchLimits:
-        return BatchLimits(self.max_batch_size, self.max_batch_wait_ms, self.max_batch_tokens, self.max_queue)
+        return BatchLimits(self.max_batch_size, self.max_batch_wait_ms, self.max_batch_tokens, self.max_queue,
+                           self.max_prefill_chunk, self.key_limits())
 
     def limits(self) -> VerifierLimits:
-        sessions = SessionLimits(self.session_ttl_s, self.max_sessions, self.max_kv_bytes)
+        sessions = SessionLimits(self.session_ttl_s, self.max_sessions, self.max_kv_bytes, self.key_limits())
         return VerifierLimits(max_draft_tokens=self.max_draft_tokens,
                               max_context_tokens=self.max_context_tokens, sessions=sessions)
 

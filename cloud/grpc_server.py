@@ -127,9 +127,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         async def work() -> pb.OpenSessionResponse:
             req = wire.open_request_from_pb(request)
             verifier, batcher = self.state.verifier_for(new_session=True)
-            # The prefill is one more step for the batcher: rounds of open sessions share its forward pass.
-            result = await batcher.submit(uuid.uuid4().hex, len(req.prompt_tokens), lambda: verifier.begin_open(req),
-                                          _deadline(context), admitting=True)
+            # The prefill is one more step for the batcher: rounds of open sessions share its
+            # forward pass. Held from eviction by its id while its chunks run.
+            session_id, key = verifier.sessions.new_id(), call.principal
+            with verifier.sessions.holding(session_id):
+                result = await batcher.submit(session_id, len(req.prompt_tokens),
+                                              lambda: verifier.begin_open(req, session_id, key),
+                                              _deadline(context), admitting=True, key=key)
             return wire.open_result_to_pb(result)
         return await _translated(context, call, work())
 
@@ -141,8 +145,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             verifier, batcher = self.state.verifier_for(new_session=False)
             tokens = len(req.committed_tokens) + len(req.draft_tokens) + 1
             with verifier.sessions.holding(req.session_id):  # no eviction while its round waits or runs
-                result = await batcher.submit(req.session_id, tokens, lambda: verifier.begin_verify(req),
-                                              _deadline(context))
+                result = await batcher.submit(req.session_id, tokens, lambda: verifier.begin_verify(req, call.principal),
+                                              _deadline(context), key=call.principal)
             self.state.record_round(len(req.draft_tokens), result)
             return wire.verify_result_to_pb(result)
         return await _translated(context, call, work())
@@ -152,7 +156,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
         async def work() -> pb.CloseSessionResponse:
             verifier, _ = self.state.verifier_for(new_session=False)
-            result = await self.state.worker.run(verifier.close_session, request.session_id)
+            result = await self.state.worker.run(verifier.close_session, request.session_id, call.principal)
             return wire.close_result_to_pb(result)
         return await _translated(context, call, work())
 
@@ -161,16 +165,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         async with _translating(context, call):
             req = wire.generate_request_from_pb(request)
             verifier, batcher = self.state.verifier_for(new_session=True)
-            stream = verifier.open_generate(req)  # validation only: no model work
-            owner, deadline = uuid.uuid4().hex, _deadline(context)
+            stream = verifier.open_generate(req, verifier.sessions.new_id(), call.principal)  # validation only
+            deadline = _deadline(context)
             # Continuous batching: each token is one step, batched with other streams' steps and rounds.
             # The first step is the prompt's prefill: admitted only if it can end before the deadline.
-            while not stream.finished:
-                chunk = await batcher.submit(owner, len(stream.feed), stream.begin_step, deadline,
-                                             admitting=stream.produced == 0)
-                reply = wire.generate_chunk_to_pb(chunk)
-                call.sent += reply.ByteSize()
-                yield reply
+            try:
+                with verifier.sessions.holding(stream.stream_id):
+                    while not stream.finished:
+                        chunk = await batcher.submit(stream.stream_id, len(stream.feed), stream.begin_step, deadline,
+                                                     admitting=stream.produced == 0, key=call.principal)
+                        reply = wire.generate_chunk_to_pb(chunk)
+                        call.sent += reply.ByteSize()
+                        yield reply
+            finally:
+                self.state.worker.submit(stream.close)  # its KV, however the stream ended
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:

@@ -134,7 +134,7 @@ class ServerState:
         store = self.verifier.sessions
         now = store.clock()
         rows = [SessionRow(session_tag(s.session_id), now - s.created, now - s.last_used, len(s.tokens), s.rounds,
-                           max(len(s.tokens) - 1, 0) * store.kv_bytes_per_token)
+                           store.session_bytes(s))
                 for s in _read_sessions(store) if now - s.last_used < store.limits.ttl_s]
         self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))
         return rows

@@ -43,7 +43,7 @@ from edge.runtime_llamacpp import LlamaCppDraftLM, find_gguf
 from edge.tokenizer import EdgeTokenizer
 from edge.trace import SessionRecorder, TraceHeader, trace_file_name, write_trace
 from shared.cli import add_settings_flags, run_cli, settings_from_args
-from shared.errors import ConfigError, SpecDecError
+from shared.errors import ConfigError, SpecDecError, TlsHandshakeFailed, Unauthenticated
 from shared.model_store import DRAFT_MODEL, model_folder
 from shared.protocol import AcceptMode, SessionConfig
 
@@ -252,8 +252,8 @@ async def _answer(ctx: EdgeContext, client: VerifierClient | None, prompt: Promp
     kept, start = _Committed(), time.perf_counter()
     try:
         return await generate_one(ctx, client, ids, s.seed, ctx.observer(kept), prompt.id), None
-    except ConfigError:
-        raise
+    except (ConfigError, Unauthenticated, TlsHandshakeFailed):
+        raise  # every later prompt would fail the same way: stop the run with one line
     except SpecDecError as err:
         failed = GenerationResult(token_ids=kept.token_ids, finish_reason="error",
                                   elapsed_s=time.perf_counter() - start)
@@ -322,6 +322,11 @@ async def run_agent(settings: EdgeSettings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # the OpenAI-compatible endpoint; FastAPI is imported only for it
+        from edge.serve import serve_main
+
+        return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="edge-agent", description=__doc__)
     add_settings_flags(parser, EdgeSettings)
     args = parser.parse_args(argv)

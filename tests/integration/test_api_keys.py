@@ -209,13 +209,14 @@ def secured_verifier(models: tuple[Path, Path], pki: Pki, tmp_path_factory: pyte
 
 
 def _edge(models: tuple[Path, Path], address: str, *flags: str, env: dict[str, str] | None = None,
-          ) -> subprocess.CompletedProcess[str]:
+          prompt: tuple[str, str] = ("--prompt", "w5 w9")) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "edge", "--dtype", "float32", "--threads", "1", "--cloud", address,
-           "--draft-model", str(models[0]), "--prompt", "w5 w9", "--max-new-tokens", "8", *flags]
+           "--draft-model", str(models[0]), *prompt, "--max-new-tokens", "8", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, env=env or ENV, timeout=300, stdin=subprocess.DEVNULL)
 
 
-def test_edge_over_tls_with_a_key(models: tuple[Path, Path], pki: Pki, secured_verifier: tuple[str, list[str]]) -> None:
+def test_edge_over_tls_with_a_key(models: tuple[Path, Path], pki: Pki, secured_verifier: tuple[str, list[str]],
+                                  tmp_path: Path) -> None:
     address, log = secured_verifier
     tls = ["--tls-ca", str(pki.ca)]
     ok = _edge(models, address, *tls, env={**ENV, "SPECDEC_EDGE_API_KEY": PLAIN_KEY})  # the key from the environment
@@ -227,9 +228,42 @@ def test_edge_over_tls_with_a_key(models: tuple[Path, Path], pki: Pki, secured_v
     last = wrong.stderr.strip().splitlines()[-1]
     assert last.startswith("edge-agent: error: the verifier refused the call (UNAUTHENTICATED)")
     assert "--api-key" in last
+    # A batch run stops at the first prompt too: every other prompt would be refused the same way.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "w5 w9"}\n{"id": "b", "prompt": "w7"}\n')
+    batch = _edge(models, address, *tls, "--api-key", WRONG_KEY, prompt=("--prompts", str(prompts)))
+    assert batch.returncode == 1 and "(UNAUTHENTICATED)" in batch.stderr.strip().splitlines()[-1]
 
     untrusted = _edge(models, address, "--api-key", PLAIN_KEY, "--tls")  # the system's CAs: not this one
     assert untrusted.returncode == 1 and "TLS with the verifier failed" in untrusted.stderr.strip().splitlines()[-1]
     for done in (ok, wrong, untrusted):
         assert PLAIN_KEY not in done.stderr + done.stdout and WRONG_KEY not in done.stderr + done.stdout
     assert not any(key in "".join(log) for key in (PLAIN_KEY, WRONG_KEY))
+
+
+def test_a_session_belongs_to_the_key_that_opened_it(target_model, tmp_path: Path) -> None:
+    """Another key cannot Verify, Close or see a session: NOT_FOUND, exactly as for an id that
+    does not exist, and the session goes on untouched for its own key."""
+
+    async def run() -> None:
+        async with running_servers(target_model, settings=_settings(tmp_path)) as (servers, loading):
+            await loading
+            channel, verifier = stub(servers.grpc_port)
+            alice, other = _metadata(PLAIN_KEY), _metadata(HASHED_KEY)
+            opened = await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=alice)
+            round_ = pb.VerifyRequest(session_id=opened.session_id, base_position=len(PROMPT), draft_tokens=[4])
+            missing = pb.VerifyRequest(session_id="no-such-session", base_position=len(PROMPT), draft_tokens=[4])
+            answers = []
+            for call in (verifier.Verify(round_, metadata=other), verifier.Verify(missing, metadata=other),
+                         verifier.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), metadata=other)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                answers.append(err.value)
+            assert [e.code() for e in answers] == [grpc.StatusCode.NOT_FOUND] * 3
+            assert "unknown or was evicted" in answers[0].details() and "unknown or was evicted" in answers[1].details()
+            reply = await verifier.Verify(round_, metadata=alice)
+            assert reply.new_base_position > len(PROMPT)
+            await verifier.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), metadata=alice)
+            await channel.close()
+
+    asyncio.run(run())
