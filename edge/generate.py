@@ -368,11 +368,10 @@ class SpeculativeRun:
                             want_top_k=self.drafter.filler_top_k)
         up0, down0 = self.client.stats.bytes_up, self.client.stats.bytes_down
         start = time.perf_counter()
-        shown_before = self.provisional
         reply = await self._verify(req)
         if reply is None:
             return
-        self._apply(req, reply, draft_ms, _ms(start), hard_ratio, shown_before,
+        self._apply(req, reply, draft_ms, _ms(start), hard_ratio,
                     self.client.stats.bytes_up - up0, self.client.stats.bytes_down - down0)
 
     def _commit_locally(self, hard_ratio: float, rule_hit: bool, draft_ms: float) -> bool:
@@ -388,9 +387,11 @@ class SpeculativeRun:
         self.catchup += tokens
         self.pending = Draft()
         self.result.local_tokens += len(tokens)
-        record = RoundRecord(self.result.rounds, len(tokens), tokens, len(tokens), tokens[-1], False, 1.0,
-                             0.0, self.result.accepted_tokens, draft_ms, 0.0, 0.0, 0, 0, hard_ratio,
-                             False, 0, 0, 0, local=True)
+        record = RoundRecord(
+            round=self.result.rounds, k=len(tokens), draft_tokens=tokens, accepted_len=len(tokens),
+            next_token=tokens[-1], bonus=False, la_over_k=1.0, alpha_mean=0.0, a_cum=self.result.accepted_tokens,
+            edge_time_ms=draft_ms, cloud_verify_ms=0.0, rtt_ms=0.0, bytes_up=0, bytes_down=0, hard_ratio=hard_ratio,
+            escalated=False, catchup=0, provisional=0, retracted=0, local=True)
         self.result.round_log.append(record)
         self.out.commit(tokens, record)
         return True
@@ -476,10 +477,11 @@ class SpeculativeRun:
         self.out.commit([token], None)
 
     def _apply(self, req: VerifyRequest, reply: VerifyResult, draft_ms: float, rtt_ms: float,
-               hard_ratio: float, shown_before: int, bytes_up: int, bytes_down: int) -> None:
+               hard_ratio: float, bytes_up: int, bytes_down: int) -> None:
         drafts = req.draft_tokens
         m = reply.accepted_len
-        retracted = max(self.provisional - m, 0)
+        shown = self.provisional  # tokens on screen, unverified, when the reply came
+        retracted = max(shown - m, 0)
         if reply.target_top_k:
             recent = self.committed[-64:]  # n-gram contexts are short; no need to copy it all
             contexts = [recent + drafts[:i] for i in range(len(reply.target_top_k))]
@@ -508,13 +510,14 @@ class SpeculativeRun:
             len(drafts), m, reply.metrics.alpha_mean, draft_ms, rtt_ms, reply.metrics.verify_ms,
             sum(s.entropy_bits for s in signals) / len(signals) if signals else 0.0))
         record = RoundRecord(
-            result.rounds - 1, len(drafts), drafts, m, reply.next_token, reply.bonus,
-            m / len(drafts) if drafts else 0.0, reply.metrics.alpha_mean, result.accepted_tokens, draft_ms,
-            reply.metrics.verify_ms, rtt_ms, bytes_up, bytes_down, hard_ratio, True, len(req.committed_tokens),
-            shown_before, retracted, sources=sources, ahead_drafted=ahead_drafted, ahead_used=ahead_used)
+            round=result.rounds - 1, k=len(drafts), draft_tokens=drafts, accepted_len=m, next_token=reply.next_token,
+            bonus=reply.bonus, la_over_k=m / len(drafts) if drafts else 0.0, alpha_mean=reply.metrics.alpha_mean,
+            a_cum=result.accepted_tokens, edge_time_ms=draft_ms, cloud_verify_ms=reply.metrics.verify_ms,
+            rtt_ms=rtt_ms, bytes_up=bytes_up, bytes_down=bytes_down, hard_ratio=hard_ratio, escalated=True,
+            catchup=len(req.committed_tokens), provisional=shown, retracted=retracted, sources=sources,
+            ahead_drafted=ahead_drafted, ahead_used=ahead_used)
         result.round_log.append(record)
         self.out.commit(new, record)
-
 
     def _keep_ahead(self, reply: VerifyResult) -> tuple[int, int]:
         """Keep the tokens drafted ahead when the block passed whole and the bonus is the

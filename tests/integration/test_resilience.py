@@ -106,6 +106,10 @@ def test_slow_verifier_shows_provisional_text_and_final_text_is_lossless(target_
             result, recorder, reference = await _through_proxy(target_model, draft_model, 400.0, timeouts, prompt)
             assert result.token_ids == reference == recorder.final
             assert recorder.provisional_shown  # the user saw provisional text while waiting
+            # The round log says what the output line says: each round names the tokens it found
+            # on screen, and what it took back of them.
+            assert sum(r.provisional for r in result.round_log) >= result.provisional_tokens > 0
+            assert sum(r.retracted for r in result.round_log) == result.retracted_tokens
             provisional += result.provisional_tokens
             retracted += result.retracted_tokens
         assert provisional > 0 and retracted <= provisional
