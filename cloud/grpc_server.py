@@ -30,6 +30,7 @@ from shared.pb import verifier_pb2_grpc as pb_grpc
 __all__ = ["ModelWorker", "VerifierServicer", "create_server", "start_server"]
 
 T = TypeVar("T")
+MAX_REQUEST_ID = 64  # the edge's ids are 16 characters; a longer one is cut before it is logged or echoed
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 log = logging.getLogger("cloud-verifier")
 
@@ -118,7 +119,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _call(self, method: str, request: Message) -> _Call:
         # VerifyRequest carries the edge's request id; other calls (and an empty one) get a fresh id.
-        request_id = getattr(request, "request_id", "") or uuid.uuid4().hex[:16]
+        request_id = getattr(request, "request_id", "")[:MAX_REQUEST_ID] or uuid.uuid4().hex[:16]
         return _Call(self.state, method, request, request_id)
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:

@@ -263,8 +263,8 @@ class Verifier:
         probs = penalized.softmax(dim=-1) if greedy else probs_from_logits(penalized, config.sampling)
         outcome = accept(config.accept_mode, torch.tensor(req.draft_tokens, dtype=torch.long),
                          penalized if greedy else probs, session.generator,
-                         draft_probs=torch.tensor(req.draft_probs, dtype=torch.float32) if req.draft_probs else None,
-                         sparse_draft=dense_draft(req.sparse_draft, vocab) if req.sparse_draft else None)
+                         draft_probs=torch.tensor(req.draft_probs, dtype=torch.float32),  # [k]
+                         sparse_draft=dense_draft(req.sparse_draft, vocab))  # [k, V]
         return outcome, probs
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
