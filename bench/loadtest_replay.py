@@ -28,10 +28,17 @@ from bench.loadtest_arrivals import PlannedSession
 from edge.client import VerifierClient
 from edge.trace import Event, OpenEvent, SessionTrace, VerifyEvent
 from shared.errors import PositionMismatch, SessionNotFound, SpecDecError
-from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest, VerifyResult
+from shared.protocol import (
+    REOPEN_SEED_STRIDE,
+    AcceptMode,
+    GenerateRequest,
+    OpenSessionRequest,
+    SessionConfig,
+    VerifyRequest,
+    VerifyResult,
+)
 
 MAX_LIVE_REOPENS = 4  # per session, for NOT_FOUND / position mismatch met during the replay
-REOPEN_SEED_STRIDE = 1_000_003  # as edge/generate.py: a fresh seed per reopened session
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,12 @@ from cloud.logs import log_event
 from cloud.sessions import session_tag
 from cloud.state import ReadinessListener, ServerState
 from cloud.verifier import Verifier
-from cloud.worker import ModelWorker
 from shared import wire
 from shared.errors import CapacityExceeded, PositionMismatch, SpecDecError
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
-__all__ = ["ModelWorker", "VerifierServicer", "create_server", "start_server"]
+__all__ = ["VerifierServicer", "create_server", "start_server"]
 
 T = TypeVar("T")
 MAX_REQUEST_ID = 64  # the edge's ids are 16 characters; a longer one is cut before it is logged or echoed

@@ -33,6 +33,7 @@ from edge.gating import EscalationRules, GatingThresholds, TokenSignals
 from edge.kpolicy import KPolicy, RoundObservation
 from shared.errors import CapacityExceeded, CloudUnavailable, PositionMismatch, SessionNotFound, SpecDecError
 from shared.protocol import (
+    REOPEN_SEED_STRIDE,
     AcceptMode,
     GenerateRequest,
     OpenSessionRequest,
@@ -566,7 +567,7 @@ async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: Ge
 def _session_config(session: SessionConfig, reopens: int) -> SessionConfig:
     """The session's config with a fresh seed per reopen: a reopened session draws new
     randomness rather than replaying the first one's."""
-    seed = session.seed + 1_000_003 * reopens
+    seed = session.seed + REOPEN_SEED_STRIDE * reopens
     return SessionConfig(session.sampling, seed, session.accept_mode, session.vocab_size)
 
 

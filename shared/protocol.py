@@ -36,6 +36,9 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+REOPEN_SEED_STRIDE = 1_000_003  # a session reopened n times is seeded seed + n * this
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     sampling: SamplingParams = SamplingParams()

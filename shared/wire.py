@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared import protocol as p
+from shared import protocol
 from shared.errors import InvalidRequest
 from shared.pb import verifier_pb2 as pb
 from shared.protocol import AcceptMode, SamplingParams
@@ -52,7 +52,7 @@ def sampling_from_pb(msg: pb.SamplingConfig) -> SamplingParams:
     )
 
 
-def config_from_pb(sampling: pb.SamplingConfig, seed: int, mode: int, vocab_size: int) -> p.SessionConfig:
+def config_from_pb(sampling: pb.SamplingConfig, seed: int, mode: int, vocab_size: int) -> protocol.SessionConfig:
     params = sampling_from_pb(sampling)
     if params.greedy:
         accept_mode = AcceptMode.GREEDY
@@ -63,10 +63,10 @@ def config_from_pb(sampling: pb.SamplingConfig, seed: int, mode: int, vocab_size
             accept_mode = _MODE_FROM_PB[mode]  # type: ignore[index]
         else:
             raise InvalidRequest(f"unknown accept_mode {mode}")
-    return p.SessionConfig(params, seed, accept_mode, vocab_size)
+    return protocol.SessionConfig(params, seed, accept_mode, vocab_size)
 
 
-def open_request_to_pb(req: p.OpenSessionRequest) -> pb.OpenSessionRequest:
+def open_request_to_pb(req: protocol.OpenSessionRequest) -> pb.OpenSessionRequest:
     cfg = req.config
     return pb.OpenSessionRequest(
         prompt_tokens=req.prompt_tokens, sampling=sampling_to_pb(cfg.sampling), seed=cfg.seed,
@@ -74,23 +74,23 @@ def open_request_to_pb(req: p.OpenSessionRequest) -> pb.OpenSessionRequest:
         vocab_size=cfg.vocab_size)
 
 
-def open_request_from_pb(msg: pb.OpenSessionRequest) -> p.OpenSessionRequest:
+def open_request_from_pb(msg: pb.OpenSessionRequest) -> protocol.OpenSessionRequest:
     cfg = config_from_pb(msg.sampling, msg.seed, msg.accept_mode, msg.vocab_size)
-    return p.OpenSessionRequest(list(msg.prompt_tokens), cfg)
+    return protocol.OpenSessionRequest(list(msg.prompt_tokens), cfg)
 
 
-def open_result_to_pb(res: p.OpenSessionResult) -> pb.OpenSessionResponse:
+def open_result_to_pb(res: protocol.OpenSessionResult) -> pb.OpenSessionResponse:
     return pb.OpenSessionResponse(
         session_id=res.session_id, position=res.position, max_draft_tokens=res.max_draft_tokens,
         vocab_size=res.vocab_size, prefill_ms=res.prefill_ms, model_id=res.model_id)
 
 
-def open_result_from_pb(msg: pb.OpenSessionResponse) -> p.OpenSessionResult:
-    return p.OpenSessionResult(msg.session_id, msg.position, msg.max_draft_tokens,
+def open_result_from_pb(msg: pb.OpenSessionResponse) -> protocol.OpenSessionResult:
+    return protocol.OpenSessionResult(msg.session_id, msg.position, msg.max_draft_tokens,
                                msg.vocab_size, msg.prefill_ms, msg.model_id)
 
 
-def verify_request_to_pb(req: p.VerifyRequest) -> pb.VerifyRequest:
+def verify_request_to_pb(req: protocol.VerifyRequest) -> pb.VerifyRequest:
     return pb.VerifyRequest(
         session_id=req.session_id, base_position=req.base_position,
         committed_tokens=req.committed_tokens, draft_tokens=req.draft_tokens,
@@ -100,22 +100,22 @@ def verify_request_to_pb(req: p.VerifyRequest) -> pb.VerifyRequest:
         want_top_k=req.want_top_k, request_id=req.request_id)
 
 
-def verify_request_from_pb(msg: pb.VerifyRequest) -> p.VerifyRequest:
+def verify_request_from_pb(msg: pb.VerifyRequest) -> protocol.VerifyRequest:
     """Structure only; the verifier validates values. The mask's byte length is checked
     here because unpacking a wrong-length mask would silently pad or drop bits."""
     k = len(msg.draft_tokens)
     if msg.hard_mask and len(msg.hard_mask) != (k + 7) // 8:
         raise InvalidRequest(f"hard_mask has {len(msg.hard_mask)} bytes, expected {(k + 7) // 8} for {k} drafts")
-    return p.VerifyRequest(
+    return protocol.VerifyRequest(
         session_id=msg.session_id, base_position=msg.base_position,
         draft_tokens=list(msg.draft_tokens), draft_probs=list(msg.draft_probs),
         committed_tokens=list(msg.committed_tokens),
         hard_mask=unpack_mask(msg.hard_mask, k) if msg.hard_mask else [],
-        sparse_draft=[p.SparseDistribution(list(s.token_ids), list(s.probs)) for s in msg.sparse_draft],
+        sparse_draft=[protocol.SparseDistribution(list(s.token_ids), list(s.probs)) for s in msg.sparse_draft],
         want_top_k=msg.want_top_k, request_id=msg.request_id)
 
 
-def verify_result_to_pb(res: p.VerifyResult) -> pb.VerifyResponse:
+def verify_result_to_pb(res: protocol.VerifyResult) -> pb.VerifyResponse:
     m = res.metrics
     return pb.VerifyResponse(
         accepted_len=res.accepted_len, next_token=res.next_token, bonus=res.bonus,
@@ -126,25 +126,25 @@ def verify_result_to_pb(res: p.VerifyResult) -> pb.VerifyResponse:
         target_top_k=[pb.TopK(token_ids=t.token_ids, probs=t.probs) for t in res.target_top_k])
 
 
-def verify_result_from_pb(msg: pb.VerifyResponse) -> p.VerifyResult:
+def verify_result_from_pb(msg: pb.VerifyResponse) -> protocol.VerifyResult:
     m = msg.metrics
-    return p.VerifyResult(
+    return protocol.VerifyResult(
         accepted_len=msg.accepted_len, next_token=msg.next_token, bonus=msg.bonus,
         new_base_position=msg.new_base_position,
-        metrics=p.RoundMetrics(m.alpha_mean, m.la_over_k, m.verify_ms, m.queue_ms,
+        metrics=protocol.RoundMetrics(m.alpha_mean, m.la_over_k, m.verify_ms, m.queue_ms,
                                m.forward_ms, m.hard_tokens),
-        target_top_k=[p.TopK(list(t.token_ids), list(t.probs)) for t in msg.target_top_k])
+        target_top_k=[protocol.TopK(list(t.token_ids), list(t.probs)) for t in msg.target_top_k])
 
 
-def close_result_to_pb(res: p.CloseSessionResult) -> pb.CloseSessionResponse:
+def close_result_to_pb(res: protocol.CloseSessionResult) -> pb.CloseSessionResponse:
     return pb.CloseSessionResponse(position=res.position, rounds=res.rounds)
 
 
-def close_result_from_pb(msg: pb.CloseSessionResponse) -> p.CloseSessionResult:
-    return p.CloseSessionResult(msg.position, msg.rounds)
+def close_result_from_pb(msg: pb.CloseSessionResponse) -> protocol.CloseSessionResult:
+    return protocol.CloseSessionResult(msg.position, msg.rounds)
 
 
-def generate_request_to_pb(req: p.GenerateRequest) -> pb.GenerateRequest:
+def generate_request_to_pb(req: protocol.GenerateRequest) -> pb.GenerateRequest:
     cfg = req.config
     return pb.GenerateRequest(
         prompt_tokens=req.prompt_tokens, sampling=sampling_to_pb(cfg.sampling), seed=cfg.seed,
@@ -152,15 +152,15 @@ def generate_request_to_pb(req: p.GenerateRequest) -> pb.GenerateRequest:
         vocab_size=cfg.vocab_size)
 
 
-def generate_request_from_pb(msg: pb.GenerateRequest) -> p.GenerateRequest:
+def generate_request_from_pb(msg: pb.GenerateRequest) -> protocol.GenerateRequest:
     cfg = config_from_pb(msg.sampling, msg.seed, pb.ACCEPT_MODE_UNSPECIFIED, msg.vocab_size)
-    return p.GenerateRequest(list(msg.prompt_tokens), cfg, msg.max_new_tokens,
+    return protocol.GenerateRequest(list(msg.prompt_tokens), cfg, msg.max_new_tokens,
                              list(msg.stop_token_ids))
 
 
-def generate_chunk_to_pb(chunk: p.GenerateChunk) -> pb.GenerateChunk:
+def generate_chunk_to_pb(chunk: protocol.GenerateChunk) -> pb.GenerateChunk:
     return pb.GenerateChunk(tokens=chunk.tokens, forward_ms=chunk.forward_ms, finished=chunk.finished)
 
 
-def generate_chunk_from_pb(msg: pb.GenerateChunk) -> p.GenerateChunk:
-    return p.GenerateChunk(list(msg.tokens), msg.forward_ms, msg.finished)
+def generate_chunk_from_pb(msg: pb.GenerateChunk) -> protocol.GenerateChunk:
+    return protocol.GenerateChunk(list(msg.tokens), msg.forward_ms, msg.finished)

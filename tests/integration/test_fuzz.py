@@ -50,8 +50,7 @@ from cloud.grpc_server import SERVICE_NAME, start_server
 from cloud.sessions import SessionLimits
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
-from shared import protocol as p
-from shared import wire
+from shared import protocol, wire
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.protocol import AcceptMode
@@ -503,12 +502,12 @@ class Reference:
 def _reference(model: Any) -> Reference:
     verifier = Verifier(model, "reference", LIMITS)
     prompt = random_prompt(4242, length=10)
-    config = p.SessionConfig(vocab_size=VOCAB)
-    opened = verifier.open_session(p.OpenSessionRequest(prompt, config))
+    config = protocol.SessionConfig(vocab_size=VOCAB)
+    opened = verifier.open_session(protocol.OpenSessionRequest(prompt, config))
     tokens: list[int] = []
     for _ in range(48):
-        tokens.append(verifier.verify(p.VerifyRequest(opened.session_id, len(prompt) + len(tokens), [])).next_token)
-    generated = [t for chunk in verifier.generate(p.GenerateRequest(prompt, config, 24, [])) for t in chunk.tokens]
+        tokens.append(verifier.verify(protocol.VerifyRequest(opened.session_id, len(prompt) + len(tokens), [])).next_token)
+    generated = [t for chunk in verifier.generate(protocol.GenerateRequest(prompt, config, 24, [])) for t in chunk.tokens]
     return Reference(prompt, tokens, generated)
 
 
