@@ -15,6 +15,15 @@ class InvalidRequest(SpecDecError):
     status = "INVALID_ARGUMENT"
 
 
+class InvalidParameter(InvalidRequest):
+    """A bad field of a request to `edge-agent serve`; `param` names it as OpenAI does
+    (stop[0], speculative.k), None when the problem is the request as a whole."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class SessionNotFound(SpecDecError):
     status = "NOT_FOUND"
 
