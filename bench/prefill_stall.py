@@ -35,11 +35,12 @@ WARMUP_ROUNDS = 3
 
 
 async def _bystander(client: VerifierClient, session_id: str, position: int, stop: asyncio.Event,
-                     latencies: list[float]) -> None:
+                     rounds: list[tuple[float, float]]) -> None:
+    """k=0 rounds back to back until `stop`; each round's (sent, answered) perf_counter times."""
     while not stop.is_set():
         sent = time.perf_counter()
         reply = await client.verify(VerifyRequest(session_id, position, []), timeout_s=600)
-        latencies.append((time.perf_counter() - sent) * 1000.0)
+        rounds.append((sent, time.perf_counter()))
         position = reply.new_base_position
 
 
@@ -52,18 +53,19 @@ async def measure(verifier: Verifier, chunk: int, prompt: list[int]) -> dict[str
     config = SessionConfig(vocab_size=verifier.model_vocab)
     try:
         bystander = await client.open_session(OpenSessionRequest(prompt[:16], config))
-        before: list[float] = []
+        timed: list[tuple[float, float]] = []
         stop = asyncio.Event()
-        rounds = asyncio.ensure_future(_bystander(client, bystander.session_id, bystander.position, stop, before))
-        while len(before) < WARMUP_ROUNDS:
+        rounds = asyncio.ensure_future(_bystander(client, bystander.session_id, bystander.position, stop, timed))
+        while len(timed) < WARMUP_ROUNDS:
             await asyncio.sleep(0.01)
-        first_during = len(before)
+        before = [(end - sent) * 1000.0 for sent, end in timed]
         started = time.perf_counter()
         opened = await client.open_session(OpenSessionRequest(prompt, config))
-        prefill_s = time.perf_counter() - started
-        during = before[first_during:]
+        ended = time.perf_counter()
+        prefill_s = ended - started
         stop.set()
-        await rounds
+        await rounds  # the round in flight when the prefill ended counts too
+        during = [(end - sent) * 1000.0 for sent, end in timed if end > started and sent < ended]
         await client.close_session(opened.session_id)
         await client.close_session(bystander.session_id)
     finally:
@@ -73,7 +75,7 @@ async def measure(verifier: Verifier, chunk: int, prompt: list[int]) -> dict[str
     return {"chunk": chunk, "prefill_s": round(prefill_s, 3), "bystander_rounds_during": len(during),
             "stall_max_ms": round(max(during), 1) if during else None,
             "stall_median_ms": round(statistics.median(during), 1) if during else None,
-            "round_ms_before": round(statistics.median(before[:first_during]), 1)}
+            "round_ms_before": round(statistics.median(before), 1)}
 
 
 def _report(result: dict[str, Any]) -> str:

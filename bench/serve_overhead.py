@@ -168,7 +168,8 @@ def report(result: dict[str, Any]) -> str:
     lines = ["# Serving overhead: `edge-agent serve` (openai client) against `edge-agent` direct", "",
              f"{result['settings']['prompts']} prompts x {result['settings']['repeats']} repeats, "
              f"max_new_tokens {result['settings']['max_new_tokens']}, k {result['settings']['k']}, greedy; "
-             f"{result['machine']['cpu_model']}, {result['machine']['cores']} cores.", "",
+             f"{result['machine']['cpu_model']}, {result['machine']['cores']} cores "
+             f"({result['machine']['cpu_flags']}), {result.get('date', '')}.", "",
              "| system | TTFT median (ms) | tokens/s median | tokens median | runs |", "|---|---|---|---|---|"]
     for name, label in (("api", "served (openai client, streaming)"), ("direct", "edge-agent generate_one")):
         row = s[name]
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {"draft_model": str(args.draft_model), "target_model": str(args.target_model), "k": args.k,
                 "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts": len(prompts),
                 "dtype": args.dtype, "threads": args.threads, "quick": args.quick}
-    result = {"settings": settings, "machine": machine(), "versions": versions(),
+    result = {"settings": settings, "machine": machine(), "versions": versions(), "date": time.strftime("%Y-%m-%d"),
               "summary": summarize(samples), "samples": [asdict(s) for s in samples]}
     (args.out / "serve_overhead.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "report.md").write_text(report(result))

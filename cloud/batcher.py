@@ -11,8 +11,9 @@ deadline is refused at once with RESOURCE_EXHAUSTED and a retry hint, so that th
 it admits are served instead of all of them timing out together; prefills join a batch only
 while the batch still ends before every deadline in it.
 
-Long prompts are fed in chunks of `max_prefill_chunk` tokens, one chunk per pass, so a long
-prefill delays the other sessions' rounds by at most one chunk's pass.
+Long prompts are fed in chunks of `max_prefill_chunk` tokens, one chunk per pass, with the
+other sessions' rounds in the same passes: a round sent during a long prefill waits for the
+pass running and one pass with a chunk, not for the whole prefill.
 
 Fairness between API keys: each pass takes the oldest step of every key before a second
 step of any key, a full queue still takes steps from keys holding less than their share of
@@ -43,7 +44,7 @@ class BatchLimits:
     max_batch_wait_ms: float = 2.0  # how long the first step waits for others to join
     max_batch_tokens: int = 2048  # fed tokens per forward (a long prefill runs alone)
     max_queue: int = 256  # waiting steps; past it, RESOURCE_EXHAUSTED
-    max_prefill_chunk: int = 512  # prompt tokens fed per pass (0 = a whole prompt in one pass)
+    max_prefill_chunk: int = 256  # prompt tokens fed per pass (0 = a whole prompt in one pass)
     per_key: KeyLimits = KeyLimits()  # queued steps and tokens/s of any one key
 
 

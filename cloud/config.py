@@ -68,8 +68,9 @@ class VerifierSettings(BaseSettings):
     max_batch_tokens: int = Field(2048, ge=1, description="tokens fed per batched forward pass (a longer step runs alone)")
     max_queue: int = Field(256, ge=1, description="rounds waiting for a forward pass; past it, RESOURCE_EXHAUSTED "
                            "with a retry hint (a key holding less than its share of the queue is still taken)")
-    max_prefill_chunk: int = Field(512, ge=0, description="prompt tokens fed per forward pass: a long prompt delays "
-                                   "other sessions' rounds by one chunk at most (0 = whole prompts)")
+    max_prefill_chunk: int = Field(256, ge=0, description="prompt tokens fed per forward pass (0 = whole prompts): "
+                                   "a round sent during a long prefill waits for the pass running and one pass with a "
+                                   "chunk, not the whole prefill; smaller on a slow CPU, larger on a GPU")
     key_max_sessions: int = Field(0, ge=0, description="per API key: open sessions and Generate streams (0 = no "
                                   "limit; without --api-keys-file all clients count as one key)")
     key_max_kv_bytes: int = Field(0, ge=0, description="per API key: KV-cache bytes of its sessions (0 = no limit)")

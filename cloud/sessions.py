@@ -131,9 +131,9 @@ class SessionStore:
                                        else f"{key_label(owner)} holds its KV-cache cap of {cap} bytes")
 
     def add(self, session: Session) -> None:
+        # A key at its own session cap is refused rather than losing one of its sessions: an
+        # edge opening one session too many would otherwise evict its own live ones in turn.
         owner, per_key = session.owner, self.limits.per_key.max_sessions
-        while per_key and self._count(owner) >= per_key and self._evict_one(None, owner):
-            pass
         if per_key and self._count(owner) >= per_key:
             raise CapacityExceeded(f"{key_label(owner)} has all its {per_key} sessions in use", RETRY_AFTER_IN_USE_MS)
         while len(self._sessions) >= self.limits.max_sessions and self._evict_one(None):

@@ -149,7 +149,7 @@ def test_a_session_is_invisible_to_other_keys(target_model) -> None:
     assert verifier.close_session(session_id, "alice").position == 8
 
 
-def test_a_key_over_its_session_cap_loses_its_own_idle_session_only(target_model) -> None:
+def test_a_key_at_its_session_cap_is_refused_and_others_are_not(target_model) -> None:
     limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_sessions=2)))
     verifier = Verifier(target_model, "tiny-target", limits)
 
@@ -157,16 +157,31 @@ def test_a_key_over_its_session_cap_loses_its_own_idle_session_only(target_model
         verifier._run_alone(verifier.begin_open(OpenSessionRequest(random_prompt(8), CONFIG), owner=key), 0.0)
         return list(verifier.sessions)[-1].session_id
 
+    alice = [open_for("alice"), open_for("alice")]
+    with pytest.raises(CapacityExceeded) as err:
+        open_for("alice")  # refused: none of alice's live sessions is evicted for it
+    assert "'alice'" in str(err.value) and err.value.retry_after_ms > 0
     bob = open_for("bob")
-    first, second = open_for("alice"), open_for("alice")
+    assert {s.session_id for s in verifier.sessions} == {*alice, bob}
+    verifier.close_session(alice[0], "alice")
+    open_for("alice")  # room again
+
+
+def test_a_key_over_its_kv_cap_loses_its_own_idle_session_only(target_model) -> None:
+    per_token = Verifier(target_model, "x").sessions.kv_bytes_per_token
+    limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_kv_bytes=per_token * 20)))
+    verifier = Verifier(target_model, "tiny-target", limits)
+
+    def open_for(key: str) -> str:
+        verifier._run_alone(verifier.begin_open(OpenSessionRequest(random_prompt(8), CONFIG), owner=key), 0.0)
+        return list(verifier.sessions)[-1].session_id
+
+    bob = open_for("bob")
+    first, second = open_for("alice"), open_for("alice")  # 2 x 8 tokens of alice's 20
     verifier.sessions.busy[second] += 1  # a round of it in flight
     third = open_for("alice")  # alice's least recently used idle session goes, not bob's
     assert {s.session_id for s in verifier.sessions} == {bob, second, third}
     assert first not in {s.session_id for s in verifier.sessions}
-    verifier.sessions.busy[third] += 1
-    with pytest.raises(CapacityExceeded) as err:
-        open_for("alice")
-    assert "'alice'" in str(err.value) and err.value.retry_after_ms > 0
 
 
 def test_a_key_over_its_kv_cap_is_refused_while_others_are_served(target_model) -> None:
