@@ -24,7 +24,7 @@ from shared.protocol import AcceptMode, SamplingParams, SparseDistribution, TopK
 @dataclass
 class Draft:
     token_ids: list[int] = field(default_factory=list)
-    probs: list[float] = field(default_factory=list)  # q(y) of each drafted token
+    probs: list[float] = field(default_factory=list)  # q(y) of each drafted token; on the wire only in scalar/shortcut mode
     sparse: list[SparseDistribution] = field(default_factory=list)  # SPARSE mode only
     signals: list[TokenSignals] = field(default_factory=list)  # when DrafterConfig.signals
     sources: list[str] = field(default_factory=list)  # who proposed each token: "model" or "ngram"

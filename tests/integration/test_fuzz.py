@@ -9,7 +9,7 @@ one, catch-up, drafts, draft probabilities, hard masks, sparse drafts, want_top_
 max_new_tokens, stop ids, and the call's deadline and metadata. Raw frames go to each method as
 bytes: random, truncated, corrupted, with invalid UTF-8 in string fields, nested too deep, oversize.
 
-For every case: the status is OK or one that README's "Errors" paragraph documents (never
+For every case: the status is OK or one that docs/architecture.md's "Errors" section documents (never
 UNKNOWN or INTERNAL); the details are short and hold no exception class name or traceback; an OK
 reply agrees with its request; a session the fuzzer tracks is where the server says it is
 (FAILED_PRECONDITION's position, CloseSession's position), so a failed request never moved it;
@@ -61,7 +61,7 @@ VOCAB = 96  # the tiny target's logits width
 # nothing it leaves behind evicts or expires the bystander (eviction is documented, not a bug).
 LIMITS = VerifierLimits(max_context_tokens=1024, sessions=SessionLimits(ttl_s=3600.0, max_sessions=100_000))
 MAX_K = LIMITS.max_draft_tokens
-# README, "Errors": the statuses a request may get. INTERNAL is a bug by definition; UNAUTHENTICATED
+# docs/architecture.md, "Errors": the statuses a request may get. INTERNAL is a bug by definition; UNAUTHENTICATED
 # (no API keys are configured here) and UNAVAILABLE (loading, draining) cannot happen on this server.
 DOCUMENTED = frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
                         "DEADLINE_EXCEEDED"})
