@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
 from cloud.logs import configure_logging, log_event
-from cloud.service import serve
+from cloud.process import serve
 from cloud.verifier import Verifier
 from shared import lm
 from shared.cli import add_settings_flags, run_cli

@@ -260,7 +260,7 @@ async def _answer(ctx: EdgeContext, client: VerifierClient | None, prompt: Promp
         return failed, _one_line(err)
 
 
-async def run_batch(ctx: EdgeContext, client: VerifierClient | None) -> int:
+async def answer_prompts(ctx: EdgeContext, client: VerifierClient | None) -> int:
     """Answer every prompt, one output line each, a failed one included; returns how many failed."""
     s = ctx.settings
     assert s.prompts is not None
@@ -315,7 +315,7 @@ async def run_agent(settings: EdgeSettings) -> int:
     async with cloud_address(settings) as address:
         client = verifier_client(settings, address) if address else None
         try:
-            return await (run_batch(ctx, client) if settings.prompts else run_single(ctx, client))
+            return await (answer_prompts(ctx, client) if settings.prompts else run_single(ctx, client))
         finally:
             if client:
                 await client.close()

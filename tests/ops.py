@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedModel
 
 from cloud.config import VerifierSettings
-from cloud.service import Servers, load_model, shutdown, start_servers
+from cloud.process import Servers, load_model, shutdown, start_servers
 from cloud.verifier import Verifier, VerifierLimits
 from shared import lm
 from shared.pb import verifier_pb2 as pb
