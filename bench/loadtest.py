@@ -4,6 +4,8 @@
              [--sessions N] [--scale X] [--max-prompt-tokens N] [--max-output-tokens N]
              [--max-sessions N] [--duration S] [--mode speculative|cloud_only] [--report DIR]
              [--metrics-url http://127.0.0.1:8080/metrics] [--api-key KEY] [--tls-ca CA.pem]
+    loadtest --cloud ... --output capacity.json --find-capacity --slo-itl-p95-ms X [--slo-ttft-p95-ms Y]
+             [--capacity-max-sessions N] [--capacity-step-s S] [--metrics-url ...] [--report DIR]
 
 Sessions come from the traces `edge-agent --record DIR` writes (default: the Qwen traces shipped
 in bench/data/traces/qwen). Arrivals (loadtest_arrivals.py): the traces' own start times
@@ -11,6 +13,8 @@ in bench/data/traces/qwen). Arrivals (loadtest_arrivals.py): the traces' own sta
 Poisson at `--rate` per second. Each session is replayed as loadtest_replay.py says, in its own
 task and on its own channel, like one edge each; arrivals never wait for completions (the
 pattern of vLLM's benchmark_serving). Loopback only: this is a tool for a verifier on this machine.
+--find-capacity searches the largest number of concurrent sessions within a latency target, in
+both modes (loadtest_capacity.py); --metrics-url adds the verifier's busy fraction to it.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tqdm import tqdm
 
 from bench.loadtest_arrivals import Caps, PlannedSession, azure_plan, poisson_plan, read_azure, trace_plan
+from bench.loadtest_capacity import CapacitySearch, find_capacity, write_capacity_report
 from bench.loadtest_replay import LoadClock, SessionOutcome, replay
-from bench.loadtest_report import ServerSample, ended_by_line, summarize, write_report
+from bench.loadtest_report import ServerSample, ended_by_line, machine, summarize, write_report
 from edge.client import CapacityRetry, ClientTls, VerifierClient
 from edge.trace import read_traces
 from shared.cli import add_settings_flags, run_cli, settings_from_args
@@ -74,6 +79,12 @@ class LoadtestSettings(BaseSettings):
     metrics_url: str | None = Field(None, description="verifier /metrics to poll for specdec_kv_cache_bytes (loopback)")
     bin_s: float = Field(1.0, gt=0, description="time bin of the series over time, seconds")
     progress: bool = Field(True, description="progress bar on stderr")
+    find_capacity: bool = Field(False, description="search the most concurrent sessions within --slo-itl-p95-ms, "
+                                "speculative and cloud_only (each session: its trace, recorded lengths under the caps)")
+    slo_itl_p95_ms: float | None = Field(None, gt=0, description="capacity target: inter-token latency p95, ms")
+    slo_ttft_p95_ms: float | None = Field(None, gt=0, description="capacity target: time to first token p95, ms")
+    capacity_max_sessions: int = Field(64, ge=1, description="capacity search: most concurrent sessions tried")
+    capacity_step_s: float = Field(30.0, gt=0, description="capacity search: seconds each level keeps N sessions going")
 
     @model_validator(mode="after")
     def _one_arrival_source(self) -> LoadtestSettings:
@@ -81,6 +92,8 @@ class LoadtestSettings(BaseSettings):
             raise ValueError("give at most one of --azure and --rate")
         if (self.azure or self.rate) and self.max_sessions is None and self.duration is None:
             raise ValueError("--azure and --rate need --max-sessions or --duration to end")
+        if self.find_capacity and self.slo_itl_p95_ms is None:
+            raise ValueError("--find-capacity needs --slo-itl-p95-ms")
         return self
 
     def arrivals(self) -> str:
@@ -115,18 +128,32 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
-async def poll_metrics(url: str, clock: LoadClock, samples: list[ServerSample], every_s: float,
-                       s: LoadtestSettings) -> None:
+def _fetch_metrics(url: str, s: LoadtestSettings) -> str:
     headers = {"Authorization": f"Bearer {s.api_key.get_secret_value()}"} if s.api_key else {}
     context = ssl.create_default_context(cafile=s.tls_ca) if s.tls_ca else None
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=2, context=context) as reply:  # noqa: S310 (loopback, checked)
+        return str(reply.read().decode())
 
-    def fetch() -> str:
-        request = urllib.request.Request(url, headers=headers)
-        with urllib.request.urlopen(request, timeout=2, context=context) as reply:  # noqa: S310 (loopback, checked)
-            return str(reply.read().decode())
+
+async def busy_counters(s: LoadtestSettings) -> tuple[float, float] | None:
+    """(forward seconds, forward passes) the verifier counted so far; None without --metrics-url."""
+    if not s.metrics_url:
+        return None
+    try:
+        text = await asyncio.to_thread(_fetch_metrics, s.metrics_url, s)
+    except OSError as err:
+        log.warning("metrics read failed: %s", err)
+        return None
+    busy, passes = _metric(text, "specdec_busy_seconds_total"), _metric(text, "specdec_forward_passes_total")
+    return None if busy is None or passes is None else (busy, passes)
+
+
+async def poll_metrics(url: str, clock: LoadClock, samples: list[ServerSample], every_s: float,
+                       s: LoadtestSettings) -> None:
     while True:
         try:
-            text = await asyncio.to_thread(fetch)
+            text = await asyncio.to_thread(_fetch_metrics, url, s)
             samples.append(ServerSample(clock.now(), _metric(text, "specdec_kv_cache_bytes"),
                                         _metric(text, "specdec_open_sessions")))
         except OSError as err:
@@ -134,25 +161,50 @@ async def poll_metrics(url: str, clock: LoadClock, samples: list[ServerSample], 
         await asyncio.sleep(every_s)
 
 
-async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
+def _check_targets(s: LoadtestSettings) -> None:
     _check_loopback(s.cloud.rsplit(":", 1)[0], "--cloud")
     if s.metrics_url:
         _check_loopback(urlparse(s.metrics_url).hostname, "--metrics-url")
+
+
+def _connect(s: LoadtestSettings) -> VerifierClient:
+    """One client (one channel) per replayed session, like one edge each."""
+    return VerifierClient(s.cloud, s.call_timeout, s.call_timeout, CapacityRetry(max_retries=s.capacity_retries),
+                          tls=ClientTls.from_files(s.tls_ca) if s.tls_ca else None,
+                          api_key=s.api_key.get_secret_value() if s.api_key else None)
+
+
+async def run_capacity(s: LoadtestSettings) -> dict[str, Any]:
+    """--find-capacity: one session per recorded trace (lengths under the caps), both modes."""
+    _check_targets(s)
+    assert s.slo_itl_p95_ms is not None  # the validator asks for it
+    traces = read_traces(Path(s.trace) if s.trace else SHIPPED_TRACES)
+    if any(t.header.mode != "speculative" for t in traces):
+        raise ConfigError("--find-capacity replays both modes: it needs traces recorded in speculative mode")
+    plans = trace_plan(traces, 1, 0.0, s.caps())
+    if not plans:
+        raise ConfigError("no session to replay within the given bounds")
+    search = CapacitySearch(s.slo_itl_p95_ms, s.slo_ttft_p95_ms, s.capacity_max_sessions, s.capacity_step_s,
+                            s.think_scale)
+    result = await find_capacity(plans, search, lambda: _connect(s), lambda: busy_counters(s))
+    settings = s.model_dump(exclude={"api_key"}) | {"trace": s.trace or str(SHIPPED_TRACES)}
+    return result | {"settings": settings, "machine": machine()}
+
+
+async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
+    _check_targets(s)
     plan = plan_sessions(s)
     if not plan:
         raise ConfigError("no session to replay within the given bounds")
     clock = LoadClock()
     samples: list[ServerSample] = []
     poller = asyncio.create_task(poll_metrics(s.metrics_url, clock, samples, s.bin_s / 2, s)) if s.metrics_url else None
-    tls = ClientTls.from_files(s.tls_ca) if s.tls_ca else None
-    key = s.api_key.get_secret_value() if s.api_key else None
     bar = tqdm(total=len(plan), unit="session", disable=not s.progress, file=sys.stderr)
     outcomes: list[SessionOutcome] = []
 
     async def one(session: PlannedSession) -> None:
         await asyncio.sleep(max(session.arrival_s - clock.now(), 0.0))
-        client = VerifierClient(s.cloud, s.call_timeout, s.call_timeout, CapacityRetry(max_retries=s.capacity_retries),
-                                tls=tls, api_key=key)
+        client = _connect(s)
         try:
             outcomes.append(await replay(session, client, clock, s.mode, s.think_scale))
         finally:
@@ -187,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def run() -> int:
         settings = settings_from_args(LoadtestSettings, args)
+        if settings.find_capacity:
+            return _capacity_cli(settings)
         result = asyncio.run(run_loadtest(settings))
         Path(settings.output).parent.mkdir(parents=True, exist_ok=True)
         Path(settings.output).write_text(json.dumps(result, indent=1) + "\n")
@@ -197,6 +251,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     return run_cli("loadtest", run)
+
+
+def _capacity_cli(settings: LoadtestSettings) -> int:
+    result = asyncio.run(run_capacity(settings))
+    Path(settings.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(settings.output).write_text(json.dumps(result, indent=1) + "\n")
+    if settings.report:
+        write_capacity_report(result, Path(settings.report))
+    cap = result["capacity"]
+    log.info("capacity at ITL p95 <= %s ms: speculative %d, cloud_only %d sessions (ratio %s) -> %s",
+             settings.slo_itl_p95_ms, cap["speculative"]["sessions"], cap["cloud_only"]["sessions"],
+             result["capacity_ratio"], settings.output)
+    return 0
 
 
 if __name__ == "__main__":

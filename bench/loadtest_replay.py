@@ -49,6 +49,15 @@ class RoundSample:
     queue_ms: float | None  # server-reported queue time (Verify only)
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """Tokens a session's user sees at once, and the time since the session's previous ones
+    (edge think-time included: the inter-token latency as the user sees it)."""
+
+    gap_ms: float
+    tokens: int
+
+
 class LoadClock:
     """Seconds since the load test began, and what every session reports into."""
 
@@ -58,9 +67,17 @@ class LoadClock:
         self.rounds: list[RoundSample] = []
         self.open_changes: list[tuple[float, int]] = []  # (t, +1 / -1): sessions in flight
         self.errors_by_code: Counter[str] = Counter()
+        self.deliveries: list[Delivery] = []  # after each session's first tokens (those are its TTFT)
+        self._last_delivery: dict[int, float] = {}  # session index -> when it last got tokens
 
     def now(self) -> float:
         return self.loop.time() - self.t0
+
+    def deliver(self, session: int, tokens: int) -> None:
+        now = self.now()
+        if (last := self._last_delivery.get(session)) is not None:
+            self.deliveries.append(Delivery((now - last) * 1000.0, tokens))
+        self._last_delivery[session] = now
 
 
 @dataclass
@@ -193,6 +210,7 @@ class SpeculativeReplay:
             now = self.clock.now()
             self.clock.rounds.append(RoundSample(now, (now - sent) * 1000.0, reply.accepted_len + 1,
                                                  reply.metrics.queue_ms))
+            self.clock.deliver(self.out.index, reply.accepted_len + 1)
             if self.out.ttft_ms is None:
                 self.out.ttft_ms = (now - self.out.start_s) * 1000.0
             return req, reply
@@ -257,6 +275,7 @@ async def replay_cloud_only(plan: PlannedSession, client: VerifierClient, clock:
         else:
             clock.rounds.append(RoundSample(now, (now - last) * 1000.0, len(chunk.tokens), None))
         last = now
+        clock.deliver(out.index, len(chunk.tokens))
         tokens += chunk.tokens
         out.rounds += 1
     out.verified_tokens = out.output_tokens = len(tokens)

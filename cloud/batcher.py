@@ -198,6 +198,8 @@ class ForwardBatcher:
                 continue
             elapsed_ms = (time.perf_counter() - started) * 1000.0
             self._batch_ms = _ema(self._batch_ms, elapsed_ms)
+            self.metrics.busy_time.inc(elapsed_ms / 1000.0)
+            self.metrics.forward_passes.inc()
             self.cost.observe(fed, elapsed_ms)
             for waiting, result in zip(batch, results, strict=True):
                 if result is PARTIAL:  # a chunk of a long prefill: the rest queues again

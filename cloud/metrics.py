@@ -34,6 +34,10 @@ class VerifierMetrics:
                                         buckets=LATENCY_BUCKETS_S, registry=r)
         self.forward_time = Histogram("specdec_forward_seconds", "target forward pass per round",
                                       buckets=LATENCY_BUCKETS_S, registry=r)
+        # Once per pass, however many steps it ran: busy / wall time is the verifier's load.
+        self.busy_time = Counter("specdec_busy_seconds", "model-worker time in target forward passes", registry=r)
+        self.forward_passes = Counter("specdec_forward_passes", "target forward passes (batched steps count once)",
+                                      registry=r)
         self.queue_time = Histogram("specdec_queue_seconds", "wait in the batch queue per round",
                                     buckets=LATENCY_BUCKETS_S, registry=r)
         positions = [float(i) for i in range(max_draft_tokens + 1)]  # one bucket per possible length

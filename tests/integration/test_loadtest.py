@@ -7,12 +7,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench.loadtest import LoadtestSettings, run_loadtest
+from bench.loadtest import LoadtestSettings, run_capacity, run_loadtest
+from bench.loadtest_capacity import write_capacity_report
+from cloud.http import create_app, start_http
+from cloud.state import ServerState
+from cloud.verifier import Verifier
 from edge.generate import speculative_generate
 from edge.kpolicy import FixedK
 from edge.trace import SessionRecorder, TraceHeader, read_traces, trace_file_name, write_trace
 from shared.protocol import AcceptMode, SamplingParams
-from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
+from tests.harness import gen_config, make_drafter, random_prompt, running_verifier, serving
 from tests.tiny_models import save_pair
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=20)
@@ -112,3 +116,40 @@ def test_record_with_edge_agent_then_loadtest_cli_writes_result_and_report(targe
     assert cloud["settings"]["arrivals"].startswith("azure")
     # Lengths from the Azure rows, under the caps: every session generated min(GeneratedTokens, 12).
     assert all(s["output_tokens"] == s["output_target"] <= 12 and s["prompt_tokens"] <= 40 for s in cloud["sessions"])
+
+
+def test_capacity_search_finds_sessions_for_a_generous_target_and_none_for_an_impossible_one(
+        target_model, draft_model, tmp_path: Path) -> None:
+    """--find-capacity end to end on tiny models: both modes, the verifier's /metrics read
+    for its busy fraction, the report written."""
+    state = ServerState.for_verifier(Verifier(target_model, "tiny-target"))
+
+    async def run() -> tuple[dict, dict]:
+        async with serving(state) as client:
+            http = await start_http(create_app(state, public_metrics=True), "127.0.0.1", 0)
+            try:
+                await _record(client, draft_model, tmp_path)
+                common = {"cloud": client.target, "output": str(tmp_path / "c.json"), "trace": str(tmp_path),
+                          "metrics_url": f"http://127.0.0.1:{http.port}/metrics", "find_capacity": True,
+                          "capacity_step_s": 0.3, "progress": False}
+                generous = await run_capacity(LoadtestSettings(**common, slo_itl_p95_ms=60_000, slo_ttft_p95_ms=60_000,
+                                                               capacity_max_sessions=3))
+                impossible = await run_capacity(LoadtestSettings(**common, slo_itl_p95_ms=1e-3))
+            finally:
+                await http.stop()
+        return generous, impossible
+
+    generous, impossible = asyncio.run(run())
+    for mode in ("speculative", "cloud_only"):
+        cap = generous["capacity"][mode]
+        assert cap["sessions"] == 3  # 1, 2, then the cap itself: every level met the target
+        assert [p["sessions"] for p in generous["levels"][mode]] == [1, 2, 3]
+        assert cap["itl_ms"]["p95"] > 0 and cap["verified_tokens_per_s"] > 0
+        assert 0 < cap["busy_fraction"] <= 1 and cap["forward_passes_per_token"] > 0
+        assert impossible["capacity"][mode]["sessions"] == 0
+        assert [p["sessions"] for p in impossible["levels"][mode]] == [1]
+    assert generous["capacity"]["cloud_only"]["rounds_per_token"] == 1.0
+    assert generous["capacity"]["speculative"]["rounds_per_token"] < 1.0  # several tokens per round
+    assert generous["capacity_ratio"] == 1.0 and impossible["capacity_ratio"] is None
+    written = write_capacity_report(generous, tmp_path / "report")
+    assert {p.name for p in written} == {"capacity.md", "capacity.png"}

@@ -1,0 +1,207 @@
+"""`loadtest --find-capacity`: how many concurrent sessions one verifier serves within a latency
+target, speculative against cloud_only, on the same verifier, trace and run.
+
+A level of N sessions is closed-loop: N workers each replay recorded sessions back to back
+(loadtest_replay.py, with the recorded edge think-time) for `step_s` seconds, so about N
+sessions are in flight for the whole level, not only at its start. Worker starts are spread
+over the first tenth of the level, as users do not all press enter at once.
+
+The target is on the inter-token latency as the user sees it: per session, the time between
+one reply's tokens and the next's, the first of a reply's tokens carrying the gap and the others
+none (they arrive together). A session's first tokens are its TTFT, not an inter-token gap.
+The smoothed ITL (the gap spread over the reply's tokens, what a UI pacing its output shows) is
+reported beside it. A level meets the target when no session ended early and the p95s are
+within it. Search: 1, 2, 4, ... sessions until a level misses (or `max_sessions`), then
+bisection between the last level met and the first missed; the capacity is the largest level
+met (0 when one session already misses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.loadtest_arrivals import PlannedSession
+from bench.loadtest_replay import Delivery, LoadClock, SessionOutcome, replay
+from bench.loadtest_report import percentiles
+from edge.client import VerifierClient
+
+MODES = ("speculative", "cloud_only")
+START_SPREAD = 0.1  # worker starts are spread over this fraction of a level
+
+
+@dataclass(frozen=True)
+class CapacitySearch:
+    slo_itl_p95_ms: float
+    slo_ttft_p95_ms: float | None = None
+    max_sessions: int = 64  # the search stops here even if the target still holds
+    step_s: float = 30.0  # seconds each level keeps starting sessions
+    think_scale: float = 1.0
+
+
+# (busy seconds, forward passes) of the verifier so far, or None when it cannot be read
+BusyProbe = Callable[[], Awaitable[tuple[float, float] | None]]
+
+
+def itl_as_seen(deliveries: list[Delivery]) -> list[float]:
+    return [v for d in deliveries for v in [d.gap_ms] + [0.0] * (d.tokens - 1)]
+
+
+def itl_smoothed(deliveries: list[Delivery]) -> list[float]:
+    return [d.gap_ms / d.tokens for d in deliveries for _ in range(d.tokens)]
+
+
+async def _closed_loop(plans: list[PlannedSession], n: int, mode: str, search: CapacitySearch,
+                       connect: Callable[[], VerifierClient]) -> tuple[LoadClock, list[SessionOutcome]]:
+    clock = LoadClock()
+    outcomes: list[SessionOutcome] = []
+
+    async def worker(i: int) -> None:
+        await asyncio.sleep(search.step_s * START_SPREAD * i / n)
+        j = 0
+        while j == 0 or clock.now() < search.step_s:
+            index = i + j * n  # unique within the level: the clock keys deliveries by it
+            plan = replace(plans[index % len(plans)], index=index, arrival_s=clock.now())
+            client = connect()
+            try:
+                outcomes.append(await replay(plan, client, clock, mode, search.think_scale))
+            finally:
+                await client.close()
+            j += 1
+
+    await asyncio.gather(*(worker(i) for i in range(n)))
+    return clock, outcomes
+
+
+def _level(n: int, mode: str, clock: LoadClock, outcomes: list[SessionOutcome], wall_s: float,
+           busy: tuple[float, float] | None, search: CapacitySearch) -> dict[str, Any]:
+    tokens = sum(o.verified_tokens for o in outcomes)
+    failed = [o for o in outcomes if o.error is not None]
+    itl, ttft = percentiles(itl_as_seen(clock.deliveries)), percentiles([o.ttft_ms for o in outcomes
+                                                                         if o.ttft_ms is not None])
+    meets = not failed and itl["p95"] is not None and itl["p95"] <= search.slo_itl_p95_ms and (
+        search.slo_ttft_p95_ms is None or (ttft["p95"] is not None and ttft["p95"] <= search.slo_ttft_p95_ms))
+    return {
+        "sessions": n, "mode": mode, "meets_slo": meets, "wall_s": round(wall_s, 3),
+        "sessions_completed": len(outcomes) - len(failed), "sessions_failed": len(failed),
+        "errors_by_code": dict(sorted(clock.errors_by_code.items())),
+        "itl_ms": itl, "itl_smoothed_ms": percentiles(itl_smoothed(clock.deliveries)), "ttft_ms": ttft,
+        "verified_tokens_per_s": round(tokens / wall_s, 3) if wall_s else 0.0,
+        # target passes each session needed per token (1 for cloud_only; 1/tau speculative)
+        "rounds_per_token": round(sum(o.rounds for o in outcomes) / tokens, 4) if tokens else None,
+        # passes the verifier ran per token, batching counted: shared passes cost less
+        "forward_passes_per_token": round(busy[1] / tokens, 4) if busy and tokens else None,
+        "busy_fraction": round(busy[0] / wall_s, 4) if busy and wall_s else None,
+    }
+
+
+async def measure(plans: list[PlannedSession], n: int, mode: str, search: CapacitySearch,
+                  connect: Callable[[], VerifierClient], probe: BusyProbe) -> dict[str, Any]:
+    """One level: n sessions in flight for step_s seconds (then their last sessions end)."""
+    before = await probe()
+    clock, outcomes = await _closed_loop(plans, n, mode, search, connect)
+    wall_s = clock.now()
+    after = await probe()
+    busy = (after[0] - before[0], after[1] - before[1]) if before and after else None
+    return _level(n, mode, clock, outcomes, wall_s, busy, search)
+
+
+async def search_mode(mode: str, measure_at: Callable[[int], Awaitable[dict[str, Any]]],
+                      max_sessions: int) -> tuple[int, list[dict[str, Any]]]:
+    """The largest level meeting the target: doubling, then bisection; every level measured."""
+    levels: dict[int, dict[str, Any]] = {}
+
+    async def meets(n: int) -> bool:
+        if n not in levels:
+            levels[n] = await measure_at(n)
+        return bool(levels[n]["meets_slo"])
+
+    good, n = 0, 1
+    while n <= max_sessions and await meets(n):
+        good, n = n, n * 2
+    bad = n
+    if n > max_sessions:  # every doubling met the target: try the cap itself
+        if good < max_sessions and await meets(max_sessions):
+            good = max_sessions
+        bad = max_sessions + 1 if good == max_sessions else max_sessions
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if await meets(mid) else (good, mid)
+    return good, [levels[k] for k in sorted(levels)]
+
+
+def _summary(sessions: int, points: list[dict[str, Any]]) -> dict[str, Any]:
+    at = next((p for p in points if p["sessions"] == sessions), None)
+    return {"sessions": sessions,
+            "itl_ms": None if at is None else {"p50": at["itl_ms"]["p50"], "p95": at["itl_ms"]["p95"]},
+            "verified_tokens_per_s": None if at is None else at["verified_tokens_per_s"],
+            "rounds_per_token": None if at is None else at["rounds_per_token"],
+            "forward_passes_per_token": None if at is None else at["forward_passes_per_token"],
+            "busy_fraction": None if at is None else at["busy_fraction"]}
+
+
+async def find_capacity(plans: list[PlannedSession], search: CapacitySearch,
+                        connect: Callable[[], VerifierClient], probe: BusyProbe) -> dict[str, Any]:
+    """Both modes, one after the other, against the same verifier and sessions."""
+    capacity, points = {}, {}
+    for mode in MODES:
+        async def at(n: int, mode: str = mode) -> dict[str, Any]:
+            return await measure(plans, n, mode, search, connect, probe)
+        sessions, points[mode] = await search_mode(mode, at, search.max_sessions)
+        capacity[mode] = _summary(sessions, points[mode])
+    cloud = capacity["cloud_only"]["sessions"]
+    return {"mode": "capacity",
+            "slo": {"itl_p95_ms": search.slo_itl_p95_ms, "ttft_p95_ms": search.slo_ttft_p95_ms},
+            "capacity": capacity,
+            "capacity_ratio": round(capacity["speculative"]["sessions"] / cloud, 3) if cloud else None,
+            "levels": points}
+
+
+def capacity_markdown(result: dict[str, Any]) -> str:
+    slo, cap = result["slo"], result["capacity"]
+    lines = [f"# Capacity at ITL p95 <= {slo['itl_p95_ms']} ms"
+             + (f", TTFT p95 <= {slo['ttft_p95_ms']} ms" if slo["ttft_p95_ms"] else ""), "",
+             f"Sessions per verifier, speculative / cloud_only: {result['capacity_ratio'] or '–'}x.", "",
+             "| mode | sessions | ITL p50 / p95 ms | verified tokens/s | target passes per token (per session, "
+             "verifier) | verifier busy |", "|---|---|---|---|---|---|"]
+    for mode, c in cap.items():
+        itl = c["itl_ms"] or {}
+        lines.append(f"| {mode} | {c['sessions']} | {itl.get('p50', '–')} / {itl.get('p95', '–')} | "
+                     f"{c['verified_tokens_per_s'] or '–'} | {c['rounds_per_token'] or '–'}, "
+                     f"{c['forward_passes_per_token'] or '–'} | {c['busy_fraction'] or '–'} |")
+    lines += ["", "| mode | sessions | meets | ITL p95 ms (smoothed) | TTFT p95 ms | tokens/s | busy | failed |",
+              "|---|---|---|---|---|---|---|---|"]
+    for mode, levels in result["levels"].items():
+        lines += [f"| {mode} | {p['sessions']} | {'yes' if p['meets_slo'] else 'no'} | {p['itl_ms']['p95']} "
+                  f"({p['itl_smoothed_ms']['p95']}) | {p['ttft_ms']['p95']} | {p['verified_tokens_per_s']} | "
+                  f"{p['busy_fraction']} | {p['sessions_failed']} |" for p in levels]
+    return "\n".join(lines) + "\n\n![capacity](capacity.png)\n"
+
+
+def write_capacity_report(result: dict[str, Any], folder: Path) -> list[Path]:
+    """capacity.md and capacity.png (ITL p95 and throughput against sessions, both modes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, (itl_ax, tput_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for mode, levels in result["levels"].items():
+        xs = [p["sessions"] for p in levels]
+        itl_ax.plot(xs, [p["itl_ms"]["p95"] for p in levels], marker="o", label=mode)
+        tput_ax.plot(xs, [p["verified_tokens_per_s"] for p in levels], marker="o", label=mode)
+    itl_ax.axhline(result["slo"]["itl_p95_ms"], color="grey", linestyle="--", label="target")
+    itl_ax.set(xlabel="concurrent sessions", ylabel="ITL p95 (ms)", title="inter-token latency p95")
+    tput_ax.set(xlabel="concurrent sessions", ylabel="verified tokens/s", title="throughput")
+    for ax in (itl_ax, tput_ax):
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    plot, summary = folder / "capacity.png", folder / "capacity.md"
+    fig.savefig(plot, dpi=100)
+    plt.close(fig)
+    summary.write_text(capacity_markdown(result))
+    return [summary, plot]
