@@ -15,7 +15,9 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from shared.errors import ConfigError
 from shared.hardware import choose_dtype, usable_cores
+from shared.kv_slots import SlotKV, forward_slots
 
+KVCache = DynamicCache | SlotKV  # a session's own cache, or its slot of a pool (shared/kv_slots.py)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -81,7 +83,7 @@ def forward_with_hidden(model: PreTrainedModel, cache: DynamicCache, token_ids: 
 
 
 @torch.inference_mode()
-def forward_packed(model: PreTrainedModel, caches: Sequence[DynamicCache], blocks: Sequence[Sequence[int]],
+def forward_packed(model: PreTrainedModel, caches: Sequence[KVCache], blocks: Sequence[Sequence[int]],
                    keeps: Sequence[int]) -> list[torch.Tensor]:
     """One forward pass over several sequences, each fed after its own cache: like `forward`
     per sequence, but the weights are read once for all of them.
@@ -92,9 +94,17 @@ def forward_packed(model: PreTrainedModel, caches: Sequence[DynamicCache], block
     per-token position ids restart at each cache's length. Each cache then gains its
     sequence's new KV. Full-attention models only (every layer keeps all positions).
     Returns, per sequence, the last keeps[i] rows of float32 logits (all rows when 0).
+    Slots (shared/kv_slots.py) take the same pass without the copies.
     """
-    if len(caches) == 1:
-        return [forward(model, caches[0], blocks[0], keeps[0])]
+    slots = [c for c in caches if isinstance(c, SlotKV)]
+    dynamic = [c for c in caches if isinstance(c, DynamicCache)]
+    if slots and dynamic:
+        raise TypeError("one pass takes slots or dynamic caches, not both")
+    if slots:
+        return forward_slots(model, slots, blocks, keeps)
+    if len(dynamic) == 1:
+        return [forward(model, dynamic[0], blocks[0], keeps[0])]
+    caches = dynamic
     pasts = [cache.get_seq_length() for cache in caches]
     lengths = [len(block) for block in blocks]
     total_past, total_new = sum(pasts), sum(lengths)
@@ -140,8 +150,11 @@ def _keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys, layer.values
 
 
-def crop(cache: DynamicCache, length: int) -> None:
+def crop(cache: KVCache, length: int) -> None:
     """Shrink the cache to its first `length` positions (no-op when already shorter)."""
+    if isinstance(cache, SlotKV):
+        cache.crop(length)  # a length update: the positions past it are masked, then overwritten
+        return
     excess = cache.get_seq_length() - length
     if excess > 0:
         cache.crop(-excess)  # transformers 5: a negative count of tokens to remove

@@ -1,0 +1,104 @@
+"""shared/kv_slots.py: sessions' KV in place in a slot pool, each pass equal to every sequence
+run alone over its own DynamicCache (greedy fp32, tiny model)."""
+
+import random
+
+import pytest
+import torch
+
+from shared import lm
+from shared.errors import InvalidRequest, SessionNotFound
+from shared.kv_slots import SlotKV, SlotPool, forward_slots
+
+
+def _slot_keys(kv: SlotKV, layer: int) -> torch.Tensor:
+    return kv.pool.keys[layer][:, :, kv.base:kv.base + kv.length]  # [1, kv_heads, length, head_dim]
+
+
+def _assert_same_kv(kv: SlotKV, cache) -> None:  # type: ignore[no-untyped-def]
+    assert kv.length == cache.get_seq_length()
+    for index, layer in enumerate(cache.layers):
+        if kv.length:
+            torch.testing.assert_close(_slot_keys(kv, index), layer.keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slot_pass_equals_each_sequence_alone(target_model, seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(2, 6)
+    pool = SlotPool(target_model, slots=8, slot_tokens=64)
+    kvs = [pool.acquire() for _ in range(n)]
+    alone = [lm.new_cache(target_model) for _ in range(n)]
+    for kv, cache in zip(kvs, alone, strict=True):  # prefills of different lengths, one at a time
+        prompt = [rng.randrange(96) for _ in range(rng.randint(0, 14))]
+        if prompt:
+            forward_slots(target_model, [kv], [prompt], [1])
+            lm.forward(target_model, cache, prompt)
+    blocks = [[rng.randrange(96) for _ in range(rng.randint(1, 7))] for _ in range(n)]
+    keeps = [rng.randint(0, len(block)) for block in blocks]
+    expected = [lm.forward(target_model, c, b, k) for c, b, k in zip(alone, blocks, keeps, strict=True)]
+    got = lm.forward_packed(target_model, kvs, blocks, keeps)
+    for want, have, kv, cache in zip(expected, got, kvs, alone, strict=True):
+        assert have.shape == want.shape
+        torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(have.argmax(-1), want.argmax(-1))
+        _assert_same_kv(kv, cache)
+
+
+def test_many_rounds_with_crops_joins_and_leaves_decode_like_alone(target_model) -> None:
+    """Greedy rounds over a changing set of sessions: each round a random subset feeds a block,
+    keeps a random prefix of it (crop, as a rejected draft does), some sessions leave and new
+    ones take their slots; every token equals the unbatched path's."""
+    rng = random.Random(7)
+    pool = SlotPool(target_model, slots=5, slot_tokens=160)
+    live: list[tuple[SlotKV, object, list[int]]] = []  # (slot, DynamicCache alone, tokens fed)
+    for _ in range(30):
+        while len(live) < 5 and rng.random() < 0.5:
+            live.append((pool.acquire(), lm.new_cache(target_model), []))
+        if not live:
+            continue
+        batch = rng.sample(live, rng.randint(1, len(live)))
+        blocks = [[rng.randrange(96) for _ in range(rng.randint(1, 12 if not fed else 5))] for _, _, fed in batch]
+        got = lm.forward_packed(target_model, [kv for kv, _, _ in batch], blocks, [0] * len(batch))
+        for (kv, cache, fed), block, rows in zip(batch, blocks, got, strict=True):
+            want = lm.forward(target_model, cache, block)  # type: ignore[arg-type]
+            assert torch.equal(rows.argmax(-1), want.argmax(-1))
+            torch.testing.assert_close(rows, want, atol=1e-5, rtol=1e-5)
+            fed += block
+            keep = rng.randint(len(fed) - len(block), len(fed))  # a rejected tail is cropped away
+            del fed[keep:]
+            lm.crop(kv, keep)
+            lm.crop(cache, keep)  # type: ignore[arg-type]
+            _assert_same_kv(kv, cache)
+        if rng.random() < 0.3:
+            leaving = live.pop(rng.randrange(len(live)))
+            leaving[0].release()
+    assert pool.free_slots == 5 - len(live)
+
+
+def test_a_failed_pass_leaves_every_slot_as_it_was(target_model) -> None:
+    pool = SlotPool(target_model, slots=3, slot_tokens=32)
+    a, b = pool.acquire(), pool.acquire()
+    forward_slots(target_model, [a, b], [[5, 6, 7], [8, 9]], [1, 1])
+    before = [t.clone() for t in (*pool.keys, *pool.values)]
+    with pytest.raises(IndexError):  # an id past the embedding: the pass fails inside the model
+        forward_slots(target_model, [a, b], [[1, 2], [10_000]], [1, 1])
+    assert (a.length, b.length) == (3, 2)
+    # What the failed pass wrote (if anything) lies past the lengths: the live KV is unchanged.
+    for old, new in zip(before, (*pool.keys, *pool.values), strict=True):
+        assert torch.equal(old[:, :, a.base:a.base + 3], new[:, :, a.base:a.base + 3])
+        assert torch.equal(old[:, :, b.base:b.base + 2], new[:, :, b.base:b.base + 2])
+    with pytest.raises(InvalidRequest):  # past the slot: refused before the pass
+        forward_slots(target_model, [a], [list(range(30))], [1])
+    b.release()
+    with pytest.raises(SessionNotFound):
+        forward_slots(target_model, [a, b], [[1], [2]], [1, 1])
+    assert a.length == 3
+
+
+def test_pool_bytes_are_the_tensors_allocated(target_model) -> None:
+    pool = SlotPool(target_model, slots=4, slot_tokens=100)
+    allocated = sum(t.numel() * t.element_size() for t in (*pool.keys, *pool.values))
+    assert pool.nbytes == allocated == 4 * 100 * lm.kv_bytes_per_token(target_model)
+    assert pool.slot_bytes == 100 * lm.kv_bytes_per_token(target_model)
+    assert [pool.acquire().slot for _ in range(4)] == [0, 1, 2, 3] and pool.free_slots == 0
