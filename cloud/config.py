@@ -61,6 +61,11 @@ class VerifierSettings(BaseSettings):
     session_ttl_s: float = Field(600.0, gt=0, description="idle seconds before a session is dropped")
     max_sessions: int = Field(64, ge=1, description="open sessions; the least recently used is evicted past it")
     max_kv_bytes: int = Field(4 << 30, ge=1, description="KV-cache bytes across sessions; LRU eviction past it")
+    kv_layout: Literal["packed", "slots"] = Field("packed", description="packed: each session its own KV, "
+                                                  "concatenated for every batched pass; slots: KV in place in a pool "
+                                                  "allocated at start (min(max_sessions, max_kv_bytes / slot) slots)")
+    kv_slot_tokens: int = Field(4096, ge=2, description="--kv-layout slots: KV positions per session (also its "
+                                "context limit, with --max-context-tokens)")
 
     max_batch_size: int = Field(16, ge=1, description="rounds (and Generate steps) of different sessions batched "
                                 "into one forward pass (1 = no batching)")
@@ -95,8 +100,8 @@ class VerifierSettings(BaseSettings):
 
     def limits(self) -> VerifierLimits:
         sessions = SessionLimits(self.session_ttl_s, self.max_sessions, self.max_kv_bytes, self.key_limits())
-        return VerifierLimits(max_draft_tokens=self.max_draft_tokens,
-                              max_context_tokens=self.max_context_tokens, sessions=sessions)
+        return VerifierLimits(max_draft_tokens=self.max_draft_tokens, max_context_tokens=self.max_context_tokens,
+                              sessions=sessions, kv_layout=self.kv_layout, kv_slot_tokens=self.kv_slot_tokens)
 
 
 def _parse(path: Path, text: str) -> Any:

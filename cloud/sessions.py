@@ -11,10 +11,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from cloud.quotas import KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
+from shared.kv_slots import SlotKV
+from shared.lm import KVCache
 from shared.protocol import SessionConfig
 
 
@@ -29,7 +30,7 @@ class Session:
     session_id: str
     config: SessionConfig
     tokens: list[int]  # committed prefix: prompt + generated
-    cache: DynamicCache  # KV of tokens[:-1]
+    cache: KVCache  # KV of tokens[:-1]: its own DynamicCache, or its slot of the verifier's pool
     generator: torch.Generator  # seeded once from config.seed, never reseeded
     created: float
     last_used: float
@@ -55,9 +56,10 @@ class SessionStore:
     the GIL), which is what keeps a session with a call in flight from being evicted."""
 
     def __init__(self, limits: SessionLimits, kv_bytes_per_token: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, slot_bytes: int = 0) -> None:
         self.limits = limits
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.slot_bytes = slot_bytes  # > 0: each session holds one KV slot of this many bytes, whatever its length
         self.clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.busy: Counter[str] = Counter()  # sessions with a step queued or running: never evicted
@@ -88,7 +90,15 @@ class SessionStore:
         return sum(self.session_bytes(s) for s in self._sessions.values() if owner is None or s.owner == owner)
 
     def session_bytes(self, session: Session) -> int:
+        if self.slot_bytes:
+            return self.slot_bytes  # the slot is allocated in full from the start
         return max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
+
+    def _drop(self, session: Session) -> None:
+        """Free what a session leaving the store holds: its slot goes back to the pool (its
+        own DynamicCache goes with the session object)."""
+        if isinstance(session.cache, SlotKV):
+            session.cache.release()
 
     def expire(self) -> None:
         now = self.clock()
@@ -96,7 +106,7 @@ class SessionStore:
             oldest = next(iter(self._sessions.values()))
             if now - oldest.last_used < self.limits.ttl_s or self.busy.get(oldest.session_id):
                 break
-            self._sessions.popitem(last=False)
+            self._drop(self._sessions.popitem(last=False)[1])
 
     def get(self, session_id: str, owner: str = "") -> Session:
         """The session, if `owner` opened it: to any other key it does not exist."""
@@ -117,7 +127,10 @@ class SessionStore:
         by evicting anyone's, never `keep` or a session with a call in flight; raises
         CapacityExceeded when even that cannot fit them."""
         self.expire()
-        need = new_tokens * self.kv_bytes_per_token
+        if self.slot_bytes:  # a new session takes a whole slot; a round stays inside its own
+            need = 0 if keep is not None else self.slot_bytes
+        else:
+            need = new_tokens * self.kv_bytes_per_token
         per_key = self.limits.per_key.max_kv_bytes
         for cap, whose in ((per_key, owner), (self.limits.max_kv_bytes, None)):
             if not cap:
@@ -148,11 +161,14 @@ class SessionStore:
     def remove(self, session_id: str, owner: str = "") -> Session:
         session = self.get(session_id, owner)
         del self._sessions[session_id]
+        self._drop(session)
         return session
 
     def discard(self, session_id: str) -> None:
         """Drop a session if it is still here (a prefill that failed, or one evicted meanwhile)."""
-        self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._drop(session)
 
     def _evict_one(self, keep: str | None, owner: str | None = None) -> bool:
         """Drop the least recently used session (of `owner`, when given) that is not `keep`
@@ -160,5 +176,6 @@ class SessionStore:
         for sid, session in self._sessions.items():
             if sid != keep and not self.busy.get(sid) and (owner is None or session.owner == owner):
                 del self._sessions[sid]
+                self._drop(session)
                 return True
         return False

@@ -9,15 +9,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from cloud.sessions import Session, SessionLimits, SessionStore
 from shared import lm
-from shared.errors import InvalidRequest, PositionMismatch, SpecDecError, VerifierFault
+from shared.errors import ConfigError, InvalidRequest, PositionMismatch, SessionNotFound, SpecDecError, VerifierFault
+from shared.kv_slots import SlotKV, SlotPool
 from shared.protocol import (
     AcceptMode,
     CloseSessionResult,
@@ -48,6 +49,12 @@ class VerifierLimits:
     max_top_k: int = 16  # cap on want_top_k
     max_new_tokens: int = 4096  # Generate
     sessions: SessionLimits = SessionLimits()
+    # packed: each session its own DynamicCache, concatenated for every batched pass (the
+    # reference); slots: KV in place in a pool allocated at start (shared/kv_slots.py)
+    kv_layout: Literal["packed", "slots"] = "packed"
+    # slots: positions per session (its context limit); the pool holds min(max_sessions,
+    # max_kv_bytes / slot bytes) slots
+    kv_slot_tokens: int = 4096
 
 
 def _ms_since(start: float) -> float:
@@ -62,8 +69,24 @@ class Verifier:
         self.dtype_reason = dtype_reason  # why the model runs in its dtype (`--dtype auto`), for /healthz
         self.limits = limits or VerifierLimits()
         self.model_vocab = lm.logits_width(model)
-        self.sessions = SessionStore(self.limits.sessions, lm.kv_bytes_per_token(model))
+        per_token = lm.kv_bytes_per_token(model)
+        self.pool = self._slot_pool(per_token) if self.limits.kv_layout == "slots" else None
+        self.sessions = SessionStore(self.limits.sessions, per_token, slot_bytes=self.pool.slot_bytes if self.pool else 0)
         self.forward_passes = 0
+
+    def _slot_pool(self, kv_bytes_per_token: int) -> SlotPool:
+        """The slot pool, and limits that match it: a session's context fits its slot, and the
+        KV cap is the pool's size, so a free slot exists whenever the store admits a session."""
+        slot_tokens = min(self.limits.kv_slot_tokens, self.limits.max_context_tokens)
+        sessions = self.limits.sessions
+        slots = min(sessions.max_sessions, sessions.max_kv_bytes // (slot_tokens * kv_bytes_per_token))
+        if slots < 1:
+            raise ConfigError(f"a KV slot of {slot_tokens} tokens needs {slot_tokens * kv_bytes_per_token} bytes, "
+                              f"over --max-kv-bytes {sessions.max_kv_bytes}")
+        pool = SlotPool(self.model, slots, slot_tokens)
+        self.limits = replace(self.limits, max_context_tokens=slot_tokens,
+                              sessions=replace(sessions, max_kv_bytes=pool.nbytes))
+        return pool
 
     # ---- validation -------------------------------------------------------------------
 
@@ -175,9 +198,14 @@ class Verifier:
         self.sessions.reserve(max(len(prompt), planned), owner=owner)
         now = self.sessions.clock()
         generator = torch.Generator().manual_seed(config.seed)
-        session = Session(session_id, config, list(prompt), lm.new_cache(self.model), generator, now, now,
-                          owner=owner, planned=planned)
-        self.sessions.add(session)
+        cache = self.pool.acquire() if self.pool else lm.new_cache(self.model)
+        session = Session(session_id, config, list(prompt), cache, generator, now, now, owner=owner, planned=planned)
+        try:
+            self.sessions.add(session)
+        except BaseException:
+            if isinstance(cache, SlotKV):
+                cache.release()  # never stored: the store cannot free it
+            raise
         return session
 
     def close_session(self, session_id: str, owner: str = "") -> CloseSessionResult:
@@ -228,6 +256,9 @@ class Verifier:
         it never fails or corrupts the others of its pass."""
         if not steps:
             return []
+        gone = [i for i, (step, _) in enumerate(steps) if isinstance(step.cache, SlotKV) and step.cache.released]
+        if gone:  # its session left between two chunks of a prefill: that step alone fails
+            return self._without(steps, gone)
         fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
         forward_start = time.perf_counter()
         try:
@@ -253,6 +284,12 @@ class Verifier:
                 step.undo()
                 results.append(VerifierFault("the verifier failed on this step (see its log)"))
         return results
+
+    def _without(self, steps: list[tuple[ForwardStep[Any], float]], gone: list[int]) -> list[Any]:
+        kept = [s for i, s in enumerate(steps) if i not in gone]
+        results = iter(self.run_batch(kept))
+        return [SessionNotFound("the session was closed or evicted while its step waited") if i in gone
+                else next(results) for i in range(len(steps))]
 
     def _accept(self, req: VerifyRequest, session: Session, rows: torch.Tensor) -> tuple[RoundOutcome, torch.Tensor]:
         """The accept/reject outcome of a round and the target distributions [k + 1, V]."""
@@ -314,7 +351,7 @@ class ForwardStep(Generic[R]):
     after `cache`, keep the last `keep` rows of logits, turn them into a result with
     finish(logits, forward_ms, queue_ms); undo() puts the cache back after a failure."""
 
-    cache: DynamicCache
+    cache: lm.KVCache
     block: list[int]
     keep: int
     finish: Callable[[torch.Tensor, float, float], R]
