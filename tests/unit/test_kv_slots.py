@@ -1,6 +1,7 @@
 """shared/kv_slots.py: sessions' KV in place in a slot pool, each pass equal to every sequence
 run alone over its own DynamicCache (greedy fp32, tiny model)."""
 
+import json
 import random
 
 import pytest
@@ -102,3 +103,30 @@ def test_pool_bytes_are_the_tensors_allocated(target_model) -> None:
     assert pool.nbytes == allocated == 4 * 100 * lm.kv_bytes_per_token(target_model)
     assert pool.slot_bytes == 100 * lm.kv_bytes_per_token(target_model)
     assert [pool.acquire().slot for _ in range(4)] == [0, 1, 2, 3] and pool.free_slots == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_slots_on_cuda_bf16_match_packed(target_model) -> None:
+    """The same code on the GPU in bf16: pool, mask and positions on the model's device."""
+    import copy
+
+    model = copy.deepcopy(target_model).to(device="cuda", dtype=torch.bfloat16)
+    pool = SlotPool(model, slots=3, slot_tokens=64)
+    assert pool.keys[0].device.type == "cuda" and pool.keys[0].dtype == torch.bfloat16
+    kvs, caches = [pool.acquire() for _ in range(3)], [lm.new_cache(model) for _ in range(3)]
+    blocks = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    got = lm.forward_packed(model, kvs, blocks, [0, 0, 0])
+    want = lm.forward_packed(model, caches, blocks, [0, 0, 0])
+    for have, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(have, expected, atol=5e-2, rtol=5e-2)
+
+
+def test_timing_script_runs_both_layouts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from bench.kv_layout_timing import main
+
+    out = tmp_path / "kv.json"
+    assert main(["--model", "tiny", "--sessions", "1,3", "--contexts", "32", "--rounds", "1", "--device", "cpu",
+                 "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["layout"], r["sessions"]) for r in rows} == {(lay, n) for lay in ("packed", "slots") for n in (1, 3)}
+    assert all(r["ms_p50"] > 0 for r in rows)

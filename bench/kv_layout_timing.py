@@ -1,0 +1,143 @@
+"""Per-round time of one batched verify pass, packed KV against slot KV (shared/kv_slots.py).
+
+    python -m bench.kv_layout_timing --model tiny|small|MODEL_DIR [--sessions 1,4,8,16]
+        [--contexts 1024,4096] [--block 5] [--rounds 20] [--device auto] [--dtype float32]
+        [--output kv_layout.json]
+
+Every session holds `context` positions of KV; a round feeds each a block of `block` tokens
+(k drafts + 1) in one pass, then crops it back (a round whose drafts were all rejected), so
+every round sees the same context. Packed concatenates all caches and copies the new KV back
+each pass; slots write only the new KV. The KV is one real prefill copied to every session:
+the values do not change the time. `small` is a random Llama of about 0.1B parameters; a
+model folder runs a real model (on a quiet machine or a GPU: the numbers are timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from bench.tiny_models import tiny_target
+from shared import lm
+from shared.kv_slots import SlotKV, SlotPool, forward_slots
+
+log = logging.getLogger("kv-layout-timing")
+
+
+def small_model(dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    """A random Llama with a Qwen-like KV shape (2 KV heads of 64) and about 0.1B parameters."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768)
+    return LlamaForCausalLM(config).to(dtype=dtype, device=device).eval()  # type: ignore[call-arg]  # transformers stub types .to oddly
+
+
+def _model(name: str, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    if name == "tiny":
+        return tiny_target().to(dtype=dtype, device=device)  # type: ignore[call-arg]  # transformers stub types .to oddly
+    if name == "small":
+        return small_model(dtype, device)
+    return lm.load_model(name, str(dtype).removeprefix("torch."), str(device))
+
+
+def _prompt(model: PreTrainedModel, length: int) -> list[int]:
+    vocab = lm.logits_width(model)
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+
+
+def packed_sessions(model: PreTrainedModel, sessions: int, context: int) -> list[DynamicCache]:
+    first = lm.new_cache(model)
+    lm.forward(model, first, _prompt(model, context), keep=1)
+    return [first] + [copy.deepcopy(first) for _ in range(sessions - 1)]
+
+
+@torch.inference_mode()
+def slot_sessions(model: PreTrainedModel, sessions: int, context: int, block: int) -> list[SlotKV]:
+    pool = SlotPool(model, sessions, context + block)
+    kvs = [pool.acquire() for _ in range(sessions)]
+    forward_slots(model, kvs[:1], [_prompt(model, context)], [1])
+    for kv in kvs[1:]:
+        for layer in (*pool.keys, *pool.values):  # the first slot's KV, copied: only the time matters
+            layer[:, :, kv.base:kv.base + context] = layer[:, :, :context]
+        kv.length = context
+    return kvs
+
+
+def time_rounds(model: PreTrainedModel, caches: Sequence[lm.KVCache], block: int, rounds: int) -> list[float]:
+    """ms per pass: every session feeds `block` tokens, then is cropped back to where it was."""
+    lengths = [c.get_seq_length() for c in caches]
+    blocks = [_prompt(model, block)] * len(caches)
+    times = []
+    for _ in range(rounds + 1):  # the first pass warms up (allocator, kernels) and is dropped
+        start = time.perf_counter()
+        lm.forward_packed(model, caches, blocks, [block] * len(caches))  # logits come to the CPU: the pass is done
+        for cache, length in zip(caches, lengths, strict=True):
+            lm.crop(cache, length)
+        times.append((time.perf_counter() - start) * 1000.0)
+    return times[1:]
+
+
+def measure(model: PreTrainedModel, layout: str, sessions: int, context: int, block: int, rounds: int) -> dict[str, Any]:
+    caches: Sequence[lm.KVCache] = (packed_sessions(model, sessions, context) if layout == "packed"
+                                    else slot_sessions(model, sessions, context, block))
+    times = time_rounds(model, caches, block, rounds)
+    return {"layout": layout, "sessions": sessions, "context": context, "block": block, "rounds": rounds,
+            "ms_p50": round(statistics.median(times), 3), "ms_min": round(min(times), 3),
+            "ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))], 3)}
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| sessions | context | packed ms p50 | slots ms p50 | packed / slots |", "|---|---|---|---|---|"]
+    by_key = {(r["sessions"], r["context"], r["layout"]): r for r in rows}
+    for sessions, context in sorted({(r["sessions"], r["context"]) for r in rows}):
+        packed, slots = by_key[(sessions, context, "packed")], by_key[(sessions, context, "slots")]
+        lines.append(f"| {sessions} | {context} | {packed['ms_p50']} | {slots['ms_p50']} | "
+                     f"{packed['ms_p50'] / slots['ms_p50']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kv_layout_timing", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="tiny, small (random) or a local model folder")
+    parser.add_argument("--sessions", type=_ints, default=[1, 4, 8, 16])
+    parser.add_argument("--contexts", type=_ints, default=[1024, 4096])
+    parser.add_argument("--block", type=int, default=5, help="tokens fed per session per round (k + 1)")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--output", default="kv_layout.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    device, dtype = lm.resolve_device(args.device), lm.resolve_dtype(args.dtype)
+    model = _model(args.model, dtype, device)
+    rows = []
+    for context in args.contexts:
+        for sessions in args.sessions:
+            for layout in ("packed", "slots"):
+                rows.append(measure(model, layout, sessions, context, args.block, args.rounds))
+                log.info("%s", rows[-1])
+    table = markdown(rows)
+    Path(args.output).write_text(json.dumps({"model": args.model, "device": str(device), "dtype": args.dtype,
+                                             "rows": rows, "table": table}, indent=1) + "\n")
+    sys.stdout.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
