@@ -1,13 +1,15 @@
 """Per-round time of one batched verify pass, packed KV against slot KV (shared/kv_slots.py).
 
     python -m bench.kv_layout_timing --model tiny|small|MODEL_DIR [--sessions 1,4,8,16]
-        [--contexts 1024,4096] [--block 5] [--rounds 20] [--device auto] [--dtype float32]
-        [--output kv_layout.json]
+        [--contexts 1024,4096] [--block 5] [--rounds 20] [--slot-tokens N] [--device auto]
+        [--dtype float32] [--output kv_layout.json]
 
 Every session holds `context` positions of KV; a round feeds each a block of `block` tokens
 (k drafts + 1) in one pass, then crops it back (a round whose drafts were all rejected), so
 every round sees the same context. Packed concatenates all caches and copies the new KV back
-each pass; slots write only the new KV. The KV is one real prefill copied to every session:
+each pass; slots write only the new KV, but attend over whole slots' gaps: `--slot-tokens`
+(the verifier's --kv-slot-tokens; default context + block, the best case) measures that cost.
+The KV is one real prefill copied to every session:
 the values do not change the time. `small` is a random Llama of about 0.1B parameters; a
 model folder runs a real model (on a quiet machine or a GPU: the numbers are timings).
 """
@@ -63,8 +65,8 @@ def packed_sessions(model: PreTrainedModel, sessions: int, context: int) -> list
 
 
 @torch.inference_mode()
-def slot_sessions(model: PreTrainedModel, sessions: int, context: int, block: int) -> list[SlotKV]:
-    pool = SlotPool(model, sessions, context + block)
+def slot_sessions(model: PreTrainedModel, sessions: int, context: int, slot_tokens: int) -> list[SlotKV]:
+    pool = SlotPool(model, sessions, slot_tokens)
     kvs = [pool.acquire() for _ in range(sessions)]
     forward_slots(model, kvs[:1], [_prompt(model, context)], [1])
     for kv in kvs[1:]:
@@ -88,11 +90,14 @@ def time_rounds(model: PreTrainedModel, caches: Sequence[lm.KVCache], block: int
     return times[1:]
 
 
-def measure(model: PreTrainedModel, layout: str, sessions: int, context: int, block: int, rounds: int) -> dict[str, Any]:
+def measure(model: PreTrainedModel, layout: str, sessions: int, context: int, block: int, rounds: int,
+            slot_tokens: int = 0) -> dict[str, Any]:
+    slot_tokens = max(slot_tokens, context + block)
     caches: Sequence[lm.KVCache] = (packed_sessions(model, sessions, context) if layout == "packed"
-                                    else slot_sessions(model, sessions, context, block))
+                                    else slot_sessions(model, sessions, context, slot_tokens))
     times = time_rounds(model, caches, block, rounds)
     return {"layout": layout, "sessions": sessions, "context": context, "block": block, "rounds": rounds,
+            "slot_tokens": slot_tokens if layout == "slots" else None,
             "ms_p50": round(statistics.median(times), 3), "ms_min": round(min(times), 3),
             "ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))], 3)}
 
@@ -119,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--contexts", type=_ints, default=[1024, 4096])
     parser.add_argument("--block", type=int, default=5, help="tokens fed per session per round (k + 1)")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--slot-tokens", type=int, default=0, help="slots: positions per slot (0: context + block)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default="kv_layout.json")
@@ -130,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for context in args.contexts:
         for sessions in args.sessions:
             for layout in ("packed", "slots"):
-                rows.append(measure(model, layout, sessions, context, args.block, args.rounds))
+                rows.append(measure(model, layout, sessions, context, args.block, args.rounds, args.slot_tokens))
                 log.info("%s", rows[-1])
     table = markdown(rows)
     Path(args.output).write_text(json.dumps({"model": args.model, "device": str(device), "dtype": args.dtype,
