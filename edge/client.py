@@ -1,20 +1,22 @@
 """gRPC client of the verifier: deadlines per call, byte counts, status codes mapped back
 to the project's error types, resends after RESOURCE_EXHAUSTED (the server's retry hint, with
 jitter), an optional tap that sees every call (edge-agent --record), TLS (mTLS with a client
-certificate) and an API key sent with every call."""
+certificate), an API key sent with every call, and a session's routing key with each of its
+calls, over one verifier or several (edge/replicas.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import grpc
 
+from edge.replicas import SESSION_KEY_HEADER, ReplicaSet, split_addresses
 from shared import wire
 from shared.errors import (
     ERRORS_BY_STATUS,
@@ -134,6 +136,10 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
 
 
 class VerifierClient:
+    """Calls to one verifier, or to several (`target` "a:1,b:2"): then each session's calls go to
+    the replica its key ranks first (rendezvous hashing) and, once that one is unreachable, to the
+    next. One channel per address."""
+
     def __init__(self, target: str, verify_timeout_s: float = 30.0, open_timeout_s: float = 600.0,
                  capacity_retry: CapacityRetry | None = None, *, tls: ClientTls | None = None,
                  api_key: str | None = None) -> None:
@@ -145,22 +151,25 @@ class VerifierClient:
         self.tap: CallTap | None = None
         # Per-call metadata rather than call credentials: those need a TLS channel, and a
         # plaintext verifier on loopback (or behind --insecure) may ask for a key too.
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        if tls is None:
-            self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
-        else:
-            name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=_CHANNEL_OPTIONS + name)
-        self._stub = pb_grpc.VerifierStub(self._channel)
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.replicas = ReplicaSet(split_addresses(target))
+        self._channels = {address: _channel(address, tls) for address in self.replicas.addresses}
+        self._stubs = {address: pb_grpc.VerifierStub(channel) for address, channel in self._channels.items()}
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels.values():
+            await channel.close()
 
-    async def open_session(self, req: OpenSessionRequest) -> OpenSessionResult:
+    def _call_metadata(self, session_key: str | None) -> tuple[tuple[str, str], ...] | None:
+        metadata = self._metadata + (((SESSION_KEY_HEADER, session_key),) if session_key else ())
+        return metadata or None
+
+    async def open_session(self, req: OpenSessionRequest, session_key: str | None = None) -> OpenSessionResult:
         msg = wire.open_request_to_pb(req)
         sent = time.perf_counter()
         try:
-            reply: pb.OpenSessionResponse = await self._unary(self._stub.OpenSession, msg, self.open_timeout_s)
+            reply: pb.OpenSessionResponse = await self._unary(lambda stub: stub.OpenSession, msg, self.open_timeout_s,
+                                                              session_key)
         except SpecDecError as err:
             if self.tap:
                 self.tap.opened(req, None, err, sent, time.perf_counter())
@@ -170,11 +179,13 @@ class VerifierClient:
             self.tap.opened(req, result, None, sent, time.perf_counter())
         return result
 
-    async def verify(self, req: VerifyRequest, timeout_s: float | None = None) -> VerifyResult:
+    async def verify(self, req: VerifyRequest, timeout_s: float | None = None,
+                     session_key: str | None = None) -> VerifyResult:
         msg = wire.verify_request_to_pb(req)
         sent, rejections = time.perf_counter(), self.stats.capacity_rejections
         try:
-            reply: pb.VerifyResponse = await self._unary(self._stub.Verify, msg, timeout_s or self.verify_timeout_s)
+            reply: pb.VerifyResponse = await self._unary(lambda stub: stub.Verify, msg,
+                                                         timeout_s or self.verify_timeout_s, session_key)
         except SpecDecError as err:
             if self.tap:
                 self.tap.verified(req, None, err, sent, time.perf_counter(), self.stats.capacity_rejections - rejections)
@@ -184,19 +195,21 @@ class VerifierClient:
             self.tap.verified(req, result, None, sent, time.perf_counter(), self.stats.capacity_rejections - rejections)
         return result
 
-    async def close_session(self, session_id: str) -> CloseSessionResult:
+    async def close_session(self, session_id: str, session_key: str | None = None) -> CloseSessionResult:
         msg = pb.CloseSessionRequest(session_id=session_id)
-        reply: pb.CloseSessionResponse = await self._unary(self._stub.CloseSession, msg, self.verify_timeout_s)
+        reply: pb.CloseSessionResponse = await self._unary(lambda stub: stub.CloseSession, msg,
+                                                           self.verify_timeout_s, session_key)
         return wire.close_result_from_pb(reply)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, req: GenerateRequest, session_key: str | None = None) -> AsyncIterator[GenerateChunk]:
         """Not resent on RESOURCE_EXHAUSTED: a stream may have yielded tokens already."""
         msg = wire.generate_request_to_pb(req)
         self.stats.bytes_up += msg.ByteSize()
         sent, first, tokens = time.perf_counter(), None, list[int]()
         error: SpecDecError | None = None
+        address = self.replicas.pick(session_key)
         try:
-            async for chunk in self._stub.Generate(msg, metadata=self._metadata):
+            async for chunk in self._stubs[address].Generate(msg, metadata=self._call_metadata(session_key)):
                 self.stats.bytes_down += chunk.ByteSize()
                 first = first or time.perf_counter()
                 tokens += chunk.tokens
@@ -205,22 +218,30 @@ class VerifierClient:
             error = _error_from_rpc(err)
             if error.status == "RESOURCE_EXHAUSTED":
                 self.stats.capacity_rejections += 1
+            if isinstance(error, CloudUnavailable):
+                self.replicas.mark_down(address)
             raise error from None
         finally:
             if self.tap:
                 self.tap.generated(req, tokens, error, sent, first, time.perf_counter())
 
-    async def _unary(self, method: grpc.aio.UnaryUnaryMultiCallable, msg, timeout_s: float):  # type: ignore[no-untyped-def]
-        """One call; a RESOURCE_EXHAUSTED answer is resent per capacity_retry, all within timeout_s."""
+    async def _unary(self, method: Callable[[pb_grpc.VerifierStub], grpc.aio.UnaryUnaryMultiCallable], msg,  # type: ignore[no-untyped-def]
+                     timeout_s: float, session_key: str | None):
+        """One call to the session's replica; a RESOURCE_EXHAUSTED answer is resent per
+        capacity_retry, all within timeout_s; an unreachable replica is skipped for a while."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         policy = self.capacity_retry
         for retry in range(policy.max_retries + 1):
             self.stats.bytes_up += msg.ByteSize()
+            address = self.replicas.pick(session_key)
             try:
-                reply = await method(msg, timeout=max(deadline - loop.time(), 0.001), metadata=self._metadata)
+                reply = await method(self._stubs[address])(msg, timeout=max(deadline - loop.time(), 0.001),
+                                                           metadata=self._call_metadata(session_key))
             except grpc.aio.AioRpcError as err:
                 error = _error_from_rpc(err)
+                if isinstance(error, CloudUnavailable):
+                    self.replicas.mark_down(address)
                 if not isinstance(error, CapacityExceeded):
                     raise error from None
                 self.stats.capacity_rejections += 1
@@ -233,3 +254,10 @@ class VerifierClient:
             self.stats.bytes_down += reply.ByteSize()
             return reply
         raise AssertionError("unreachable: the last retry returns or raises")
+
+
+def _channel(address: str, tls: ClientTls | None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return grpc.aio.secure_channel(address, tls.credentials(), options=_CHANNEL_OPTIONS + name)

@@ -17,7 +17,9 @@ class EdgeSettings(BaseSettings):
     prompt: str | None = Field(None, description="one prompt to answer (plain text; the chat template is applied)")
     prompts: str | None = Field(None, description="JSONL of prompts ({id, prompt} or Spec-Bench question.jsonl)")
     output: str | None = Field(None, description="JSONL results of --prompts, one line per prompt")
-    cloud: str | None = Field(None, description="verifier HOST:PORT; without it a verifier starts in-process on loopback")
+    cloud: str | None = Field(None, description="verifier HOST:PORT (a proxy's), or several comma-separated: each "
+                              "session goes to one by rendezvous hashing, the next one if it dies; without it a "
+                              "verifier starts in-process on loopback")
     api_key: SecretStr | None = Field(None, description="API key sent to the verifier with every call")
     tls_ca: str | None = Field(None, description="PEM CA bundle to trust: TLS to the verifier")
     tls: bool = Field(False, description="TLS to the verifier, trusting the system's CAs (implied by --tls-ca)")

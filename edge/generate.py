@@ -31,6 +31,7 @@ from edge.client import VerifierClient
 from edge.drafter import Draft, Drafter, DraftSource, StopRule
 from edge.gating import EscalationRules, GatingThresholds, TokenSignals
 from edge.kpolicy import KPolicy, RoundObservation
+from edge.replicas import new_session_key
 from shared.errors import CapacityExceeded, CloudUnavailable, PositionMismatch, SessionNotFound, SpecDecError
 from shared.protocol import (
     REOPEN_SEED_STRIDE,
@@ -235,13 +236,17 @@ class SpeculativeRun:
         self.ahead = Draft()  # overlap: drafted after the in-flight block, assuming it all passes
         self.carry: Draft | None = None  # ahead tokens still valid after the reply: the next block
         self.session: OpenSessionResult | None = None
+        # One routing key for every call of this generation, reopens included: a proxy or the
+        # client's rendezvous hashing keeps them on the replica that holds the session's KV.
+        self.session_key = new_session_key()
 
     # ---- sessions -----------------------------------------------------------------------
 
     async def _open(self) -> None:
         """Open a session on the committed prefix; the drafter prefills it meanwhile."""
         config = _session_config(self.cfg.session, self.result.reopens)
-        opening = asyncio.ensure_future(self.client.open_session(OpenSessionRequest(self.committed, config)))
+        request = OpenSessionRequest(self.committed, config)
+        opening = asyncio.ensure_future(self.client.open_session(request, self.session_key))
         self.drafter.sync(self.committed)
         await asyncio.to_thread(self.drafter.prefill)
         self.session = await opening
@@ -286,7 +291,7 @@ class SpeculativeRun:
     async def _close(self) -> None:
         if self.session is not None:
             try:
-                await self.client.close_session(self.session.session_id)
+                await self.client.close_session(self.session.session_id, self.session_key)
             except (CloudUnavailable, SessionNotFound):
                 pass  # the verifier drops idle sessions itself
 
@@ -401,7 +406,7 @@ class SpeculativeRun:
         """The Verify call with the soft deadline; None when the round was lost (and the
         session recovered, or the block given up in accept-unverified mode). With overlap the
         wait is spent drafting the next block."""
-        call = asyncio.ensure_future(self.client.verify(req))
+        call = asyncio.ensure_future(self.client.verify(req, session_key=self.session_key))
         loop = asyncio.get_running_loop()
         policy = self.cfg.timeouts
         soft = None if policy.mode == "strict" else policy.soft_deadline_s
@@ -547,11 +552,12 @@ async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: Ge
     up0, down0 = client.stats.bytes_up, client.stats.bytes_down
     out = _Output(cfg, GenerationResult(), observer)
     outage: Reconnecting | None = None
+    session_key = new_session_key()
     while not out.done():
         req = GenerateRequest(prompt + out.result.token_ids, _session_config(cfg.session, out.result.reopens),
                               out.remaining(), sorted(cfg.stop_token_ids))
         try:
-            async for chunk in client.generate(req):
+            async for chunk in client.generate(req, session_key):
                 outage = None  # it answers again: a later failure starts a new window
                 out.result.target_forward_passes += 1
                 out.commit(chunk.tokens, None)
