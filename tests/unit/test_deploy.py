@@ -1,15 +1,22 @@
-"""The shipped proxy configurations parse: HAProxy's and nginx's by their own binaries (where
-installed), Envoy's as YAML carrying the session-key hash."""
+"""The shipped deployment files hold: the proxy configurations parse (HAProxy's and nginx's by
+their own binaries where installed, Envoy's as YAML carrying the session-key hash), and the
+Kubernetes overlays render (kubectl kustomize) into objects valid against the Kubernetes schemas
+(kubernetes-validate, offline)."""
 
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
+from tests.certs import make_pki
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 HEADER = "specdec-session-key"
+K8S_VERSION = "1.32.0"  # kubectl's here
 
 
 def test_envoy_hashes_on_the_session_key() -> None:
@@ -29,4 +36,67 @@ def test_proxy_config_is_valid(binary: str, args: list[str], name: str) -> None:
     text = (DEPLOY / name).read_text()
     assert HEADER in text or HEADER.replace("-", "_") in text
     checked = subprocess.run([found, *args, str(DEPLOY / name)], capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def _render(overlay: str) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here")
+    rendered = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
+                              capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+
+
+def _verifier(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "verifier")
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_kubernetes_overlay_renders_valid_objects(overlay: str) -> None:
+    """Every rendered object against the Kubernetes schemas (strict: no unknown fields). The
+    ServiceMonitor is a CRD the validator has no schema for: it is skipped, and checked by hand."""
+    docs = _render(overlay)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ConfigMap", "Deployment", "Deployment", "Namespace", "PodDisruptionBudget", "Service",
+                     "Service", "ServiceMonitor"]
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            assert doc["kind"] == "ServiceMonitor"
+            assert doc["spec"]["endpoints"][0]["port"] == "http"
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_verifier_pods_drain_serve_tls_and_ask_keys(overlay: str) -> None:
+    docs = _render(overlay)
+    pod = _verifier(docs)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = dict(zip(container["args"][::2], container["args"][1::2], strict=False))
+    # The kubelet's SIGKILL must come after the drain: grace > --drain-grace-s, with a margin.
+    assert pod["terminationGracePeriodSeconds"] >= float(args["--drain-grace-s"]) + 10
+    assert {"--tls-cert", "--tls-key", "--api-keys-file"} <= args.keys()
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http", "scheme": "HTTPS"}
+    assert f"--device={'cuda' if overlay == 'gpu' else 'cpu'}" in container["args"]
+    gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+    assert gpus == (1 if overlay == "gpu" else None)
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "verifier")
+    assert service["spec"]["clusterIP"] == "None"  # headless: the proxy sees every replica
+
+
+def test_kubernetes_haproxy_config_is_valid(tmp_path: Path) -> None:
+    """The ConfigMap's haproxy.cfg, checked by haproxy with test certificates in place of the
+    mounted Secret."""
+    haproxy = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
+    if haproxy is None:
+        pytest.skip("no haproxy here (.ci/run installs it)")
+    pki = make_pki(tmp_path / "tls")
+    (tmp_path / "tls" / "proxy.pem").write_bytes(pki.server_cert.read_bytes() + pki.server_key.read_bytes())
+    config = next(d for d in _render("cpu") if d["kind"] == "ConfigMap")["data"]["haproxy.cfg"]
+    assert "balance hdr(specdec-session-key)" in config and "hash-type consistent" in config
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(config.replace("/etc/haproxy/tls/", f"{tmp_path / 'tls'}/"))
+    checked = subprocess.run([haproxy, "-c", "-f", str(path)], capture_output=True, text=True, timeout=30)
     assert checked.returncode == 0, checked.stdout + checked.stderr
