@@ -86,17 +86,36 @@ def test_verifier_pods_drain_serve_tls_and_ask_keys(overlay: str) -> None:
     assert service["spec"]["clusterIP"] == "None"  # headless: the proxy sees every replica
 
 
-def test_kubernetes_haproxy_config_is_valid(tmp_path: Path) -> None:
-    """The ConfigMap's haproxy.cfg, checked by haproxy with test certificates in place of the
-    mounted Secret."""
+@pytest.mark.parametrize("where", ["k8s", "compose"])
+def test_tls_haproxy_config_is_valid(where: str, tmp_path: Path) -> None:
+    """The TLS haproxy.cfg of the Kubernetes ConfigMap and of compose.yaml, checked by haproxy
+    with test certificates in place of the mounted secrets."""
     haproxy = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
     if haproxy is None:
         pytest.skip("no haproxy here (.ci/run installs it)")
     pki = make_pki(tmp_path / "tls")
-    (tmp_path / "tls" / "proxy.pem").write_bytes(pki.server_cert.read_bytes() + pki.server_key.read_bytes())
-    config = next(d for d in _render("cpu") if d["kind"] == "ConfigMap")["data"]["haproxy.cfg"]
+    proxy_pem = pki.server_cert.read_bytes() + pki.server_key.read_bytes()
+    if where == "k8s":
+        config = next(d for d in _render("cpu") if d["kind"] == "ConfigMap")["data"]["haproxy.cfg"]
+        (tmp_path / "tls" / "proxy.pem").write_bytes(proxy_pem)
+        config = config.replace("/etc/haproxy/tls/", f"{tmp_path / 'tls'}/")
+    else:
+        config = (DEPLOY / "haproxy-compose.cfg").read_text()
+        (tmp_path / "proxy_pem").write_bytes(proxy_pem)
+        config = config.replace("/run/secrets/proxy_pem", str(tmp_path / "proxy_pem"))
+        config = config.replace("/run/secrets/tls_ca", str(pki.ca))
     assert "balance hdr(specdec-session-key)" in config and "hash-type consistent" in config
     path = tmp_path / "haproxy.cfg"
-    path.write_text(config.replace("/etc/haproxy/tls/", f"{tmp_path / 'tls'}/"))
+    path.write_text(config)
     checked = subprocess.run([haproxy, "-c", "-f", str(path)], capture_output=True, text=True, timeout=30)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_compose_runs_three_verifiers_behind_the_proxy_and_prometheus() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert services["verifier"]["deploy"]["replicas"] == 3
+    assert services["edge"]["environment"]["SPECDEC_EDGE_CLOUD"] == "proxy:50051"
+    assert {"proxy", "prometheus"} <= services.keys()
+    scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"][0]
+    assert scrape["dns_sd_configs"][0]["names"] == ["verifier"] and scrape["scheme"] == "https"
