@@ -10,7 +10,9 @@ The target is on the inter-token latency as the user sees it: per session, the t
 one reply's tokens and the next's, the first of a reply's tokens carrying the gap and the others
 none (they arrive together). A session's first tokens are its TTFT, not an inter-token gap.
 The smoothed ITL (the gap spread over the reply's tokens, what a UI pacing its output shows) is
-reported beside it. A level meets the target when no session ended early and the p95s are
+reported beside it. ITLs count in the steady part of a level only (after the starts are spread,
+before `step_s`): the ramp and the tail run fewer than N sessions. Throughput is over the
+whole level. A level meets the target when no session ended early and the p95s are
 within it. Search: 1, 2, 4, ... sessions until a level misses (or `max_sessions`), then
 bisection between the last level met and the first missed; the capacity is the largest level
 met (0 when one session already misses).
@@ -44,6 +46,12 @@ class CapacitySearch:
 
 # (busy seconds, forward passes) of the verifier so far, or None when it cannot be read
 BusyProbe = Callable[[], Awaitable[tuple[float, float] | None]]
+
+
+def steady(deliveries: list[Delivery], search: CapacitySearch) -> list[Delivery]:
+    """Deliveries while all N sessions were going (all of them if a level is too short for that)."""
+    inside = [d for d in deliveries if search.step_s * START_SPREAD <= d.t_s <= search.step_s]
+    return inside or deliveries
 
 
 def itl_as_seen(deliveries: list[Delivery]) -> list[float]:
@@ -80,15 +88,15 @@ def _level(n: int, mode: str, clock: LoadClock, outcomes: list[SessionOutcome], 
            busy: tuple[float, float] | None, search: CapacitySearch) -> dict[str, Any]:
     tokens = sum(o.verified_tokens for o in outcomes)
     failed = [o for o in outcomes if o.error is not None]
-    itl, ttft = percentiles(itl_as_seen(clock.deliveries)), percentiles([o.ttft_ms for o in outcomes
-                                                                         if o.ttft_ms is not None])
+    deliveries = steady(clock.deliveries, search)
+    itl, ttft = percentiles(itl_as_seen(deliveries)), percentiles([o.ttft_ms for o in outcomes if o.ttft_ms is not None])
     meets = not failed and itl["p95"] is not None and itl["p95"] <= search.slo_itl_p95_ms and (
         search.slo_ttft_p95_ms is None or (ttft["p95"] is not None and ttft["p95"] <= search.slo_ttft_p95_ms))
     return {
         "sessions": n, "mode": mode, "meets_slo": meets, "wall_s": round(wall_s, 3),
         "sessions_completed": len(outcomes) - len(failed), "sessions_failed": len(failed),
         "errors_by_code": dict(sorted(clock.errors_by_code.items())),
-        "itl_ms": itl, "itl_smoothed_ms": percentiles(itl_smoothed(clock.deliveries)), "ttft_ms": ttft,
+        "itl_ms": itl, "itl_smoothed_ms": percentiles(itl_smoothed(deliveries)), "ttft_ms": ttft,
         "verified_tokens_per_s": round(tokens / wall_s, 3) if wall_s else 0.0,
         # target passes each session needed per token (1 for cloud_only; 1/tau speculative)
         "rounds_per_token": round(sum(o.rounds for o in outcomes) / tokens, 4) if tokens else None,

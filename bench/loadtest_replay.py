@@ -56,6 +56,7 @@ class Delivery:
 
     gap_ms: float
     tokens: int
+    t_s: float  # when they came, seconds since the load test began
 
 
 class LoadClock:
@@ -76,7 +77,7 @@ class LoadClock:
     def deliver(self, session: int, tokens: int) -> None:
         now = self.now()
         if (last := self._last_delivery.get(session)) is not None:
-            self.deliveries.append(Delivery((now - last) * 1000.0, tokens))
+            self.deliveries.append(Delivery((now - last) * 1000.0, tokens, now))
         self._last_delivery[session] = now
 
 

@@ -1,0 +1,40 @@
+"""bench/loadtest_capacity.py without a verifier: the search over levels and the ITL rules."""
+
+import asyncio
+
+import pytest
+
+from bench.loadtest_capacity import CapacitySearch, itl_as_seen, itl_smoothed, search_mode, steady
+from bench.loadtest_replay import Delivery
+
+
+def _search(threshold: int, cap: int) -> tuple[int, list[int]]:
+    async def measure(n: int) -> dict:  # type: ignore[type-arg]
+        return {"sessions": n, "meets_slo": n <= threshold}
+
+    found, levels = asyncio.run(search_mode("speculative", measure, cap))
+    return found, [level["sessions"] for level in levels]
+
+
+@pytest.mark.parametrize(("threshold", "cap", "levels"), [
+    (0, 64, [1]),  # one session already misses: capacity 0
+    (1, 64, [1, 2]),
+    (5, 64, [1, 2, 4, 5, 6, 8]),  # doubling to the first miss, then bisection
+    (64, 64, [1, 2, 4, 8, 16, 32, 64]),
+    (100, 20, [1, 2, 4, 8, 16, 20]),  # every doubling met it: the cap itself is tried
+    (17, 20, [1, 2, 4, 8, 16, 17, 18, 20]),
+])
+def test_search_finds_the_largest_level_meeting_the_target(threshold: int, cap: int, levels: list[int]) -> None:
+    found, measured = _search(threshold, cap)
+    assert found == min(threshold, cap)
+    assert measured == levels
+
+
+def test_itl_as_seen_and_smoothed() -> None:
+    deliveries = [Delivery(30.0, 3, 1.0), Delivery(10.0, 1, 2.0)]
+    assert itl_as_seen(deliveries) == [30.0, 0.0, 0.0, 10.0]  # tokens of one reply arrive together
+    assert itl_smoothed(deliveries) == [10.0, 10.0, 10.0, 10.0]
+    search = CapacitySearch(slo_itl_p95_ms=50, step_s=10.0)
+    timed = [Delivery(1.0, 1, 0.5), Delivery(2.0, 1, 5.0), Delivery(3.0, 1, 11.0)]
+    assert steady(timed, search) == [timed[1]]  # the ramp and the tail are left out
+    assert steady(timed[:1], search) == timed[:1]  # a level too short for a steady part keeps all
