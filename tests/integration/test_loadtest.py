@@ -101,6 +101,11 @@ def test_record_with_edge_agent_then_loadtest_cli_writes_result_and_report(targe
                                    "--max-output-tokens", "12", "--mode", "cloud_only", "--no-progress",
                                    "--output", str(tmp_path / "cloud.json"))
             assert code == 0, out
+            code, out = await _cli("-m", "bench.loadtest", "--cloud", client.target, "--trace", str(traces),
+                                   "--find-capacity", "--slo-itl-p95-ms", "60000", "--capacity-max-sessions", "1",
+                                   "--capacity-step-s", "0.1", "--no-progress", "--output", str(tmp_path / "cap.json"),
+                                   "--report", str(tmp_path / "cap"))
+            assert code == 0, out
 
     asyncio.run(run())
     spec = json.loads((tmp_path / "spec.json").read_text())
@@ -111,6 +116,10 @@ def test_record_with_edge_agent_then_loadtest_cli_writes_result_and_report(targe
     assert {"scale", "max_prompt_tokens", "max_output_tokens", "sessions", "arrivals"} <= spec["settings"].keys()
     assert spec["machine"]["git_commit"]
     assert {p.name for p in report.iterdir()} >= {"summary.md", "throughput.png", "latency.png", "open_sessions.png"}
+    capacity = json.loads((tmp_path / "cap.json").read_text())
+    assert capacity["capacity"]["speculative"]["sessions"] == capacity["capacity"]["cloud_only"]["sessions"] == 1
+    assert capacity["capacity_ratio"] == 1.0 and capacity["settings"]["find_capacity"]
+    assert {p.name for p in (tmp_path / "cap").iterdir()} == {"capacity.md", "capacity.png"}
     cloud = json.loads((tmp_path / "cloud.json").read_text())
     assert cloud["sessions_completed"] == 3 and cloud["mode"] == "cloud_only"
     assert cloud["settings"]["arrivals"].startswith("azure")
