@@ -1,8 +1,9 @@
 """Three real cloud-verifier processes, and eight concurrent edge sessions spread over them:
-through the edge's own rendezvous hashing (--cloud a,b,c) and through a real HAProxy balancing
-on the specdec-session-key header (marker `fleet`: needs Debian's haproxy). Every session stays
-on one replica (no reopen, one OpenSession each); a replica SIGKILLed mid-generation costs its
-sessions a reopen elsewhere, and every output still equals cloud_only's tokens."""
+through the edge's own rendezvous hashing (--cloud a,b,c), through a real HAProxy and through
+real nginx, both hashing on the specdec-session-key header (marker `fleet`: needs Debian's
+haproxy and nginx). Every session stays on one replica (no reopen, one OpenSession each, every
+round verified); a replica SIGKILLed mid-generation costs its sessions a reopen elsewhere, and
+every output still equals cloud_only's tokens."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from tests.tiny_models import save_pair
 SESSIONS = 8
 PROMPTS = [random_prompt(100 + i, length=4 + i) for i in range(SESSIONS)]
 HAPROXY_CFG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy.cfg"
+NGINX_CONF = HAPROXY_CFG.with_name("nginx.conf")
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +64,42 @@ def haproxy(verifiers: list[VerifierProcess], folder: Path) -> Iterator[str]:
     proc = subprocess.Popen([binary, "-W", "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
                             stderr=(folder / "haproxy.log").open("w"))
     try:
-        deadline = time.monotonic() + 20
-        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-            assert proc.poll() is None and time.monotonic() < deadline, (folder / "haproxy.log").read_text()
-            time.sleep(0.05)
+        _wait_port(proc, port, folder / "haproxy.log")
         time.sleep(2.5)  # two health checks: every replica is up in HAProxy's eyes
         yield f"127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@contextmanager
+def nginx(verifiers: list[VerifierProcess], folder: Path) -> Iterator[str]:
+    """deploy/nginx.conf as shipped, with these replicas, a free port and its files in `folder`."""
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    port = _free_port()
+    servers = "".join(f"        server {v.address} max_fails=1 fail_timeout=10s;\n" for v in verifiers)
+    text = re.sub(r"(?m)^        server 127.*\n", "", NGINX_CONF.read_text())
+    text = text.replace("        keepalive 32;", servers + "        keepalive 32;")
+    text = re.sub(r"listen 127\.0\.0\.1:\d+", f"listen 127.0.0.1:{port}", text).replace("/tmp/specdec-nginx.pid",
+                                                                                     str(folder / "nginx.pid"))
+    config = folder / "nginx.conf"
+    config.write_text(text)
+    log = (folder / "nginx.log").open("w")
+    proc = subprocess.Popen([binary, "-c", str(config), "-p", str(folder), "-e", "stderr", "-g", "daemon off;"],
+                            stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        _wait_port(proc, port, folder / "nginx.log")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _wait_port(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
 
 
 def _counts(verifier: VerifierProcess) -> tuple[float, float]:
@@ -131,6 +160,8 @@ def _check_fleet(verifiers: list[VerifierProcess], address: str, draft_model) ->
         assert [r.reopens for r in results] == [0] * SESSIONS
         opened = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
         assert sum(opened) == SESSIONS and sum(1 for n in opened if n) >= 2, opened  # spread: 3 * 3^-8 to fail
+        # Every round the edges made was verified (a round sent to the wrong replica is not).
+        assert sum(a[0] - b[0] for a, b in zip(after, before, strict=True)) == sum(r.rounds for r in results)
 
         # A replica killed mid-generation: its sessions reopen elsewhere, on their committed prefix.
         references = await _references(verifiers[0].address, 150)
@@ -158,4 +189,12 @@ def test_haproxy_over_three_verifiers(models: tuple[Path, Path], draft_model, tm
     """deploy/haproxy.cfg in front of three replicas: one address for the edge, affinity by the
     session-key header, a dead replica's sessions redispatched and reopened."""
     with fleet(models[1]) as verifiers, haproxy(verifiers, tmp_path) as address:
+        _check_fleet(verifiers, address, draft_model)
+
+
+@pytest.mark.fleet
+def test_nginx_over_three_verifiers(models: tuple[Path, Path], draft_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """deploy/nginx.conf in front of three replicas: `hash $http_specdec_session_key consistent`;
+    a call to the dead replica is passed to the next (grpc_next_upstream error)."""
+    with fleet(models[1]) as verifiers, nginx(verifiers, tmp_path) as address:
         _check_fleet(verifiers, address, draft_model)
