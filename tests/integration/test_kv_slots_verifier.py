@@ -39,12 +39,13 @@ def _check_accounting(verifier: Verifier) -> None:
 
 
 def test_slots_server_batched_equals_each_alone(target_model, draft_model) -> None:
-    """Four speculative edges and four cloud_only streams at once on a slots verifier."""
+    """Four speculative edges and four cloud_only streams at once on a slots verifier, prompts
+    prefilled in chunks of 4 tokens beside the other sessions' rounds."""
     cfg = gen_config(max_new_tokens=24)
     limits = VerifierLimits(kv_layout="slots", kv_slot_tokens=96, sessions=SessionLimits(max_sessions=8))
 
     async def run() -> None:
-        async with batching_verifier(target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=20),
+        async with batching_verifier(target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=20, max_prefill_chunk=4),
                                      limits) as (client, state):
             speculative = [speculative_generate(p, make_drafter(draft_model), client, FixedK(3), cfg) for p in PROMPTS[:4]]
             cloud_only = [cloud_only_generate(p, client, cfg) for p in PROMPTS[4:]]
