@@ -206,22 +206,26 @@ def _step_owner_order(model, batch: BatchLimits, submissions: list[tuple[str, st
         for key, name in submissions:
             verifier._run_alone(verifier.begin_open(OpenSessionRequest(random_prompt(1), CONFIG), owner=key), 0.0)
             ids[name] = list(verifier.sessions)[-1].session_id
-        passes: list[list[str]] = []
+        # On the model worker, in order: each step's key as its batch begins it, then the pass.
+        events: list[str] = []
         run_batch = verifier.run_batch
 
         def recording(steps):  # type: ignore[no-untyped-def]
-            passes.append([])
+            events.append("|")
             return run_batch(steps)
 
         verifier.run_batch = recording  # type: ignore[method-assign]  # observe, not change, the passes
 
+        def begin(key: str, name: str):  # type: ignore[no-untyped-def]
+            events.append(key)
+            return verifier.begin_verify(VerifyRequest(ids[name], 8, []), key)
+
         async def round_of(key: str, name: str) -> None:
-            await batcher.submit(ids[name], 1, lambda: verifier.begin_verify(VerifyRequest(ids[name], 8, []), key), key=key)
-            passes[-1].append(key)
+            await batcher.submit(ids[name], 1, lambda: begin(key, name), key=key)
 
         await asyncio.gather(*(round_of(key, name) for key, name in submissions))
         state.worker.shutdown()
-        return passes
+        return [p.split() for p in " ".join(events).split("|")[:-1]]
 
     return asyncio.run(run())
 
