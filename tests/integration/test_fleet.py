@@ -1,9 +1,10 @@
 """Three real cloud-verifier processes, and eight concurrent edge sessions spread over them:
 through the edge's own rendezvous hashing (--cloud a,b,c), through a real HAProxy and through
-real nginx, both hashing on the specdec-session-key header (marker `fleet`: needs Debian's
-haproxy and nginx). Every session stays on one replica (no reopen, one OpenSession each, every
-round verified); a replica SIGKILLed mid-generation costs its sessions a reopen elsewhere, and
-every output still equals cloud_only's tokens."""
+real nginx, both hashing on the specdec-session-key header, and through the Kubernetes HAProxy
+config with TLS and API keys end to end (marker `fleet`: needs Debian's haproxy and nginx).
+Every session stays on one replica (no reopen, one OpenSession each, every round verified); a
+replica SIGKILLed mid-generation costs its sessions a reopen elsewhere, and every output still
+equals cloud_only's tokens."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import asyncio
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from edge.client import VerifierClient
+from edge.client import ClientTls, VerifierClient
 from edge.generate import GenerationResult, TimeoutPolicy, cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK
+from tests.certs import Pki, make_pki
 from tests.harness import gen_config, make_drafter, random_prompt
 from tests.integration.test_outage import VerifierProcess, verifier_process
 from tests.ops import metric_samples
@@ -32,6 +36,31 @@ SESSIONS = 8
 PROMPTS = [random_prompt(100 + i, length=4 + i) for i in range(SESSIONS)]
 HAPROXY_CFG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy.cfg"
 NGINX_CONF = HAPROXY_CFG.with_name("nginx.conf")
+K8S_HAPROXY_CFG = HAPROXY_CFG.parent / "k8s" / "base" / "haproxy.cfg"
+API_KEY = "fleet-key-0123456789"
+
+
+@dataclass(frozen=True)
+class Secure:
+    """TLS and an API key end to end: the edge to the proxy, the proxy to the replicas."""
+
+    pki: Pki
+    keys_file: Path
+
+    @classmethod
+    def make(cls, folder: Path) -> Secure:
+        (folder / "keys.txt").write_text(f"fleet {API_KEY}\n")
+        return cls(make_pki(folder / "tls"), folder / "keys.txt")
+
+    def flags(self) -> list[str]:
+        return ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key),
+                "--api-keys-file", str(self.keys_file)]
+
+
+def _connect(address: str, secure: Secure | None) -> VerifierClient:
+    if secure is None:
+        return VerifierClient(address, verify_timeout_s=30)
+    return VerifierClient(address, verify_timeout_s=30, tls=ClientTls(secure.pki.ca.read_bytes()), api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +69,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @contextmanager
-def fleet(target: Path, replicas: int = 3) -> Iterator[list[VerifierProcess]]:
+def fleet(target: Path, *flags: str) -> Iterator[list[VerifierProcess]]:
     with ExitStack() as stack:
-        yield [stack.enter_context(verifier_process(target, 0, "--drain-grace-s", "1")) for _ in range(replicas)]
+        yield [stack.enter_context(verifier_process(target, 0, "--drain-grace-s", "1", *flags)) for _ in range(3)]
 
 
 def _free_port() -> int:
@@ -54,13 +83,39 @@ def _free_port() -> int:
 @contextmanager
 def haproxy(verifiers: list[VerifierProcess], folder: Path) -> Iterator[str]:
     """deploy/haproxy.cfg as shipped, with these replicas and a free port: its address."""
-    binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
-    port = _free_port()
     servers = "".join(f"    server v{i} {v.address} proto h2 check check-proto h1 port {v.http_port}\n"
                       for i, v in enumerate(verifiers))
     text = re.sub(r"(?m)^    server .*\n", "", HAPROXY_CFG.read_text()) + servers
+    port = _free_port()
+    with _haproxy_running(re.sub(r"bind 127\.0\.0\.1:\d+", f"bind 127.0.0.1:{port}", text), port, folder) as address:
+        yield address
+
+
+@contextmanager
+def k8s_haproxy(verifiers: list[VerifierProcess], folder: Path, secure: Secure) -> Iterator[str]:
+    """The Kubernetes ConfigMap's haproxy.cfg (TLS in and out, /readyz over HTTPS) with these
+    replicas for the SRV template, the test certificates (names 127.0.0.1 and localhost) for
+    the Secret's, and a free port."""
+    tls = secure.pki.ca.parent
+    (tls / "proxy.pem").write_bytes(secure.pki.server_cert.read_bytes() + secure.pki.server_key.read_bytes())
+    template = re.search(r"(?m)^    server-template verifier 16 \S+ resolvers kube init-addr none (.*) port 8080$",
+                         K8S_HAPROXY_CFG.read_text())
+    assert template, "no server-template line in the Kubernetes haproxy.cfg"
+    options = template.group(1).replace("verifier.specdec.svc", "localhost")
+    servers = "".join(f"    server v{i} {v.address} {options} port {v.http_port}\n" for i, v in enumerate(verifiers))
+    text = K8S_HAPROXY_CFG.read_text().replace(template.group(0) + "\n", servers).replace("/etc/haproxy/tls/", f"{tls}/")
+    text = re.sub(r"(?ms)^resolvers kube.*?\n\n", "", text)
+    port = _free_port()
+    text = text.replace("bind :50051", f"bind 127.0.0.1:{port}").replace("bind :8404", f"bind 127.0.0.1:{_free_port()}")
+    with _haproxy_running(text, port, folder) as address:
+        yield address
+
+
+@contextmanager
+def _haproxy_running(text: str, port: int, folder: Path) -> Iterator[str]:
+    binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
     config = folder / "haproxy.cfg"
-    config.write_text(re.sub(r"bind 127\.0\.0\.1:\d+", f"bind 127.0.0.1:{port}", text))
+    config.write_text(text)
     proc = subprocess.Popen([binary, "-W", "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
                             stderr=(folder / "haproxy.log").open("w"))
     try:
@@ -102,9 +157,15 @@ def _wait_port(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
         time.sleep(0.05)
 
 
-def _counts(verifier: VerifierProcess) -> tuple[float, float]:
+def _counts(verifier: VerifierProcess, secure: Secure | None) -> tuple[float, float]:
     """(rounds, OpenSession calls answered OK) of a replica, from its /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{verifier.http_port}/metrics", timeout=10) as reply:
+    scheme, context = "http", None
+    request = urllib.request.Request(f"http://127.0.0.1:{verifier.http_port}/metrics")
+    if secure is not None:
+        scheme, context = "https", ssl.create_default_context(cafile=str(secure.pki.ca))
+        request = urllib.request.Request(f"{scheme}://127.0.0.1:{verifier.http_port}/metrics",
+                                         headers={"authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=10, context=context) as reply:
         samples = metric_samples(reply.read().decode())
     opens = samples.get(("specdec_requests_total", frozenset({("method", "OpenSession"), ("code", "OK")})), 0.0)
     return samples.get(("specdec_rounds_total", frozenset()), 0.0), opens
@@ -117,8 +178,8 @@ async def _sessions(client: VerifierClient, draft_model, max_new_tokens: int) ->
         for prompt in PROMPTS)))
 
 
-async def _references(address: str, max_new_tokens: int) -> list[list[int]]:
-    client = VerifierClient(address)
+async def _references(address: str, max_new_tokens: int, secure: Secure | None) -> list[list[int]]:
+    client = _connect(address, secure)
     try:
         return [(await cloud_only_generate(p, client, gen_config(max_new_tokens=max_new_tokens))).token_ids
                 for p in PROMPTS]
@@ -127,8 +188,8 @@ async def _references(address: str, max_new_tokens: int) -> list[list[int]]:
 
 
 @asynccontextmanager
-async def _client(address: str) -> AsyncIterator[VerifierClient]:
-    client = VerifierClient(address, verify_timeout_s=30)
+async def _client(address: str, secure: Secure | None) -> AsyncIterator[VerifierClient]:
+    client = _connect(address, secure)
     try:
         yield client
     finally:
@@ -136,10 +197,10 @@ async def _client(address: str) -> AsyncIterator[VerifierClient]:
 
 
 async def _kill_busiest(verifiers: list[VerifierProcess], before: list[tuple[float, float]],
-                        rounds: float) -> VerifierProcess:
+                        rounds: float, secure: Secure | None) -> VerifierProcess:
     """Once some replica has served `rounds` rounds of this run, SIGKILL it."""
     while True:
-        now = await asyncio.gather(*(asyncio.to_thread(_counts, v) for v in verifiers))
+        now = await asyncio.gather(*(asyncio.to_thread(_counts, v, secure) for v in verifiers))
         served = [n[0] - b[0] for n, b in zip(now, before, strict=True)]
         if max(served) >= rounds:
             victim = verifiers[served.index(max(served))]
@@ -148,13 +209,14 @@ async def _kill_busiest(verifiers: list[VerifierProcess], before: list[tuple[flo
         await asyncio.sleep(0.05)
 
 
-def _check_fleet(verifiers: list[VerifierProcess], address: str, draft_model) -> None:  # type: ignore[no-untyped-def]
+def _check_fleet(verifiers: list[VerifierProcess], address: str, draft_model,  # type: ignore[no-untyped-def]
+                 secure: Secure | None = None) -> None:
     async def run() -> None:
-        references = await _references(verifiers[0].address, 60)
-        before = [_counts(v) for v in verifiers]
-        async with _client(address) as client:
+        references = await _references(verifiers[0].address, 60, secure)
+        before = [_counts(v, secure) for v in verifiers]
+        async with _client(address, secure) as client:
             results = await _sessions(client, draft_model, 60)
-        after = [_counts(v) for v in verifiers]
+        after = [_counts(v, secure) for v in verifiers]
         assert [r.token_ids for r in results] == references
         # One OpenSession per session and no reopen: every round of a session reached its replica.
         assert [r.reopens for r in results] == [0] * SESSIONS
@@ -164,10 +226,10 @@ def _check_fleet(verifiers: list[VerifierProcess], address: str, draft_model) ->
         assert sum(a[0] - b[0] for a, b in zip(after, before, strict=True)) == sum(r.rounds for r in results)
 
         # A replica killed mid-generation: its sessions reopen elsewhere, on their committed prefix.
-        references = await _references(verifiers[0].address, 150)
-        before = [_counts(v) for v in verifiers]
-        async with _client(address) as client:
-            killer = asyncio.create_task(_kill_busiest(verifiers, before, 40))
+        references = await _references(verifiers[0].address, 150, secure)
+        before = [_counts(v, secure) for v in verifiers]
+        async with _client(address, secure) as client:
+            killer = asyncio.create_task(_kill_busiest(verifiers, before, 40, secure))
             results = await _sessions(client, draft_model, 150)
             victim = await killer
         assert victim.proc.poll() is not None
@@ -198,3 +260,12 @@ def test_nginx_over_three_verifiers(models: tuple[Path, Path], draft_model, tmp_
     a call to the dead replica is passed to the next (grpc_next_upstream error)."""
     with fleet(models[1]) as verifiers, nginx(verifiers, tmp_path) as address:
         _check_fleet(verifiers, address, draft_model)
+
+
+@pytest.mark.fleet
+def test_kubernetes_haproxy_with_tls_and_api_keys(models: tuple[Path, Path], draft_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The Kubernetes HAProxy config for real: TLS from the edge, TLS to replicas that ask an
+    API key (passed through), readiness over HTTPS; the same affinity and failover."""
+    secure = Secure.make(tmp_path)
+    with fleet(models[1], *secure.flags()) as verifiers, k8s_haproxy(verifiers, tmp_path, secure) as address:
+        _check_fleet(verifiers, address, draft_model, secure)
