@@ -169,7 +169,7 @@ class VerifierClient:
         sent = time.perf_counter()
         try:
             reply: pb.OpenSessionResponse = await self._unary(lambda stub: stub.OpenSession, msg, self.open_timeout_s,
-                                                              session_key)
+                                                              session_key, opening=True)
         except SpecDecError as err:
             if self.tap:
                 self.tap.opened(req, None, err, sent, time.perf_counter())
@@ -197,8 +197,11 @@ class VerifierClient:
 
     async def close_session(self, session_id: str, session_key: str | None = None) -> CloseSessionResult:
         msg = pb.CloseSessionRequest(session_id=session_id)
-        reply: pb.CloseSessionResponse = await self._unary(lambda stub: stub.CloseSession, msg,
-                                                           self.verify_timeout_s, session_key)
+        try:
+            reply: pb.CloseSessionResponse = await self._unary(lambda stub: stub.CloseSession, msg,
+                                                               self.verify_timeout_s, session_key)
+        finally:
+            self.replicas.closed(session_key)
         return wire.close_result_from_pb(reply)
 
     async def generate(self, req: GenerateRequest, session_key: str | None = None) -> AsyncIterator[GenerateChunk]:
@@ -226,7 +229,7 @@ class VerifierClient:
                 self.tap.generated(req, tokens, error, sent, first, time.perf_counter())
 
     async def _unary(self, method: Callable[[pb_grpc.VerifierStub], grpc.aio.UnaryUnaryMultiCallable], msg,  # type: ignore[no-untyped-def]
-                     timeout_s: float, session_key: str | None):
+                     timeout_s: float, session_key: str | None, opening: bool = False):
         """One call to the session's replica; a RESOURCE_EXHAUSTED answer is resent per
         capacity_retry, all within timeout_s; an unreachable replica is skipped for a while."""
         loop = asyncio.get_running_loop()
@@ -234,7 +237,7 @@ class VerifierClient:
         policy = self.capacity_retry
         for retry in range(policy.max_retries + 1):
             self.stats.bytes_up += msg.ByteSize()
-            address = self.replicas.pick(session_key)
+            address = self.replicas.pick(session_key, opening)
             try:
                 reply = await method(self._stubs[address])(msg, timeout=max(deadline - loop.time(), 0.001),
                                                            metadata=self._call_metadata(session_key))
@@ -252,6 +255,8 @@ class VerifierClient:
                 await asyncio.sleep(wait)
                 continue
             self.stats.bytes_down += reply.ByteSize()
+            if opening:
+                self.replicas.opened(session_key, address)
             return reply
         raise AssertionError("unreachable: the last retry returns or raises")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,22 +39,42 @@ def rendezvous_order(key: str, addresses: Sequence[str]) -> list[str]:
 
 @dataclass
 class ReplicaSet:
-    """The replicas of one edge and the ones that answered UNAVAILABLE lately. A dead replica is
-    skipped for `down_s`, so the session's reopen goes to the next replica in its order; after
-    that it is tried again (a restarted replica takes its keys back, and answers NOT_FOUND for
-    sessions it never saw: the edge reopens those on their committed prefix)."""
+    """The replicas of one edge, the ones that answered UNAVAILABLE lately, and where each open
+    session lives. A dead replica is skipped by new sessions and reopens for `down_s`, so a
+    session it held reopens on the next replica in its key's order; after that new sessions try
+    it again (a restarted replica takes its keys back). A session stays pinned to the replica it
+    was opened on: moving it back would only cost a reopen and a second prefill."""
 
     addresses: list[str]
     down_s: float = 10.0
     clock: Callable[[], float] = time.monotonic
+    max_pins: int = 10_000  # sessions never closed (an edge killed mid-run) fall out first
     _down_until: dict[str, float] = field(default_factory=dict)
+    _pins: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
-    def pick(self, key: str | None) -> str:
+    def pick(self, key: str | None, opening: bool = False) -> str:
+        """The replica for a call of the session `key`; `opening`: an OpenSession, which goes
+        to the first live replica in the key's order rather than where the session was."""
         if len(self.addresses) == 1:
             return self.addresses[0]
-        order = rendezvous_order(key or "", self.addresses)
         now = self.clock()
+        pinned = None if opening or key is None else self._pins.get(key)
+        if pinned is not None and self._down_until.get(pinned, 0.0) <= now:
+            return pinned
+        order = rendezvous_order(key or "", self.addresses)
         return next((a for a in order if self._down_until.get(a, 0.0) <= now), order[0])
+
+    def opened(self, key: str | None, address: str) -> None:
+        if key is None or len(self.addresses) == 1:
+            return
+        self._pins[key] = address
+        self._pins.move_to_end(key)
+        while len(self._pins) > self.max_pins:
+            self._pins.popitem(last=False)
+
+    def closed(self, key: str | None) -> None:
+        if key is not None:
+            self._pins.pop(key, None)
 
     def mark_down(self, address: str) -> None:
         if len(self.addresses) > 1:

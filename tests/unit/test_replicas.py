@@ -54,6 +54,37 @@ def test_a_dead_replica_is_skipped_for_a_while() -> None:
     assert replicas.pick(key) == first  # all down: the first in the key's order is tried anyway
 
 
+def test_a_session_stays_where_it_was_opened_after_its_first_replica_is_back() -> None:
+    """Moved to the second replica while the first was down, a session keeps calling the second
+    once the first is back (moving it again would cost a reopen); its next reopen, and new
+    sessions of the same key, go to the first again."""
+    now = [0.0]
+    replicas = ReplicaSet(list(ADDRESSES), down_s=10, clock=lambda: now[0])
+    key = KEYS[1]
+    first, second, _ = rendezvous_order(key, ADDRESSES)
+    replicas.opened(key, replicas.pick(key, opening=True))
+    replicas.mark_down(first)
+    assert replicas.pick(key) == second  # the pinned replica is dead: the next one, where it reopens
+    replicas.opened(key, replicas.pick(key, opening=True))
+    now[0] = 30.0
+    assert replicas.pick(key) == second
+    assert replicas.pick(key, opening=True) == first
+    replicas.mark_down(second)
+    assert replicas.pick(key) == first  # pinned to a dead replica: back to the key's order
+    replicas.closed(key)
+    now[0] = 60.0
+    assert replicas.pick(key) == first
+
+
+def test_pins_are_bounded() -> None:
+    replicas = ReplicaSet(list(ADDRESSES), max_pins=3)
+    keys = [key for key in KEYS if rendezvous_order(key, ADDRESSES)[0] != ADDRESSES[2]][:5]
+    for key in keys:
+        replicas.opened(key, ADDRESSES[2])
+    assert [replicas.pick(key) for key in keys] == [rendezvous_order(keys[0], ADDRESSES)[0],
+                                                    rendezvous_order(keys[1], ADDRESSES)[0]] + [ADDRESSES[2]] * 3
+
+
 class _Recorder(pb_grpc.VerifierServicer):
     def __init__(self) -> None:
         self.metadata: list[dict[str, str]] = []
