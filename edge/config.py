@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -13,6 +13,22 @@ from shared.protocol import AcceptMode, SamplingParams
 
 class EdgeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_EDGE_")
+    # How --help groups the flags (shared/cli.py); a field in no group is listed under "options".
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "what to generate": ("prompt", "prompts", "output", "mode", "max_new_tokens", "chat"),
+        "the verifier": ("cloud", "api_key", "tls_ca", "tls", "tls_cert", "tls_key", "tls_server_name", "target_model",
+                         "verify_timeout_ms", "call_timeout_ms", "reconnect_window_s", "capacity_retries",
+                         "capacity_backoff_ms"),
+        "the draft model": ("draft_model", "draft_runtime", "draft_gguf", "draft_threads", "draft_context", "dtype",
+                            "device", "threads"),
+        "sampling": ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "accept_mode"),
+        "drafting and k": ("drafter", "ngram_order", "ngram_max_contexts", "filler_top_k", "hybrid_min_order",
+                           "hybrid_min_count", "draft_top_k", "k", "k_policy", "k_min", "k_max", "la_raise_at",
+                           "la_lower_at", "la_window", "egag_ema_beta", "egag_stop_bits", "overlap"),
+        "gating and a slow cloud": ("gating", "gating_config", "rules", "mc_passes", "local_commit", "strict",
+                                    "accept_unverified"),
+        "records and telemetry": ("record", "log_rounds", "metrics_port", "show_steps"),
+    }
 
     prompt: str | None = Field(None, description="one prompt to answer (plain text; the chat template is applied)")
     prompts: str | None = Field(None, description="JSONL of prompts ({id, prompt} or Spec-Bench question.jsonl)")

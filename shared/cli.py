@@ -28,19 +28,31 @@ def _flag_type(annotation: Any) -> Any:
     return annotation if annotation in (int, float, str) else str
 
 
+def _groups(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings]) -> dict[str, Any]:
+    """Each field's argument group, from the class's optional `help_groups` (title -> fields)."""
+    groups: dict[str, tuple[str, ...]] = getattr(settings_cls, "help_groups", {})
+    where: dict[str, Any] = {}
+    for title, names in groups.items():
+        group = parser.add_argument_group(title)
+        where.update(dict.fromkeys(names, group))
+    return where
+
+
 def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings]) -> None:
     """One --flag per field; unset flags fall through to the environment, then the default."""
     prefix = str(settings_cls.model_config.get("env_prefix", ""))
+    groups = _groups(parser, settings_cls)
     for name, field in settings_cls.model_fields.items():
+        target = groups.get(name, parser)
         flag = "--" + name.replace("_", "-")
         env = (prefix + name).upper()
         help_text = f"{field.description or ''} [env {env}; default {field.default!r}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if field.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            target.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
         choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-        parser.add_argument(flag, type=_flag_type(field.annotation), choices=choices, **kwargs)
+        target.add_argument(flag, type=_flag_type(field.annotation), choices=choices, **kwargs)
 
 
 def settings_from_args(settings_cls: type[S], args: argparse.Namespace) -> S:
