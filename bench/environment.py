@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -50,3 +51,12 @@ def git_state(repo: Path) -> dict[str, Any]:
 
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def write_result(out: Path, name: str, result: dict[str, Any], report: str) -> None:
+    """A benchmark's JSON result (OUT/NAME.json) and its readable report (OUT/report.md), and
+    the report on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "report.md").write_text(report)
+    print(report)  # noqa: T201

@@ -132,7 +132,7 @@ def _think_gaps(events: list[Event]) -> dict[int, float]:
 
 
 def final_output(generated: list[int], trace: SessionTrace) -> list[int]:
-    """The edge's cut (edge/generate.py _Output): up to the first stop token, at most max_new_tokens."""
+    """The edge's cut (edge/generation.py Output): up to the first stop token, at most max_new_tokens."""
     out: list[int] = []
     for token in generated[: trace.header.max_new_tokens]:
         out.append(token)

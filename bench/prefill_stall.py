@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.environment import machine, versions
+from bench.environment import machine, versions, write_result
 from cloud.batcher import BatchLimits
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     result = asyncio.run(_main(args))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefill_stall.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "report.md").write_text(_report(result))
-    print(_report(result))  # noqa: T201
+    write_result(args.out, "prefill_stall", result, _report(result))
     return 0
 
 

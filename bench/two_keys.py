@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.environment import machine, versions
+from bench.environment import machine, versions, write_result
 from cloud.auth import ApiKeys
 from cloud.batcher import BatchLimits
 from cloud.grpc_server import create_server
@@ -157,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     result = asyncio.run(_main(args))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "two_keys.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "report.md").write_text(_report(result))
-    print(_report(result))  # noqa: T201
+    write_result(args.out, "two_keys", result, _report(result))
     return 0
 
 

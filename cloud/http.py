@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -19,6 +18,7 @@ from cloud.metrics import CONTENT_TYPE
 from cloud.state import ServerState
 from cloud.tls import ServerTls
 from shared.errors import Unauthenticated
+from shared.net import bind_tcp
 
 
 def _model_info(state: ServerState) -> dict[str, Any]:
@@ -108,23 +108,10 @@ class HttpServer:
         await self.task
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind here rather than in uvicorn so port 0 resolves before serving and errors raise OSError."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as err:
-        sock.close()
-        raise OSError(f"could not bind {host}:{port} for HTTP: {err.strerror}") from None
-    return sock
-
-
 async def start_http(app: FastAPI, host: str, port: int, tls: ServerTls | None = None) -> HttpServer:
     """Serve app on host:port (0 = any free port) in this event loop, HTTPS with `tls` (no
     client certificate asked: see cloud/tls.py); returns once it listens."""
-    sock = _bind(host, port)
+    sock = bind_tcp(host, port, "HTTP")
     config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
                             timeout_graceful_shutdown=2, **(tls.uvicorn_options() if tls else {}))
     server = _EmbeddedServer(config)

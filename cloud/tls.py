@@ -7,7 +7,6 @@ client certificate, even under mTLS: kubelet and load-balancer probes present no
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import ssl
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import grpc
 
 from cloud.logs import log_event
 from shared.errors import ConfigError
+from shared.net import is_loopback
 
 log = logging.getLogger("cloud-verifier")
 
@@ -58,16 +58,6 @@ def _reason(err: OSError | ssl.SSLError) -> str:
     if isinstance(err, ssl.SSLError):
         return f"not a usable PEM certificate and key ({err.reason or err})"
     return str(err.strerror or err)
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name other than localhost may resolve anywhere
-        return False
 
 
 def check_exposure(host: str, tls: ServerTls | None, insecure: bool) -> None:

@@ -45,10 +45,10 @@ from edge.trace import SessionRecorder, TraceHeader, trace_file_name, write_trac
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError, SpecDecError, TlsHandshakeFailed, Unauthenticated
 from shared.model_store import DRAFT_MODEL, model_folder
+from shared.net import is_loopback
 from shared.protocol import AcceptMode, SessionConfig
 
 log = logging.getLogger("edge-agent")
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 PROMPTS_FAILED = 3  # exit status of a --prompts run that finished with some prompts failed
 
 
@@ -172,7 +172,7 @@ def verifier_client(settings: EdgeSettings, address: str) -> VerifierClient:
     if remote and settings.uses_tls():
         tls = ClientTls.from_files(settings.tls_ca, settings.tls_cert, settings.tls_key, settings.tls_server_name)
     key = settings.api_key.get_secret_value() if settings.api_key and remote else None
-    exposed = [a for a in address.split(",") if a.strip().rsplit(":", 1)[0].strip("[]") not in LOOPBACK_HOSTS]
+    exposed = [a for a in address.split(",") if not is_loopback(a.strip().rsplit(":", 1)[0])]
     if key and tls is None and exposed:
         log.warning("sending the API key to %s without TLS (give --tls-ca)", ",".join(exposed))
     return VerifierClient(address, settings.call_timeout_ms / 1000, capacity_retry=retry, tls=tls, api_key=key)

@@ -1,541 +1,31 @@
-"""The edge's round loop (speculative) and the two baselines (cloud_only, edge_only).
-
-One round: draft a block, send it with one Verify, commit the accepted prefix plus the
-recovered/bonus token. Around that core:
-- gating ends a block at a hard token (lossless) or, with local_commit, commits an easy
-  block without the cloud (lossy, counted, sent later as catch-up);
-- a Verify slower than the soft deadline makes the first pending draft token *provisional*
-  (shown, not final; retracted if the cloud rejects it), or final-but-unverified with
-  accept-unverified; strict mode only waits;
-- a lost call or session (deadline, restart, eviction, position drift) reopens a session
-  with the committed prefix, so nothing final is lost or duplicated; the edge keeps trying
-  (jittered, capped exponential waits) for the reconnect window, the first OpenSession of a
-  generation and the cloud_only Generate stream included, and meanwhile shows the pending
-  block provisionally (provisional mode);
-- a full verifier (RESOURCE_EXHAUSTED) is retried by the client after its hint; meanwhile the
-  soft deadline applies as above, and once the resends run out accept-unverified goes on
-  locally while the other modes stop with the error.
-The Verify call runs as a task, so drafting ahead while it is in flight fits in later.
-"""
+"""Generating text: the speculative round loop (edge/rounds.py) and the two baselines,
+cloud_only (the target alone through the verifier's Generate stream) and edge_only (the
+draft model alone). The configuration and result types live in edge/generation.py and
+are re-exported here."""
 
 from __future__ import annotations
 
-import asyncio
-import random
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol
-
 from edge.client import VerifierClient
-from edge.drafter import Draft, Drafter, DraftSource, StopRule
-from edge.gating import EscalationRules, GatingThresholds, TokenSignals
-from edge.kpolicy import KPolicy, RoundObservation
-from edge.replicas import new_session_key
-from shared.errors import CapacityExceeded, CloudUnavailable, PositionMismatch, SessionNotFound, SpecDecError
-from shared.protocol import (
-    REOPEN_SEED_STRIDE,
-    AcceptMode,
-    GenerateRequest,
-    OpenSessionRequest,
-    OpenSessionResult,
-    SessionConfig,
-    VerifyRequest,
-    VerifyResult,
+from edge.drafter import Drafter, DraftSource
+from edge.generation import (
+    RECOVERABLE,
+    Gating,
+    GenerationConfig,
+    GenerationResult,
+    Observer,
+    Output,
+    Reconnecting,
+    RoundRecord,
+    TimeoutPolicy,
+    reopened_config,
 )
+from edge.kpolicy import KPolicy
+from edge.replicas import new_session_key
+from edge.rounds import SpeculativeRun
+from shared.protocol import GenerateRequest
 
-TimeoutMode = Literal["provisional", "strict", "accept-unverified"]
-_RECOVERABLE = (CloudUnavailable, SessionNotFound, PositionMismatch)
-SCALAR_MODES = (AcceptMode.SCALAR, AcceptMode.SHORTCUT)
-
-
-@dataclass(frozen=True)
-class TimeoutPolicy:
-    soft_deadline_s: float = 0.4  # then a pending token becomes provisional (or unverified)
-    mode: TimeoutMode = "provisional"
-    # A verifier restart (model load included) takes tens of seconds to minutes: the edge
-    # rides it out rather than counting attempts. 0: the first failure is final.
-    reconnect_window_s: float = 300.0
-    backoff_s: float = 0.1  # first reconnect delay, doubled per attempt, with jitter x0.5-1.5
-    max_backoff_s: float = 2.0  # the doubling stops here: a verifier back is found within seconds
-
-
-class Reconnecting:
-    """The waits of one outage: jittered exponential delays capped at max_backoff_s, until
-    reconnect_window_s has passed since the first failure; then the last error, with how long
-    it was tried, is final. Clock, sleep and random source are injectable for tests."""
-
-    def __init__(self, policy: TimeoutPolicy, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, rng: random.Random | None = None) -> None:
-        self.policy, self.clock, self.sleep = policy, clock, sleep
-        self.rng = rng or random.Random()
-        self.started = clock()
-        self.attempts = 0
-
-    def delay_s(self) -> float:
-        policy = self.policy
-        base = min(policy.backoff_s * 2 ** min(self.attempts, 32), policy.max_backoff_s)
-        # The spread keeps edges cut off together from all coming back in the same instant.
-        return base * self.rng.uniform(0.5, 1.5)
-
-    async def wait(self, err: SpecDecError) -> None:
-        """Sleep before the next attempt; raise CloudUnavailable once the window is spent."""
-        elapsed = self.clock() - self.started
-        left = self.policy.reconnect_window_s - elapsed
-        if left <= 0:
-            raise CloudUnavailable(f"gave up reconnecting to the verifier after {elapsed:.1f} s and "
-                                   f"{self.attempts} attempts (reconnect window {self.policy.reconnect_window_s:g} s); "
-                                   f"last error: {err}") from err
-        delay = min(self.delay_s(), left)  # one last attempt as the window closes
-        self.attempts += 1
-        await self.sleep(delay)
-
-
-@dataclass(frozen=True)
-class Gating:
-    thresholds: GatingThresholds
-    rules: EscalationRules | None = None
-    token_text: Callable[[int], str] | None = None  # rules read the token's text
-    local_commit: bool = False  # LOSSY: commit easy blocks without the cloud
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    session: SessionConfig
-    max_new_tokens: int = 128
-    stop_token_ids: frozenset[int] = frozenset()
-    timeouts: TimeoutPolicy = TimeoutPolicy()
-    gating: Gating | None = None
-    stop_rule: StopRule | None = None  # extra early stop for a block (e.g. EGAG's entropy cap)
-    overlap: bool = False  # draft the next block while Verify is in flight
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    round: int
-    k: int
-    draft_tokens: list[int]
-    accepted_len: int
-    next_token: int
-    bonus: bool
-    la_over_k: float
-    alpha_mean: float
-    a_cum: int  # accepted draft tokens so far
-    edge_time_ms: float  # drafting
-    cloud_verify_ms: float  # server-side time of the round
-    rtt_ms: float  # wall time of the Verify call
-    bytes_up: int
-    bytes_down: int
-    hard_ratio: float
-    escalated: bool  # the block went to the cloud (always, unless committed locally)
-    catchup: int  # locally committed tokens sent ahead of the draft
-    provisional: int  # tokens shown provisionally while this round was in flight
-    retracted: int  # of those, rejected by the cloud
-    local: bool = False  # committed without the cloud (lossy)
-    sources: list[str] = field(default_factory=list)  # drafter of each draft token: model / ngram
-    ahead_drafted: int = 0  # overlap: tokens drafted while this round was in flight
-    ahead_used: int = 0  # of those, kept as the next block (all accepted and the bonus matched)
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int] = field(default_factory=list)  # generated tokens only, final
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    target_forward_passes: int = 0
-    elapsed_s: float = 0.0
-    ttft_s: float = 0.0
-    bytes_up: int = 0  # all requests, prompt upload included
-    bytes_down: int = 0
-    verify_bytes_up: int = 0  # Verify requests only: the per-round uplink
-    verify_bytes_down: int = 0
-    finish_reason: str = "length"
-    provisional_tokens: int = 0
-    retracted_tokens: int = 0
-    unverified_tokens: int = 0  # final without verification (accept-unverified)
-    local_tokens: int = 0  # committed by --local-commit (lossy)
-    hard_tokens: int = 0
-    mc_dropout_ms: float = 0.0  # drafting time spent on MC-dropout passes (gating cost)
-    ahead_drafted: int = 0  # overlap: tokens drafted while a Verify was in flight
-    ahead_used: int = 0  # of those, kept (the rest was thrown away)
-    overlap_draft_ms: float = 0.0  # drafting time hidden behind Verify calls
-    reopens: int = 0
-    drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per drafter (model / ngram)
-    accepted_by: dict[str, int] = field(default_factory=dict)
-    round_log: list[RoundRecord] = field(default_factory=list)
-
-    def summary(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["round_log"]
-        return out
-
-
-class Observer(Protocol):
-    def committed(self, tokens: list[int], record: RoundRecord | None) -> None: ...
-
-    def provisional(self, tokens: list[int]) -> None: ...
-
-
-def _ms(start: float) -> float:
-    return (time.perf_counter() - start) * 1000.0
-
-
-class _Output:
-    """Final tokens, cut after a stop token or at max_new_tokens, and their timing."""
-
-    def __init__(self, cfg: GenerationConfig, result: GenerationResult, observer: Observer | None) -> None:
-        self.cfg, self.result, self.observer = cfg, result, observer
-        self.start = time.perf_counter()
-
-    def done(self) -> bool:
-        return self.result.finish_reason == "stop" or len(self.result.token_ids) >= self.cfg.max_new_tokens
-
-    def remaining(self) -> int:
-        return self.cfg.max_new_tokens - len(self.result.token_ids)
-
-    def commit(self, new: list[int], record: RoundRecord | None) -> None:
-        result = self.result
-        if not result.token_ids and new:
-            result.ttft_s = time.perf_counter() - self.start
-        kept: list[int] = []
-        for token in new:
-            if self.done():
-                break
-            result.token_ids.append(token)
-            kept.append(token)
-            if token in self.cfg.stop_token_ids:
-                result.finish_reason = "stop"
-        if self.observer:
-            self.observer.committed(kept, record)
-
-    def show_provisional(self, tokens: list[int]) -> None:
-        if self.observer:
-            self.observer.provisional(tokens[: self.remaining()])
-
-    def finish(self, client: VerifierClient | None, up0: int = 0, down0: int = 0) -> GenerationResult:
-        self.result.elapsed_s = time.perf_counter() - self.start
-        if client is not None:
-            self.result.bytes_up = client.stats.bytes_up - up0
-            self.result.bytes_down = client.stats.bytes_down - down0
-        return self.result
-
-
-class SpeculativeRun:
-    """State of one speculative generation; see the module docstring for the rules."""
-
-    def __init__(self, prompt: list[int], drafter: DraftSource, client: VerifierClient, k_policy: KPolicy,
-                 cfg: GenerationConfig, observer: Observer | None) -> None:
-        self.drafter, self.client, self.k_policy, self.cfg = drafter, client, k_policy, cfg
-        self.result = GenerationResult()
-        self.out = _Output(cfg, self.result, observer)
-        self.committed = list(prompt)  # final: prompt + generated
-        self.catchup: list[int] = []  # final, not yet sent to the cloud
-        self.pending = Draft()  # drafted, not final; its first `provisional` tokens are shown
-        self.provisional = 0
-        self.ahead = Draft()  # overlap: drafted after the in-flight block, assuming it all passes
-        self.carry: Draft | None = None  # ahead tokens still valid after the reply: the next block
-        self.session: OpenSessionResult | None = None
-        # One routing key for every call of this generation, reopens included: a proxy or the
-        # client's rendezvous hashing keeps them on the replica that holds the session's KV.
-        self.session_key = new_session_key()
-
-    # ---- sessions -----------------------------------------------------------------------
-
-    async def _open(self) -> None:
-        """Open a session on the committed prefix; the drafter prefills it meanwhile."""
-        config = _session_config(self.cfg.session, self.result.reopens)
-        request = OpenSessionRequest(self.committed, config)
-        opening = asyncio.ensure_future(self.client.open_session(request, self.session_key))
-        self.drafter.sync(self.committed)
-        await asyncio.to_thread(self.drafter.prefill)
-        self.session = await opening
-        self.catchup = []
-        self.result.target_forward_passes += 1 if len(self.committed) > 1 else 0
-
-    async def _connect(self, lost: SpecDecError | None) -> None:
-        """Open a session on the committed prefix, at once for the first one (`lost` None) or
-        after a wait once `lost` ended the last; recoverable failures are retried within the
-        reconnect window, showing the pending block meanwhile."""
-        outage = Reconnecting(self.cfg.timeouts)
-        err = lost
-        while True:
-            if err is not None:
-                self._show_while_away()
-                await outage.wait(err)
-                if lost is not None:  # a first open retried is not a reopen: it keeps its seed
-                    self.result.reopens += 1
-            try:
-                await self._open()
-                return
-            except _RECOVERABLE as failed:
-                err = failed
-
-    def _show_while_away(self) -> None:
-        """Provisional mode: while the verifier is away, top the pending block up to one block
-        and show it provisionally; verified (or retracted) once a session is back. Strict mode
-        only waits; accept-unverified makes nothing final without a reply here either."""
-        if self.cfg.timeouts.mode != "provisional":
-            return
-        room = min(self.k_policy.next_k(), self.out.remaining() - 1)
-        if self.session is not None:
-            room = min(room, self.session.max_draft_tokens)
-        if len(self.pending) < room:
-            self.drafter.sync(self.committed + self.pending.token_ids)
-            self.pending.extend(self.drafter.propose(room - len(self.pending), self._stop_rule()))
-        if self.provisional < len(self.pending):
-            self.result.provisional_tokens += len(self.pending) - self.provisional
-            self.provisional = len(self.pending)
-            self.out.show_provisional(self.pending.token_ids)
-
-    async def _close(self) -> None:
-        if self.session is not None:
-            try:
-                await self.client.close_session(self.session.session_id, self.session_key)
-            except (CloudUnavailable, SessionNotFound):
-                pass  # the verifier drops idle sessions itself
-
-    # ---- one round ----------------------------------------------------------------------
-
-    async def run(self) -> GenerationResult:
-        up0, down0 = self.client.stats.bytes_up, self.client.stats.bytes_down
-        await self._connect(None)
-        try:
-            while not self.out.done():
-                await self._round()
-        finally:
-            await self._close()
-        return self.out.finish(self.client, up0, down0)
-
-    def _stop_rule(self) -> StopRule | None:
-        rules = [r for r in (self.cfg.gating.thresholds.is_hard if self.cfg.gating else None,
-                             self.cfg.stop_rule) if r is not None]
-        if not rules:
-            return None
-        return lambda s: any(rule(s) for rule in rules)
-
-    def _draft(self) -> float:
-        """Top the pending block up to k tokens; returns the drafting time in ms."""
-        if self.carry is not None:  # drafted ahead during the last round and still valid
-            self.pending, self.carry = self.carry, None
-        else:
-            self.pending = self.pending.head(self.provisional)
-        assert self.session is not None
-        if self.provisional > self.session.max_draft_tokens:  # shown while away, before this session's limit was known
-            self.result.retracted_tokens += self.provisional - self.session.max_draft_tokens
-            self.provisional = self.session.max_draft_tokens
-            self.pending = self.pending.head(self.provisional)
-        room = min(self.k_policy.next_k(), self.out.remaining() - 1, self.session.max_draft_tokens)
-        if len(self.pending) > max(room, self.provisional):
-            self.pending = self.pending.head(max(room, self.provisional))
-        want = max(room - len(self.pending), 0)
-        start = time.perf_counter()
-        if want:
-            self.drafter.sync(self.committed + self.pending.token_ids)
-            block = self.drafter.propose(want, self._stop_rule())
-            self.result.mc_dropout_ms += block.mc_ms
-            self.pending.extend(block)
-        return _ms(start)
-
-    def _hard_mask(self) -> tuple[list[bool], bool]:
-        """Per pending token: hard by signals or by a rule; and whether any rule hit. A rule hit
-        ends the block right after that token (verify now)."""
-        gating = self.cfg.gating
-        if gating is None or not self.pending.signals:
-            return [], False
-        mask = [gating.thresholds.is_hard(s) for s in self.pending.signals]
-        if gating.rules is None or gating.token_text is None:
-            return mask, False
-        text = gating.token_text
-        previous = "".join(text(t) for t in self.committed[-8:])
-        for i, token in enumerate(self.pending.token_ids):
-            piece = text(token)
-            if gating.rules.rule_hit(token, piece, previous):
-                mask[i] = True
-                if i >= self.provisional:
-                    self.pending = self.pending.head(i + 1)
-                    return mask[: i + 1], True
-            previous += piece
-        return mask, False
-
-    async def _round(self) -> None:
-        draft_ms = self._draft()
-        mask, rule_hit = self._hard_mask()
-        hard_ratio = sum(mask) / len(mask) if mask else 0.0
-        if self._commit_locally(hard_ratio, rule_hit, draft_ms):
-            return
-        assert self.session is not None
-        base = len(self.committed) - len(self.catchup)
-        # Only the scalar modes need q(y) on the wire; greedy and point drafts are points and
-        # sparse drafts carry their whole support. Leaving it out keeps the uplink small.
-        probs = self.pending.probs if self.cfg.session.accept_mode in SCALAR_MODES else []
-        req = VerifyRequest(self.session.session_id, base, self.pending.token_ids, probs,
-                            committed_tokens=self.catchup, hard_mask=mask, sparse_draft=self.pending.sparse,
-                            want_top_k=self.drafter.filler_top_k)
-        up0, down0 = self.client.stats.bytes_up, self.client.stats.bytes_down
-        start = time.perf_counter()
-        reply = await self._verify(req)
-        if reply is None:
-            return
-        self._apply(req, reply, draft_ms, _ms(start), hard_ratio,
-                    self.client.stats.bytes_up - up0, self.client.stats.bytes_down - down0)
-
-    def _commit_locally(self, hard_ratio: float, rule_hit: bool, draft_ms: float) -> bool:
-        """LOSSY (--local-commit): an easy block is final without the cloud."""
-        gating = self.cfg.gating
-        block = self.pending.tail(self.provisional)
-        if gating is None or not gating.local_commit or self.provisional or not block.token_ids:
-            return False
-        if rule_hit or hard_ratio > gating.thresholds.hard_ratio:
-            return False
-        tokens = block.token_ids
-        self.committed += tokens
-        self.catchup += tokens
-        self.pending = Draft()
-        self.result.local_tokens += len(tokens)
-        record = RoundRecord(
-            round=self.result.rounds, k=len(tokens), draft_tokens=tokens, accepted_len=len(tokens),
-            next_token=tokens[-1], bonus=False, la_over_k=1.0, alpha_mean=0.0, a_cum=self.result.accepted_tokens,
-            edge_time_ms=draft_ms, cloud_verify_ms=0.0, rtt_ms=0.0, bytes_up=0, bytes_down=0, hard_ratio=hard_ratio,
-            escalated=False, catchup=0, provisional=0, retracted=0, local=True)
-        self.result.round_log.append(record)
-        self.out.commit(tokens, record)
-        return True
-
-    async def _verify(self, req: VerifyRequest) -> VerifyResult | None:
-        """The Verify call with the soft deadline; None when the round was lost (and the
-        session recovered, or the block given up in accept-unverified mode). With overlap the
-        wait is spent drafting the next block."""
-        call = asyncio.ensure_future(self.client.verify(req, session_key=self.session_key))
-        loop = asyncio.get_running_loop()
-        policy = self.cfg.timeouts
-        soft = None if policy.mode == "strict" else policy.soft_deadline_s
-        deadline = None if soft is None else loop.time() + soft
-        self.ahead = Draft()
-        while not call.done():
-            if self._can_draft_ahead():
-                await self._draft_ahead_one()
-            else:
-                await asyncio.wait({call}, timeout=None if deadline is None else max(deadline - loop.time(), 0))
-            if call.done() or deadline is None or loop.time() < deadline:
-                continue
-            if policy.mode == "accept-unverified" and self.pending.token_ids:
-                call.cancel()
-                self.ahead = Draft()
-                self._accept_unverified()
-                return None
-            if self.provisional < len(self.pending):
-                self.provisional += 1
-                self.result.provisional_tokens += 1
-                self.out.show_provisional(self.pending.token_ids[: self.provisional])
-            # Nothing left to show: wait for the reply or the call's own deadline.
-            deadline = loop.time() + soft if soft and self.provisional < len(self.pending) else None
-        try:
-            return call.result()
-        except _RECOVERABLE as err:
-            self.ahead = Draft()
-            await self._connect(err)
-            return None
-        except CapacityExceeded:
-            # Still full after the client's resends: accept-unverified falls back locally as on a
-            # slow cloud (the block goes out again as catch-up); the other modes never make
-            # unverified text final, so they give up with the verifier's answer.
-            if policy.mode != "accept-unverified":
-                raise
-            self.ahead = Draft()
-            if not self.pending.token_ids:  # a round of k = 0 (the last token): draft it here
-                self.drafter.sync(self.committed)
-                self.pending = self.drafter.propose(1)
-            self._accept_unverified()
-            return None
-
-    def _can_draft_ahead(self) -> bool:
-        # The first ahead token stands for the bonus; k more make a whole next block.
-        if not self.cfg.overlap or len(self.ahead) >= self.k_policy.next_k() + 1:
-            return False
-        tail = (self.pending.token_ids + self.ahead.token_ids)[-1:]
-        if tail and tail[0] in self.cfg.stop_token_ids:
-            return False
-        # The block, its bonus and the ahead tokens must fit in what is left to generate.
-        return len(self.pending) + 1 + len(self.ahead) < self.out.remaining()
-
-    async def _draft_ahead_one(self) -> None:
-        """One more token after the in-flight block (in a thread: the reply can land meanwhile).
-        Its first token guesses the bonus; it is kept only if the whole block passes and the
-        bonus matches."""
-        start = time.perf_counter()
-
-        def step() -> Draft:
-            self.drafter.sync(self.committed + self.pending.token_ids + self.ahead.token_ids)
-            return self.drafter.propose(1)
-
-        self.ahead.extend(await asyncio.to_thread(step))
-        self.result.overlap_draft_ms += _ms(start)
-
-    def _accept_unverified(self) -> None:
-        """Accept-unverified (lossy): the first pending token becomes final, counted as unverified,
-        and reaches the cloud as catch-up."""
-        token = self.pending.token_ids[0]
-        self.committed.append(token)
-        self.catchup.append(token)
-        self.pending = self.pending.tail(1)
-        self.result.unverified_tokens += 1
-        self.out.commit([token], None)
-
-    def _apply(self, req: VerifyRequest, reply: VerifyResult, draft_ms: float, rtt_ms: float,
-               hard_ratio: float, bytes_up: int, bytes_down: int) -> None:
-        drafts = req.draft_tokens
-        m = reply.accepted_len
-        shown = self.provisional  # tokens on screen, unverified, when the reply came
-        retracted = max(shown - m, 0)
-        if reply.target_top_k:
-            recent = self.committed[-64:]  # n-gram contexts are short; no need to copy it all
-            contexts = [recent + drafts[:i] for i in range(len(reply.target_top_k))]
-            self.drafter.learn(contexts, reply.target_top_k)
-        new = [*drafts[:m], reply.next_token]
-        self.committed += new
-        self.catchup = []
-        signals: list[TokenSignals] = self.pending.signals
-        sources = self.pending.sources
-        self.pending, self.provisional = Draft(), 0
-        ahead_drafted, ahead_used = self._keep_ahead(reply)
-        for i, source in enumerate(sources):
-            self.result.drafted_by[source] = self.result.drafted_by.get(source, 0) + 1
-            if i < m:
-                self.result.accepted_by[source] = self.result.accepted_by.get(source, 0) + 1
-        result = self.result
-        result.rounds += 1
-        result.target_forward_passes += 1
-        result.draft_tokens += len(drafts)
-        result.accepted_tokens += m
-        result.retracted_tokens += retracted
-        result.hard_tokens += sum(req.hard_mask)
-        result.verify_bytes_up += bytes_up
-        result.verify_bytes_down += bytes_down
-        self.k_policy.observe(RoundObservation(
-            len(drafts), m, reply.metrics.alpha_mean, draft_ms, rtt_ms, reply.metrics.verify_ms,
-            sum(s.entropy_bits for s in signals) / len(signals) if signals else 0.0))
-        record = RoundRecord(
-            round=result.rounds - 1, k=len(drafts), draft_tokens=drafts, accepted_len=m, next_token=reply.next_token,
-            bonus=reply.bonus, la_over_k=m / len(drafts) if drafts else 0.0, alpha_mean=reply.metrics.alpha_mean,
-            a_cum=result.accepted_tokens, edge_time_ms=draft_ms, cloud_verify_ms=reply.metrics.verify_ms,
-            rtt_ms=rtt_ms, bytes_up=bytes_up, bytes_down=bytes_down, hard_ratio=hard_ratio, escalated=True,
-            catchup=len(req.committed_tokens), provisional=shown, retracted=retracted, sources=sources,
-            ahead_drafted=ahead_drafted, ahead_used=ahead_used)
-        result.round_log.append(record)
-        self.out.commit(new, record)
-
-    def _keep_ahead(self, reply: VerifyResult) -> tuple[int, int]:
-        """Keep the tokens drafted ahead when the block passed whole and the bonus is the
-        token the drafter guessed; they become the next block. Returns (drafted, kept)."""
-        ahead, self.ahead = self.ahead, Draft()
-        kept = 0
-        if ahead.token_ids and reply.bonus and ahead.token_ids[0] == reply.next_token:
-            self.carry = ahead.tail(1)
-            kept = len(self.carry)
-        self.result.ahead_drafted += len(ahead)
-        self.result.ahead_used += kept
-        return len(ahead), kept
+__all__ = ["Gating", "GenerationConfig", "GenerationResult", "Observer", "Reconnecting", "RoundRecord",
+           "SpeculativeRun", "TimeoutPolicy", "cloud_only_generate", "edge_only_generate", "speculative_generate"]
 
 
 async def speculative_generate(prompt: list[int], drafter: DraftSource, client: VerifierClient, k_policy: KPolicy,
@@ -550,11 +40,11 @@ async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: Ge
     error is resumed within the reconnect window on the prompt plus the tokens already
     committed, asking only for the rest, so nothing is duplicated or lost."""
     up0, down0 = client.stats.bytes_up, client.stats.bytes_down
-    out = _Output(cfg, GenerationResult(), observer)
+    out = Output(cfg, GenerationResult(), observer)
     outage: Reconnecting | None = None
     session_key = new_session_key()
     while not out.done():
-        req = GenerateRequest(prompt + out.result.token_ids, _session_config(cfg.session, out.result.reopens),
+        req = GenerateRequest(prompt + out.result.token_ids, reopened_config(cfg.session, out.result.reopens),
                               out.remaining(), sorted(cfg.stop_token_ids))
         try:
             async for chunk in client.generate(req, session_key):
@@ -562,7 +52,7 @@ async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: Ge
                 out.result.target_forward_passes += 1
                 out.commit(chunk.tokens, None)
             break  # the stream ended by itself: at max_new_tokens or a stop token
-        except _RECOVERABLE as err:
+        except RECOVERABLE as err:
             outage = outage or Reconnecting(cfg.timeouts)
             await outage.wait(err)
             if out.result.token_ids:  # a stream cut midway: resumed with a fresh seed
@@ -570,17 +60,10 @@ async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: Ge
     return out.finish(client, up0, down0)
 
 
-def _session_config(session: SessionConfig, reopens: int) -> SessionConfig:
-    """The session's config with a fresh seed per reopen: a reopened session draws new
-    randomness rather than replaying the first one's."""
-    seed = session.seed + REOPEN_SEED_STRIDE * reopens
-    return SessionConfig(session.sampling, seed, session.accept_mode, session.vocab_size)
-
-
 def edge_only_generate(prompt: list[int], drafter: Drafter, cfg: GenerationConfig,
                        observer: Observer | None = None) -> GenerationResult:
     """The draft model alone: one token per step, committed at once."""
-    out = _Output(cfg, GenerationResult(), observer)
+    out = Output(cfg, GenerationResult(), observer)
     committed = list(prompt)
     while not out.done():
         drafter.sync(committed)

@@ -14,10 +14,8 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
-import ipaddress
 import logging
 import signal
-import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,6 +30,7 @@ from edge.metrics import EdgeMetrics
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
 from shared.model_store import TARGET_MODEL
+from shared.net import bind_tcp, is_loopback
 
 log = logging.getLogger("edge-agent")
 SHUTDOWN_GRACE_S = 5  # open streams get this long to finish once a stop is asked
@@ -73,31 +72,9 @@ def _check_settings(edge: EdgeSettings, options: ServeSettings) -> None:
                           "(each response carries its stats)")
     if edge.mode == "edge_only":
         raise ConfigError("serve answers with verified text: --mode edge_only is not served")
-    if options.serve_api_key is None and not _is_loopback(options.host):
+    if options.serve_api_key is None and not is_loopback(options.host):
         log.warning("serving on %s without --serve-api-key: anyone who can reach it can use the verifier",
                     options.host)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """Bound here, not in uvicorn, so port 0 resolves before serving and errors are OSError."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as err:
-        sock.close()
-        raise OSError(f"could not bind {host}:{port}: {err.strerror}") from None
-    return sock
 
 
 async def _serve_http(app: Any, options: ServeSettings) -> None:
@@ -109,7 +86,7 @@ async def _serve_http(app: Any, options: ServeSettings) -> None:
         def capture_signals(self) -> Iterator[None]:  # the signals are serve()'s: it stops the verifier too
             yield
 
-    sock = _bind(options.host, options.port)
+    sock = bind_tcp(options.host, options.port)
     config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     server = Server(config)

@@ -71,21 +71,6 @@ class LockedDraftLM:
             return LockedCache(self.inner.new_cache(seed), self.lock)
 
 
-class _ThreadedDraftRun(SpeculativeRun):
-    """SpeculativeRun with each round's drafting in a worker thread: the event loop stays free
-    while the (locked) draft model runs. The round loop itself is unchanged."""
-
-    _drafted_ms: float | None = None
-
-    async def _round(self) -> None:
-        self._drafted_ms = await asyncio.to_thread(super()._draft)
-        await super()._round()
-
-    def _draft(self) -> float:
-        drafted, self._drafted_ms = self._drafted_ms, None
-        return drafted if drafted is not None else super()._draft()
-
-
 class StopText(Exception):  # noqa: N818 (control flow, not an error)
     """A stop string was produced: the generation ends here (raised from the observer)."""
 
@@ -249,7 +234,7 @@ class Engine:
             if s.mode == "cloud_only":
                 return await cloud_only_generate(prompt_ids, client, cfg, observer)
             source = await asyncio.to_thread(ctx.draft_source, s.seed)  # a llama.cpp context: allocation
-            run = _ThreadedDraftRun(prompt_ids, source, client, ctx.k_policy(), cfg, observer)
+            run = SpeculativeRun(prompt_ids, source, client, ctx.k_policy(), cfg, observer)
             relay.live = run.result
             return await run.run()
         except StopText:
