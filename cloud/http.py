@@ -3,22 +3,19 @@ page. Served by uvicorn in the gRPC server's own event loop (start_http)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib import resources
 from typing import Any
 
-import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from fastapi.responses import HTMLResponse
 
 from cloud.metrics import CONTENT_TYPE
 from cloud.state import ServerState
 from cloud.tls import ServerTls
+from shared import http_server
 from shared.errors import Unauthenticated
-from shared.net import bind_tcp
+from shared.http_server import HttpServer
 
 
 def _model_info(state: ServerState) -> dict[str, Any]:
@@ -88,37 +85,7 @@ def create_app(state: ServerState, public_metrics: bool = False) -> FastAPI:
     return app
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn in an event loop it does not own: signals stay with cloud-verifier (serve()
-    would install its own handlers and re-raise the signal when it stops)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-@dataclass
-class HttpServer:
-    server: uvicorn.Server
-    task: asyncio.Task[None]
-    port: int
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        await self.task
-
-
 async def start_http(app: FastAPI, host: str, port: int, tls: ServerTls | None = None) -> HttpServer:
     """Serve app on host:port (0 = any free port) in this event loop, HTTPS with `tls` (no
     client certificate asked: see cloud/tls.py); returns once it listens."""
-    sock = bind_tcp(host, port, "HTTP")
-    config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
-                            timeout_graceful_shutdown=2, **(tls.uvicorn_options() if tls else {}))
-    server = _EmbeddedServer(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()  # raises what stopped it
-            raise OSError(f"HTTP server on {host}:{port} did not start")
-        await asyncio.sleep(0.01)
-    return HttpServer(server, task, sock.getsockname()[1])
+    return await http_server.start_http(app, host, port, **(tls.uvicorn_options() if tls else {}))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from cloud.logs import log_event
 from cloud.state import ServerState
 from cloud.tls import ServerTls, check_exposure
 from cloud.verifier import Verifier
+from shared.http_server import stop_signal
 
 log = logging.getLogger("cloud-verifier")
 Loader = Callable[[VerifierSettings], Verifier]
@@ -87,11 +87,7 @@ async def shutdown(servers: Servers, grace_s: float) -> None:
 
 async def _until_stopped(loading: asyncio.Task[None]) -> None:
     """Return on SIGINT/SIGTERM; raise if the model fails to load."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    stopping = asyncio.create_task(stop.wait())
+    stopping = stop_signal()
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if loading.done() and loading.exception() is not None:
         stopping.cancel()

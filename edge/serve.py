@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.util
 import logging
-import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ from edge.metrics import EdgeMetrics
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
 from shared.model_store import TARGET_MODEL
-from shared.net import bind_tcp, is_loopback
+from shared.net import is_loopback
 
 log = logging.getLogger("edge-agent")
 SHUTDOWN_GRACE_S = 5  # open streams get this long to finish once a stop is asked
@@ -79,34 +77,15 @@ def _check_settings(edge: EdgeSettings, options: ServeSettings) -> None:
 
 async def _serve_http(app: Any, options: ServeSettings) -> None:
     """uvicorn on --host/--port until SIGINT or SIGTERM; then open streams get a grace period."""
-    import uvicorn
+    from shared.http_server import start_http, stop_signal  # uvicorn: only when serving
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:  # the signals are serve()'s: it stops the verifier too
-            yield
-
-    sock = bind_tcp(options.host, options.port)
-    config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    server = Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-            raise OSError(f"the HTTP server on {options.host}:{options.port} did not start")
-        await asyncio.sleep(0.01)
+    server = await start_http(app, options.host, options.port, SHUTDOWN_GRACE_S)
     host = f"[{options.host}]" if ":" in options.host else options.host
-    log.info("serving on http://%s:%d", host, sock.getsockname()[1])
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("serving on http://%s:%d", host, server.port)
+    stopping = stop_signal()
+    await asyncio.wait({server.task, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
-    server.should_exit = True
-    await task
+    await server.stop()
 
 
 async def serve(edge: EdgeSettings, options: ServeSettings) -> None:
