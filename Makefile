@@ -29,7 +29,8 @@ test: install
 
 lint: install
 	$(PY) -m ruff check .
-	$(PY) -m mypy edge cloud shared bench
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy edge cloud shared bench tools
 
 proto: install
 	$(PY) -m shared.protogen

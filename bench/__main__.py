@@ -49,26 +49,43 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, required=True, help="result JSON; logs and raw JSONL go to OUTPUT_files/")
     p.add_argument("--report", type=Path, help="folder for report.md and the PNG plots")
     p.add_argument("--quick", action="store_true", help="smoke run on tiny random models (fp32, few tokens)")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated; NAME@0 runs a wire system at RTT 0 only (NAME@0/50: at those); "
-                        "default: %(default)s")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="an extra edge-agent system, e.g. 'k8=--k 8' or 'cost@0=--k-policy cost' "
-                        "(NAME@0: at RTT 0 only; repeatable)")
+    p.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help="comma-separated; NAME@0 runs a wire system at RTT 0 only (NAME@0/50: at those); default: %(default)s",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="an extra edge-agent system, e.g. 'k8=--k 8' or 'cost@0=--k-policy cost' (NAME@0: at RTT 0 only; repeatable)",
+    )
     p.add_argument("--prompts", type=Path, help="JSONL of prompts (edge-agent's format); default: Spec-Bench")
-    p.add_argument("--per-task", type=int, help="prompts per task: the shortest of each, round-robin over its labels "
-                   "(default 3 for Spec-Bench, all prompts of a --prompts file)")
+    p.add_argument(
+        "--per-task",
+        type=int,
+        help="prompts per task: the shortest of each, round-robin over its labels "
+        "(default 3 for Spec-Bench, all prompts of a --prompts file)",
+    )
     p.add_argument("--rtt-ms", default=None, help="comma-separated added RTTs for wire systems (default 0,50; --quick: 0)")
     p.add_argument("--bandwidth-kbps", type=float, default=0.0, help="link cap for wire systems in kbit/s (0 = none)")
     p.add_argument("--max-new-tokens", type=int, help=f"per prompt (default 64; --quick: {QUICK_MAX_NEW_TOKENS})")
-    p.add_argument("--dtype", help="auto | bfloat16 | float32 | float16 (default auto: bf16 on CUDA and on CPUs with "
-                   "avx512_bf16/amx_bf16, else fp32; --quick: float32)")
+    p.add_argument(
+        "--dtype",
+        help="auto | bfloat16 | float32 | float16 (default auto: bf16 on CUDA and on CPUs with "
+        "avx512_bf16/amx_bf16, else fp32; --quick: float32)",
+    )
     p.add_argument("--k", type=int, help="draft tokens per round for edge-agent systems (default: edge-agent's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then outputs are compared to target-only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pin", action="store_true", help="two-machine mode only (= --placement pinned)")
-    p.add_argument("--placement", choices=["unpinned", "pinned", "both"], default=None,
-                   help="pinned: verifier on core 0, edge on core 1, one thread each (taskset); default unpinned")
+    p.add_argument(
+        "--placement",
+        choices=["unpinned", "pinned", "both"],
+        default=None,
+        help="pinned: verifier on core 0, edge on core 1, one thread each (taskset); default unpinned",
+    )
     p.add_argument("--draft-model", type=Path, help="draft model folder (default: the packaged Qwen 0.5B)")
     p.add_argument("--target-model", type=Path, help="target model folder (default: the packaged Qwen 1.5B)")
     return p
@@ -100,8 +117,14 @@ def _placements(args: argparse.Namespace) -> list[Placement]:
 
 def _quick_prompts() -> list[Prompt]:
     """One prompt per Spec-Bench task in the tiny tokenizer's words (w0..w93)."""
-    return [Prompt(f"quick-{i}", " ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(4 + i)),
-                   "writing" if task == "multi-turn conversation" else task) for i, task in enumerate(TASKS)]
+    return [
+        Prompt(
+            f"quick-{i}",
+            " ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(4 + i)),
+            "writing" if task == "multi-turn conversation" else task,
+        )
+        for i, task in enumerate(TASKS)
+    ]
 
 
 def _prompts(args: argparse.Namespace) -> list[Prompt]:
@@ -131,14 +154,24 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         # Tiny random models, rebuilt per run: seconds, and no download.
         draft, target = save_pair(files / "tiny_models")
     return BenchSettings(
-        systems=systems, rtts_ms=rtts_ms,
-        placements=_placements(args), output=args.output, report=args.report,
+        systems=systems,
+        rtts_ms=rtts_ms,
+        placements=_placements(args),
+        output=args.output,
+        report=args.report,
         draft_model=Path(draft) if draft else Path(model_folder(None, DRAFT_MODEL)),
         target_model=Path(target) if target else Path(model_folder(None, TARGET_MODEL)),
-        prompts=args.prompts, per_task=args.per_task,
+        prompts=args.prompts,
+        per_task=args.per_task,
         max_new_tokens=args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else 64),
-        dtype=dtype.name, dtype_reason=dtype.reason, k=args.k, temperature=args.temperature,
-        seed=args.seed, bandwidth_kbps=args.bandwidth_kbps, quick=args.quick)
+        dtype=dtype.name,
+        dtype_reason=dtype.reason,
+        k=args.k,
+        temperature=args.temperature,
+        seed=args.seed,
+        bandwidth_kbps=args.bandwidth_kbps,
+        quick=args.quick,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,13 +41,27 @@ class BenchSettings:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "systems": [{"name": s.name, "kind": s.kind.value, "edge_flags": list(s.edge_flags),
-                         "only_rtts_ms": list(s.only_rtts_ms) if s.only_rtts_ms is not None else None} for s in self.systems],
-            "rtt_ms": self.rtts_ms, "placements": [p.name for p in self.placements],
-            "draft_model": str(self.draft_model), "target_model": str(self.target_model),
-            "prompts": str(self.prompts) if self.prompts else None, "per_task": self.per_task,
-            "max_new_tokens": self.max_new_tokens, "dtype": self.dtype,
-            "dtype_reason": self.dtype_reason, "k": self.k,
-            "temperature": self.temperature, "seed": self.seed, "bandwidth_kbps": self.bandwidth_kbps,
+            "systems": [
+                {
+                    "name": s.name,
+                    "kind": s.kind.value,
+                    "edge_flags": list(s.edge_flags),
+                    "only_rtts_ms": list(s.only_rtts_ms) if s.only_rtts_ms is not None else None,
+                }
+                for s in self.systems
+            ],
+            "rtt_ms": self.rtts_ms,
+            "placements": [p.name for p in self.placements],
+            "draft_model": str(self.draft_model),
+            "target_model": str(self.target_model),
+            "prompts": str(self.prompts) if self.prompts else None,
+            "per_task": self.per_task,
+            "max_new_tokens": self.max_new_tokens,
+            "dtype": self.dtype,
+            "dtype_reason": self.dtype_reason,
+            "k": self.k,
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "bandwidth_kbps": self.bandwidth_kbps,
             "quick": self.quick,
         }

@@ -24,9 +24,14 @@ def _memory_gib() -> float | None:
 
 def machine() -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu_model": _cpu_model(), "cores": cores, "memory_gib": _memory_gib(),
-            "cpu_flags": " ".join(matmul_flags()) or "none of " + " ".join(MATMUL_FLAGS),
-            "platform": platform.platform(), "hostname": platform.node()}
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": cores,
+        "memory_gib": _memory_gib(),
+        "cpu_flags": " ".join(matmul_flags()) or "none of " + " ".join(MATMUL_FLAGS),
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+    }
 
 
 def versions() -> dict[str, str]:
@@ -42,6 +47,7 @@ def versions() -> dict[str, str]:
 def git_state(repo: Path) -> dict[str, Any]:
     """Commit and whether the working tree had changes (then the commit alone does not
     reproduce the run)."""
+
     def git(*args: str) -> str | None:
         try:
             done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10, check=True)

@@ -90,14 +90,16 @@ class MaskBeyondVocab(LogitsProcessor):
         self.vocab_size = vocab_size
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        scores[:, self.vocab_size:] = float("-inf")
+        scores[:, self.vocab_size :] = float("-inf")
         return scores
 
 
 def generation_config(args: argparse.Namespace, stops: list[int]) -> GenerationConfig:
-    sampling: dict[str, Any] = ({"do_sample": True, "temperature": args.temperature, "top_k": None, "top_p": None}
-                                if args.temperature > 0 else
-                                {"do_sample": False, "temperature": None, "top_k": None, "top_p": None})
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": args.temperature, "top_k": None, "top_p": None}
+        if args.temperature > 0
+        else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    )
     return GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_id=stops, pad_token_id=stops[0], **sampling)
 
 
@@ -130,9 +132,14 @@ def run(args: argparse.Namespace) -> int:
     vocab = min(len(tokenizer), lm.logits_width(target), *([lm.logits_width(draft)] if draft is not None else []))
     stops = sorted(tokenizer.stop_token_ids)
     config = generation_config(args, stops)
-    meta = {"system": args.system, "kv_bytes_per_token": lm.kv_bytes_per_token(target), "vocab_size": vocab,
-            "stop_token_ids": stops, "generation_config": config.to_diff_dict(),
-            "assistant_generation_config": draft.generation_config.to_diff_dict() if draft is not None else None}
+    meta = {
+        "system": args.system,
+        "kv_bytes_per_token": lm.kv_bytes_per_token(target),
+        "vocab_size": vocab,
+        "stop_token_ids": stops,
+        "generation_config": config.to_diff_dict(),
+        "assistant_generation_config": draft.generation_config.to_diff_dict() if draft is not None else None,
+    }
     Path(args.meta).write_text(json.dumps(meta, indent=2))
     if args.kv_only:
         return 0
@@ -140,17 +147,29 @@ def run(args: argparse.Namespace) -> int:
         for prompt in read_prompts(Path(args.prompts)):
             ids = encode_prompt(tokenizer, prompt.text, args.chat)
             record, rounds = generate_one(args, target, draft, ids, config, vocab, target_counter, draft_counter)
-            record = {"id": prompt.id, "category": prompt.category, "mode": args.system,
-                      "text": tokenizer.decode(record["token_ids"], skip_special_tokens=True), **record}
+            record = {
+                "id": prompt.id,
+                "category": prompt.category,
+                "mode": args.system,
+                "text": tokenizer.decode(record["token_ids"], skip_special_tokens=True),
+                **record,
+            }
             out.write(json.dumps(record) + "\n")
             out.flush()
             rounds_out.writelines(json.dumps(r | {"id": prompt.id}) + "\n" for r in rounds)
     return 0
 
 
-def generate_one(args: argparse.Namespace, target: PreTrainedModel, draft: PreTrainedModel | None, ids: list[int],
-                 config: GenerationConfig, vocab: int, target_counter: ForwardCounter,
-                 draft_counter: ForwardCounter) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def generate_one(
+    args: argparse.Namespace,
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    ids: list[int],
+    config: GenerationConfig,
+    vocab: int,
+    target_counter: ForwardCounter,
+    draft_counter: ForwardCounter,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     target_counter.reset()
     draft_counter.reset()
     torch.manual_seed(args.seed)
@@ -159,10 +178,15 @@ def generate_one(args: argparse.Namespace, target: PreTrainedModel, draft: PreTr
     with torch.inference_mode():
         # transformers' stubs type generate as a Tensor attribute
         output = target.generate(  # type: ignore[operator]
-            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
-            assistant_model=draft, streamer=clock, logits_processor=LogitsProcessorList([MaskBeyondVocab(vocab)]))
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=config,
+            assistant_model=draft,
+            streamer=clock,
+            logits_processor=LogitsProcessorList([MaskBeyondVocab(vocab)]),
+        )
     elapsed = time.perf_counter() - clock.start
-    tokens = [int(t) for t in output[0, len(ids):]]
+    tokens = [int(t) for t in output[0, len(ids) :]]
     if tokens and tokens[-1] in config.eos_token_id:
         finish = "stop"
     else:
@@ -172,21 +196,30 @@ def generate_one(args: argparse.Namespace, target: PreTrainedModel, draft: PreTr
     rounds = round_log("", target_counter.new_tokens, clock.pushes, len(ids)) if draft is not None else []
     drafted = len(draft_counter.new_tokens)  # each assistant forward proposes one candidate
     record: dict[str, Any] = {
-        "token_ids": tokens, "prompt_tokens": len(ids),
+        "token_ids": tokens,
+        "prompt_tokens": len(ids),
         # target-only: every pass is one token, no rounds; assisted: a round is one target pass
         "rounds": passes if draft is not None else 0,
-        "draft_tokens": drafted, "accepted_tokens": max(len(tokens) - passes, 0) if draft is not None else 0,
-        "target_forward_passes": passes, "draft_forward_passes": drafted,
-        "elapsed_s": elapsed, "ttft_s": clock.ttft_s, "bytes_up": 0, "bytes_down": 0,
-        "verify_bytes_up": 0, "verify_bytes_down": 0, "finish_reason": finish,
+        "draft_tokens": drafted,
+        "accepted_tokens": max(len(tokens) - passes, 0) if draft is not None else 0,
+        "target_forward_passes": passes,
+        "draft_forward_passes": drafted,
+        "elapsed_s": elapsed,
+        "ttft_s": clock.ttft_s,
+        "bytes_up": 0,
+        "bytes_down": 0,
+        "verify_bytes_up": 0,
+        "verify_bytes_down": 0,
+        "finish_reason": finish,
         "kv_peak_bytes": target_counter.kv_peak_bytes,
     }
     return record, [{k: v for k, v in r.items() if k != "id"} for r in rounds]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.hf_runner", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.hf_runner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--system", choices=SYSTEMS, required=True)
     parser.add_argument("--target", required=True, help="target model folder")
     parser.add_argument("--draft", required=True, help="draft model folder (its tokenizer and stop ids are the edge's)")

@@ -40,8 +40,15 @@ log = logging.getLogger("kv-layout-timing")
 def small_model(dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """A random Llama with a Qwen-like KV shape (2 KV heads of 64) and about 0.1B parameters."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+    )
     return LlamaForCausalLM(config).to(dtype=dtype, device=device).eval()  # type: ignore[call-arg]  # transformers stub types .to oddly
 
 
@@ -71,7 +78,7 @@ def slot_sessions(model: PreTrainedModel, sessions: int, context: int, slot_toke
     forward_slots(model, kvs[:1], [_prompt(model, context)], [1])
     for kv in kvs[1:]:
         for layer in (*pool.keys, *pool.values):  # the first slot's KV, copied: only the time matters
-            layer[:, :, kv.base:kv.base + context] = layer[:, :, :context]
+            layer[:, :, kv.base : kv.base + context] = layer[:, :, :context]
         kv.length = context
     return kvs
 
@@ -90,16 +97,25 @@ def time_rounds(model: PreTrainedModel, caches: Sequence[lm.KVCache], block: int
     return times[1:]
 
 
-def measure(model: PreTrainedModel, layout: str, sessions: int, context: int, block: int, rounds: int,
-            slot_tokens: int = 0) -> dict[str, Any]:
+def measure(
+    model: PreTrainedModel, layout: str, sessions: int, context: int, block: int, rounds: int, slot_tokens: int = 0
+) -> dict[str, Any]:
     slot_tokens = max(slot_tokens, context + block)
-    caches: Sequence[lm.KVCache] = (packed_sessions(model, sessions, context) if layout == "packed"
-                                    else slot_sessions(model, sessions, context, slot_tokens))
+    caches: Sequence[lm.KVCache] = (
+        packed_sessions(model, sessions, context) if layout == "packed" else slot_sessions(model, sessions, context, slot_tokens)
+    )
     times = time_rounds(model, caches, block, rounds)
-    return {"layout": layout, "sessions": sessions, "context": context, "block": block, "rounds": rounds,
-            "slot_tokens": slot_tokens if layout == "slots" else None,
-            "ms_p50": round(statistics.median(times), 3), "ms_min": round(min(times), 3),
-            "ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))], 3)}
+    return {
+        "layout": layout,
+        "sessions": sessions,
+        "context": context,
+        "block": block,
+        "rounds": rounds,
+        "slot_tokens": slot_tokens if layout == "slots" else None,
+        "ms_p50": round(statistics.median(times), 3),
+        "ms_min": round(min(times), 3),
+        "ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))], 3),
+    }
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -107,8 +123,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     by_key = {(r["sessions"], r["context"], r["layout"]): r for r in rows}
     for sessions, context in sorted({(r["sessions"], r["context"]) for r in rows}):
         packed, slots = by_key[(sessions, context, "packed")], by_key[(sessions, context, "slots")]
-        lines.append(f"| {sessions} | {context} | {packed['ms_p50']} | {slots['ms_p50']} | "
-                     f"{packed['ms_p50'] / slots['ms_p50']:.2f} |")
+        lines.append(
+            f"| {sessions} | {context} | {packed['ms_p50']} | {slots['ms_p50']} | {packed['ms_p50'] / slots['ms_p50']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -117,8 +134,9 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kv_layout_timing", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kv_layout_timing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny", help="tiny, small (random) or a local model folder")
     parser.add_argument("--sessions", type=_ints, default=[1, 4, 8, 16])
     parser.add_argument("--contexts", type=_ints, default=[1024, 4096])
@@ -139,8 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(measure(model, layout, sessions, context, args.block, args.rounds, args.slot_tokens))
                 log.info("%s", rows[-1])
     table = markdown(rows)
-    Path(args.output).write_text(json.dumps({"model": args.model, "device": str(device), "dtype": args.dtype,
-                                             "rows": rows, "table": table}, indent=1) + "\n")
+    Path(args.output).write_text(
+        json.dumps({"model": args.model, "device": str(device), "dtype": args.dtype, "rows": rows, "table": table}, indent=1)
+        + "\n"
+    )
     sys.stdout.write(table)
     return 0
 

@@ -54,10 +54,12 @@ class LoadtestSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_LOADTEST_")
 
     cloud: str = Field(description="verifier HOST:PORT on this machine (loopback only)")
-    api_key: SecretStr | None = Field(None, description="API key of a verifier started with --api-keys-file (also "
-                                      "sent to --metrics-url)")
-    tls_ca: str | None = Field(None, description="PEM CA bundle of a verifier started with --tls-cert (gRPC and an "
-                               "https --metrics-url)")
+    api_key: SecretStr | None = Field(
+        None, description="API key of a verifier started with --api-keys-file (also sent to --metrics-url)"
+    )
+    tls_ca: str | None = Field(
+        None, description="PEM CA bundle of a verifier started with --tls-cert (gRPC and an https --metrics-url)"
+    )
     output: str = Field(description="RESULT.json to write")
     trace: str | None = Field(None, description="folder of recorded session traces; default: the shipped Qwen traces")
     azure: str | None = Field(None, description="arrivals and lengths from an Azure 2023 trace CSV")
@@ -72,15 +74,19 @@ class LoadtestSettings(BaseSettings):
     drain_timeout: float = Field(600.0, gt=0, description="after the last arrival, seconds to wait for sessions to end")
     mode: Literal["speculative", "cloud_only"] = Field("speculative", description="replay Verify rounds or Generate")
     seed: int = Field(0, ge=0, description="seeds the Poisson arrivals")
-    capacity_retries: int = Field(0, ge=0, description="resend RESOURCE_EXHAUSTED after the server's hint (0: count it, "
-                                  "end the session)")
+    capacity_retries: int = Field(
+        0, ge=0, description="resend RESOURCE_EXHAUSTED after the server's hint (0: count it, end the session)"
+    )
     call_timeout: float = Field(120.0, gt=0, description="deadline of one call, seconds")
     report: str | None = Field(None, description="folder for summary.md and plots over time")
     metrics_url: str | None = Field(None, description="verifier /metrics to poll for specdec_kv_cache_bytes (loopback)")
     bin_s: float = Field(1.0, gt=0, description="time bin of the series over time, seconds")
     progress: bool = Field(True, description="progress bar on stderr")
-    find_capacity: bool = Field(False, description="search the most concurrent sessions within --slo-itl-p95-ms, "
-                                "speculative and cloud_only (each session: its trace, recorded lengths under the caps)")
+    find_capacity: bool = Field(
+        False,
+        description="search the most concurrent sessions within --slo-itl-p95-ms, "
+        "speculative and cloud_only (each session: its trace, recorded lengths under the caps)",
+    )
     slo_itl_p95_ms: float | None = Field(None, gt=0, description="capacity target: inter-token latency p95, ms")
     slo_ttft_p95_ms: float | None = Field(None, gt=0, description="capacity target: time to first token p95, ms")
     capacity_max_sessions: int = Field(64, ge=1, description="capacity search: most concurrent sessions tried")
@@ -149,13 +155,13 @@ async def busy_counters(s: LoadtestSettings) -> tuple[float, float] | None:
     return None if busy is None or passes is None else (busy, passes)
 
 
-async def poll_metrics(url: str, clock: LoadClock, samples: list[ServerSample], every_s: float,
-                       s: LoadtestSettings) -> None:
+async def poll_metrics(url: str, clock: LoadClock, samples: list[ServerSample], every_s: float, s: LoadtestSettings) -> None:
     while True:
         try:
             text = await asyncio.to_thread(_fetch_metrics, url, s)
-            samples.append(ServerSample(clock.now(), _metric(text, "specdec_kv_cache_bytes"),
-                                        _metric(text, "specdec_open_sessions")))
+            samples.append(
+                ServerSample(clock.now(), _metric(text, "specdec_kv_cache_bytes"), _metric(text, "specdec_open_sessions"))
+            )
         except OSError as err:
             log.debug("metrics poll failed: %s", err)
         await asyncio.sleep(every_s)
@@ -169,9 +175,14 @@ def _check_targets(s: LoadtestSettings) -> None:
 
 def _connect(s: LoadtestSettings) -> VerifierClient:
     """One client (one channel) per replayed session, like one edge each."""
-    return VerifierClient(s.cloud, s.call_timeout, s.call_timeout, CapacityRetry(max_retries=s.capacity_retries),
-                          tls=ClientTls.from_files(s.tls_ca) if s.tls_ca else None,
-                          api_key=s.api_key.get_secret_value() if s.api_key else None)
+    return VerifierClient(
+        s.cloud,
+        s.call_timeout,
+        s.call_timeout,
+        CapacityRetry(max_retries=s.capacity_retries),
+        tls=ClientTls.from_files(s.tls_ca) if s.tls_ca else None,
+        api_key=s.api_key.get_secret_value() if s.api_key else None,
+    )
 
 
 async def run_capacity(s: LoadtestSettings) -> dict[str, Any]:
@@ -184,8 +195,7 @@ async def run_capacity(s: LoadtestSettings) -> dict[str, Any]:
     plans = trace_plan(traces, 1, 0.0, s.caps())
     if not plans:
         raise ConfigError("no session to replay within the given bounds")
-    search = CapacitySearch(s.slo_itl_p95_ms, s.slo_ttft_p95_ms, s.capacity_max_sessions, s.capacity_step_s,
-                            s.think_scale)
+    search = CapacitySearch(s.slo_itl_p95_ms, s.slo_ttft_p95_ms, s.capacity_max_sessions, s.capacity_step_s, s.think_scale)
     result = await find_capacity(plans, search, lambda: _connect(s), lambda: busy_counters(s))
     settings = s.model_dump(exclude={"api_key"}) | {"trace": s.trace or str(SHIPPED_TRACES)}
     return result | {"settings": settings, "machine": machine()}
@@ -231,8 +241,7 @@ async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loadtest", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_settings_flags(parser, LoadtestSettings)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -246,8 +255,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(settings.output).write_text(json.dumps(result, indent=1) + "\n")
         if settings.report:
             write_report(result, Path(settings.report))
-        log.info("%s of %d planned; %.1f verified tokens/s -> %s", ended_by_line(result), result["sessions_planned"],
-                 result["verified_tokens_per_s"], settings.output)
+        log.info(
+            "%s of %d planned; %.1f verified tokens/s -> %s",
+            ended_by_line(result),
+            result["sessions_planned"],
+            result["verified_tokens_per_s"],
+            settings.output,
+        )
         return 0
 
     return run_cli("loadtest", run)
@@ -260,9 +274,14 @@ def _capacity_cli(settings: LoadtestSettings) -> int:
     if settings.report:
         write_capacity_report(result, Path(settings.report))
     cap = result["capacity"]
-    log.info("capacity at ITL p95 <= %s ms: speculative %d, cloud_only %d sessions (ratio %s) -> %s",
-             settings.slo_itl_p95_ms, cap["speculative"]["sessions"], cap["cloud_only"]["sessions"],
-             result["capacity_ratio"], settings.output)
+    log.info(
+        "capacity at ITL p95 <= %s ms: speculative %d, cloud_only %d sessions (ratio %s) -> %s",
+        settings.slo_itl_p95_ms,
+        cap["speculative"]["sessions"],
+        cap["cloud_only"]["sessions"],
+        result["capacity_ratio"],
+        settings.output,
+    )
     return 0
 
 

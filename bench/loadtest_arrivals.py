@@ -58,8 +58,10 @@ def read_azure(path: Path) -> list[AzureRow]:
     if not rows or not {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= set(rows[0]):
         raise TraceError(f"{path}: expected the Azure 2023 columns TIMESTAMP, ContextTokens, GeneratedTokens")
     first = _timestamp(rows[0]["TIMESTAMP"])
-    return [AzureRow((_timestamp(r["TIMESTAMP"]) - first).total_seconds(), int(r["ContextTokens"]),
-                     int(r["GeneratedTokens"])) for r in rows]
+    return [
+        AzureRow((_timestamp(r["TIMESTAMP"]) - first).total_seconds(), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+        for r in rows
+    ]
 
 
 def tile(tokens: list[int], length: int) -> list[int]:
@@ -71,8 +73,9 @@ def _capped(value: int, cap: int | None) -> int:
     return max(1, value if cap is None else min(value, cap))
 
 
-def _session(index: int, arrival_s: float, trace: SessionTrace, caps: Caps,
-             prompt_len: int | None = None, output_len: int | None = None) -> PlannedSession:
+def _session(
+    index: int, arrival_s: float, trace: SessionTrace, caps: Caps, prompt_len: int | None = None, output_len: int | None = None
+) -> PlannedSession:
     recorded_prompt, recorded_output = trace.header.prompt_tokens, len(trace.end.output_tokens)
     want_prompt = _capped(prompt_len or len(recorded_prompt), caps.max_prompt_tokens)
     want_output = _capped(output_len or recorded_output, caps.max_output_tokens)
@@ -94,8 +97,10 @@ def trace_plan(traces: list[SessionTrace], copies: int, scale: float, caps: Caps
 
 def azure_plan(traces: list[SessionTrace], rows: list[AzureRow], scale: float, caps: Caps) -> list[PlannedSession]:
     offsets = _bounded([r.offset_s * scale for r in rows], caps)
-    return [_session(n, offset, traces[n % len(traces)], caps, row.context_tokens, row.generated_tokens)
-            for n, (offset, row) in enumerate(zip(offsets, rows, strict=False))]
+    return [
+        _session(n, offset, traces[n % len(traces)], caps, row.context_tokens, row.generated_tokens)
+        for n, (offset, row) in enumerate(zip(offsets, rows, strict=False))
+    ]
 
 
 def poisson_plan(traces: list[SessionTrace], rate: float, scale: float, caps: Caps, seed: int) -> list[PlannedSession]:
@@ -104,8 +109,9 @@ def poisson_plan(traces: list[SessionTrace], rate: float, scale: float, caps: Ca
     rng = random.Random(seed)
     offsets: list[float] = []
     clock = 0.0
-    while (caps.max_sessions is None or len(offsets) < caps.max_sessions) and \
-            (caps.duration_s is None or clock * scale <= caps.duration_s):
+    while (caps.max_sessions is None or len(offsets) < caps.max_sessions) and (
+        caps.duration_s is None or clock * scale <= caps.duration_s
+    ):
         offsets.append(clock * scale)
         clock += rng.expovariate(rate)
     offsets = _bounded(offsets, caps)

@@ -62,8 +62,9 @@ def itl_smoothed(deliveries: list[Delivery]) -> list[float]:
     return [d.gap_ms / d.tokens for d in deliveries for _ in range(d.tokens)]
 
 
-async def _closed_loop(plans: list[PlannedSession], n: int, mode: str, search: CapacitySearch,
-                       connect: Callable[[], VerifierClient]) -> tuple[LoadClock, list[SessionOutcome]]:
+async def _closed_loop(
+    plans: list[PlannedSession], n: int, mode: str, search: CapacitySearch, connect: Callable[[], VerifierClient]
+) -> tuple[LoadClock, list[SessionOutcome]]:
     clock = LoadClock()
     outcomes: list[SessionOutcome] = []
 
@@ -84,19 +85,36 @@ async def _closed_loop(plans: list[PlannedSession], n: int, mode: str, search: C
     return clock, outcomes
 
 
-def _level(n: int, mode: str, clock: LoadClock, outcomes: list[SessionOutcome], wall_s: float,
-           busy: tuple[float, float] | None, search: CapacitySearch) -> dict[str, Any]:
+def _level(
+    n: int,
+    mode: str,
+    clock: LoadClock,
+    outcomes: list[SessionOutcome],
+    wall_s: float,
+    busy: tuple[float, float] | None,
+    search: CapacitySearch,
+) -> dict[str, Any]:
     tokens = sum(o.verified_tokens for o in outcomes)
     failed = [o for o in outcomes if o.error is not None]
     deliveries = steady(clock.deliveries, search)
     itl, ttft = percentiles(itl_as_seen(deliveries)), percentiles([o.ttft_ms for o in outcomes if o.ttft_ms is not None])
-    meets = not failed and itl["p95"] is not None and itl["p95"] <= search.slo_itl_p95_ms and (
-        search.slo_ttft_p95_ms is None or (ttft["p95"] is not None and ttft["p95"] <= search.slo_ttft_p95_ms))
+    meets = (
+        not failed
+        and itl["p95"] is not None
+        and itl["p95"] <= search.slo_itl_p95_ms
+        and (search.slo_ttft_p95_ms is None or (ttft["p95"] is not None and ttft["p95"] <= search.slo_ttft_p95_ms))
+    )
     return {
-        "sessions": n, "mode": mode, "meets_slo": meets, "wall_s": round(wall_s, 3),
-        "sessions_completed": len(outcomes) - len(failed), "sessions_failed": len(failed),
+        "sessions": n,
+        "mode": mode,
+        "meets_slo": meets,
+        "wall_s": round(wall_s, 3),
+        "sessions_completed": len(outcomes) - len(failed),
+        "sessions_failed": len(failed),
         "errors_by_code": dict(sorted(clock.errors_by_code.items())),
-        "itl_ms": itl, "itl_smoothed_ms": percentiles(itl_smoothed(deliveries)), "ttft_ms": ttft,
+        "itl_ms": itl,
+        "itl_smoothed_ms": percentiles(itl_smoothed(deliveries)),
+        "ttft_ms": ttft,
         "verified_tokens_per_s": round(tokens / wall_s, 3) if wall_s else 0.0,
         # target passes each session needed per token (1 for cloud_only; 1/tau speculative)
         "rounds_per_token": round(sum(o.rounds for o in outcomes) / tokens, 4) if tokens else None,
@@ -106,8 +124,14 @@ def _level(n: int, mode: str, clock: LoadClock, outcomes: list[SessionOutcome], 
     }
 
 
-async def measure(plans: list[PlannedSession], n: int, mode: str, search: CapacitySearch,
-                  connect: Callable[[], VerifierClient], probe: BusyProbe) -> dict[str, Any]:
+async def measure(
+    plans: list[PlannedSession],
+    n: int,
+    mode: str,
+    search: CapacitySearch,
+    connect: Callable[[], VerifierClient],
+    probe: BusyProbe,
+) -> dict[str, Any]:
     """One level: n sessions in flight for step_s seconds (then their last sessions end)."""
     before = await probe()
     clock, outcomes = await _closed_loop(plans, n, mode, search, connect)
@@ -117,8 +141,9 @@ async def measure(plans: list[PlannedSession], n: int, mode: str, search: Capaci
     return _level(n, mode, clock, outcomes, wall_s, busy, search)
 
 
-async def search_mode(mode: str, measure_at: Callable[[int], Awaitable[dict[str, Any]]],
-                      max_sessions: int) -> tuple[int, list[dict[str, Any]]]:
+async def search_mode(
+    mode: str, measure_at: Callable[[int], Awaitable[dict[str, Any]]], max_sessions: int
+) -> tuple[int, list[dict[str, Any]]]:
     """The largest level meeting the target: doubling, then bisection; every level measured."""
     levels: dict[int, dict[str, Any]] = {}
 
@@ -143,49 +168,69 @@ async def search_mode(mode: str, measure_at: Callable[[int], Awaitable[dict[str,
 
 def _summary(sessions: int, points: list[dict[str, Any]]) -> dict[str, Any]:
     at = next((p for p in points if p["sessions"] == sessions), None)
-    return {"sessions": sessions,
-            "itl_ms": None if at is None else {"p50": at["itl_ms"]["p50"], "p95": at["itl_ms"]["p95"]},
-            "verified_tokens_per_s": None if at is None else at["verified_tokens_per_s"],
-            "rounds_per_token": None if at is None else at["rounds_per_token"],
-            "forward_passes_per_token": None if at is None else at["forward_passes_per_token"],
-            "busy_fraction": None if at is None else at["busy_fraction"]}
+    return {
+        "sessions": sessions,
+        "itl_ms": None if at is None else {"p50": at["itl_ms"]["p50"], "p95": at["itl_ms"]["p95"]},
+        "verified_tokens_per_s": None if at is None else at["verified_tokens_per_s"],
+        "rounds_per_token": None if at is None else at["rounds_per_token"],
+        "forward_passes_per_token": None if at is None else at["forward_passes_per_token"],
+        "busy_fraction": None if at is None else at["busy_fraction"],
+    }
 
 
-async def find_capacity(plans: list[PlannedSession], search: CapacitySearch,
-                        connect: Callable[[], VerifierClient], probe: BusyProbe) -> dict[str, Any]:
+async def find_capacity(
+    plans: list[PlannedSession], search: CapacitySearch, connect: Callable[[], VerifierClient], probe: BusyProbe
+) -> dict[str, Any]:
     """Both modes, one after the other, against the same verifier and sessions."""
     capacity, points = {}, {}
     for mode in MODES:
+
         async def at(n: int, mode: str = mode) -> dict[str, Any]:
             return await measure(plans, n, mode, search, connect, probe)
+
         sessions, points[mode] = await search_mode(mode, at, search.max_sessions)
         capacity[mode] = _summary(sessions, points[mode])
     cloud = capacity["cloud_only"]["sessions"]
-    return {"mode": "capacity",
-            "slo": {"itl_p95_ms": search.slo_itl_p95_ms, "ttft_p95_ms": search.slo_ttft_p95_ms},
-            "capacity": capacity,
-            "capacity_ratio": round(capacity["speculative"]["sessions"] / cloud, 3) if cloud else None,
-            "levels": points}
+    return {
+        "mode": "capacity",
+        "slo": {"itl_p95_ms": search.slo_itl_p95_ms, "ttft_p95_ms": search.slo_ttft_p95_ms},
+        "capacity": capacity,
+        "capacity_ratio": round(capacity["speculative"]["sessions"] / cloud, 3) if cloud else None,
+        "levels": points,
+    }
 
 
 def capacity_markdown(result: dict[str, Any]) -> str:
     slo, cap = result["slo"], result["capacity"]
-    lines = [f"# Capacity at ITL p95 <= {slo['itl_p95_ms']} ms"
-             + (f", TTFT p95 <= {slo['ttft_p95_ms']} ms" if slo["ttft_p95_ms"] else ""), "",
-             f"Sessions per verifier, speculative / cloud_only: {result['capacity_ratio'] or '–'}x.", "",
-             "| mode | sessions | ITL p50 / p95 ms | verified tokens/s | target passes per token (per session, "
-             "verifier) | verifier busy |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Capacity at ITL p95 <= {slo['itl_p95_ms']} ms"
+        + (f", TTFT p95 <= {slo['ttft_p95_ms']} ms" if slo["ttft_p95_ms"] else ""),
+        "",
+        f"Sessions per verifier, speculative / cloud_only: {result['capacity_ratio'] or '–'}x.",
+        "",
+        "| mode | sessions | ITL p50 / p95 ms | verified tokens/s | target passes per token (per session, "
+        "verifier) | verifier busy |",
+        "|---|---|---|---|---|---|",
+    ]
     for mode, c in cap.items():
         itl = c["itl_ms"] or {}
-        lines.append(f"| {mode} | {c['sessions']} | {itl.get('p50', '–')} / {itl.get('p95', '–')} | "
-                     f"{c['verified_tokens_per_s'] or '–'} | {c['rounds_per_token'] or '–'}, "
-                     f"{c['forward_passes_per_token'] or '–'} | {c['busy_fraction'] or '–'} |")
-    lines += ["", "| mode | sessions | meets | ITL p95 ms (smoothed) | TTFT p95 ms | tokens/s | busy | failed |",
-              "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {mode} | {c['sessions']} | {itl.get('p50', '–')} / {itl.get('p95', '–')} | "
+            f"{c['verified_tokens_per_s'] or '–'} | {c['rounds_per_token'] or '–'}, "
+            f"{c['forward_passes_per_token'] or '–'} | {c['busy_fraction'] or '–'} |"
+        )
+    lines += [
+        "",
+        "| mode | sessions | meets | ITL p95 ms (smoothed) | TTFT p95 ms | tokens/s | busy | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for mode, levels in result["levels"].items():
-        lines += [f"| {mode} | {p['sessions']} | {'yes' if p['meets_slo'] else 'no'} | {p['itl_ms']['p95']} "
-                  f"({p['itl_smoothed_ms']['p95']}) | {p['ttft_ms']['p95']} | {p['verified_tokens_per_s']} | "
-                  f"{p['busy_fraction']} | {p['sessions_failed']} |" for p in levels]
+        lines += [
+            f"| {mode} | {p['sessions']} | {'yes' if p['meets_slo'] else 'no'} | {p['itl_ms']['p95']} "
+            f"({p['itl_smoothed_ms']['p95']}) | {p['ttft_ms']['p95']} | {p['verified_tokens_per_s']} | "
+            f"{p['busy_fraction']} | {p['sessions_failed']} |"
+            for p in levels
+        ]
     return "\n".join(lines) + "\n\n![capacity](capacity.png)\n"
 
 

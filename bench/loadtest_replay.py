@@ -142,22 +142,31 @@ def final_output(generated: list[int], trace: SessionTrace) -> list[int]:
 
 
 def _cut(req: VerifyRequest, catchup: int, k: int) -> VerifyRequest:
-    return VerifyRequest("", req.base_position, req.draft_tokens[:k], req.draft_probs[:k], req.committed_tokens[:catchup],
-                         req.hard_mask[:k], req.sparse_draft[:k], req.want_top_k)
+    return VerifyRequest(
+        "",
+        req.base_position,
+        req.draft_tokens[:k],
+        req.draft_probs[:k],
+        req.committed_tokens[:catchup],
+        req.hard_mask[:k],
+        req.sparse_draft[:k],
+        req.want_top_k,
+    )
 
 
 class SpeculativeReplay:
     def __init__(self, plan: PlannedSession, client: VerifierClient, clock: LoadClock, think_scale: float) -> None:
         self.plan, self.client, self.clock, self.think_scale = plan, client, clock, think_scale
         self.trace = plan.trace
-        self.out = SessionOutcome(plan.index, self.trace.name, "speculative", plan.arrival_s,
-                                  len(plan.prompt_tokens), plan.output_target, plan.resized)
+        self.out = SessionOutcome(
+            plan.index, self.trace.name, "speculative", plan.arrival_s, len(plan.prompt_tokens), plan.output_target, plan.resized
+        )
         self.committed = list(plan.prompt_tokens)
         self.session_id, self.position, self.max_draft = "", 0, 0
         self.faithful = not plan.resized  # replies matched the recording so far
 
     def generated(self) -> list[int]:
-        return self.committed[len(self.plan.prompt_tokens):]
+        return self.committed[len(self.plan.prompt_tokens) :]
 
     async def _open(self, tokens: list[int], seed: int) -> None:
         if self.session_id:
@@ -176,8 +185,11 @@ class SpeculativeReplay:
         events = self.trace.events
         gaps = _think_gaps(events)
         first_open = next((i for i, e in enumerate(events) if isinstance(e, OpenEvent) and e.error is None), -1)
-        replayable = [(e, gaps[i]) for i, e in enumerate(events) if e.error is None and i != first_open
-                      and isinstance(e, VerifyEvent | OpenEvent)]
+        replayable = [
+            (e, gaps[i])
+            for i, e in enumerate(events)
+            if e.error is None and i != first_open and isinstance(e, VerifyEvent | OpenEvent)
+        ]
         if not self.plan.resized:
             yield from replayable
             return
@@ -196,8 +208,16 @@ class SpeculativeReplay:
         """One round; a lost session is reopened on the committed prefix and the block resent."""
         while True:
             cut = self._request(recorded)
-            req = VerifyRequest(self.session_id, self.position, cut.draft_tokens, cut.draft_probs, cut.committed_tokens,
-                                cut.hard_mask, cut.sparse_draft, cut.want_top_k)
+            req = VerifyRequest(
+                self.session_id,
+                self.position,
+                cut.draft_tokens,
+                cut.draft_probs,
+                cut.committed_tokens,
+                cut.hard_mask,
+                cut.sparse_draft,
+                cut.want_top_k,
+            )
             sent = self.clock.now()
             try:
                 reply = await self.client.verify(req)
@@ -209,8 +229,7 @@ class SpeculativeReplay:
                 await self._open(self.committed, self.trace.header.seed + REOPEN_SEED_STRIDE * (10 + self.out.reopens))
                 continue
             now = self.clock.now()
-            self.clock.rounds.append(RoundSample(now, (now - sent) * 1000.0, reply.accepted_len + 1,
-                                                 reply.metrics.queue_ms))
+            self.clock.rounds.append(RoundSample(now, (now - sent) * 1000.0, reply.accepted_len + 1, reply.metrics.queue_ms))
             self.clock.deliver(self.out.index, reply.accepted_len + 1)
             if self.out.ttft_ms is None:
                 self.out.ttft_ms = (now - self.out.start_s) * 1000.0
@@ -262,8 +281,9 @@ class SpeculativeReplay:
 
 async def replay_cloud_only(plan: PlannedSession, client: VerifierClient, clock: LoadClock) -> SessionOutcome:
     trace = plan.trace
-    out = SessionOutcome(plan.index, trace.name, "cloud_only", plan.arrival_s, len(plan.prompt_tokens),
-                         plan.output_target, plan.resized)
+    out = SessionOutcome(
+        plan.index, trace.name, "cloud_only", plan.arrival_s, len(plan.prompt_tokens), plan.output_target, plan.resized
+    )
     out.start_s = clock.now()
     req = GenerateRequest(plan.prompt_tokens, _session_config(trace, trace.header.seed), plan.output_target, [])
     tokens: list[int] = []
@@ -285,8 +305,7 @@ async def replay_cloud_only(plan: PlannedSession, client: VerifierClient, clock:
     return out
 
 
-async def replay(plan: PlannedSession, client: VerifierClient, clock: LoadClock, mode: str,
-                 think_scale: float) -> SessionOutcome:
+async def replay(plan: PlannedSession, client: VerifierClient, clock: LoadClock, mode: str, think_scale: float) -> SessionOutcome:
     """One session, start to end; an error answer that ends it is kept in the outcome."""
     clock.open_changes.append((clock.now(), +1))
     start = clock.now()
@@ -298,8 +317,13 @@ async def replay(plan: PlannedSession, client: VerifierClient, clock: LoadClock,
         else:
             outcome = await replay_cloud_only(plan, client, clock)
     except SpecDecError as err:
-        outcome = speculative.out if speculative is not None else SessionOutcome(
-            plan.index, plan.trace.name, mode, plan.arrival_s, len(plan.prompt_tokens), plan.output_target, plan.resized)
+        outcome = (
+            speculative.out
+            if speculative is not None
+            else SessionOutcome(
+                plan.index, plan.trace.name, mode, plan.arrival_s, len(plan.prompt_tokens), plan.output_target, plan.resized
+            )
+        )
         outcome.start_s = start
         outcome.error = err.status
         outcome.note_error(clock, err.status)

@@ -37,8 +37,12 @@ def machine() -> dict[str, Any]:
     CPU count and the commit."""
     git = environment.git_state(REPO)
     return environment.machine() | {
-        "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-        "python": platform.python_version(), "git_commit": git["commit"] or "unknown", "git_dirty": bool(git["dirty"])}
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "git_commit": git["commit"] or "unknown",
+        "git_dirty": bool(git["dirty"]),
+    }
 
 
 def _open_sessions_at(changes: list[tuple[float, int]], times: list[float]) -> list[int]:
@@ -67,15 +71,27 @@ def timeline(clock: LoadClock, samples: list[ServerSample], end_s: float, bin_s:
     for b in range(bins):
         inside = [s.kv_cache_bytes for s in samples if b * bin_s <= s.t_s < ends[b] and s.kv_cache_bytes is not None]
         kv.append(max(inside) if inside else None)
-    return {"bin_s": bin_s, "t_s": ends, "tokens_per_s": (tokens / bin_s).round(3).tolist(),
-            "rounds_per_s": (rounds / bin_s).round(3).tolist(),
-            "latency_p50_ms": [percentiles(v, (50,))["p50"] for v in latencies],
-            "latency_p95_ms": [percentiles(v, (95,))["p95"] for v in latencies],
-            "open_sessions": _open_sessions_at(clock.open_changes, ends), "kv_cache_bytes": kv}
+    return {
+        "bin_s": bin_s,
+        "t_s": ends,
+        "tokens_per_s": (tokens / bin_s).round(3).tolist(),
+        "rounds_per_s": (rounds / bin_s).round(3).tolist(),
+        "latency_p50_ms": [percentiles(v, (50,))["p50"] for v in latencies],
+        "latency_p95_ms": [percentiles(v, (95,))["p95"] for v in latencies],
+        "open_sessions": _open_sessions_at(clock.open_changes, ends),
+        "kv_cache_bytes": kv,
+    }
 
 
-def summarize(outcomes: list[SessionOutcome], clock: LoadClock, samples: list[ServerSample], wall_s: float,
-              settings: dict[str, Any], planned: int, bin_s: float = 1.0) -> dict[str, Any]:
+def summarize(
+    outcomes: list[SessionOutcome],
+    clock: LoadClock,
+    samples: list[ServerSample],
+    wall_s: float,
+    settings: dict[str, Any],
+    planned: int,
+    bin_s: float = 1.0,
+) -> dict[str, Any]:
     done = [o for o in outcomes if o.error is None]
     compared = [o for o in outcomes if o.output_equal is not None]
     queue = [r.queue_ms for r in clock.rounds if r.queue_ms is not None]
@@ -117,7 +133,7 @@ def summarize(outcomes: list[SessionOutcome], clock: LoadClock, samples: list[Se
 
 
 def ended_by_line(result: dict[str, Any]) -> str:
-    """"served 8, refused at open 16 (RESOURCE_EXHAUSTED 16)": what an operator reads first."""
+    """ "served 8, refused at open 16 (RESOURCE_EXHAUSTED 16)": what an operator reads first."""
     ended = result.get("sessions_ended_by", {})
     parts = [f"served {result['sessions_completed']}"]
     for where in ("open", "round"):
@@ -179,13 +195,19 @@ def write_report(result: dict[str, Any], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     summary = folder / "summary.md"
     tl = result["timeline"]
-    panels = [("throughput", "tokens/s", {"verified tokens/s": tl["tokens_per_s"]}),
-              ("latency", "ms", {f"{result['latency_kind']} p50": tl["latency_p50_ms"],
-                                 f"{result['latency_kind']} p95": tl["latency_p95_ms"]}),
-              ("open_sessions", "sessions", {"sessions in flight": tl["open_sessions"]})]
+    panels = [
+        ("throughput", "tokens/s", {"verified tokens/s": tl["tokens_per_s"]}),
+        (
+            "latency",
+            "ms",
+            {f"{result['latency_kind']} p50": tl["latency_p50_ms"], f"{result['latency_kind']} p95": tl["latency_p95_ms"]},
+        ),
+        ("open_sessions", "sessions", {"sessions in flight": tl["open_sessions"]}),
+    ]
     if any(v is not None for v in tl["kv_cache_bytes"]):
-        panels.append(("kv_bytes", "MiB", {"specdec_kv_cache_bytes": [None if v is None else v / 2**20
-                                                                       for v in tl["kv_cache_bytes"]]}))
+        panels.append(
+            ("kv_bytes", "MiB", {"specdec_kv_cache_bytes": [None if v is None else v / 2**20 for v in tl["kv_cache_bytes"]]})
+        )
     written = [summary]
     text = markdown(result)
     for name, unit, series in panels:

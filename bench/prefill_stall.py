@@ -34,8 +34,9 @@ from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
 WARMUP_ROUNDS = 3
 
 
-async def _bystander(client: VerifierClient, session_id: str, position: int, stop: asyncio.Event,
-                     rounds: list[tuple[float, float]]) -> None:
+async def _bystander(
+    client: VerifierClient, session_id: str, position: int, stop: asyncio.Event, rounds: list[tuple[float, float]]
+) -> None:
     """k=0 rounds back to back until `stop`; each round's (sent, answered) perf_counter times."""
     while not stop.is_set():
         sent = time.perf_counter()
@@ -72,27 +73,37 @@ async def measure(verifier: Verifier, chunk: int, prompt: list[int]) -> dict[str
         await client.close()
         await server.stop(None)
         state.worker.shutdown()
-    return {"chunk": chunk, "prefill_s": round(prefill_s, 3), "bystander_rounds_during": len(during),
-            "stall_max_ms": round(max(during), 1) if during else None,
-            "stall_median_ms": round(statistics.median(during), 1) if during else None,
-            "round_ms_before": round(statistics.median(before), 1)}
+    return {
+        "chunk": chunk,
+        "prefill_s": round(prefill_s, 3),
+        "bystander_rounds_during": len(during),
+        "stall_max_ms": round(max(during), 1) if during else None,
+        "stall_median_ms": round(statistics.median(during), 1) if during else None,
+        "round_ms_before": round(statistics.median(before), 1),
+    }
 
 
 def _report(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
-        "# One long prompt beside a bystander's rounds", "",
+        "# One long prompt beside a bystander's rounds",
+        "",
         f"Target `{result['model']}` ({result['dtype']}), a {result['prompt_tokens']}-token prompt opened while a "
         f"bystander session sends k=0 rounds back to back. {m['cpu_model']}, {m['cores']} cores "
-        f"({m['cpu_flags']}), torch {result['versions']['torch']}, {result['date']}.", "",
-        f"Command: `{result['command']}`", "",
+        f"({m['cpu_flags']}), torch {result['versions']['torch']}, {result['date']}.",
+        "",
+        f"Command: `{result['command']}`",
+        "",
         "| --max-prefill-chunk | prefill (s) | bystander rounds during it | longest round (ms) | median round (ms) "
         "| round before (ms) |",
-        "|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|",
+    ]
     for row in result["runs"]:
         chunk = row["chunk"] or "0 (whole prompt)"
-        lines.append(f"| {chunk} | {row['prefill_s']} | {row['bystander_rounds_during']} | {row['stall_max_ms']} "
-                     f"| {row['stall_median_ms']} | {row['round_ms_before']} |")
+        lines.append(
+            f"| {chunk} | {row['prefill_s']} | {row['bystander_rounds_during']} | {row['stall_max_ms']} "
+            f"| {row['stall_median_ms']} | {row['round_ms_before']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -101,22 +112,29 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     model = lm.load_model(args.model, args.dtype, "cpu")
     verifier = Verifier(model, Path(args.model).name)
     vocab = min(lm.logits_width(model), 30000)
-    prompt = torch.randint(vocab // 10, vocab, (args.prompt_tokens,),
-                           generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(vocab // 10, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     chunks = [int(c) for c in args.chunks.split(",")]
     runs = []
     for _ in range(args.repeats):
         for chunk in chunks:  # alternated: every configuration sees the machine in the same states
             runs.append(await measure(verifier, chunk, prompt))
             print(json.dumps(runs[-1]), flush=True)  # noqa: T201  # progress of a long run
-    return {"model": Path(args.model).name, "dtype": str(model.dtype).removeprefix("torch."),
-            "prompt_tokens": args.prompt_tokens, "runs": runs, "machine": machine(), "versions": versions(),
-            "date": time.strftime("%Y-%m-%d"), "command": "python -m bench.prefill_stall " + " ".join(args.argv)}
+    return {
+        "model": Path(args.model).name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "prompt_tokens": args.prompt_tokens,
+        "runs": runs,
+        "machine": machine(),
+        "versions": versions(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python -m bench.prefill_stall " + " ".join(args.argv),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.prefill_stall", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.prefill_stall", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="target model folder (HF format)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompt-tokens", type=int, default=2048)

@@ -47,22 +47,52 @@ def _mib(value: int | None) -> str:
 
 
 def overall_table(runs: Sequence[dict[str, Any]]) -> str:
-    header = ["system", "placement", "link", "tok/s", "decode tok/s", "TTFT p50 / p95 s", "latency p50 / p95 s",
-              "tau", "accept", "target passes / tok", "cloud calls / tok", "bytes up / tok", "bytes down / tok",
-              "Verify bytes up / drafted", "thrown away / tok", "peak RSS MiB (proc / verifier)", "peak KV MiB",
-              "same as target-only"]
+    header = [
+        "system",
+        "placement",
+        "link",
+        "tok/s",
+        "decode tok/s",
+        "TTFT p50 / p95 s",
+        "latency p50 / p95 s",
+        "tau",
+        "accept",
+        "target passes / tok",
+        "cloud calls / tok",
+        "bytes up / tok",
+        "bytes down / tok",
+        "Verify bytes up / drafted",
+        "thrown away / tok",
+        "peak RSS MiB (proc / verifier)",
+        "peak KV MiB",
+        "same as target-only",
+    ]
     rows = []
     for run in runs:
         s, p = run["summary"], run["process"]
         identical = run["identical_to_target_only"]
-        rows.append([run["system"], run["placement"], where(run), fmt(s["tokens_per_s"]), fmt(s["decode_tokens_per_s"]),
-                     f"{fmt(s['ttft_s_p50'])} / {fmt(s['ttft_s_p95'])}",
-                     f"{fmt(s['latency_s_p50'])} / {fmt(s['latency_s_p95'])}", fmt(s["tau"]), fmt(s["acceptance_rate"]),
-                     fmt(s["target_passes_per_token"], 3), fmt(s["cloud_call_ratio"], 3), fmt(s["bytes_up_per_token"], 1),
-                     fmt(s["bytes_down_per_token"], 1), fmt(s["verify_bytes_up_per_drafted_token"], 1),
-                     fmt(s["thrown_away_per_token"]), f"{fmt(p['peak_rss_mib'], 0)} / {fmt(p['verifier_peak_rss_mib'], 0)}",
-                     _mib(s["kv_peak_bytes"]),
-                     "–" if identical is None else f"{identical}/{s['requests']}"])
+        rows.append(
+            [
+                run["system"],
+                run["placement"],
+                where(run),
+                fmt(s["tokens_per_s"]),
+                fmt(s["decode_tokens_per_s"]),
+                f"{fmt(s['ttft_s_p50'])} / {fmt(s['ttft_s_p95'])}",
+                f"{fmt(s['latency_s_p50'])} / {fmt(s['latency_s_p95'])}",
+                fmt(s["tau"]),
+                fmt(s["acceptance_rate"]),
+                fmt(s["target_passes_per_token"], 3),
+                fmt(s["cloud_call_ratio"], 3),
+                fmt(s["bytes_up_per_token"], 1),
+                fmt(s["bytes_down_per_token"], 1),
+                fmt(s["verify_bytes_up_per_drafted_token"], 1),
+                fmt(s["thrown_away_per_token"]),
+                f"{fmt(p['peak_rss_mib'], 0)} / {fmt(p['verifier_peak_rss_mib'], 0)}",
+                _mib(s["kv_peak_bytes"]),
+                "–" if identical is None else f"{identical}/{s['requests']}",
+            ]
+        )
     return _table(header, rows)
 
 
@@ -73,8 +103,17 @@ def ratio_table(runs: Sequence[dict[str, Any]]) -> str:
         r = run["ratios"]
         if not r:
             continue
-        rows.append([run["system"], run["placement"], where(run), fmt(run["summary"]["tokens_per_s"]),
-                     fmt(r.get("vs_target_only")), fmt(r.get("vs_hf_assisted")), fmt(r.get("vs_cloud_only"))])
+        rows.append(
+            [
+                run["system"],
+                run["placement"],
+                where(run),
+                fmt(run["summary"]["tokens_per_s"]),
+                fmt(r.get("vs_target_only")),
+                fmt(r.get("vs_hf_assisted")),
+                fmt(r.get("vs_cloud_only")),
+            ]
+        )
     return _table(header, rows) if rows else "(no reference system in this run)\n"
 
 
@@ -83,19 +122,44 @@ def task_table(runs: Sequence[dict[str, Any]]) -> str:
     rows = []
     for run in runs:
         for task, s in run["per_task"].items():
-            rows.append([run["system"], run["placement"], where(run), task, str(s["requests"]), fmt(s["tokens_per_s"]),
-                         fmt(s["tau"]), fmt(s["acceptance_rate"]), fmt(s["target_passes_per_token"], 3)])
+            rows.append(
+                [
+                    run["system"],
+                    run["placement"],
+                    where(run),
+                    task,
+                    str(s["requests"]),
+                    fmt(s["tokens_per_s"]),
+                    fmt(s["tau"]),
+                    fmt(s["acceptance_rate"]),
+                    fmt(s["target_passes_per_token"], 3),
+                ]
+            )
     return _table(header, rows)
 
 
 def round_time_table(runs: Sequence[dict[str, Any]]) -> str:
     """The profile of a round beside cloud_only's decode step on the same link: when verifying a
     position costs about one decode step, a round of k drafts costs about k + 1 steps."""
-    step_ms = {(r["placement"], r["rtt_ms"]): 1000 / r["summary"]["decode_tokens_per_s"] for r in runs
-               if r["system"] == CLOUD_ONLY and r["summary"]["decode_tokens_per_s"]}
-    header = ["system", "placement", "link", "tau", "draft ms / round", "verifier ms / round", "wire ms / round",
-              "verifier ms / position", "cloud_only ms / token", "position / cloud_only token", "draft ms / token",
-              "c = draft token / cloud_only token"]
+    step_ms = {
+        (r["placement"], r["rtt_ms"]): 1000 / r["summary"]["decode_tokens_per_s"]
+        for r in runs
+        if r["system"] == CLOUD_ONLY and r["summary"]["decode_tokens_per_s"]
+    }
+    header = [
+        "system",
+        "placement",
+        "link",
+        "tau",
+        "draft ms / round",
+        "verifier ms / round",
+        "wire ms / round",
+        "verifier ms / position",
+        "cloud_only ms / token",
+        "position / cloud_only token",
+        "draft ms / token",
+        "c = draft token / cloud_only token",
+    ]
     rows = []
     for run in runs:
         s = run["summary"]
@@ -103,10 +167,22 @@ def round_time_table(runs: Sequence[dict[str, Any]]) -> str:
             continue
         step = step_ms.get((run["placement"], run["rtt_ms"]))
         per_position, per_draft = s["verify_ms_per_position"], s.get("draft_ms_per_token")
-        rows.append([run["system"], run["placement"], where(run), fmt(s["tau"]), fmt(s["round_draft_ms"], 0),
-                     fmt(s["round_verify_ms"], 0), fmt(s["round_wire_ms"], 0), fmt(per_position, 0), fmt(step, 0),
-                     fmt(per_position / step if step else None), fmt(per_draft, 1),
-                     fmt(per_draft / step if step and per_draft is not None else None)])
+        rows.append(
+            [
+                run["system"],
+                run["placement"],
+                where(run),
+                fmt(s["tau"]),
+                fmt(s["round_draft_ms"], 0),
+                fmt(s["round_verify_ms"], 0),
+                fmt(s["round_wire_ms"], 0),
+                fmt(per_position, 0),
+                fmt(step, 0),
+                fmt(per_position / step if step else None),
+                fmt(per_draft, 1),
+                fmt(per_draft / step if step and per_draft is not None else None),
+            ]
+        )
     return _table(header, rows) if rows else "No timed rounds in this run.\n"
 
 
@@ -192,8 +268,11 @@ def write_report(result: dict[str, Any], folder: Path) -> Path:
     sampling = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']}"
     k = st["k"] if st["k"] is not None else "edge default"
     cap = f", bandwidth cap {st['bandwidth_kbps']:g} kbit/s" if st["bandwidth_kbps"] else ""
-    pinned = ("pinned: verifier on core 0, edge on core 1, one torch thread each; in-process systems on core 0, "
-              "one thread" if "pinned" in st["placements"] else "")
+    pinned = (
+        "pinned: verifier on core 0, edge on core 1, one torch thread each; in-process systems on core 0, one thread"
+        if "pinned" in st["placements"]
+        else ""
+    )
     text = [
         "# Benchmark report\n",
         f"**Measured on**: {machine} ({m['platform']}). All absolute times below are from this machine; "
@@ -205,24 +284,31 @@ def write_report(result: dict[str, Any], folder: Path) -> Path:
         f"{sampling}, seed {st['seed']}; "
         f"max {st['max_new_tokens']} new tokens; k {k}; "
         f"{result['prompts']['count']} prompts (`{result['prompts']['file']}`).\n",
-        f"Placements: {', '.join(st['placements'])}. {pinned}\n" if pinned else
-        f"Placement: {', '.join(st['placements'])} (processes share all cores).\n",
+        f"Placements: {', '.join(st['placements'])}. {pinned}\n"
+        if pinned
+        else f"Placement: {', '.join(st['placements'])} (processes share all cores).\n",
         "Links: wire systems (edge ↔ verifier) run once per added RTT through the loopback proxy"
         f"{cap}; in-process systems "
         "(target-only, hf-assisted) and edge_only never cross the wire: they run once and appear as their own "
         "rows marked *no network*.\n",
-        "## Overall\n", overall_table(runs),
+        "## Overall\n",
+        overall_table(runs),
         "\nPeak RSS: the measured process (edge-agent or the in-process runner) by wait4, and the verifier's "
         "VmHWM over that run. Peak KV: the target's cache.\n",
-        "## Speedups (tokens/s ratios, same run)\n", ratio_table(runs),
+        "## Speedups (tokens/s ratios, same run)\n",
+        ratio_table(runs),
         "## Where a round's time goes\n",
         "Mean per verified round, from the edge's round log: drafting, the verifier's own time (queue, one "
         "forward, accept) and the rest of the Verify call (wire, serialization, added RTT). The last columns "
         "set the verifier's time per verified position beside one cloud_only decode step on the same link.\n",
         round_time_table(runs),
-        "## Acceptance per draft position\n", position_table(runs),
-        "## Per task\n", task_table(runs),
-        "## Plots\n", "![tokens/s](tokens_per_s.png)\n", "![tau and acceptance](acceptance.png)\n",
+        "## Acceptance per draft position\n",
+        position_table(runs),
+        "## Per task\n",
+        task_table(runs),
+        "## Plots\n",
+        "![tokens/s](tokens_per_s.png)\n",
+        "![tau and acceptance](acceptance.png)\n",
         "![latency CDF](latency_cdf.png)\n",
     ]
     path = folder / "report.md"

@@ -76,8 +76,10 @@ def _run_document(run: Run, runs: Sequence[Run], greedy: bool) -> dict[str, Any]
         identical = identical_count(run.records, {r["id"]: r["token_ids"] for r in reference.records})
     ratios: dict[str, float | None] = {}
     rate = summary["tokens_per_s"] or 0.0
-    references: list[tuple[str, str, float | None]] = [("vs_target_only", TARGET_ONLY, None),
-                                                        ("vs_hf_assisted", HF_ASSISTED, None)]
+    references: list[tuple[str, str, float | None]] = [
+        ("vs_target_only", TARGET_ONLY, None),
+        ("vs_hf_assisted", HF_ASSISTED, None),
+    ]
     if run.rtt_ms is not None:  # cloud_only is compared on the same link only
         references.append(("vs_cloud_only", CLOUD_ONLY, run.rtt_ms))
     for key, name, rtt in references:
@@ -91,34 +93,53 @@ def _run_document(run: Run, runs: Sequence[Run], greedy: bool) -> dict[str, Any]
             ids = {r["id"] for r in records}
             per_task[task] = _summary(run, records, [r for r in run.rounds if r.get("id") in ids])
     return {
-        "system": run.system.name, "kind": run.system.kind.value, "edge_flags": list(run.system.edge_flags),
-        "placement": run.placement.name, "rtt_ms": run.rtt_ms,
-        "process": {"peak_rss_mib": _mib(run.peak_rss_kib), "verifier_peak_rss_mib": _mib(run.verifier_peak_rss_kib),
-                    "wall_s": run.wall_s},
-        "summary": summary, "identical_to_target_only": identical, "ratios": ratios, "per_task": per_task,
+        "system": run.system.name,
+        "kind": run.system.kind.value,
+        "edge_flags": list(run.system.edge_flags),
+        "placement": run.placement.name,
+        "rtt_ms": run.rtt_ms,
+        "process": {
+            "peak_rss_mib": _mib(run.peak_rss_kib),
+            "verifier_peak_rss_mib": _mib(run.verifier_peak_rss_kib),
+            "wall_s": run.wall_s,
+        },
+        "summary": summary,
+        "identical_to_target_only": identical,
+        "ratios": ratios,
+        "per_task": per_task,
         "requests": run.records,
     }
 
 
-def build(settings: BenchSettings, runs: Sequence[Run], prompt_ids: list[str], runner_meta: dict[str, Any],
-          kv_bytes_per_token: int | None, repo: Path) -> dict[str, Any]:
+def build(
+    settings: BenchSettings,
+    runs: Sequence[Run],
+    prompt_ids: list[str],
+    runner_meta: dict[str, Any],
+    kv_bytes_per_token: int | None,
+    repo: Path,
+) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
         "machine": machine(),
         "versions": versions(),
         "git": git_state(repo),
-        "models": {"draft": str(settings.draft_model), "target": str(settings.target_model),
-                   "target_kv_bytes_per_token": kv_bytes_per_token, "in_process_runner": runner_meta},
+        "models": {
+            "draft": str(settings.draft_model),
+            "target": str(settings.target_model),
+            "target_kv_bytes_per_token": kv_bytes_per_token,
+            "in_process_runner": runner_meta,
+        },
         "settings": settings.as_json(),
         "prompts": {"count": len(prompt_ids), "ids": prompt_ids, "file": str(settings.files / "prompts.jsonl")},
         "method": {
             "peak_rss": "edge-agent and bench.hf_runner: wait4 ru_maxrss of that child; verifier: /proc/PID VmHWM, "
-                        "reset (clear_refs 5) before each run, one verifier per placement",
+            "reset (clear_refs 5) before each run, one verifier per placement",
             "kv_peak_bytes": "in-process: bytes of the target's cache tensors after each forward (hook); verifier: "
-                             "(prompt + output + largest block) tokens x the target's KV bytes per token measured on "
-                             "real cache tensors",
+            "(prompt + output + largest block) tokens x the target's KV bytes per token measured on "
+            "real cache tensors",
             "rtt": "wire systems run once per RTT through shared.netproxy; in-process and edge-local systems run "
-                   "once per placement and have rtt_ms null",
+            "once per placement and have rtt_ms null",
             "warmup": "every child first answers one warmup prompt that is left out of the numbers",
             "acceptance_by_position": "rounds that accepted draft position i / rounds that drafted it (k > i)",
         },

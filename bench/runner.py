@@ -88,12 +88,36 @@ class BenchRunner:
 
     def _hf_command(self, system: str, placement: Placement, stem: RunFiles, extra: list[str]) -> list[str]:
         s = self.s
-        return [*placement.prefix(placement.cloud_cores), *_python(), "-m", "bench.hf_runner", "--system", system,
-                "--target", str(s.target_model), "--draft", str(s.draft_model), "--prompts", str(self.child_prompts),
-                "--output", str(stem.path(".jsonl")), "--log-rounds", str(stem.path(".rounds.jsonl")),
-                "--meta", str(stem.path(".meta.json")), "--max-new-tokens", str(s.max_new_tokens),
-                "--dtype", s.dtype, "--temperature", str(s.temperature), "--seed", str(s.seed),
-                *placement.thread_flags(), *extra]
+        return [
+            *placement.prefix(placement.cloud_cores),
+            *_python(),
+            "-m",
+            "bench.hf_runner",
+            "--system",
+            system,
+            "--target",
+            str(s.target_model),
+            "--draft",
+            str(s.draft_model),
+            "--prompts",
+            str(self.child_prompts),
+            "--output",
+            str(stem.path(".jsonl")),
+            "--log-rounds",
+            str(stem.path(".rounds.jsonl")),
+            "--meta",
+            str(stem.path(".meta.json")),
+            "--max-new-tokens",
+            str(s.max_new_tokens),
+            "--dtype",
+            s.dtype,
+            "--temperature",
+            str(s.temperature),
+            "--seed",
+            str(s.seed),
+            *placement.thread_flags(),
+            *extra,
+        ]
 
     def measure_kv_bytes_per_token(self) -> int:
         """The target's KV bytes per token, measured on real cache tensors in a child (the
@@ -107,10 +131,29 @@ class BenchRunner:
 
     def _edge_command(self, system: System, placement: Placement, stem: RunFiles, cloud: str | None) -> list[str]:
         s = self.s
-        cmd = [*placement.prefix(placement.edge_cores), *_python(), "-m", "edge", "--prompts", str(self.child_prompts),
-               "--output", str(stem.path(".jsonl")), "--log-rounds", str(stem.path(".rounds.jsonl")),
-               "--draft-model", str(s.draft_model), "--dtype", s.dtype, "--max-new-tokens", str(s.max_new_tokens),
-               "--temperature", str(s.temperature), "--seed", str(s.seed), *placement.thread_flags()]
+        cmd = [
+            *placement.prefix(placement.edge_cores),
+            *_python(),
+            "-m",
+            "edge",
+            "--prompts",
+            str(self.child_prompts),
+            "--output",
+            str(stem.path(".jsonl")),
+            "--log-rounds",
+            str(stem.path(".rounds.jsonl")),
+            "--draft-model",
+            str(s.draft_model),
+            "--dtype",
+            s.dtype,
+            "--max-new-tokens",
+            str(s.max_new_tokens),
+            "--temperature",
+            str(s.temperature),
+            "--seed",
+            str(s.seed),
+            *placement.thread_flags(),
+        ]
         if cloud is not None:
             cmd += ["--cloud", cloud]
         if s.k is not None:
@@ -119,8 +162,7 @@ class BenchRunner:
 
     # ---- runs ----------------------------------------------------------------------------
 
-    def _collect(self, system: System, placement: Placement, rtt: float | None, stem: RunFiles,
-                 finished: Finished) -> Run:
+    def _collect(self, system: System, placement: Placement, rtt: float | None, stem: RunFiles, finished: Finished) -> Run:
         records = [r for r in load_jsonl(stem.path(".jsonl")) if r["id"] != WARMUP.id]
         rounds_path = stem.path(".rounds.jsonl")
         rounds = [r for r in load_jsonl(rounds_path) if r.get("id") != WARMUP.id] if rounds_path.exists() else []
@@ -147,23 +189,22 @@ class BenchRunner:
 
     def run_in_process(self, system: System, placement: Placement) -> Run:
         stem = RunFiles(self.files, f"{system.name}.{placement.name}")
-        finished = self._measured(self._hf_command(system.name, placement, stem, []), system.name,
-                                  stem.path(".jsonl"))
+        finished = self._measured(self._hf_command(system.name, placement, stem, []), system.name, stem.path(".jsonl"))
         run = self._collect(system, placement, None, stem, finished)
         meta = json.loads(stem.path(".meta.json").read_text())
         self.kv_bytes_per_token = self.kv_bytes_per_token or int(meta["kv_bytes_per_token"])
         self.runner_meta[system.name] = meta
         return run
 
-    def run_edge(self, system: System, placement: Placement, rtt: float | None, cloud: str | None,
-                 verifier_pid: int | None) -> Run:
+    def run_edge(
+        self, system: System, placement: Placement, rtt: float | None, cloud: str | None, verifier_pid: int | None
+    ) -> Run:
         where = f".rtt{rtt:g}" if rtt is not None else ""
         stem = RunFiles(self.files, f"{system.name}.{placement.name}{where}")
         stem.path(".rounds.jsonl").unlink(missing_ok=True)  # edge-agent appends to it
         if verifier_pid is not None:
             reset_peak_rss(verifier_pid)
-        finished = self._measured(self._edge_command(system, placement, stem, cloud), system.name,
-                                  stem.path(".jsonl"))
+        finished = self._measured(self._edge_command(system, placement, stem, cloud), system.name, stem.path(".jsonl"))
         run = self._collect(system, placement, rtt, stem, finished)
         if verifier_pid is not None:
             run.verifier_peak_rss_kib = peak_rss_kib(verifier_pid)
@@ -172,10 +213,22 @@ class BenchRunner:
     @contextmanager
     def verifier(self, placement: Placement) -> Iterator[tuple[int, str]]:
         s = self.s
-        cmd = [*placement.prefix(placement.cloud_cores), *_python(), "-m", "cloud", "--port", "0", "--http-port", "0",
-               "--model", str(s.target_model), "--dtype", s.dtype, *placement.thread_flags()]
-        with running(cmd, self.files / f"verifier.{placement.name}.log", r"serving .* on (\S+:\d+)",
-                     "cloud-verifier") as started:
+        cmd = [
+            *placement.prefix(placement.cloud_cores),
+            *_python(),
+            "-m",
+            "cloud",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--model",
+            str(s.target_model),
+            "--dtype",
+            s.dtype,
+            *placement.thread_flags(),
+        ]
+        with running(cmd, self.files / f"verifier.{placement.name}.log", r"serving .* on (\S+:\d+)", "cloud-verifier") as started:
             yield started
 
     @contextmanager
@@ -184,8 +237,17 @@ class BenchRunner:
         if rtt <= 0 and self.s.bandwidth_kbps <= 0:
             yield address
             return
-        cmd = [*_python(), "-m", "shared.netproxy", "--target", address, "--rtt-ms", str(rtt),
-               "--bandwidth-bytes-per-s", str(self.s.bandwidth_kbps * 1000 / 8)]
+        cmd = [
+            *_python(),
+            "-m",
+            "shared.netproxy",
+            "--target",
+            address,
+            "--rtt-ms",
+            str(rtt),
+            "--bandwidth-bytes-per-s",
+            str(self.s.bandwidth_kbps * 1000 / 8),
+        ]
         with running(cmd, self.files / f"proxy.rtt{rtt:g}.log", r"listening on (\S+:\d+)", "netproxy") as (_, proxied):
             yield proxied
 

@@ -67,9 +67,14 @@ class Sample:
 
 def _api_sample(client: Any, prompt: Prompt, repeat: int, max_tokens: int) -> Sample:
     start, first, pieces, usage, stats = time.perf_counter(), None, [], None, {}
-    stream = client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt.text}],
-                                            max_tokens=max_tokens, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": prompt.text}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
@@ -78,8 +83,7 @@ def _api_sample(client: Any, prompt: Prompt, repeat: int, max_tokens: int) -> Sa
             usage, stats = chunk.usage, (chunk.model_extra or {}).get("speculative_decoding", {})
     elapsed = time.perf_counter() - start
     tokens = usage.completion_tokens if usage is not None else 0
-    return Sample("api", prompt.id, repeat, (first or start) - start, elapsed, tokens, stats.get("rounds", 0),
-                  "".join(pieces))
+    return Sample("api", prompt.id, repeat, (first or start) - start, elapsed, tokens, stats.get("rounds", 0), "".join(pieces))
 
 
 class _FirstToken:
@@ -100,8 +104,7 @@ async def _direct_sample(ctx: EdgeContext, client: VerifierClient, prompt: Promp
     result = await generate_one(ctx, client, ids, ctx.settings.seed, first)
     elapsed = time.perf_counter() - start
     text = ctx.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    return Sample("direct", prompt.id, repeat, (first.at or start) - start, elapsed, len(result.token_ids),
-                  result.rounds, text)
+    return Sample("direct", prompt.id, repeat, (first.at or start) - start, elapsed, len(result.token_ids), result.rounds, text)
 
 
 async def _measure(args: argparse.Namespace, address: str, base_url: str, prompts: list[Prompt]) -> list[Sample]:
@@ -130,13 +133,32 @@ async def _measure(args: argparse.Namespace, address: str, base_url: str, prompt
 
 
 def _edge_settings(args: argparse.Namespace, address: str) -> EdgeSettings:
-    return EdgeSettings(cloud=address, draft_model=str(args.draft_model), max_new_tokens=args.max_new_tokens, k=args.k,
-                        dtype=args.dtype, threads=args.threads, draft_threads=args.threads)
+    return EdgeSettings(
+        cloud=address,
+        draft_model=str(args.draft_model),
+        max_new_tokens=args.max_new_tokens,
+        k=args.k,
+        dtype=args.dtype,
+        threads=args.threads,
+        draft_threads=args.threads,
+    )
 
 
 def _edge_flags(args: argparse.Namespace) -> list[str]:
-    return ["--draft-model", str(args.draft_model), "--max-new-tokens", str(args.max_new_tokens), "--k", str(args.k),
-            "--dtype", args.dtype, "--threads", str(args.threads), "--draft-threads", str(args.threads)]
+    return [
+        "--draft-model",
+        str(args.draft_model),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--k",
+        str(args.k),
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--draft-threads",
+        str(args.threads),
+    ]
 
 
 def _median(values: list[float]) -> float | None:
@@ -147,16 +169,28 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
     systems = {}
     for system in ("api", "direct"):
         rows = [s for s in samples if s.system == system]
-        systems[system] = {"ttft_ms_median": _median([s.ttft_s * 1000 for s in rows]),
-                           "tokens_per_s_median": _median([s.tokens_per_s for s in rows]),
-                           "tokens_median": _median([float(s.tokens) for s in rows]), "runs": len(rows)}
-    pairs = [(a, d) for a in samples if a.system == "api"
-             for d in samples if d.system == "direct" and (d.prompt_id, d.repeat) == (a.prompt_id, a.repeat)]
-    return {"systems": systems,
-            "paired": {"ttft_overhead_ms_median": _median([(a.ttft_s - d.ttft_s) * 1000 for a, d in pairs]),
-                       "tokens_per_s_ratio_median": _median([a.tokens_per_s / d.tokens_per_s for a, d in pairs
-                                                             if d.tokens_per_s]),
-                       "same_text": sum(a.text == d.text for a, d in pairs), "pairs": len(pairs)}}
+        systems[system] = {
+            "ttft_ms_median": _median([s.ttft_s * 1000 for s in rows]),
+            "tokens_per_s_median": _median([s.tokens_per_s for s in rows]),
+            "tokens_median": _median([float(s.tokens) for s in rows]),
+            "runs": len(rows),
+        }
+    pairs = [
+        (a, d)
+        for a in samples
+        if a.system == "api"
+        for d in samples
+        if d.system == "direct" and (d.prompt_id, d.repeat) == (a.prompt_id, a.repeat)
+    ]
+    return {
+        "systems": systems,
+        "paired": {
+            "ttft_overhead_ms_median": _median([(a.ttft_s - d.ttft_s) * 1000 for a, d in pairs]),
+            "tokens_per_s_ratio_median": _median([a.tokens_per_s / d.tokens_per_s for a, d in pairs if d.tokens_per_s]),
+            "same_text": sum(a.text == d.text for a, d in pairs),
+            "pairs": len(pairs),
+        },
+    }
 
 
 def _cell(value: float | None, digits: int = 1) -> str:
@@ -165,19 +199,30 @@ def _cell(value: float | None, digits: int = 1) -> str:
 
 def report(result: dict[str, Any]) -> str:
     s, p = result["summary"]["systems"], result["summary"]["paired"]
-    lines = ["# Serving overhead: `edge-agent serve` (openai client) against `edge-agent` direct", "",
-             f"{result['settings']['prompts']} prompts x {result['settings']['repeats']} repeats, "
-             f"max_new_tokens {result['settings']['max_new_tokens']}, k {result['settings']['k']}, greedy; "
-             f"{result['machine']['cpu_model']}, {result['machine']['cores']} cores "
-             f"({result['machine']['cpu_flags']}), {result.get('date', '')}.", "",
-             "| system | TTFT median (ms) | tokens/s median | tokens median | runs |", "|---|---|---|---|---|"]
+    lines = [
+        "# Serving overhead: `edge-agent serve` (openai client) against `edge-agent` direct",
+        "",
+        f"{result['settings']['prompts']} prompts x {result['settings']['repeats']} repeats, "
+        f"max_new_tokens {result['settings']['max_new_tokens']}, k {result['settings']['k']}, greedy; "
+        f"{result['machine']['cpu_model']}, {result['machine']['cores']} cores "
+        f"({result['machine']['cpu_flags']}), {result.get('date', '')}.",
+        "",
+        "| system | TTFT median (ms) | tokens/s median | tokens median | runs |",
+        "|---|---|---|---|---|",
+    ]
     for name, label in (("api", "served (openai client, streaming)"), ("direct", "edge-agent generate_one")):
         row = s[name]
-        lines.append(f"| {label} | {_cell(row['ttft_ms_median'])} | {_cell(row['tokens_per_s_median'])} | "
-                     f"{_cell(row['tokens_median'], 0)} | {row['runs']} |")
-    lines += ["", f"Paired (same prompt and repeat): TTFT overhead median {_cell(p['ttft_overhead_ms_median'])} ms, "
-              f"tokens/s ratio median {_cell(p['tokens_per_s_ratio_median'], 3)}; "
-              f"same text in {p['same_text']} of {p['pairs']} pairs.", ""]
+        lines.append(
+            f"| {label} | {_cell(row['ttft_ms_median'])} | {_cell(row['tokens_per_s_median'])} | "
+            f"{_cell(row['tokens_median'], 0)} | {row['runs']} |"
+        )
+    lines += [
+        "",
+        f"Paired (same prompt and repeat): TTFT overhead median {_cell(p['ttft_overhead_ms_median'])} ms, "
+        f"tokens/s ratio median {_cell(p['tokens_per_s_ratio_median'], 3)}; "
+        f"same text in {p['same_text']} of {p['pairs']} pairs.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -197,17 +242,46 @@ def run(args: argparse.Namespace) -> int:
     args.draft_model = args.draft_model or Path(model_folder(None, DRAFT_MODEL))
     args.target_model = args.target_model or Path(model_folder(None, TARGET_MODEL))
     prompts = _prompts(args)
-    verifier = [sys.executable, "-m", "cloud", "--model", str(args.target_model), "--host", "127.0.0.1", "--port", "0",
-                "--http-port", "0", "--dtype", args.dtype, "--threads", str(args.threads)]
+    verifier = [
+        sys.executable,
+        "-m",
+        "cloud",
+        "--model",
+        str(args.target_model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+    ]
     with running(verifier, args.out / "verifier.log", r"serving .* on (\S+:\d+)", "cloud-verifier") as (_, address):
         serve = [sys.executable, "-m", "edge", "serve", "--cloud", address, "--port", "0", *_edge_flags(args)]
         with running(serve, args.out / "serve.log", r"serving on (http://\S+:\d+)", "edge-agent serve") as (_, url):
             samples = asyncio.run(_measure(args, address, url, prompts))
-    settings = {"draft_model": str(args.draft_model), "target_model": str(args.target_model), "k": args.k,
-                "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts": len(prompts),
-                "dtype": args.dtype, "threads": args.threads, "quick": args.quick}
-    result = {"settings": settings, "machine": machine(), "versions": versions(), "date": time.strftime("%Y-%m-%d"),
-              "summary": summarize(samples), "samples": [asdict(s) for s in samples]}
+    settings = {
+        "draft_model": str(args.draft_model),
+        "target_model": str(args.target_model),
+        "k": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "prompts": len(prompts),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "quick": args.quick,
+    }
+    result = {
+        "settings": settings,
+        "machine": machine(),
+        "versions": versions(),
+        "date": time.strftime("%Y-%m-%d"),
+        "summary": summarize(samples),
+        "samples": [asdict(s) for s in samples],
+    }
     (args.out / "serve_overhead.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "report.md").write_text(report(result))
     sys.stderr.write(report(result))
@@ -215,8 +289,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.serve_overhead", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.serve_overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for serve_overhead.json, report.md, logs")
     parser.add_argument("--quick", action="store_true", help="tiny random models (fp32, 12 tokens): a smoke run")
     parser.add_argument("--draft-model", type=Path, help="draft model folder (default: the packaged Qwen 0.5B)")

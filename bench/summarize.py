@@ -88,8 +88,9 @@ def summarize(records: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]
         "tokens_per_s": ratio(tokens, elapsed),
         # After the first token: prefill (TTFT) is the same work in every system and dominates
         # short answers on a CPU, so the decode rate shows the decoding loop itself.
-        "decode_tokens_per_s": ratio(sum(max(len(r["token_ids"]) - 1, 0) for r in records),
-                                     sum(r["elapsed_s"] - r["ttft_s"] for r in records)),
+        "decode_tokens_per_s": ratio(
+            sum(max(len(r["token_ids"]) - 1, 0) for r in records), sum(r["elapsed_s"] - r["ttft_s"] for r in records)
+        ),
         "tokens_per_s_p50": percentile(per_request_rate, 50),
         "ttft_s_p50": percentile(ttfts, 50),
         "ttft_s_p95": percentile(ttfts, 95),
@@ -125,8 +126,7 @@ def _rounded(row: dict[str, Any]) -> dict[str, Any]:
 def _table(args: argparse.Namespace) -> int:
     runs = {spec.split("=", 1)[0]: load_jsonl(Path(spec.split("=", 1)[1])) for spec in args.runs}
     reference = {r["id"]: r["token_ids"] for r in runs.get(args.reference, [])}
-    result: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor()},
-                              "modes": {}}
+    result: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor()}, "modes": {}}
     for mode, records in runs.items():
         row = _rounded(summarize(records))
         if reference and mode != args.reference:
@@ -142,8 +142,9 @@ def _table(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.summarize", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.summarize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", nargs="+", help="MODE=FILE.jsonl")
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--reference", default="cloud_only", help="mode whose tokens the others are compared to")

@@ -35,20 +35,23 @@ TARGET_ONLY = "target-only"
 HF_ASSISTED = "hf-assisted"
 CLOUD_ONLY = "cloud_only"
 
-BUILT_IN: dict[str, System] = {s.name: s for s in (
-    System(TARGET_ONLY, Kind.IN_PROCESS),
-    System(HF_ASSISTED, Kind.IN_PROCESS),
-    System("edge_only", Kind.EDGE_LOCAL, ("--mode", "edge_only")),
-    System(CLOUD_ONLY, Kind.WIRE, ("--mode", "cloud_only")),
-    System("speculative", Kind.WIRE),  # the edge's default drafter: llama.cpp on the draft GGUF
-    System("speculative-transformers", Kind.WIRE, ("--draft-runtime", "transformers")),
-    # n-gram drafting, NAPD (filler 1) and NASD (the target's top-8 fed back), and the hybrid
-    System("ngram", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "1")),
-    System("ngram8", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "8")),
-    System("hybrid", Kind.WIRE, ("--drafter", "hybrid")),
-    # draft the next block while Verify is in flight
-    System("overlap", Kind.WIRE, ("--overlap",)),
-)}
+BUILT_IN: dict[str, System] = {
+    s.name: s
+    for s in (
+        System(TARGET_ONLY, Kind.IN_PROCESS),
+        System(HF_ASSISTED, Kind.IN_PROCESS),
+        System("edge_only", Kind.EDGE_LOCAL, ("--mode", "edge_only")),
+        System(CLOUD_ONLY, Kind.WIRE, ("--mode", "cloud_only")),
+        System("speculative", Kind.WIRE),  # the edge's default drafter: llama.cpp on the draft GGUF
+        System("speculative-transformers", Kind.WIRE, ("--draft-runtime", "transformers")),
+        # n-gram drafting, NAPD (filler 1) and NASD (the target's top-8 fed back), and the hybrid
+        System("ngram", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "1")),
+        System("ngram8", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "8")),
+        System("hybrid", Kind.WIRE, ("--drafter", "hybrid")),
+        # draft the next block while Verify is in flight
+        System("overlap", Kind.WIRE, ("--overlap",)),
+    )
+}
 DEFAULT_SYSTEMS = (TARGET_ONLY, HF_ASSISTED, "edge_only", CLOUD_ONLY, "speculative")
 
 
@@ -61,8 +64,9 @@ def parse_variant(spec: str, rtts_ms: list[float]) -> System:
     if name in BUILT_IN:
         raise ConfigError(f"--variant {name}: that name is a built-in system")
     args = tuple(shlex.split(flags))
-    edge_only = any(a == "edge_only" and i > 0 and args[i - 1] == "--mode" for i, a in enumerate(args)) \
-        or "--mode=edge_only" in args
+    edge_only = (
+        any(a == "edge_only" and i > 0 and args[i - 1] == "--mode" for i, a in enumerate(args)) or "--mode=edge_only" in args
+    )
     system = System(name, Kind.EDGE_LOCAL if edge_only else Kind.WIRE, args)
     return _restrict_rtts("--variant", label.strip(), system, rtts_ms)
 

@@ -18,8 +18,15 @@ VOCAB = 96
 
 def tiny_target(seed: int = 0, vocab: int = VOCAB) -> PreTrainedModel:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     model = LlamaForCausalLM(config).float().eval()
     # Random init gives near-uniform logits; sharpen them so greedy and sampling have structure.
     with torch.no_grad():
@@ -92,9 +99,11 @@ def save_gguf(model: PreTrainedModel, path: Path) -> Path:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("none")
     weights = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
-    tensors = {"token_embd.weight": weights["model.embed_tokens.weight"].numpy(),
-               "output_norm.weight": weights["model.norm.weight"].numpy(),
-               "output.weight": weights["lm_head.weight"].numpy()}
+    tensors = {
+        "token_embd.weight": weights["model.embed_tokens.weight"].numpy(),
+        "output_norm.weight": weights["model.norm.weight"].numpy(),
+        "output.weight": weights["lm_head.weight"].numpy(),
+    }
     for i in range(cfg.num_hidden_layers):
         hf = f"model.layers.{i}."
         tensors |= {

@@ -40,8 +40,9 @@ from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
 KEYS = {"light": "light-key-0123456789", "heavy": "heavy-key-0123456789"}
 
 
-async def _rounds(client: VerifierClient, prompt: list[int], k: int, vocab: int, count: int | None,
-                  stop: asyncio.Event, latencies: list[float]) -> None:
+async def _rounds(
+    client: VerifierClient, prompt: list[int], k: int, vocab: int, count: int | None, stop: asyncio.Event, latencies: list[float]
+) -> None:
     """Open a session and send k-token rounds back to back: `count` of them, or until `stop`."""
     rng = random.Random(len(prompt))
     opened = await client.open_session(OpenSessionRequest(prompt, SessionConfig(vocab_size=vocab)))
@@ -57,8 +58,9 @@ async def _rounds(client: VerifierClient, prompt: list[int], k: int, vocab: int,
         await client.close_session(opened.session_id)
 
 
-async def _heavy(client: VerifierClient, prompts: list[list[int]], k: int, vocab: int, stop: asyncio.Event,
-                 outcomes: Counter[str]) -> None:
+async def _heavy(
+    client: VerifierClient, prompts: list[list[int]], k: int, vocab: int, stop: asyncio.Event, outcomes: Counter[str]
+) -> None:
     async def one(prompt: list[int]) -> None:
         latencies: list[float] = []
         try:
@@ -80,16 +82,16 @@ async def phase(model: Any, args: argparse.Namespace, key_limits: KeyLimits | No
     limits = key_limits or KeyLimits()
     verifier = Verifier(model, "target", VerifierLimits(sessions=replace(VerifierLimits().sessions, per_key=limits)))
     api_keys = ApiKeys.parse("\n".join(f"{name} {key}" for name, key in KEYS.items()))
-    state = ServerState(verifier.limits.max_draft_tokens, verifier, batch_limits=BatchLimits(per_key=limits),
-                        api_keys=api_keys)
+    state = ServerState(verifier.limits.max_draft_tokens, verifier, batch_limits=BatchLimits(per_key=limits), api_keys=api_keys)
     server, port = create_server(state, "127.0.0.1:0", reflect=False)
     await server.start()
     no_resends = CapacityRetry(max_retries=0)  # a refusal is an outcome here, not something to wait out
     light = VerifierClient(f"127.0.0.1:{port}", 600, 600, api_key=KEYS["light"])
     heavy = VerifierClient(f"127.0.0.1:{port}", 600, 600, no_resends, api_key=KEYS["heavy"])
     rng = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(vocab // 10, vocab, (args.prompt_tokens,), generator=rng).tolist()
-               for _ in range(args.heavy_sessions + 1)]
+    prompts = [
+        torch.randint(vocab // 10, vocab, (args.prompt_tokens,), generator=rng).tolist() for _ in range(args.heavy_sessions + 1)
+    ]
     stop, outcomes, latencies = asyncio.Event(), Counter[str](), list[float]()
     try:
         flooding = asyncio.ensure_future(_heavy(heavy, prompts[1:], args.k, vocab, stop, outcomes)) if flood else None
@@ -104,24 +106,34 @@ async def phase(model: Any, args: argparse.Namespace, key_limits: KeyLimits | No
         await heavy.close()
         await server.stop(None)
         state.worker.shutdown()
-    return {"light_round_ms": _percentiles(latencies), "heavy": dict(outcomes),
-            "key_limits": None if key_limits is None else vars(key_limits)}
+    return {
+        "light_round_ms": _percentiles(latencies),
+        "heavy": dict(outcomes),
+        "key_limits": None if key_limits is None else vars(key_limits),
+    }
 
 
 def _report(result: dict[str, Any]) -> str:
     m, alone = result["machine"], result["phases"]["alone"]["light_round_ms"]
-    lines = ["# Two keys on one verifier", "",
-             f"Target `{result['model']}` ({result['dtype']}), rounds of k={result['k']} after "
-             f"{result['prompt_tokens']}-token prompts; the heavy key opens {result['heavy_sessions']} sessions and "
-             f"loops rounds on each. {m['cpu_model']}, {m['cores']} cores ({m['cpu_flags']}), {result['date']}.", "",
-             f"Command: `{result['command']}`", "",
-             "| phase | light key round p50 / p95 (ms) | p95 / p95 alone | heavy key: sessions served, refused, rounds |",
-             "|---|---|---|---|"]
+    lines = [
+        "# Two keys on one verifier",
+        "",
+        f"Target `{result['model']}` ({result['dtype']}), rounds of k={result['k']} after "
+        f"{result['prompt_tokens']}-token prompts; the heavy key opens {result['heavy_sessions']} sessions and "
+        f"loops rounds on each. {m['cpu_model']}, {m['cores']} cores ({m['cpu_flags']}), {result['date']}.",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        "| phase | light key round p50 / p95 (ms) | p95 / p95 alone | heavy key: sessions served, refused, rounds |",
+        "|---|---|---|---|",
+    ]
     for name, row in result["phases"].items():
         light, heavy = row["light_round_ms"], row["heavy"]
         refused = sum(v for key, v in heavy.items() if key not in ("served", "rounds"))
-        lines.append(f"| {name} | {light['p50']} / {light['p95']} | {light['p95'] / alone['p95']:.2f} | "
-                     f"{heavy.get('served', 0)}, {refused}, {heavy.get('rounds', 0)} |")
+        lines.append(
+            f"| {name} | {light['p50']} / {light['p95']} | {light['p95'] / alone['p95']:.2f} | "
+            f"{heavy.get('served', 0)}, {refused}, {heavy.get('rounds', 0)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -129,19 +141,29 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads or lm.configure_cpu(torch.device("cpu"), 0))
     model = lm.load_model(args.model, args.dtype, "cpu")
     quota = KeyLimits(max_sessions=args.key_max_sessions, max_queued=args.key_max_queued)
-    phases = {"alone": await phase(model, args, quota, flood=False),
-              f"beside the flood, heavy key limited to {args.key_max_sessions} sessions":
-                  await phase(model, args, quota, flood=True),
-              "beside the flood, no per-key limits": await phase(model, args, None, flood=True)}
-    return {"model": Path(args.model).name, "dtype": str(model.dtype).removeprefix("torch."), "k": args.k,
-            "prompt_tokens": args.prompt_tokens, "heavy_sessions": args.heavy_sessions, "phases": phases,
-            "machine": machine(), "versions": versions(), "date": time.strftime("%Y-%m-%d"),
-            "command": "python -m bench.two_keys " + " ".join(args.argv)}
+    phases = {
+        "alone": await phase(model, args, quota, flood=False),
+        f"beside the flood, heavy key limited to {args.key_max_sessions} sessions": await phase(model, args, quota, flood=True),
+        "beside the flood, no per-key limits": await phase(model, args, None, flood=True),
+    }
+    return {
+        "model": Path(args.model).name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "k": args.k,
+        "prompt_tokens": args.prompt_tokens,
+        "heavy_sessions": args.heavy_sessions,
+        "phases": phases,
+        "machine": machine(),
+        "versions": versions(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python -m bench.two_keys " + " ".join(args.argv),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.two_keys", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.two_keys", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="target model folder (HF format)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round")

@@ -25,9 +25,14 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
     device = lm.resolve_device(settings.device)
     dtype = choose_dtype(settings.dtype, device.type)
     threads = lm.configure_cpu(device, settings.threads)
-    log_event(log, logging.INFO, f"{device.type}, {dtype.name} ({dtype.reason})"
-              + (f", {threads} CPU threads" if threads else ""), dtype=dtype.name, dtype_reason=dtype.reason,
-              threads=threads)
+    log_event(
+        log,
+        logging.INFO,
+        f"{device.type}, {dtype.name} ({dtype.reason})" + (f", {threads} CPU threads" if threads else ""),
+        dtype=dtype.name,
+        dtype_reason=dtype.reason,
+        threads=threads,
+    )
     if settings.model is None:
         from shared.model_store import TARGET_MODEL, ensure_model
 

@@ -113,8 +113,15 @@ class ForwardBatcher:
         self._running_until = 0.0  # when the pass running now should end (perf_counter)
         self.rate = TokenRate(limits.per_key.tokens_per_s)
 
-    async def submit(self, owner: str, tokens: int, begin: Callable[[], ForwardStep[R]],
-                     deadline: float | None = None, admitting: bool = False, key: str = "") -> R:
+    async def submit(
+        self,
+        owner: str,
+        tokens: int,
+        begin: Callable[[], ForwardStep[R]],
+        deadline: float | None = None,
+        admitting: bool = False,
+        key: str = "",
+    ) -> R:
         """Run begin() and its forward pass in the next batch with room (a long prefill: in
         chunks over several passes); the step's result. `deadline` (perf_counter time) is
         when the caller stops waiting; with `admitting` (a new session) a step that cannot
@@ -124,8 +131,9 @@ class ForwardBatcher:
             self._admit(tokens, deadline)
         self.rate.take(key, tokens)
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiting(owner, tokens, begin, time.perf_counter(), future, deadline, admitting, key,
-                                      self.limits.max_prefill_chunk))
+        self._waiting.append(
+            _Waiting(owner, tokens, begin, time.perf_counter(), future, deadline, admitting, key, self.limits.max_prefill_chunk)
+        )
         self.metrics.queue_depth.set(len(self._waiting))
         self._arrived.set()
         if self._runner is None or self._runner.done():
@@ -145,8 +153,9 @@ class ForwardBatcher:
             return
         share = self.limits.max_queue // len(set(queued) | {key})
         if mine >= share or len(queued) >= 2 * self.limits.max_queue:
-            raise CapacityExceeded(f"the verifier's queue is full ({self.limits.max_queue} waiting steps)",
-                                   self._retry_after_ms())
+            raise CapacityExceeded(
+                f"the verifier's queue is full ({self.limits.max_queue} waiting steps)", self._retry_after_ms()
+            )
 
     def _retry_after_ms(self) -> int:
         batches_ahead = math.ceil(len(self._waiting) / self.limits.max_batch_size)
@@ -173,9 +182,11 @@ class ForwardBatcher:
 
     def _refusal(self, tokens: int, need_ms: float, left_ms: float, ahead_ms: float) -> CapacityExceeded:
         self.metrics.admission_refusals.inc()
-        return CapacityExceeded(f"cannot prefill {tokens} tokens before the call's deadline: about "
-                                f"{need_ms / 1000:.1f} s of work, {max(left_ms, 0) / 1000:.1f} s left",
-                                max(1, math.ceil(ahead_ms)))
+        return CapacityExceeded(
+            f"cannot prefill {tokens} tokens before the call's deadline: about "
+            f"{need_ms / 1000:.1f} s of work, {max(left_ms, 0) / 1000:.1f} s left",
+            max(1, math.ceil(ahead_ms)),
+        )
 
     async def _run(self) -> None:
         while self._waiting:
@@ -241,11 +252,11 @@ class ForwardBatcher:
             if waiting.admitting and waiting.deadline is not None and self.cost.known:
                 alone_ms, left_ms = self.cost.estimate_ms(waiting.remaining) * MARGIN, (waiting.deadline - now) * 1000.0
                 if alone_ms > left_ms:
-                    waiting.future.set_exception(self._refusal(waiting.remaining, alone_ms, left_ms,
-                                                               self.work_ahead_ms()))
+                    waiting.future.set_exception(self._refusal(waiting.remaining, alone_ms, left_ms, self.work_ahead_ms()))
                     continue
-            fits = not batch or (tokens + waiting.tokens <= self.limits.max_batch_tokens
-                                 and self._in_time(batch, tokens, waiting, now))
+            fits = not batch or (
+                tokens + waiting.tokens <= self.limits.max_batch_tokens and self._in_time(batch, tokens, waiting, now)
+            )
             if len(batch) < self.limits.max_batch_size and fits and waiting.owner not in owners:
                 batch.append(waiting)
                 owners.add(waiting.owner)

@@ -27,61 +27,87 @@ class VerifierSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_CLOUD_")
 
     config: str | None = Field(
-        None, description="JSON or TOML file of settings (keys as the flags, without --); flags and env override it")
+        None, description="JSON or TOML file of settings (keys as the flags, without --); flags and env override it"
+    )
     model: str | None = Field(
-        None, description="target model folder (HF format); default: the packaged Qwen2.5-Coder-1.5B-Instruct")
-    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16; auto: bf16 on CUDA and on CPUs with "
-                       "avx512_bf16/amx_bf16, else fp32 (greedy equality checks need float32)")
+        None, description="target model folder (HF format); default: the packaged Qwen2.5-Coder-1.5B-Instruct"
+    )
+    dtype: str = Field(
+        "auto",
+        description="auto | float32 | bfloat16 | float16; auto: bf16 on CUDA and on CPUs with "
+        "avx512_bf16/amx_bf16, else fp32 (greedy equality checks need float32)",
+    )
     device: str = Field("auto", description="auto | cpu | cuda[:N]")
     host: str = Field("127.0.0.1", description="address to bind (gRPC and HTTP); 0.0.0.0 to serve other machines")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
-    http_port: int = Field(8080, ge=0, le=65535,
-                           description="HTTP port: probes, /metrics, the live page (0 = any free port)")
+    http_port: int = Field(8080, ge=0, le=65535, description="HTTP port: probes, /metrics, the live page (0 = any free port)")
     reflection: bool = Field(True, description="gRPC server reflection (for grpcurl and friends)")
     tls_cert: str | None = Field(None, description="PEM certificate: gRPC over TLS and HTTPS (with --tls-key)")
     tls_key: str | None = Field(None, description="PEM private key of --tls-cert")
-    tls_client_ca: str | None = Field(None, description="PEM CA bundle: gRPC requires client certificates it "
-                                      "signed (mTLS); HTTPS asks none, so probes still reach /livez /readyz")
+    tls_client_ca: str | None = Field(
+        None,
+        description="PEM CA bundle: gRPC requires client certificates it "
+        "signed (mTLS); HTTPS asks none, so probes still reach /livez /readyz",
+    )
     insecure: bool = Field(False, description="allow a non-loopback --host without TLS (plaintext, logged as a warning)")
-    api_keys_file: str | None = Field(None, description="file of accepted API keys, one per line ('[NAME] KEY' or "
-                                      "'[NAME] sha256:HEX'); gRPC calls and HTTP /metrics /v1/* / then need "
-                                      "'authorization: Bearer KEY'")
-    public_metrics: bool = Field(False, description="with --api-keys-file: serve /metrics, /v1/* and the live page "
-                                 "without a key")
+    api_keys_file: str | None = Field(
+        None,
+        description="file of accepted API keys, one per line ('[NAME] KEY' or "
+        "'[NAME] sha256:HEX'); gRPC calls and HTTP /metrics /v1/* / then need "
+        "'authorization: Bearer KEY'",
+    )
+    public_metrics: bool = Field(False, description="with --api-keys-file: serve /metrics, /v1/* and the live page without a key")
     drain_grace_s: float = Field(
-        20.0, ge=0, description="on SIGTERM: seconds open sessions get to finish before the server stops")
+        20.0, ge=0, description="on SIGTERM: seconds open sessions get to finish before the server stops"
+    )
     log_format: Literal["text", "json"] = Field("text", description="one line per event, as text or JSON")
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="debug adds one line per Verify round")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug adds one line per Verify round")
     log_prompts: bool = Field(False, description="debug: log prompt token ids (user data; off by default)")
-    threads: int = Field(0, ge=0, description="torch CPU threads (0 = the cores this process may use: affinity, "
-                         "cgroup quota)")
+    threads: int = Field(0, ge=0, description="torch CPU threads (0 = the cores this process may use: affinity, cgroup quota)")
     max_draft_tokens: int = Field(16, ge=0, description="largest k accepted per round")
     max_context_tokens: int = Field(32768, ge=2, description="prompt + generated tokens per session")
     session_ttl_s: float = Field(600.0, gt=0, description="idle seconds before a session is dropped")
     max_sessions: int = Field(64, ge=1, description="open sessions; the least recently used is evicted past it")
     max_kv_bytes: int = Field(4 << 30, ge=1, description="KV-cache bytes across sessions; LRU eviction past it")
-    kv_layout: Literal["packed", "slots"] = Field("packed", description="packed: each session its own KV, "
-                                                  "concatenated for every batched pass; slots: KV in place in a pool "
-                                                  "allocated at start (min(max_sessions, max_kv_bytes / slot) slots)")
-    kv_slot_tokens: int = Field(4096, ge=2, description="--kv-layout slots: KV positions per session (also its "
-                                "context limit, with --max-context-tokens)")
+    kv_layout: Literal["packed", "slots"] = Field(
+        "packed",
+        description="packed: each session its own KV, "
+        "concatenated for every batched pass; slots: KV in place in a pool "
+        "allocated at start (min(max_sessions, max_kv_bytes / slot) slots)",
+    )
+    kv_slot_tokens: int = Field(
+        4096, ge=2, description="--kv-layout slots: KV positions per session (also its context limit, with --max-context-tokens)"
+    )
 
-    max_batch_size: int = Field(16, ge=1, description="rounds (and Generate steps) of different sessions batched "
-                                "into one forward pass (1 = no batching)")
+    max_batch_size: int = Field(
+        16, ge=1, description="rounds (and Generate steps) of different sessions batched into one forward pass (1 = no batching)"
+    )
     max_batch_wait_ms: float = Field(2.0, ge=0, description="how long a round waits for others to join its batch")
     max_batch_tokens: int = Field(2048, ge=1, description="tokens fed per batched forward pass (a longer step runs alone)")
-    max_queue: int = Field(256, ge=1, description="rounds waiting for a forward pass; past it, RESOURCE_EXHAUSTED "
-                           "with a retry hint (a key holding less than its share of the queue is still taken)")
-    max_prefill_chunk: int = Field(256, ge=0, description="prompt tokens fed per forward pass (0 = whole prompts): "
-                                   "a round sent during a long prefill waits for the pass running and one pass with a "
-                                   "chunk, not the whole prefill; smaller on a slow CPU, larger on a GPU")
-    key_max_sessions: int = Field(0, ge=0, description="per API key: open sessions and Generate streams (0 = no "
-                                  "limit; without --api-keys-file all clients count as one key)")
+    max_queue: int = Field(
+        256,
+        ge=1,
+        description="rounds waiting for a forward pass; past it, RESOURCE_EXHAUSTED "
+        "with a retry hint (a key holding less than its share of the queue is still taken)",
+    )
+    max_prefill_chunk: int = Field(
+        256,
+        ge=0,
+        description="prompt tokens fed per forward pass (0 = whole prompts): "
+        "a round sent during a long prefill waits for the pass running and one pass with a "
+        "chunk, not the whole prefill; smaller on a slow CPU, larger on a GPU",
+    )
+    key_max_sessions: int = Field(
+        0,
+        ge=0,
+        description="per API key: open sessions and Generate streams (0 = no "
+        "limit; without --api-keys-file all clients count as one key)",
+    )
     key_max_kv_bytes: int = Field(0, ge=0, description="per API key: KV-cache bytes of its sessions (0 = no limit)")
     key_max_queued: int = Field(0, ge=0, description="per API key: steps waiting for a forward pass (0 = no limit)")
-    key_tokens_per_s: float = Field(0.0, ge=0, description="per API key: tokens fed to the model per second, "
-                                    "prompts and rounds (0 = no limit)")
+    key_tokens_per_s: float = Field(
+        0.0, ge=0, description="per API key: tokens fed to the model per second, prompts and rounds (0 = no limit)"
+    )
 
     @model_validator(mode="after")
     def _tls_files_together(self) -> VerifierSettings:
@@ -95,13 +121,24 @@ class VerifierSettings(BaseSettings):
         return KeyLimits(self.key_max_sessions, self.key_max_kv_bytes, self.key_max_queued, self.key_tokens_per_s)
 
     def batch_limits(self) -> BatchLimits:
-        return BatchLimits(self.max_batch_size, self.max_batch_wait_ms, self.max_batch_tokens, self.max_queue,
-                           self.max_prefill_chunk, self.key_limits())
+        return BatchLimits(
+            self.max_batch_size,
+            self.max_batch_wait_ms,
+            self.max_batch_tokens,
+            self.max_queue,
+            self.max_prefill_chunk,
+            self.key_limits(),
+        )
 
     def limits(self) -> VerifierLimits:
         sessions = SessionLimits(self.session_ttl_s, self.max_sessions, self.max_kv_bytes, self.key_limits())
-        return VerifierLimits(max_draft_tokens=self.max_draft_tokens, max_context_tokens=self.max_context_tokens,
-                              sessions=sessions, kv_layout=self.kv_layout, kv_slot_tokens=self.kv_slot_tokens)
+        return VerifierLimits(
+            max_draft_tokens=self.max_draft_tokens,
+            max_context_tokens=self.max_context_tokens,
+            sessions=sessions,
+            kv_layout=self.kv_layout,
+            kv_slot_tokens=self.kv_slot_tokens,
+        )
 
 
 def _parse(path: Path, text: str) -> Any:

@@ -49,8 +49,12 @@ class _Call:
 
     def finish(self, code: str, detail: str = "") -> None:
         self.state.metrics.record_rpc(self.method, code, self.request.ByteSize(), self.sent)
-        fields: dict[str, Any] = {"method": self.method, "code": code, "request_id": self.request_id,
-                                  "ms": round((time.perf_counter() - self.started) * 1000.0, 2)}
+        fields: dict[str, Any] = {
+            "method": self.method,
+            "code": code,
+            "request_id": self.request_id,
+            "ms": round((time.perf_counter() - self.started) * 1000.0, 2),
+        }
         if session := getattr(self.request, "session_id", "") or self.session:
             fields["session"] = session_tag(session)
         if self.principal:
@@ -131,10 +135,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             # forward pass. Held from eviction by its id while its chunks run.
             session_id, key = verifier.sessions.new_id(), call.principal
             with verifier.sessions.holding(session_id):
-                result = await batcher.submit(session_id, len(req.prompt_tokens),
-                                              lambda: verifier.begin_open(req, session_id, key),
-                                              _deadline(context), admitting=True, key=key)
+                result = await batcher.submit(
+                    session_id,
+                    len(req.prompt_tokens),
+                    lambda: verifier.begin_open(req, session_id, key),
+                    _deadline(context),
+                    admitting=True,
+                    key=key,
+                )
             return wire.open_result_to_pb(result)
+
         return await _translated(context, call, work())
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
@@ -145,10 +155,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             verifier, batcher = self.state.verifier_for(new_session=False)
             tokens = len(req.committed_tokens) + len(req.draft_tokens) + 1
             with verifier.sessions.holding(req.session_id):  # no eviction while its round waits or runs
-                result = await batcher.submit(req.session_id, tokens, lambda: verifier.begin_verify(req, call.principal),
-                                              _deadline(context), key=call.principal)
+                result = await batcher.submit(
+                    req.session_id,
+                    tokens,
+                    lambda: verifier.begin_verify(req, call.principal),
+                    _deadline(context),
+                    key=call.principal,
+                )
             self.state.record_round(len(req.draft_tokens), result)
             return wire.verify_result_to_pb(result)
+
         return await _translated(context, call, work())
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
@@ -158,6 +174,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             verifier, _ = self.state.verifier_for(new_session=False)
             result = await self.state.worker.run(verifier.close_session, request.session_id, call.principal)
             return wire.close_result_to_pb(result)
+
         return await _translated(context, call, work())
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
@@ -172,8 +189,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             try:
                 with verifier.sessions.holding(stream.stream_id):
                     while not stream.finished:
-                        chunk = await batcher.submit(stream.stream_id, len(stream.feed), stream.begin_step, deadline,
-                                                     admitting=stream.produced == 0, key=call.principal)
+                        chunk = await batcher.submit(
+                            stream.stream_id,
+                            len(stream.feed),
+                            stream.begin_step,
+                            deadline,
+                            admitting=stream.produced == 0,
+                            key=call.principal,
+                        )
                         reply = wire.generate_chunk_to_pb(chunk)
                         call.sent += reply.ByteSize()
                         yield reply
@@ -201,6 +224,7 @@ def _lenient(message: type[Message]) -> Callable[[bytes], Message | _Undecodable
             return message.FromString(data)
         except DecodeError:
             return _Undecodable(len(data))
+
     return parse
 
 
@@ -226,14 +250,18 @@ def _refusing_undecodable(state: ServerState, method: str, behavior: Callable[..
 def _add_verifier(servicer: VerifierServicer, server: grpc.aio.Server) -> None:
     """The generated add_VerifierServicer_to_server, with requests parsed leniently."""
     requests: dict[str, tuple[type[Message], bool]] = {
-        "OpenSession": (pb.OpenSessionRequest, False), "Verify": (pb.VerifyRequest, False),
-        "CloseSession": (pb.CloseSessionRequest, False), "Generate": (pb.GenerateRequest, True)}
+        "OpenSession": (pb.OpenSessionRequest, False),
+        "Verify": (pb.VerifyRequest, False),
+        "CloseSession": (pb.CloseSessionRequest, False),
+        "Generate": (pb.GenerateRequest, True),
+    }
     handlers = {}
     for method, (request, streaming) in requests.items():
         make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
         behavior = _refusing_undecodable(servicer.state, method, getattr(servicer, method), streaming)
-        handlers[method] = make(behavior, request_deserializer=_lenient(request),
-                                response_serializer=lambda message: message.SerializeToString())
+        handlers[method] = make(
+            behavior, request_deserializer=_lenient(request), response_serializer=lambda message: message.SerializeToString()
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
@@ -243,11 +271,17 @@ def _health_listener(health: health_aio.HealthServicer) -> ReadinessListener:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", SERVICE_NAME):  # "" is the whole server, as probes ask by default
             await health.set(service, status)
+
     return update
 
 
-def create_server(source: Verifier | ServerState, address: str = "127.0.0.1:0", reflect: bool = True, *,
-                  credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+def create_server(
+    source: Verifier | ServerState,
+    address: str = "127.0.0.1:0",
+    reflect: bool = True,
+    *,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.aio.Server, int]:
     """Build (not start) a server bound to address, over TLS with `credentials` (cloud/tls.py);
     returns it with the bound port. A state whose model is not loaded yet needs `await
     state.publish()` before start (start_server does it) so the health service says
@@ -267,8 +301,9 @@ def create_server(source: Verifier | ServerState, address: str = "127.0.0.1:0", 
     return server, port
 
 
-async def start_server(state: ServerState, address: str, reflect: bool = True, *,
-                       credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+async def start_server(
+    state: ServerState, address: str, reflect: bool = True, *, credentials: grpc.ServerCredentials | None = None
+) -> tuple[grpc.aio.Server, int]:
     server, port = create_server(state, address, reflect, credentials=credentials)
     await state.publish()
     await server.start()

@@ -22,13 +22,18 @@ def _model_info(state: ServerState) -> dict[str, Any]:
     if state.verifier is None:
         return {"model_ids": [], "dtype": None, "dtype_reason": None, "device": None}
     model = state.verifier.model
-    return {"model_ids": [state.verifier.model_id], "dtype": str(model.dtype).removeprefix("torch."),
-            "dtype_reason": state.verifier.dtype_reason, "device": str(model.device)}
+    return {
+        "model_ids": [state.verifier.model_id],
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype_reason": state.verifier.dtype_reason,
+        "device": str(model.device),
+    }
 
 
 def _key_guard(state: ServerState, public: bool) -> Any:
     """A dependency that lets a request in with an accepted API key (or with none configured,
     or with --public-metrics); else 401 with the reason, never the key."""
+
     async def check(authorization: str | None = Header(None)) -> None:
         if public:
             return
@@ -36,6 +41,7 @@ def _key_guard(state: ServerState, public: bool) -> Any:
             state.api_keys.principal(authorization)
         except Unauthenticated as err:
             raise HTTPException(401, detail=str(err), headers={"WWW-Authenticate": "Bearer"}) from None
+
     return Depends(check)
 
 
@@ -59,8 +65,13 @@ def create_app(state: ServerState, public_metrics: bool = False) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": state.status, **_model_info(state), "uptime_s": round(state.uptime_s(), 3),
-                "sessions": len(state.sessions()), "version": state.version}
+        return {
+            "status": state.status,
+            **_model_info(state),
+            "uptime_s": round(state.uptime_s(), 3),
+            "sessions": len(state.sessions()),
+            "version": state.version,
+        }
 
     @app.get("/metrics", dependencies=keyed)
     async def metrics() -> Response:
@@ -75,8 +86,14 @@ def create_app(state: ServerState, public_metrics: bool = False) -> FastAPI:
     @app.get("/v1/stats", dependencies=keyed)
     async def stats() -> dict[str, Any]:
         rows = state.sessions()
-        return {"status": state.status, **_model_info(state), "uptime_s": round(state.uptime_s(), 3),
-                "open_sessions": len(rows), "kv_bytes": sum(r.kv_bytes for r in rows), **state.live.snapshot()}
+        return {
+            "status": state.status,
+            **_model_info(state),
+            "uptime_s": round(state.uptime_s(), 3),
+            "open_sessions": len(rows),
+            "kv_bytes": sum(r.kv_bytes for r in rows),
+            **state.live.snapshot(),
+        }
 
     @app.get("/", response_class=HTMLResponse, dependencies=keyed)
     async def live_page() -> str:

@@ -27,29 +27,43 @@ class VerifierMetrics:
         self.rounds = Counter("specdec_rounds", "verify rounds (vLLM: num_drafts)", registry=r)
         self.draft_tokens = Counter("specdec_draft_tokens", "drafted tokens received", registry=r)
         self.accepted_tokens = Counter("specdec_accepted_tokens", "drafted tokens accepted", registry=r)
-        self.accepted_per_pos = Counter("specdec_accepted_tokens_per_pos", "accepted tokens by draft position (0-based)",
-                                        ["position"], registry=r)
+        self.accepted_per_pos = Counter(
+            "specdec_accepted_tokens_per_pos", "accepted tokens by draft position (0-based)", ["position"], registry=r
+        )
         self.bonus_tokens = Counter("specdec_bonus_tokens", "bonus tokens: rounds whose drafts all passed", registry=r)
-        self.verify_latency = Histogram("specdec_verify_latency_seconds", "server time per round, queue included",
-                                        buckets=LATENCY_BUCKETS_S, registry=r)
-        self.forward_time = Histogram("specdec_forward_seconds", "target forward pass per round",
-                                      buckets=LATENCY_BUCKETS_S, registry=r)
+        self.verify_latency = Histogram(
+            "specdec_verify_latency_seconds", "server time per round, queue included", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.forward_time = Histogram(
+            "specdec_forward_seconds", "target forward pass per round", buckets=LATENCY_BUCKETS_S, registry=r
+        )
         # Once per pass, however many steps it ran: busy / wall time is the verifier's load.
         self.busy_time = Counter("specdec_busy_seconds", "model-worker time in target forward passes", registry=r)
-        self.forward_passes = Counter("specdec_forward_passes", "target forward passes (batched steps count once)",
-                                      registry=r)
-        self.queue_time = Histogram("specdec_queue_seconds", "wait in the batch queue per round",
-                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.forward_passes = Counter("specdec_forward_passes", "target forward passes (batched steps count once)", registry=r)
+        self.queue_time = Histogram(
+            "specdec_queue_seconds", "wait in the batch queue per round", buckets=LATENCY_BUCKETS_S, registry=r
+        )
         positions = [float(i) for i in range(max_draft_tokens + 1)]  # one bucket per possible length
         self.draft_len = Histogram("specdec_draft_length", "k: drafted tokens per round", buckets=positions, registry=r)
         self.accepted_len = Histogram("specdec_accepted_length", "accepted drafts per round", buckets=positions, registry=r)
-        self.batch_size = Histogram("specdec_batch_size", "steps (rounds, prefills and Generate tokens) per target forward pass",
-                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
+        self.batch_size = Histogram(
+            "specdec_batch_size",
+            "steps (rounds, prefills and Generate tokens) per target forward pass",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+            registry=r,
+        )
         self.queue_depth = Gauge("specdec_queue_depth", "steps waiting for a forward pass", registry=r)
-        self.rejected = Counter("specdec_rejected_requests", "calls refused with RESOURCE_EXHAUSTED (queue, KV or "
-                                "session caps)", ["method"], registry=r)
-        self.admission_refusals = Counter("specdec_admission_refusals", "new sessions refused because their prefill "
-                                          "could not finish before the caller's deadline", registry=r)
+        self.rejected = Counter(
+            "specdec_rejected_requests",
+            "calls refused with RESOURCE_EXHAUSTED (queue, KV or session caps)",
+            ["method"],
+            registry=r,
+        )
+        self.admission_refusals = Counter(
+            "specdec_admission_refusals",
+            "new sessions refused because their prefill could not finish before the caller's deadline",
+            registry=r,
+        )
         self.open_sessions = Gauge("specdec_open_sessions", "sessions holding a KV cache", registry=r)
         self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions", registry=r)
         for position in range(max_draft_tokens):  # every position exists from the start, at 0

@@ -44,18 +44,23 @@ async def start_servers(settings: VerifierSettings) -> Servers:
     tls = server_tls(settings)
     check_exposure(settings.host, tls, settings.insecure)
     keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
-    state = ServerState(settings.max_draft_tokens, log_prompts=settings.log_prompts,
-                        batch_limits=settings.batch_limits(), api_keys=keys)
-    security = {"tls": tls is not None, "mtls": bool(tls and tls.client_ca),
-                "api_keys": len(keys.entries) if keys else 0}
+    state = ServerState(
+        settings.max_draft_tokens, log_prompts=settings.log_prompts, batch_limits=settings.batch_limits(), api_keys=keys
+    )
+    security = {"tls": tls is not None, "mtls": bool(tls and tls.client_ca), "api_keys": len(keys.entries) if keys else 0}
     http = await start_http(create_app(state, settings.public_metrics), settings.host, settings.http_port, tls)
-    log_event(log, logging.INFO, f"http on {settings.host}:{http.port}" + (" (HTTPS)" if tls else ""),
-              http_port=http.port, **security)
+    log_event(
+        log, logging.INFO, f"http on {settings.host}:{http.port}" + (" (HTTPS)" if tls else ""), http_port=http.port, **security
+    )
     credentials = tls.grpc_credentials() if tls else None
-    server, port = await start_server(state, f"{settings.host}:{settings.port}", settings.reflection,
-                                      credentials=credentials)
-    log_event(log, logging.INFO, f"grpc on {settings.host}:{port} (health NOT_SERVING until the model loads)",
-              grpc_port=port, **security)
+    server, port = await start_server(state, f"{settings.host}:{settings.port}", settings.reflection, credentials=credentials)
+    log_event(
+        log,
+        logging.INFO,
+        f"grpc on {settings.host}:{port} (health NOT_SERVING until the model loads)",
+        grpc_port=port,
+        **security,
+    )
     return Servers(state, server, port, http)
 
 

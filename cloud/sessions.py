@@ -55,8 +55,9 @@ class SessionStore:
     its single model worker; only `holding` runs on the event loop (one counter update under
     the GIL), which is what keeps a session with a call in flight from being evicted."""
 
-    def __init__(self, limits: SessionLimits, kv_bytes_per_token: int,
-                 clock: Callable[[], float] = time.monotonic, slot_bytes: int = 0) -> None:
+    def __init__(
+        self, limits: SessionLimits, kv_bytes_per_token: int, clock: Callable[[], float] = time.monotonic, slot_bytes: int = 0
+    ) -> None:
         self.limits = limits
         self.kv_bytes_per_token = kv_bytes_per_token
         self.slot_bytes = slot_bytes  # > 0: each session holds one KV slot of this many bytes, whatever its length
@@ -140,8 +141,11 @@ class SessionStore:
             while self.kv_bytes(whose) + need > cap and self._evict_one(keep, whose):
                 pass
             if self.kv_bytes(whose) + need > cap:
-                raise CapacityExceeded("KV-cache memory cap reached" if whose is None
-                                       else f"{key_label(owner)} holds its KV-cache cap of {cap} bytes")
+                raise CapacityExceeded(
+                    "KV-cache memory cap reached"
+                    if whose is None
+                    else f"{key_label(owner)} holds its KV-cache cap of {cap} bytes"
+                )
 
     def add(self, session: Session) -> None:
         # A key at its own session cap is refused rather than losing one of its sessions: an

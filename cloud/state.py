@@ -57,8 +57,14 @@ def _read_sessions(store: SessionStore) -> list[Session]:
 
 
 class ServerState:
-    def __init__(self, max_draft_tokens: int, verifier: Verifier | None = None, log_prompts: bool = False,
-                 batch_limits: BatchLimits | None = None, api_keys: ApiKeys | None = None) -> None:
+    def __init__(
+        self,
+        max_draft_tokens: int,
+        verifier: Verifier | None = None,
+        log_prompts: bool = False,
+        batch_limits: BatchLimits | None = None,
+        api_keys: ApiKeys | None = None,
+    ) -> None:
         self.verifier: Verifier | None = None
         self.batcher: ForwardBatcher | None = None
         self.batch_limits = batch_limits or BatchLimits()
@@ -133,8 +139,12 @@ class ServerState:
             return []
         store = self.verifier.sessions
         now = store.clock()
-        rows = [SessionRow(session_tag(s.session_id), now - s.created, now - s.last_used, len(s.tokens), s.rounds,
-                           store.session_bytes(s))
-                for s in _read_sessions(store) if now - s.last_used < store.limits.ttl_s]
+        rows = [
+            SessionRow(
+                session_tag(s.session_id), now - s.created, now - s.last_used, len(s.tokens), s.rounds, store.session_bytes(s)
+            )
+            for s in _read_sessions(store)
+            if now - s.last_used < store.limits.ttl_s
+        ]
         self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))
         return rows

@@ -47,8 +47,9 @@ class ServerTls:
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         ca = self.client_ca.read_bytes() if self.client_ca else None
-        return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())],
-                                           root_certificates=ca, require_client_auth=ca is not None)
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())], root_certificates=ca, require_client_auth=ca is not None
+        )
 
     def uvicorn_options(self) -> dict[str, Any]:
         return {"ssl_certfile": str(self.cert), "ssl_keyfile": str(self.key)}
@@ -65,8 +66,14 @@ def check_exposure(host: str, tls: ServerTls | None, insecure: bool) -> None:
     if tls is not None or is_loopback(host):
         return
     if not insecure:
-        raise ConfigError(f"--host {host} serves other machines: give --tls-cert and --tls-key "
-                          "(README: Securing a verifier), or --insecure for plaintext on a trusted network")
+        raise ConfigError(
+            f"--host {host} serves other machines: give --tls-cert and --tls-key "
+            "(README: Securing a verifier), or --insecure for plaintext on a trusted network"
+        )
     # Not worded "serving ...": scripts wait for the line that starts so.
-    log_event(log, logging.WARNING, f"no TLS on {host} (--insecure): API keys, prompts and tokens cross the "
-              "network in clear text", host=host)
+    log_event(
+        log,
+        logging.WARNING,
+        f"no TLS on {host} (--insecure): API keys, prompts and tokens cross the network in clear text",
+        host=host,
+    )

@@ -62,8 +62,9 @@ def _ms_since(start: float) -> float:
 
 
 class Verifier:
-    def __init__(self, model: PreTrainedModel, model_id: str, limits: VerifierLimits | None = None,
-                 dtype_reason: str = "") -> None:
+    def __init__(
+        self, model: PreTrainedModel, model_id: str, limits: VerifierLimits | None = None, dtype_reason: str = ""
+    ) -> None:
         self.model = model
         self.model_id = model_id
         self.dtype_reason = dtype_reason  # why the model runs in its dtype (`--dtype auto`), for /healthz
@@ -81,11 +82,12 @@ class Verifier:
         sessions = self.limits.sessions
         slots = min(sessions.max_sessions, sessions.max_kv_bytes // (slot_tokens * kv_bytes_per_token))
         if slots < 1:
-            raise ConfigError(f"a KV slot of {slot_tokens} tokens needs {slot_tokens * kv_bytes_per_token} bytes, "
-                              f"over --max-kv-bytes {sessions.max_kv_bytes}")
+            raise ConfigError(
+                f"a KV slot of {slot_tokens} tokens needs {slot_tokens * kv_bytes_per_token} bytes, "
+                f"over --max-kv-bytes {sessions.max_kv_bytes}"
+            )
         pool = SlotPool(self.model, slots, slot_tokens)
-        self.limits = replace(self.limits, max_context_tokens=slot_tokens,
-                              sessions=replace(sessions, max_kv_bytes=pool.nbytes))
+        self.limits = replace(self.limits, max_context_tokens=slot_tokens, sessions=replace(sessions, max_kv_bytes=pool.nbytes))
         return pool
 
     # ---- validation -------------------------------------------------------------------
@@ -125,8 +127,8 @@ class Verifier:
     def _check_verify(self, req: VerifyRequest, session: Session) -> None:
         if req.base_position != len(session.tokens):
             raise PositionMismatch(
-                f"base_position {req.base_position} != server position {len(session.tokens)}",
-                len(session.tokens))
+                f"base_position {req.base_position} != server position {len(session.tokens)}", len(session.tokens)
+            )
         vocab = self._vocab(session.config)
         k = len(req.draft_tokens)
         if k > self.limits.max_draft_tokens:
@@ -171,8 +173,9 @@ class Verifier:
         """Prefill on its own: begin, one forward pass, finish."""
         return self._run_alone(self.begin_open(req), 0.0)
 
-    def begin_open(self, req: OpenSessionRequest, session_id: str | None = None,
-                   owner: str = "") -> ForwardStep[OpenSessionResult]:
+    def begin_open(
+        self, req: OpenSessionRequest, session_id: str | None = None, owner: str = ""
+    ) -> ForwardStep[OpenSessionResult]:
         """Validate a new session and hold its KV; its prefill is a forward step like a round's,
         so it can share a forward pass with other sessions' rounds and prefills instead of
         making them queue behind it. The session is stored at once, so the KV cap counts it
@@ -184,15 +187,14 @@ class Verifier:
         session = self.new_session(session_id or self.sessions.new_id(), req.config, req.prompt_tokens, owner)
 
         def finish(logits: torch.Tensor, forward_ms: float, queue_ms: float) -> OpenSessionResult:
-            return OpenSessionResult(session.session_id, len(session.tokens), self.limits.max_draft_tokens,
-                                     vocab, _ms_since(start), self.model_id)
+            return OpenSessionResult(
+                session.session_id, len(session.tokens), self.limits.max_draft_tokens, vocab, _ms_since(start), self.model_id
+            )
 
         # The cache holds the KV of tokens[:-1]: the last prompt token is the first round's first row.
-        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, finish,
-                           lambda: self.sessions.discard(session.session_id))
+        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, finish, lambda: self.sessions.discard(session.session_id))
 
-    def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str,
-                    planned: int = 0) -> Session:
+    def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
         against the caps from now on."""
         self.sessions.reserve(max(len(prompt), planned), owner=owner)
@@ -224,8 +226,7 @@ class Verifier:
         start = time.perf_counter()
         session = self.sessions.get(req.session_id, owner)
         self._check_verify(req, session)
-        self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id,
-                              owner=owner)
+        self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id, owner=owner)
         position = len(session.tokens)
 
         def finish(logits: torch.Tensor, forward_ms: float, queue_ms: float) -> VerifyResult:
@@ -239,15 +240,22 @@ class Verifier:
             metrics = RoundMetrics(
                 alpha_mean=float(outcome.accept_probs.mean()) if k else 0.0,
                 la_over_k=outcome.accepted_len / k if k else 0.0,
-                verify_ms=_ms_since(start) + queue_ms, queue_ms=queue_ms, forward_ms=forward_ms,
-                hard_tokens=sum(req.hard_mask))
+                verify_ms=_ms_since(start) + queue_ms,
+                queue_ms=queue_ms,
+                forward_ms=forward_ms,
+                hard_tokens=sum(req.hard_mask),
+            )
             top_k = _top_k(probs[: outcome.accepted_len + 1], req.want_top_k)
-            return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus,
-                                len(session.tokens), metrics, top_k)
+            return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus, len(session.tokens), metrics, top_k)
 
         # Rows for the last committed token and each draft: k + 1 predictions.
-        return ForwardStep(session.cache, [session.tokens[-1], *req.committed_tokens, *req.draft_tokens],
-                           len(req.draft_tokens) + 1, finish, lambda: lm.crop(session.cache, position - 1))
+        return ForwardStep(
+            session.cache,
+            [session.tokens[-1], *req.committed_tokens, *req.draft_tokens],
+            len(req.draft_tokens) + 1,
+            finish,
+            lambda: lm.crop(session.cache, position - 1),
+        )
 
     def run_batch(self, steps: list[tuple[ForwardStep[Any], float]]) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
@@ -262,8 +270,11 @@ class Verifier:
         fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
         forward_start = time.perf_counter()
         try:
-            logits = lm.forward_packed(self.model, [s.cache for s in fed], [s.block for s in fed],
-                                       [s.keep for s in fed]) if fed else []
+            logits = (
+                lm.forward_packed(self.model, [s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed])
+                if fed
+                else []
+            )
         except BaseException:
             for step, _ in steps:
                 step.undo()
@@ -288,8 +299,10 @@ class Verifier:
     def _without(self, steps: list[tuple[ForwardStep[Any], float]], gone: list[int]) -> list[Any]:
         kept = [s for i, s in enumerate(steps) if i not in gone]
         results = iter(self.run_batch(kept))
-        return [SessionNotFound("the session was closed or evicted while its step waited") if i in gone
-                else next(results) for i in range(len(steps))]
+        return [
+            SessionNotFound("the session was closed or evicted while its step waited") if i in gone else next(results)
+            for i in range(len(steps))
+        ]
 
     def _accept(self, req: VerifyRequest, session: Session, rows: torch.Tensor) -> tuple[RoundOutcome, torch.Tensor]:
         """The accept/reject outcome of a round and the target distributions [k + 1, V]."""
@@ -298,10 +311,14 @@ class Verifier:
         penalized = penalized_logits(rows, session.tokens + req.committed_tokens, req.draft_tokens, config.sampling, vocab)
         greedy = config.accept_mode is AcceptMode.GREEDY
         probs = penalized.softmax(dim=-1) if greedy else probs_from_logits(penalized, config.sampling)
-        outcome = accept(config.accept_mode, torch.tensor(req.draft_tokens, dtype=torch.long),
-                         penalized if greedy else probs, session.generator,
-                         draft_probs=torch.tensor(req.draft_probs, dtype=torch.float32),  # [k]
-                         sparse_draft=dense_draft(req.sparse_draft, vocab))  # [k, V]
+        outcome = accept(
+            config.accept_mode,
+            torch.tensor(req.draft_tokens, dtype=torch.long),
+            penalized if greedy else probs,
+            session.generator,
+            draft_probs=torch.tensor(req.draft_probs, dtype=torch.float32),  # [k]
+            sparse_draft=dense_draft(req.sparse_draft, vocab),
+        )  # [k, V]
         return outcome, probs
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
@@ -393,8 +410,7 @@ class GenerateStream:
         store = self.verifier.sessions
         if self.session is None:  # its whole length is reserved now: a stream is never cut short for KV
             planned = len(self.req.prompt_tokens) + self.req.max_new_tokens - 1
-            self.session = self.verifier.new_session(self.stream_id, self.req.config, self.req.prompt_tokens,
-                                                     self.owner, planned)
+            self.session = self.verifier.new_session(self.stream_id, self.req.config, self.req.prompt_tokens, self.owner, planned)
             session = self.session
             return ForwardStep(session.cache, list(session.tokens), 1, self._finish, lambda: store.discard(session.session_id))
         session = store.get(self.stream_id, self.owner)  # evicted only if the caller has gone

@@ -25,6 +25,7 @@ class ModelWorker:
     def submit(self, fn: Callable[[], None]) -> None:
         """Run fn after the work queued now, without waiting for it (clean-up when a caller
         has gone: nothing is left to tell if it fails, so it is logged)."""
+
         def logged() -> None:
             try:
                 fn()

@@ -70,8 +70,7 @@ class EdgeContext:
         session = SessionConfig(s.sampling(), seed, s.resolved_accept_mode(), self.vocab_size)
         timeouts = TimeoutPolicy(s.verify_timeout_ms / 1000, s.timeout_mode(), s.reconnect_window_s)
         stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if s.k_policy == "egag" else None
-        return GenerationConfig(session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule,
-                                s.overlap)
+        return GenerationConfig(session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule, s.overlap)
 
     def gating(self) -> Gating | None:
         s = self.settings
@@ -105,8 +104,13 @@ class EdgeContext:
             return self.drafter(seed)
         mode = s.resolved_accept_mode()
         signals = s.gating or s.k_policy == "egag"
-        ngram = NGramDrafter(NGramStore(s.ngram_order, s.ngram_max_contexts), s.filler_top_k, self.stop_token_ids,
-                             with_sparse=mode is AcceptMode.SPARSE, with_signals=signals)
+        ngram = NGramDrafter(
+            NGramStore(s.ngram_order, s.ngram_max_contexts),
+            s.filler_top_k,
+            self.stop_token_ids,
+            with_sparse=mode is AcceptMode.SPARSE,
+            with_signals=signals,
+        )
         if s.drafter == "ngram":
             return ngram
         return HybridDrafter(self.drafter(seed), ngram, s.hybrid_min_order, s.hybrid_min_count)
@@ -117,8 +121,15 @@ class EdgeContext:
         s = self.settings
         mode = s.resolved_accept_mode()
         signals = s.gating or s.k_policy == "egag"
-        config = DrafterConfig(s.sampling(), mode, self.vocab_size, s.draft_top_k, self.stop_token_ids,
-                               signals=signals, mc_passes=s.mc_passes if s.gating else 0)
+        config = DrafterConfig(
+            s.sampling(),
+            mode,
+            self.vocab_size,
+            s.draft_top_k,
+            self.stop_token_ids,
+            signals=signals,
+            mc_passes=s.mc_passes if s.gating else 0,
+        )
         return Drafter(self.draft_lm, config, seed + 1)  # the cloud's generator uses `seed`
 
 
@@ -134,8 +145,9 @@ def load_draft_lm(settings: EdgeSettings, folder: str) -> DraftLM:
         return LlamaCppDraftLM(gguf, threads, settings.draft_context)
     from edge.runtime_transformers import TransformersDraftLM  # torch: only on this path
 
-    return TransformersDraftLM.load(folder, settings.dtype, settings.device, threads,
-                                    keep_hidden=settings.gating and settings.mc_passes > 0)
+    return TransformersDraftLM.load(
+        folder, settings.dtype, settings.device, threads, keep_hidden=settings.gating and settings.mc_passes > 0
+    )
 
 
 def load_edge(settings: EdgeSettings) -> EdgeContext:
@@ -180,17 +192,43 @@ def verifier_client(settings: EdgeSettings, address: str) -> VerifierClient:
 
 def _trace_header(ctx: EdgeContext, prompt_ids: list[int], cfg: GenerationConfig) -> TraceHeader:
     s = ctx.settings
-    edge = {"k_policy": s.k_policy, "k": s.k, "k_min": s.k_min, "k_max": s.k_max, "drafter": s.drafter,
-            "draft_top_k": s.draft_top_k, "overlap": s.overlap, "gating": s.gating, "timeout_mode": s.timeout_mode(),
-            "verify_timeout_ms": s.verify_timeout_ms, "dtype": s.dtype}
+    edge = {
+        "k_policy": s.k_policy,
+        "k": s.k,
+        "k_min": s.k_min,
+        "k_max": s.k_max,
+        "drafter": s.drafter,
+        "draft_top_k": s.draft_top_k,
+        "overlap": s.overlap,
+        "gating": s.gating,
+        "timeout_mode": s.timeout_mode(),
+        "verify_timeout_ms": s.verify_timeout_ms,
+        "dtype": s.dtype,
+    }
     session = cfg.session
-    return TraceHeader(s.mode, list(prompt_ids), session.sampling, session.seed, session.accept_mode.value,
-                       session.vocab_size, cfg.max_new_tokens, sorted(cfg.stop_token_ids), ctx.draft_name,
-                       started_at=time.time(), edge=edge)
+    return TraceHeader(
+        s.mode,
+        list(prompt_ids),
+        session.sampling,
+        session.seed,
+        session.accept_mode.value,
+        session.vocab_size,
+        cfg.max_new_tokens,
+        sorted(cfg.stop_token_ids),
+        ctx.draft_name,
+        started_at=time.time(),
+        edge=edge,
+    )
 
 
-async def generate_one(ctx: EdgeContext, client: VerifierClient | None, prompt_ids: list[int], seed: int,
-                       on_commit: Observer | None, label: str = "prompt") -> GenerationResult:
+async def generate_one(
+    ctx: EdgeContext,
+    client: VerifierClient | None,
+    prompt_ids: list[int],
+    seed: int,
+    on_commit: Observer | None,
+    label: str = "prompt",
+) -> GenerationResult:
     s = ctx.settings
     cfg = ctx.generation_config(seed)
     if s.mode == "edge_only":
@@ -203,8 +241,7 @@ async def generate_one(ctx: EdgeContext, client: VerifierClient | None, prompt_i
         if s.mode == "cloud_only":
             result = await cloud_only_generate(prompt_ids, client, cfg, on_commit)
         else:
-            result = await speculative_generate(prompt_ids, ctx.draft_source(seed), client, ctx.k_policy(), cfg,
-                                                on_commit)
+            result = await speculative_generate(prompt_ids, ctx.draft_source(seed), client, ctx.k_policy(), cfg, on_commit)
     finally:
         client.tap = None
     if recorder is not None and s.record:
@@ -216,8 +253,14 @@ async def generate_one(ctx: EdgeContext, client: VerifierClient | None, prompt_i
 def _output_record(prompt: Prompt, result: GenerationResult, ctx: EdgeContext) -> dict[str, Any]:
     text = ctx.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     runtime = ctx.draft_lm.runtime if ctx.draft_lm is not None else None
-    return {"id": prompt.id, "category": prompt.category, "mode": ctx.settings.mode, "text": text,
-            "draft_runtime": runtime, **result.summary()}
+    return {
+        "id": prompt.id,
+        "category": prompt.category,
+        "mode": ctx.settings.mode,
+        "text": text,
+        "draft_runtime": runtime,
+        **result.summary(),
+    }
 
 
 def _log_rounds(path: str | None, prompt_id: str, result: GenerationResult) -> None:
@@ -257,8 +300,7 @@ async def _answer(ctx: EdgeContext, client: VerifierClient | None, prompt: Promp
     except (ConfigError, Unauthenticated, TlsHandshakeFailed):
         raise  # every later prompt would fail the same way: stop the run with one line
     except SpecDecError as err:
-        failed = GenerationResult(token_ids=kept.token_ids, finish_reason="error",
-                                  elapsed_s=time.perf_counter() - start)
+        failed = GenerationResult(token_ids=kept.token_ids, finish_reason="error", elapsed_s=time.perf_counter() - start)
         return failed, _one_line(err)
 
 
@@ -285,7 +327,7 @@ async def answer_prompts(ctx: EdgeContext, client: VerifierClient | None) -> int
         if out is not sys.stdout:
             out.close()
     if failed:
-        log.error("%d of %d prompts failed (finish_reason \"error\" in their output lines)", failed, len(prompts))
+        log.error('%d of %d prompts failed (finish_reason "error" in their output lines)', failed, len(prompts))
     else:
         log.info("all %d prompts answered", len(prompts))
     return failed

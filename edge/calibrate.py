@@ -65,14 +65,20 @@ def calibrate(settings: CalibrateSettings) -> GatingThresholds:
     counts = token_frequencies(tokenizer.encode(p.text) for p in prompts)
     save_gating_config(Path(settings.output), thresholds, counts)
     hard = sum(thresholds.is_hard(s) for s in signals) / len(signals)
-    log.info("%d drafted tokens: T_nll %.3f, hard ratio at these thresholds %.2f; wrote %s",
-             len(signals), thresholds.nll, hard, settings.output)
+    log.info(
+        "%d drafted tokens: T_nll %.3f, hard ratio at these thresholds %.2f; wrote %s",
+        len(signals),
+        thresholds.nll,
+        hard,
+        settings.output,
+    )
     return thresholds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="edge-calibrate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="edge-calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_settings_flags(parser, CalibrateSettings)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)

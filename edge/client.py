@@ -44,8 +44,11 @@ from shared.protocol import (
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # grpc's default reconnect backoff grows to 120 s: an edge would sit idle up to two minutes
 # after a restarted verifier is back. Retry the connection within 0.1 to 2 s instead.
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 2000)]
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,9 @@ class ClientTls:
     server_name: str | None = None  # the name to verify the server's certificate against, if not the target's host
 
     @classmethod
-    def from_files(cls, ca: str | None = None, cert: str | None = None, key: str | None = None,
-                   server_name: str | None = None) -> ClientTls:
+    def from_files(
+        cls, ca: str | None = None, cert: str | None = None, key: str | None = None, server_name: str | None = None
+    ) -> ClientTls:
         return cls(_read_pem(ca, "--tls-ca"), _read_pem(cert, "--tls-cert"), _read_pem(key, "--tls-key"), server_name)
 
     def credentials(self) -> grpc.ChannelCredentials:
@@ -104,14 +108,29 @@ class CallTap(Protocol):
     """Sees each finished call with its send and reply times (time.perf_counter()); `error` is
     set when the call failed, after any resends. Used to record sessions."""
 
-    def opened(self, req: OpenSessionRequest, result: OpenSessionResult | None, error: SpecDecError | None,
-               sent: float, replied: float) -> None: ...
+    def opened(
+        self, req: OpenSessionRequest, result: OpenSessionResult | None, error: SpecDecError | None, sent: float, replied: float
+    ) -> None: ...
 
-    def verified(self, req: VerifyRequest, result: VerifyResult | None, error: SpecDecError | None,
-                 sent: float, replied: float, resends: int) -> None: ...
+    def verified(
+        self,
+        req: VerifyRequest,
+        result: VerifyResult | None,
+        error: SpecDecError | None,
+        sent: float,
+        replied: float,
+        resends: int,
+    ) -> None: ...
 
-    def generated(self, req: GenerateRequest, tokens: list[int], error: SpecDecError | None,
-                  sent: float, first: float | None, replied: float) -> None: ...
+    def generated(
+        self,
+        req: GenerateRequest,
+        tokens: list[int],
+        error: SpecDecError | None,
+        sent: float,
+        first: float | None,
+        replied: float,
+    ) -> None: ...
 
 
 def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
@@ -124,8 +143,9 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
         metadata = dict(err.trailing_metadata() or ())
         return CapacityExceeded(f"{code.name}: {details}", int(metadata.get(wire.RETRY_AFTER_MS_KEY, 0)))
     if code == grpc.StatusCode.UNAUTHENTICATED:  # not recoverable: the edge stops, saying why
-        return Unauthenticated(f"the verifier refused the call ({code.name}): {details}; "
-                               "give its API key with --api-key or SPECDEC_EDGE_API_KEY")
+        return Unauthenticated(
+            f"the verifier refused the call ({code.name}): {details}; give its API key with --api-key or SPECDEC_EDGE_API_KEY"
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"the verifier did not answer within the call's deadline ({code.name}): {details}")
     if code in _UNREACHABLE and "handshake failed" in details.lower():
@@ -140,9 +160,16 @@ class VerifierClient:
     the replica its key ranks first (rendezvous hashing) and, once that one is unreachable, to the
     next. One channel per address."""
 
-    def __init__(self, target: str, verify_timeout_s: float = 30.0, open_timeout_s: float = 600.0,
-                 capacity_retry: CapacityRetry | None = None, *, tls: ClientTls | None = None,
-                 api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        verify_timeout_s: float = 30.0,
+        open_timeout_s: float = 600.0,
+        capacity_retry: CapacityRetry | None = None,
+        *,
+        tls: ClientTls | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.target = target
         self.verify_timeout_s = verify_timeout_s
         self.open_timeout_s = open_timeout_s  # prefill of a long prompt takes longer than a round
@@ -168,8 +195,9 @@ class VerifierClient:
         msg = wire.open_request_to_pb(req)
         sent = time.perf_counter()
         try:
-            reply: pb.OpenSessionResponse = await self._unary(lambda stub: stub.OpenSession, msg, self.open_timeout_s,
-                                                              session_key, opening=True)
+            reply: pb.OpenSessionResponse = await self._unary(
+                lambda stub: stub.OpenSession, msg, self.open_timeout_s, session_key, opening=True
+            )
         except SpecDecError as err:
             if self.tap:
                 self.tap.opened(req, None, err, sent, time.perf_counter())
@@ -179,13 +207,13 @@ class VerifierClient:
             self.tap.opened(req, result, None, sent, time.perf_counter())
         return result
 
-    async def verify(self, req: VerifyRequest, timeout_s: float | None = None,
-                     session_key: str | None = None) -> VerifyResult:
+    async def verify(self, req: VerifyRequest, timeout_s: float | None = None, session_key: str | None = None) -> VerifyResult:
         msg = wire.verify_request_to_pb(req)
         sent, rejections = time.perf_counter(), self.stats.capacity_rejections
         try:
-            reply: pb.VerifyResponse = await self._unary(lambda stub: stub.Verify, msg,
-                                                         timeout_s or self.verify_timeout_s, session_key)
+            reply: pb.VerifyResponse = await self._unary(
+                lambda stub: stub.Verify, msg, timeout_s or self.verify_timeout_s, session_key
+            )
         except SpecDecError as err:
             if self.tap:
                 self.tap.verified(req, None, err, sent, time.perf_counter(), self.stats.capacity_rejections - rejections)
@@ -198,8 +226,9 @@ class VerifierClient:
     async def close_session(self, session_id: str, session_key: str | None = None) -> CloseSessionResult:
         msg = pb.CloseSessionRequest(session_id=session_id)
         try:
-            reply: pb.CloseSessionResponse = await self._unary(lambda stub: stub.CloseSession, msg,
-                                                               self.verify_timeout_s, session_key)
+            reply: pb.CloseSessionResponse = await self._unary(
+                lambda stub: stub.CloseSession, msg, self.verify_timeout_s, session_key
+            )
         finally:
             self.replicas.closed(session_key)
         return wire.close_result_from_pb(reply)
@@ -228,8 +257,14 @@ class VerifierClient:
             if self.tap:
                 self.tap.generated(req, tokens, error, sent, first, time.perf_counter())
 
-    async def _unary(self, method: Callable[[pb_grpc.VerifierStub], grpc.aio.UnaryUnaryMultiCallable], msg,  # type: ignore[no-untyped-def]
-                     timeout_s: float, session_key: str | None, opening: bool = False):
+    async def _unary(
+        self,
+        method: Callable[[pb_grpc.VerifierStub], grpc.aio.UnaryUnaryMultiCallable],
+        msg,  # type: ignore[no-untyped-def]
+        timeout_s: float,
+        session_key: str | None,
+        opening: bool = False,
+    ):
         """One call to the session's replica; a RESOURCE_EXHAUSTED answer is resent per
         capacity_retry, all within timeout_s; an unreachable replica is skipped for a while."""
         loop = asyncio.get_running_loop()
@@ -239,8 +274,9 @@ class VerifierClient:
             self.stats.bytes_up += msg.ByteSize()
             address = self.replicas.pick(session_key, opening)
             try:
-                reply = await method(self._stubs[address])(msg, timeout=max(deadline - loop.time(), 0.001),
-                                                           metadata=self._call_metadata(session_key))
+                reply = await method(self._stubs[address])(
+                    msg, timeout=max(deadline - loop.time(), 0.001), metadata=self._call_metadata(session_key)
+                )
             except grpc.aio.AioRpcError as err:
                 error = _error_from_rpc(err)
                 if isinstance(error, CloudUnavailable):

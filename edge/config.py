@@ -16,46 +16,103 @@ class EdgeSettings(BaseSettings):
     # How --help groups the flags (shared/cli.py); a field in no group is listed under "options".
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "what to generate": ("prompt", "prompts", "output", "mode", "max_new_tokens", "chat"),
-        "the verifier": ("cloud", "api_key", "tls_ca", "tls", "tls_cert", "tls_key", "tls_server_name", "target_model",
-                         "verify_timeout_ms", "call_timeout_ms", "reconnect_window_s", "capacity_retries",
-                         "capacity_backoff_ms"),
-        "the draft model": ("draft_model", "draft_runtime", "draft_gguf", "draft_threads", "draft_context", "dtype",
-                            "device", "threads"),
+        "the verifier": (
+            "cloud",
+            "api_key",
+            "tls_ca",
+            "tls",
+            "tls_cert",
+            "tls_key",
+            "tls_server_name",
+            "target_model",
+            "verify_timeout_ms",
+            "call_timeout_ms",
+            "reconnect_window_s",
+            "capacity_retries",
+            "capacity_backoff_ms",
+        ),
+        "the draft model": (
+            "draft_model",
+            "draft_runtime",
+            "draft_gguf",
+            "draft_threads",
+            "draft_context",
+            "dtype",
+            "device",
+            "threads",
+        ),
         "sampling": ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "accept_mode"),
-        "drafting and k": ("drafter", "ngram_order", "ngram_max_contexts", "filler_top_k", "hybrid_min_order",
-                           "hybrid_min_count", "draft_top_k", "k", "k_policy", "k_min", "k_max", "la_raise_at",
-                           "la_lower_at", "la_window", "egag_ema_beta", "egag_stop_bits", "overlap"),
-        "gating and a slow cloud": ("gating", "gating_config", "rules", "mc_passes", "local_commit", "strict",
-                                    "accept_unverified"),
+        "drafting and k": (
+            "drafter",
+            "ngram_order",
+            "ngram_max_contexts",
+            "filler_top_k",
+            "hybrid_min_order",
+            "hybrid_min_count",
+            "draft_top_k",
+            "k",
+            "k_policy",
+            "k_min",
+            "k_max",
+            "la_raise_at",
+            "la_lower_at",
+            "la_window",
+            "egag_ema_beta",
+            "egag_stop_bits",
+            "overlap",
+        ),
+        "gating and a slow cloud": (
+            "gating",
+            "gating_config",
+            "rules",
+            "mc_passes",
+            "local_commit",
+            "strict",
+            "accept_unverified",
+        ),
         "records and telemetry": ("record", "log_rounds", "metrics_port", "show_steps"),
     }
 
     prompt: str | None = Field(None, description="one prompt to answer (plain text; the chat template is applied)")
     prompts: str | None = Field(None, description="JSONL of prompts ({id, prompt} or Spec-Bench question.jsonl)")
     output: str | None = Field(None, description="JSONL results of --prompts, one line per prompt")
-    cloud: str | None = Field(None, description="verifier HOST:PORT (a proxy's), or several comma-separated: each "
-                              "session goes to one by rendezvous hashing, the next one if it dies; without it a "
-                              "verifier starts in-process on loopback")
+    cloud: str | None = Field(
+        None,
+        description="verifier HOST:PORT (a proxy's), or several comma-separated: each "
+        "session goes to one by rendezvous hashing, the next one if it dies; without it a "
+        "verifier starts in-process on loopback",
+    )
     api_key: SecretStr | None = Field(None, description="API key sent to the verifier with every call")
     tls_ca: str | None = Field(None, description="PEM CA bundle to trust: TLS to the verifier")
     tls: bool = Field(False, description="TLS to the verifier, trusting the system's CAs (implied by --tls-ca)")
     tls_cert: str | None = Field(None, description="PEM client certificate, for a verifier that requires one (mTLS)")
     tls_key: str | None = Field(None, description="PEM private key of --tls-cert")
-    tls_server_name: str | None = Field(None, description="name the verifier's certificate must carry, when it is "
-                                        "not --cloud's host")
+    tls_server_name: str | None = Field(
+        None, description="name the verifier's certificate must carry, when it is not --cloud's host"
+    )
     mode: Literal["speculative", "cloud_only", "edge_only"] = Field("speculative", description="what generates the text")
     draft_model: str | None = Field(None, description="draft model folder; default: the packaged Qwen2.5-Coder-0.5B-Instruct")
     target_model: str | None = Field(
-        None, description="target model folder for the in-process verifier; default: packaged Qwen2.5-Coder-1.5B-Instruct")
+        None, description="target model folder for the in-process verifier; default: packaged Qwen2.5-Coder-1.5B-Instruct"
+    )
     draft_runtime: Literal["auto", "llama.cpp", "transformers"] = Field(
-        "auto", description="what runs the draft model: llama.cpp on the folder's GGUF, or transformers on its HF "
-        "weights (auto: llama.cpp when llama-cpp-python is installed and a GGUF is there)")
+        "auto",
+        description="what runs the draft model: llama.cpp on the folder's GGUF, or transformers on its HF "
+        "weights (auto: llama.cpp when llama-cpp-python is installed and a GGUF is there)",
+    )
     draft_gguf: str | None = Field(None, description="llama.cpp: the GGUF file (default: the draft folder's .gguf)")
     draft_threads: int = Field(0, ge=0, description="draft model CPU threads (0 = --threads, else every usable core)")
-    draft_context: int = Field(4096, ge=16, description="llama.cpp: tokens the draft's KV cache holds per session "
-                               "(prompt + generated; 4096 keeps the 0.5B edge under 700 MiB)")
-    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16 for models run by transformers "
-                       "(auto: bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else fp32)")
+    draft_context: int = Field(
+        4096,
+        ge=16,
+        description="llama.cpp: tokens the draft's KV cache holds per session "
+        "(prompt + generated; 4096 keeps the 0.5B edge under 700 MiB)",
+    )
+    dtype: str = Field(
+        "auto",
+        description="auto | float32 | bfloat16 | float16 for models run by transformers "
+        "(auto: bf16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else fp32)",
+    )
     device: str = Field("auto", description="auto | cpu | cuda[:N] for models run by transformers")
     threads: int = Field(0, ge=0, description="CPU threads of local models (0 = the runtime's default)")
     max_new_tokens: int = Field(128, ge=1, description="tokens to generate per prompt")
@@ -65,10 +122,13 @@ class EdgeSettings(BaseSettings):
     repetition_penalty: float = Field(1.0, gt=0, description="1 = off")
     seed: int = Field(0, ge=0, description="seeds the cloud's and the drafter's generators")
     accept_mode: Literal["sparse", "point", "scalar", "shortcut", "top1"] = Field(
-        "sparse", description="sampling only: sparse/point are exact; scalar/shortcut/top1 are APPROXIMATE "
-        "(--drafter ngram uses point unless top1 is asked for)")
+        "sparse",
+        description="sampling only: sparse/point are exact; scalar/shortcut/top1 are APPROXIMATE "
+        "(--drafter ngram uses point unless top1 is asked for)",
+    )
     drafter: Literal["model", "ngram", "hybrid"] = Field(
-        "model", description="model (draft LM) | ngram (no model: n-gram store) | hybrid (n-gram where confident)")
+        "model", description="model (draft LM) | ngram (no model: n-gram store) | hybrid (n-gram where confident)"
+    )
     ngram_order: int = Field(4, ge=1, le=16, description="longest n-gram context")
     ngram_max_contexts: int = Field(200_000, ge=1, description="n-gram store cap; least recently updated evicted")
     filler_top_k: int = Field(1, ge=1, le=16, description="learn the target's top-K per verified position (1 = NAPD)")
@@ -81,7 +141,8 @@ class EdgeSettings(BaseSettings):
     # drafter on the Qwen pair (README Results); the verifier's cost per row decides it.
     k: int = Field(4, ge=0, description="draft tokens per round (fixed policy)")
     k_policy: Literal["fixed", "la-ratio", "egag", "cost"] = Field(
-        "fixed", description="fixed | la-ratio (seed: 6 in [3, 12]) | egag (draft entropy) | cost (max expected tokens/s)")
+        "fixed", description="fixed | la-ratio (seed: 6 in [3, 12]) | egag (draft entropy) | cost (max expected tokens/s)"
+    )
     k_min: int = Field(3, ge=1, description="la-ratio: smallest k (egag: gamma_min)")
     k_max: int = Field(12, ge=1, description="la-ratio, egag, cost: largest k")
     la_raise_at: float = Field(0.8, description="la-ratio: +1 when accepted/k over the window >= this")
@@ -99,19 +160,25 @@ class EdgeSettings(BaseSettings):
     # Long enough for a verifier to restart and load its model; past it a --prompts run records
     # the prompt as failed and goes on with the next one.
     reconnect_window_s: float = Field(
-        300.0, ge=0, description="seconds to keep reconnecting to a lost or still-loading verifier (waits of 0.1 s "
-        "doubling to 2 s, jittered); then the prompt fails (0 = at the first failure)")
+        300.0,
+        ge=0,
+        description="seconds to keep reconnecting to a lost or still-loading verifier (waits of 0.1 s "
+        "doubling to 2 s, jittered); then the prompt fails (0 = at the first failure)",
+    )
     capacity_retries: int = Field(
-        6, ge=0, description="RESOURCE_EXHAUSTED: resends after the server's retry hint (jitter), within the call's deadline")
+        6, ge=0, description="RESOURCE_EXHAUSTED: resends after the server's retry hint (jitter), within the call's deadline"
+    )
     capacity_backoff_ms: float = Field(
-        50.0, gt=0, description="RESOURCE_EXHAUSTED without a hint: first wait before a resend, doubled each time (max 2 s)")
+        50.0, gt=0, description="RESOURCE_EXHAUSTED without a hint: first wait before a resend, doubled each time (max 2 s)"
+    )
     record: str | None = Field(None, description="write each session as a JSONL trace (token ids only) into this folder")
     strict: bool = Field(False, description="never show unverified text: wait and retry")
     accept_unverified: bool = Field(False, description="LOSSY: on timeout a draft token is final, counted UNVERIFIED")
     overlap: bool = Field(False, description="draft the next block while Verify is in flight (kept if all pass)")
     log_rounds: str | None = Field(None, description="write one JSON line per round to this file")
-    metrics_port: int | None = Field(None, ge=0, le=65535,
-                                     description="serve Prometheus metrics of this edge on 127.0.0.1:PORT (0 = any)")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve Prometheus metrics of this edge on 127.0.0.1:PORT (0 = any)"
+    )
     chat: bool = Field(True, description="apply the tokenizer's chat template")
     show_steps: bool = Field(False, description="print every round in colour: accepted, rejected, correction")
 

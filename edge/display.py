@@ -43,13 +43,13 @@ class TextStream:
         text = self._decode(self.token_ids)
         if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
             return
-        self.out.write(text[len(self.printed):])
+        self.out.write(text[len(self.printed) :])
         self.out.flush()
         self.printed = text
 
     def provisional(self, tokens: list[int]) -> None:
         self._clear_provisional()
-        extra = self._decode(self.token_ids + tokens)[len(self.printed):]
+        extra = self._decode(self.token_ids + tokens)[len(self.printed) :]
         self.out.write(self.SAVE + DIM + extra + RESET)
         self.out.flush()
         self.showing_provisional = True
@@ -74,11 +74,14 @@ class StepPrinter:
             self.out.write("".join(self._piece(t) for t in new))
             return
         if record.local:
-            self.out.write(f"{DIM}[{record.round:3d} local k={record.k:2d}]{RESET} {MAGENTA}"
-                           + "".join(self._piece(t) for t in new) + f"{RESET}\n")
+            self.out.write(
+                f"{DIM}[{record.round:3d} local k={record.k:2d}]{RESET} {MAGENTA}"
+                + "".join(self._piece(t) for t in new)
+                + f"{RESET}\n"
+            )
             return
         accepted = record.draft_tokens[: record.accepted_len]
-        rejected = record.draft_tokens[record.accepted_len:]
+        rejected = record.draft_tokens[record.accepted_len :]
         parts = [f"{DIM}[{record.round:3d} k={record.k:2d} {record.rtt_ms:6.1f}ms]{RESET} "]
         parts += [GREEN + "".join(self._piece(t) for t in accepted) + RESET]
         if rejected:
@@ -91,15 +94,24 @@ class StepPrinter:
 def format_stats(result: GenerationResult, mode: str) -> str:
     n = max(len(result.token_ids), 1)
     tokens_per_s = len(result.token_ids) / result.elapsed_s if result.elapsed_s else 0.0
-    line = (f"[{mode}] {len(result.token_ids)} tokens in {result.elapsed_s:.2f}s ({tokens_per_s:.1f} tok/s), "
-            f"ttft {result.ttft_s * 1000:.0f} ms, target passes/token {result.target_forward_passes / n:.2f}")
+    line = (
+        f"[{mode}] {len(result.token_ids)} tokens in {result.elapsed_s:.2f}s ({tokens_per_s:.1f} tok/s), "
+        f"ttft {result.ttft_s * 1000:.0f} ms, target passes/token {result.target_forward_passes / n:.2f}"
+    )
     if result.rounds:
         tau = (len(result.token_ids) - result.local_tokens - result.unverified_tokens) / result.rounds
         rate = result.accepted_tokens / max(result.draft_tokens, 1)
-        line += (f", rounds {result.rounds}, tau {tau:.2f}, accepted {result.accepted_tokens}/"
-                 f"{result.draft_tokens} ({rate:.0%}), bytes up/down {result.bytes_up}/{result.bytes_down}")
-    extras = {"provisional": result.provisional_tokens, "retracted": result.retracted_tokens,
-              "UNVERIFIED": result.unverified_tokens, "LOCAL (lossy)": result.local_tokens,
-              "hard": result.hard_tokens, "reopens": result.reopens}
+        line += (
+            f", rounds {result.rounds}, tau {tau:.2f}, accepted {result.accepted_tokens}/"
+            f"{result.draft_tokens} ({rate:.0%}), bytes up/down {result.bytes_up}/{result.bytes_down}"
+        )
+    extras = {
+        "provisional": result.provisional_tokens,
+        "retracted": result.retracted_tokens,
+        "UNVERIFIED": result.unverified_tokens,
+        "LOCAL (lossy)": result.local_tokens,
+        "hard": result.hard_tokens,
+        "reopens": result.reopens,
+    }
     line += "".join(f", {name} {value}" for name, value in extras.items() if value)
     return line

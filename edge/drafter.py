@@ -130,7 +130,7 @@ class Drafter:
     def prefill(self) -> None:
         """Cache all but the last token now (e.g. while the cloud prefills the same prompt)."""
         if len(self.cached) < len(self.tokens) - 1:
-            self._feed(self.tokens[len(self.cached):-1])
+            self._feed(self.tokens[len(self.cached) : -1])
 
     def _feed(self, token_ids: list[int]) -> np.ndarray:  # [V_model] logits after the last fed token
         logits = self.cache.feed(token_ids)
@@ -143,7 +143,7 @@ class Drafter:
         draft = Draft()
         if k <= 0:
             return draft
-        logits = self._feed(self.tokens[len(self.cached):])
+        logits = self._feed(self.tokens[len(self.cached) :])
         while True:
             self._pick(logits, draft)
             if len(draft) == k or draft.token_ids[-1] in self.config.stop_token_ids:
@@ -154,8 +154,7 @@ class Drafter:
 
     def _pick(self, logits: np.ndarray, draft: Draft) -> None:
         cfg = self.config
-        penalized = draft_sampling.penalized_logits(logits, self.tokens + draft.token_ids, cfg.sampling,
-                                                    cfg.vocab_size)  # [V]
+        penalized = draft_sampling.penalized_logits(logits, self.tokens + draft.token_ids, cfg.sampling, cfg.vocab_size)  # [V]
         if cfg.accept_mode in (AcceptMode.GREEDY, AcceptMode.POINT):
             # Deterministic drafts; q (at temperature 1) is sent for gating and logs only.
             q = draft_sampling.softmax(penalized)

@@ -43,8 +43,7 @@ class GatingThresholds:
     hard_ratio: float = 0.3  # R_hard: a block above it escalates
 
     def is_hard(self, s: TokenSignals) -> bool:
-        return (s.entropy_bits > self.entropy_bits or s.margin < self.margin or s.nll > self.nll
-                or s.mc_var > self.mc_var)
+        return s.entropy_bits > self.entropy_bits or s.margin < self.margin or s.nll > self.nll or s.mc_var > self.mc_var
 
 
 def token_signals(q: np.ndarray, token: int) -> TokenSignals:
@@ -79,8 +78,13 @@ class EscalationRules:
             return "date"
         word = text.strip()
         # A capitalised word that does not start a sentence: a likely named entity.
-        if word[:1].isupper() and _WORD.fullmatch(word) and text.startswith(" ") and \
-                not previous_text.rstrip().endswith((".", "!", "?", ":", "\n")) and previous_text.strip():
+        if (
+            word[:1].isupper()
+            and _WORD.fullmatch(word)
+            and text.startswith(" ")
+            and not previous_text.rstrip().endswith((".", "!", "?", ":", "\n"))
+            and previous_text.strip()
+        ):
             return "entity"
         if self.counts and len(word) >= 4 and word.isalpha() and self.counts.get(token, 0) < self.rare_below:
             return "rare"
@@ -93,7 +97,6 @@ def token_frequencies(token_streams: Iterable[Sequence[int]]) -> dict[int, int]:
         for token in stream:
             counts[token] = counts.get(token, 0) + 1
     return counts
-
 
 
 def save_gating_config(path: Path, thresholds: GatingThresholds, counts: dict[int, int]) -> None:

@@ -24,18 +24,36 @@ from edge.replicas import new_session_key
 from edge.rounds import SpeculativeRun
 from shared.protocol import GenerateRequest
 
-__all__ = ["Gating", "GenerationConfig", "GenerationResult", "Observer", "Reconnecting", "RoundRecord",
-           "SpeculativeRun", "TimeoutPolicy", "cloud_only_generate", "edge_only_generate", "speculative_generate"]
+__all__ = [
+    "Gating",
+    "GenerationConfig",
+    "GenerationResult",
+    "Observer",
+    "Reconnecting",
+    "RoundRecord",
+    "SpeculativeRun",
+    "TimeoutPolicy",
+    "cloud_only_generate",
+    "edge_only_generate",
+    "speculative_generate",
+]
 
 
-async def speculative_generate(prompt: list[int], drafter: DraftSource, client: VerifierClient, k_policy: KPolicy,
-                               cfg: GenerationConfig, observer: Observer | None = None) -> GenerationResult:
+async def speculative_generate(
+    prompt: list[int],
+    drafter: DraftSource,
+    client: VerifierClient,
+    k_policy: KPolicy,
+    cfg: GenerationConfig,
+    observer: Observer | None = None,
+) -> GenerationResult:
     """Draft k tokens, verify them in one cloud round, commit accepted + one, repeat."""
     return await SpeculativeRun(prompt, drafter, client, k_policy, cfg, observer).run()
 
 
-async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: GenerationConfig,
-                              observer: Observer | None = None) -> GenerationResult:
+async def cloud_only_generate(
+    prompt: list[int], client: VerifierClient, cfg: GenerationConfig, observer: Observer | None = None
+) -> GenerationResult:
     """Target alone through the verifier's Generate stream. A stream lost to a recoverable
     error is resumed within the reconnect window on the prompt plus the tokens already
     committed, asking only for the rest, so nothing is duplicated or lost."""
@@ -44,8 +62,12 @@ async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: Ge
     outage: Reconnecting | None = None
     session_key = new_session_key()
     while not out.done():
-        req = GenerateRequest(prompt + out.result.token_ids, reopened_config(cfg.session, out.result.reopens),
-                              out.remaining(), sorted(cfg.stop_token_ids))
+        req = GenerateRequest(
+            prompt + out.result.token_ids,
+            reopened_config(cfg.session, out.result.reopens),
+            out.remaining(),
+            sorted(cfg.stop_token_ids),
+        )
         try:
             async for chunk in client.generate(req, session_key):
                 outage = None  # it answers again: a later failure starts a new window
@@ -60,8 +82,9 @@ async def cloud_only_generate(prompt: list[int], client: VerifierClient, cfg: Ge
     return out.finish(client, up0, down0)
 
 
-def edge_only_generate(prompt: list[int], drafter: Drafter, cfg: GenerationConfig,
-                       observer: Observer | None = None) -> GenerationResult:
+def edge_only_generate(
+    prompt: list[int], drafter: Drafter, cfg: GenerationConfig, observer: Observer | None = None
+) -> GenerationResult:
     """The draft model alone: one token per step, committed at once."""
     out = Output(cfg, GenerationResult(), observer)
     committed = list(prompt)

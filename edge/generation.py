@@ -39,8 +39,13 @@ class Reconnecting:
     reconnect_window_s has passed since the first failure; then the last error, with how long
     it was tried, is final. Clock, sleep and random source are injectable for tests."""
 
-    def __init__(self, policy: TimeoutPolicy, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        policy: TimeoutPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
         self.policy, self.clock, self.sleep = policy, clock, sleep
         self.rng = rng or random.Random()
         self.started = clock()
@@ -57,9 +62,11 @@ class Reconnecting:
         elapsed = self.clock() - self.started
         left = self.policy.reconnect_window_s - elapsed
         if left <= 0:
-            raise CloudUnavailable(f"gave up reconnecting to the verifier after {elapsed:.1f} s and "
-                                   f"{self.attempts} attempts (reconnect window {self.policy.reconnect_window_s:g} s); "
-                                   f"last error: {err}") from err
+            raise CloudUnavailable(
+                f"gave up reconnecting to the verifier after {elapsed:.1f} s and "
+                f"{self.attempts} attempts (reconnect window {self.policy.reconnect_window_s:g} s); "
+                f"last error: {err}"
+            ) from err
         delay = min(self.delay_s(), left)  # one last attempt as the window closes
         self.attempts += 1
         await self.sleep(delay)

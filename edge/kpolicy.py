@@ -40,8 +40,9 @@ class LaRatioK:
     """The la-ratio rule: start at k_start, +1 when accepted/k over the last `window` rounds
     is >= raise_at, -1 when <= lower_at, clamped to [k_min, k_max]."""
 
-    def __init__(self, k_start: int = 6, k_min: int = 3, k_max: int = 12, raise_at: float = 0.8,
-                 lower_at: float = 0.4, window: int = 1) -> None:
+    def __init__(
+        self, k_start: int = 6, k_min: int = 3, k_max: int = 12, raise_at: float = 0.8, lower_at: float = 0.4, window: int = 1
+    ) -> None:
         if not k_min <= k_start <= k_max:
             raise ValueError(f"k_start {k_start} outside [{k_min}, {k_max}]")
         self.k, self.k_min, self.k_max = k_start, k_min, k_max
@@ -67,8 +68,9 @@ class EgagK:
     between gamma_min and gamma_max (confident draft -> long blocks). The drafter also stops a
     block early at a token above `stop_bits` (see stop_bits)."""
 
-    def __init__(self, gamma_min: int = 2, gamma_max: int = 12, ema_beta: float = 0.7,
-                 h_max_bits: float = 4.0, stop_bits: float = 3.5) -> None:
+    def __init__(
+        self, gamma_min: int = 2, gamma_max: int = 12, ema_beta: float = 0.7, h_max_bits: float = 4.0, stop_bits: float = 3.5
+    ) -> None:
         if not 0 < gamma_min <= gamma_max:
             raise ValueError("need 0 < gamma_min <= gamma_max")
         self.gamma_min, self.gamma_max = gamma_min, gamma_max
@@ -106,9 +108,17 @@ class CostK:
     wait is free, and a slower link buys a longer block.
     """
 
-    def __init__(self, k_min: int = 1, k_max: int = 12, ema_beta: float = 0.8, alpha0: float = 0.7,
-                 draft_ms0: float = 50.0, verify_ms0: float = 150.0, rtt_ms0: float = 1.0,
-                 overlap: bool = False) -> None:
+    def __init__(
+        self,
+        k_min: int = 1,
+        k_max: int = 12,
+        ema_beta: float = 0.8,
+        alpha0: float = 0.7,
+        draft_ms0: float = 50.0,
+        verify_ms0: float = 150.0,
+        rtt_ms0: float = 1.0,
+        overlap: bool = False,
+    ) -> None:
         self.overlap = overlap
         self.k_min, self.k_max, self.beta = k_min, k_max, ema_beta
         self.alpha = alpha0

@@ -24,11 +24,14 @@ async def local_verifier(flags: Sequence[str], ready_timeout_s: float = 900.0) -
     """Start `cloud-verifier --port 0 --http-port 0 FLAGS`; yield its gRPC address once it serves
     (a first start may fetch the target model: minutes)."""
     if not _cloud_installed():
-        raise ConfigError("no --cloud given and cloud-verifier is not installed here: "
-                          "pass --cloud HOST:PORT, or install the cloud part ('.[cloud]')")
+        raise ConfigError(
+            "no --cloud given and cloud-verifier is not installed here: "
+            "pass --cloud HOST:PORT, or install the cloud part ('.[cloud]')"
+        )
     cmd = [sys.executable, "-m", "cloud", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", *flags]
-    child = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL,
-                                                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    child = await asyncio.create_subprocess_exec(
+        *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
     assert child.stderr is not None
     tail: list[str] = []
     drain: asyncio.Task[None] | None = None

@@ -23,19 +23,15 @@ class EdgeMetrics:
         self.committed_tokens = Counter("specdec_edge_committed_tokens", "final tokens shown to the user", registry=r)
         self.draft_tokens = Counter("specdec_edge_draft_tokens", "tokens drafted and sent", registry=r)
         self.accepted_tokens = Counter("specdec_edge_accepted_tokens", "drafted tokens the cloud accepted", registry=r)
-        self.provisional_tokens = Counter("specdec_edge_provisional_tokens", "tokens shown before the cloud answered",
-                                          registry=r)
-        self.retracted_tokens = Counter("specdec_edge_retracted_tokens", "provisional tokens the cloud rejected",
-                                        registry=r)
-        self.local_tokens = Counter("specdec_edge_local_tokens", "LOSSY: tokens committed without the cloud",
-                                    registry=r)
-        self.draft_time = Histogram("specdec_edge_draft_seconds", "drafting time per round",
-                                    buckets=LATENCY_BUCKETS_S, registry=r)
-        self.rtt = Histogram("specdec_edge_rtt_seconds", "Verify call wall time", buckets=LATENCY_BUCKETS_S,
-                             registry=r)
+        self.provisional_tokens = Counter("specdec_edge_provisional_tokens", "tokens shown before the cloud answered", registry=r)
+        self.retracted_tokens = Counter("specdec_edge_retracted_tokens", "provisional tokens the cloud rejected", registry=r)
+        self.local_tokens = Counter("specdec_edge_local_tokens", "LOSSY: tokens committed without the cloud", registry=r)
+        self.draft_time = Histogram(
+            "specdec_edge_draft_seconds", "drafting time per round", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.rtt = Histogram("specdec_edge_rtt_seconds", "Verify call wall time", buckets=LATENCY_BUCKETS_S, registry=r)
         self.k = Histogram("specdec_edge_k", "drafted tokens per round", buckets=K_BUCKETS, registry=r)
-        self.accepted_len = Histogram("specdec_edge_accepted_length", "accepted drafts per round",
-                                      buckets=K_BUCKETS, registry=r)
+        self.accepted_len = Histogram("specdec_edge_accepted_length", "accepted drafts per round", buckets=K_BUCKETS, registry=r)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the exposition server; returns the bound port (port 0 = any free one)."""

@@ -65,7 +65,7 @@ class NGramStore:
     def add(self, context: Sequence[int], token: int, weight: float = 1.0) -> None:
         """Count `token` after each suffix (1..order tokens) of `context`."""
         for n in range(1, min(self.order, len(context)) + 1):
-            key = tuple(context[len(context) - n:])
+            key = tuple(context[len(context) - n :])
             entry = self._contexts.get(key)
             if entry is None:
                 entry = self._contexts[key] = _Context()
@@ -78,12 +78,12 @@ class NGramStore:
     def add_sequence(self, tokens: Sequence[int], start: int = 1) -> None:
         """Count every token from index `start` on, after the tokens before it."""
         for i in range(max(start, 1), len(tokens)):
-            self.add(tokens[max(0, i - self.order):i], tokens[i])
+            self.add(tokens[max(0, i - self.order) : i], tokens[i])
 
     def predict(self, context: Sequence[int]) -> Prediction | None:
         """The most frequent continuation of the longest known suffix of context."""
         for n in range(min(self.order, len(context)), 0, -1):
-            entry = self._contexts.get(tuple(context[len(context) - n:]))
+            entry = self._contexts.get(tuple(context[len(context) - n :]))
             if entry is not None:
                 return Prediction(entry.best, n, entry.best_count)
         return None
@@ -92,8 +92,14 @@ class NGramStore:
 class NGramDrafter:
     """A drafter with no model. It learns every token it is synced to (prompt, committed)."""
 
-    def __init__(self, store: NGramStore, filler_top_k: int = 1, stop_token_ids: frozenset[int] = frozenset(),
-                 with_sparse: bool = False, with_signals: bool = False) -> None:
+    def __init__(
+        self,
+        store: NGramStore,
+        filler_top_k: int = 1,
+        stop_token_ids: frozenset[int] = frozenset(),
+        with_sparse: bool = False,
+        with_signals: bool = False,
+    ) -> None:
         self.store = store
         self.filler_top_k = filler_top_k
         self.stop_token_ids = stop_token_ids
@@ -123,7 +129,7 @@ class NGramDrafter:
         draft = Draft()
         context = list(self.tokens)
         while len(draft) < k:
-            guess = self.store.predict(context[-self.store.order:])
+            guess = self.store.predict(context[-self.store.order :])
             if guess is None:
                 break  # unknown context: send nothing rather than a random filler
             self.append_point(draft, guess.token)
@@ -148,7 +154,7 @@ class NGramDrafter:
             return
         for context, row in zip(contexts, top_k, strict=False):
             for token, prob in list(zip(row.token_ids, row.probs, strict=True))[: self.filler_top_k]:
-                self.store.add(context[-self.store.order:], token, prob)
+                self.store.add(context[-self.store.order :], token, prob)
 
 
 class HybridDrafter:
@@ -180,7 +186,7 @@ class HybridDrafter:
         draft = Draft()
         while len(draft) < k:
             context = self.tokens + draft.token_ids
-            guess = self.ngram.predict(context[-self.ngram.store.order:])
+            guess = self.ngram.predict(context[-self.ngram.store.order :])
             if guess is not None and guess.order >= self.min_order and guess.count >= self.min_count:
                 self.ngram.append_point(draft, guess.token)
             else:

@@ -103,9 +103,14 @@ class SamplingRequest(_Strict):
 
     def settings_update(self, base: EdgeSettings) -> dict[str, Any]:
         """EdgeSettings fields this request sets over the server's defaults."""
-        values: dict[str, Any] = {"max_new_tokens": self.token_budget(), "temperature": self.temperature,
-                                  "top_p": self.top_p, "top_k": self.top_k, "repetition_penalty": self.repetition_penalty,
-                                  "seed": self._seed(base)}
+        values: dict[str, Any] = {
+            "max_new_tokens": self.token_budget(),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self._seed(base),
+        }
         spec = self.speculative
         values |= {"k": spec.k, "k_policy": spec.k_policy, "drafter": spec.drafter, "strict": spec.strict}
         if spec.enabled is False:

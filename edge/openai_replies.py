@@ -36,8 +36,14 @@ class Shape:
 
     def _frame(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
 
     def body(self, text: str, finish: str, usage: dict[str, int], stats: dict[str, Any]) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
@@ -47,8 +53,9 @@ class Shape:
             choice["text"] = text
         return {**self._frame([choice], chunk=False), "usage": usage, "speculative_decoding": stats}
 
-    def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False,
-              provisional: str | None = None) -> dict[str, Any]:
+    def chunk(
+        self, text: str | None = None, finish: str | None = None, role: bool = False, provisional: str | None = None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -85,15 +92,19 @@ def error_reply(err: BaseException) -> ErrorReply:
         return ErrorReply(400, error_body(str(err), "invalid_request_error", param))
     if isinstance(err, CapacityExceeded):
         wait = max(1, math.ceil(err.retry_after_ms / 1000))
-        return ErrorReply(429, error_body("the verifier is at capacity; retry later", "rate_limit_error",
-                                          code="rate_limit_exceeded"), {"Retry-After": str(wait)})
-    if isinstance(err, SpecDecError) and err.status in ("UNAVAILABLE", "DEADLINE_EXCEEDED") or \
-            isinstance(err, CloudUnavailable):
-        return ErrorReply(503, error_body("the verifier is unavailable; retry later", "server_error",
-                                          code="cloud_unavailable"), {"Retry-After": str(CLOUD_RETRY_AFTER_S)})
+        return ErrorReply(
+            429,
+            error_body("the verifier is at capacity; retry later", "rate_limit_error", code="rate_limit_exceeded"),
+            {"Retry-After": str(wait)},
+        )
+    if isinstance(err, SpecDecError) and err.status in ("UNAVAILABLE", "DEADLINE_EXCEEDED") or isinstance(err, CloudUnavailable):
+        return ErrorReply(
+            503,
+            error_body("the verifier is unavailable; retry later", "server_error", code="cloud_unavailable"),
+            {"Retry-After": str(CLOUD_RETRY_AFTER_S)},
+        )
     if isinstance(err, Unauthenticated):
-        return ErrorReply(500, error_body("the verifier refused this server's credentials (see the server log)",
-                                          "server_error"))
+        return ErrorReply(500, error_body("the verifier refused this server's credentials (see the server log)", "server_error"))
     return ErrorReply(500, error_body("the request failed on the server (see the server log)", "server_error"))
 
 

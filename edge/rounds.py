@@ -49,8 +49,15 @@ SCALAR_MODES = (AcceptMode.SCALAR, AcceptMode.SHORTCUT)
 class SpeculativeRun:
     """State of one speculative generation; see the module docstring for the rules."""
 
-    def __init__(self, prompt: list[int], drafter: DraftSource, client: VerifierClient, k_policy: KPolicy,
-                 cfg: GenerationConfig, observer: Observer | None) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        drafter: DraftSource,
+        client: VerifierClient,
+        k_policy: KPolicy,
+        cfg: GenerationConfig,
+        observer: Observer | None,
+    ) -> None:
         self.drafter, self.client, self.k_policy, self.cfg = drafter, client, k_policy, cfg
         self.result = GenerationResult()
         self.out = Output(cfg, self.result, observer)
@@ -133,8 +140,9 @@ class SpeculativeRun:
         return self.out.finish(self.client, up0, down0)
 
     def _stop_rule(self) -> StopRule | None:
-        rules = [r for r in (self.cfg.gating.thresholds.is_hard if self.cfg.gating else None,
-                             self.cfg.stop_rule) if r is not None]
+        rules = [
+            r for r in (self.cfg.gating.thresholds.is_hard if self.cfg.gating else None, self.cfg.stop_rule) if r is not None
+        ]
         if not rules:
             return None
         return lambda s: any(rule(s) for rule in rules)
@@ -196,16 +204,30 @@ class SpeculativeRun:
         # Only the scalar modes need q(y) on the wire; greedy and point drafts are points and
         # sparse drafts carry their whole support. Leaving it out keeps the uplink small.
         probs = self.pending.probs if self.cfg.session.accept_mode in SCALAR_MODES else []
-        req = VerifyRequest(self.session.session_id, base, self.pending.token_ids, probs,
-                            committed_tokens=self.catchup, hard_mask=mask, sparse_draft=self.pending.sparse,
-                            want_top_k=self.drafter.filler_top_k)
+        req = VerifyRequest(
+            self.session.session_id,
+            base,
+            self.pending.token_ids,
+            probs,
+            committed_tokens=self.catchup,
+            hard_mask=mask,
+            sparse_draft=self.pending.sparse,
+            want_top_k=self.drafter.filler_top_k,
+        )
         up0, down0 = self.client.stats.bytes_up, self.client.stats.bytes_down
         start = time.perf_counter()
         reply = await self._verify(req)
         if reply is None:
             return
-        self._apply(req, reply, draft_ms, ms_since(start), hard_ratio,
-                    self.client.stats.bytes_up - up0, self.client.stats.bytes_down - down0)
+        self._apply(
+            req,
+            reply,
+            draft_ms,
+            ms_since(start),
+            hard_ratio,
+            self.client.stats.bytes_up - up0,
+            self.client.stats.bytes_down - down0,
+        )
 
     def _commit_locally(self, hard_ratio: float, rule_hit: bool, draft_ms: float) -> bool:
         """LOSSY (--local-commit): an easy block is final without the cloud."""
@@ -221,10 +243,27 @@ class SpeculativeRun:
         self.pending = Draft()
         self.result.local_tokens += len(tokens)
         record = RoundRecord(
-            round=self.result.rounds, k=len(tokens), draft_tokens=tokens, accepted_len=len(tokens),
-            next_token=tokens[-1], bonus=False, la_over_k=1.0, alpha_mean=0.0, a_cum=self.result.accepted_tokens,
-            edge_time_ms=draft_ms, cloud_verify_ms=0.0, rtt_ms=0.0, bytes_up=0, bytes_down=0, hard_ratio=hard_ratio,
-            escalated=False, catchup=0, provisional=0, retracted=0, local=True)
+            round=self.result.rounds,
+            k=len(tokens),
+            draft_tokens=tokens,
+            accepted_len=len(tokens),
+            next_token=tokens[-1],
+            bonus=False,
+            la_over_k=1.0,
+            alpha_mean=0.0,
+            a_cum=self.result.accepted_tokens,
+            edge_time_ms=draft_ms,
+            cloud_verify_ms=0.0,
+            rtt_ms=0.0,
+            bytes_up=0,
+            bytes_down=0,
+            hard_ratio=hard_ratio,
+            escalated=False,
+            catchup=0,
+            provisional=0,
+            retracted=0,
+            local=True,
+        )
         self.result.round_log.append(record)
         self.out.commit(tokens, record)
         return True
@@ -309,8 +348,16 @@ class SpeculativeRun:
         self.result.unverified_tokens += 1
         self.out.commit([token], None)
 
-    def _apply(self, req: VerifyRequest, reply: VerifyResult, draft_ms: float, rtt_ms: float,
-               hard_ratio: float, bytes_up: int, bytes_down: int) -> None:
+    def _apply(
+        self,
+        req: VerifyRequest,
+        reply: VerifyResult,
+        draft_ms: float,
+        rtt_ms: float,
+        hard_ratio: float,
+        bytes_up: int,
+        bytes_down: int,
+    ) -> None:
         drafts = req.draft_tokens
         m = reply.accepted_len
         shown = self.provisional  # tokens on screen, unverified, when the reply came
@@ -339,16 +386,41 @@ class SpeculativeRun:
         result.hard_tokens += sum(req.hard_mask)
         result.verify_bytes_up += bytes_up
         result.verify_bytes_down += bytes_down
-        self.k_policy.observe(RoundObservation(
-            len(drafts), m, reply.metrics.alpha_mean, draft_ms, rtt_ms, reply.metrics.verify_ms,
-            sum(s.entropy_bits for s in signals) / len(signals) if signals else 0.0))
+        self.k_policy.observe(
+            RoundObservation(
+                len(drafts),
+                m,
+                reply.metrics.alpha_mean,
+                draft_ms,
+                rtt_ms,
+                reply.metrics.verify_ms,
+                sum(s.entropy_bits for s in signals) / len(signals) if signals else 0.0,
+            )
+        )
         record = RoundRecord(
-            round=result.rounds - 1, k=len(drafts), draft_tokens=drafts, accepted_len=m, next_token=reply.next_token,
-            bonus=reply.bonus, la_over_k=m / len(drafts) if drafts else 0.0, alpha_mean=reply.metrics.alpha_mean,
-            a_cum=result.accepted_tokens, edge_time_ms=draft_ms, cloud_verify_ms=reply.metrics.verify_ms,
-            rtt_ms=rtt_ms, bytes_up=bytes_up, bytes_down=bytes_down, hard_ratio=hard_ratio, escalated=True,
-            catchup=len(req.committed_tokens), provisional=shown, retracted=retracted, sources=sources,
-            ahead_drafted=ahead_drafted, ahead_used=ahead_used)
+            round=result.rounds - 1,
+            k=len(drafts),
+            draft_tokens=drafts,
+            accepted_len=m,
+            next_token=reply.next_token,
+            bonus=reply.bonus,
+            la_over_k=m / len(drafts) if drafts else 0.0,
+            alpha_mean=reply.metrics.alpha_mean,
+            a_cum=result.accepted_tokens,
+            edge_time_ms=draft_ms,
+            cloud_verify_ms=reply.metrics.verify_ms,
+            rtt_ms=rtt_ms,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+            hard_ratio=hard_ratio,
+            escalated=True,
+            catchup=len(req.committed_tokens),
+            provisional=shown,
+            retracted=retracted,
+            sources=sources,
+            ahead_drafted=ahead_drafted,
+            ahead_used=ahead_used,
+        )
         result.round_log.append(record)
         self.out.commit(new, record)
 

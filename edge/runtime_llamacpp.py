@@ -49,9 +49,11 @@ class _Logs:
     @classmethod
     def quiet(cls, api: Any) -> None:
         if cls.callback is None:
+
             def forward(level: int, text: bytes, _user: Any) -> None:
                 if level == _GGML_LOG_LEVEL_ERROR:
                     log.error("llama.cpp: %s", text.decode(errors="replace").rstrip())
+
             cls.callback = api.llama_log_callback(forward)
             api.llama_log_set(cls.callback, ctypes.c_void_p(0))
             api.llama_backend_init()
@@ -88,7 +90,7 @@ class LlamaCppCache:
         if self.length + len(tokens) > self.context_size:
             raise DraftFailed(f"the draft context is full ({self.context_size} tokens; raise --draft-context)")
         for start in range(0, len(tokens), self.batch_size):
-            chunk = tokens[start:start + self.batch_size]
+            chunk = tokens[start : start + self.batch_size]
             self._decode(chunk, wants_logits=start + len(chunk) == len(tokens))
         row = self.api.llama_get_logits_ith(self.ctx, -1)
         return np.ctypeslib.as_array(row, shape=(self.width,)).copy()

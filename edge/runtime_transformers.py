@@ -16,8 +16,9 @@ from transformers import PreTrainedModel
 from shared import lm
 
 
-def mc_dropout_variance(hidden: torch.Tensor, lm_head: torch.nn.Module, token: int, passes: int,
-                        p: float, generator: torch.Generator) -> float:
+def mc_dropout_variance(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, token: int, passes: int, p: float, generator: torch.Generator
+) -> float:
     """Variance of softmax(lm_head(dropout(h)))[token] over `passes` dropout masks; hidden [H]."""
     keep = torch.rand(passes, hidden.shape[-1], generator=generator) >= p  # [passes, H]
     dropped = hidden.float()[None] * keep / (1.0 - p)
@@ -47,8 +48,7 @@ class TransformersCache:
     def mc_dropout_variance(self, token: int, passes: int, dropout_p: float) -> float:
         if self.hidden is None:
             return 0.0
-        return mc_dropout_variance(self.hidden, self.model.get_output_embeddings(), token, passes, dropout_p,
-                                   self.generator)
+        return mc_dropout_variance(self.hidden, self.model.get_output_embeddings(), token, passes, dropout_p, self.generator)
 
 
 class TransformersDraftLM:

@@ -41,8 +41,9 @@ class ServeSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on (not loopback: give --serve-api-key)")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port, logged)")
     serve_api_key: SecretStr | None = Field(None, description="Bearer key clients of /v1/* must send (off by default)")
-    served_model_name: str | None = Field(None, description="model id /v1/models lists and responses carry "
-                                          "(default: the target model folder's name)")
+    served_model_name: str | None = Field(
+        None, description="model id /v1/models lists and responses carry (default: the target model folder's name)"
+    )
 
     def model_name(self, edge: EdgeSettings) -> str:
         if self.served_model_name:
@@ -66,13 +67,14 @@ def _check_installed() -> None:
 def _check_settings(edge: EdgeSettings, options: ServeSettings) -> None:
     given = [name for name in RUN_ONLY if getattr(edge, name)]
     if given:
-        raise ConfigError(f"--{given[0].replace('_', '-')} is an edge-agent run option; serve answers requests "
-                          "(each response carries its stats)")
+        raise ConfigError(
+            f"--{given[0].replace('_', '-')} is an edge-agent run option; serve answers requests "
+            "(each response carries its stats)"
+        )
     if edge.mode == "edge_only":
         raise ConfigError("serve answers with verified text: --mode edge_only is not served")
     if options.serve_api_key is None and not is_loopback(options.host):
-        log.warning("serving on %s without --serve-api-key: anyone who can reach it can use the verifier",
-                    options.host)
+        log.warning("serving on %s without --serve-api-key: anyone who can reach it can use the verifier", options.host)
 
 
 async def _serve_http(app: Any, options: ServeSettings) -> None:
@@ -107,8 +109,9 @@ async def serve(edge: EdgeSettings, options: ServeSettings) -> None:
 
 
 def serve_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="edge-agent serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="edge-agent serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_settings_flags(parser, ServeSettings)
     add_settings_flags(parser, EdgeSettings)
     args = parser.parse_args(argv)

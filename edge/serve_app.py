@@ -102,11 +102,13 @@ class _Completion:
         if first.kind == "error":
             assert first.error is not None
             return _json_reply(error_reply(first.error))
+
         async def stop() -> None:  # also when the client left before the stream began
             gen.cancel()
 
-        return StreamingResponse(self._stream(gen, first, events), media_type="text/event-stream", headers=SSE_HEADERS,
-                                 background=BackgroundTask(stop))
+        return StreamingResponse(
+            self._stream(gen, first, events), media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(stop)
+        )
 
     async def _whole(self, request: Request, gen: Generation, events: AsyncIterator[Event]) -> Response:
         async def collect() -> tuple[str, Event]:
@@ -171,8 +173,10 @@ def _key_guard(key: str | None) -> Any:
             return
         given = (authorization or "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), key.encode()):
-            raise HTTPException(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "missing or wrong API key (send Authorization: Bearer KEY)", headers={"WWW-Authenticate": "Bearer"}
+            )
+
     return Depends(check)
 
 
@@ -201,13 +205,18 @@ def create_app(engine: Engine, info: ServeInfo) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         lm = engine.ctx.draft_lm
-        return {"status": "ok", "model": info.model, "cloud": info.cloud, "mode": engine.ctx.settings.mode,
-                "draft_runtime": lm.runtime if lm is not None else None, "generating": len(engine.running)}
+        return {
+            "status": "ok",
+            "model": info.model,
+            "cloud": info.cloud,
+            "mode": engine.ctx.settings.mode,
+            "draft_runtime": lm.runtime if lm is not None else None,
+            "generating": len(engine.running),
+        }
 
     @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": info.model, "object": "model", "created": started,
-                                            "owned_by": "specedge"}]}
+        return {"object": "list", "data": [{"id": info.model, "object": "model", "created": started, "owned_by": "specedge"}]}
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(request: Request) -> Response:

@@ -177,8 +177,9 @@ class Engine:
         self.pool = ClientPool(ctx.settings, address)
         self.running: set[asyncio.Task[None]] = set()
 
-    def start(self, request_id: str, settings: EdgeSettings, prompt_ids: list[int], stop: Sequence[str],
-              previews: bool) -> Generation:
+    def start(
+        self, request_id: str, settings: EdgeSettings, prompt_ids: list[int], stop: Sequence[str], previews: bool
+    ) -> Generation:
         """Start generating; the caller reads Generation.events()."""
         self._check_room(settings, len(prompt_ids))
         ctx = dataclasses.replace(self.ctx, settings=settings)
@@ -193,12 +194,14 @@ class Engine:
     def _check_room(self, settings: EdgeSettings, prompt_tokens: int) -> None:
         uses_model = settings.mode == "speculative" and settings.drafter != "ngram"
         if uses_model and self.ctx.draft_lm is None:
-            raise InvalidParameter("this server loaded no draft model (drafter \"ngram\" needs none)",
-                                   "speculative.drafter")
+            raise InvalidParameter('this server loaded no draft model (drafter "ngram" needs none)', "speculative.drafter")
         context = getattr(self.ctx.draft_lm, "context_size", None)
         if uses_model and context and prompt_tokens + settings.max_new_tokens > context:
-            raise InvalidParameter(f"the prompt ({prompt_tokens} tokens) and max_tokens ({settings.max_new_tokens}) "
-                                   f"exceed the draft model's context of {context} tokens", "max_tokens")
+            raise InvalidParameter(
+                f"the prompt ({prompt_tokens} tokens) and max_tokens ({settings.max_new_tokens}) "
+                f"exceed the draft model's context of {context} tokens",
+                "max_tokens",
+            )
 
     async def _run(self, gen: Generation, ctx: EdgeContext, prompt_ids: list[int], relay: _Relay) -> None:
         client = self.pool.take()
@@ -214,8 +217,7 @@ class Engine:
             raise
         except Exception as err:  # every failure reaches the client, as an OpenAI error
             if not isinstance(err, InvalidParameter | ConfigError):
-                log.warning("%s failed: %s: %s", gen.id, type(err).__name__, err,
-                            exc_info=not isinstance(err, SpecDecError))
+                log.warning("%s failed: %s: %s", gen.id, type(err).__name__, err, exc_info=not isinstance(err, SpecDecError))
             gen.queue.put_nowait(Event("error", error=err))
         finally:
             # A client with a call abandoned midway (a stop string, a cancel) may still count bytes.
@@ -224,8 +226,7 @@ class Engine:
             else:
                 await client.close()
 
-    async def _generate(self, ctx: EdgeContext, client: VerifierClient, prompt_ids: list[int],
-                        relay: _Relay) -> GenerationResult:
+    async def _generate(self, ctx: EdgeContext, client: VerifierClient, prompt_ids: list[int], relay: _Relay) -> GenerationResult:
         s = ctx.settings
         cfg = ctx.generation_config(s.seed)
         started, up0, down0 = time.perf_counter(), client.stats.bytes_up, client.stats.bytes_down
@@ -247,4 +248,3 @@ class Engine:
         if self.running:
             await asyncio.wait(self.running, timeout=CLOSE_WAIT_S)
         await self.pool.close()
-

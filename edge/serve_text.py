@@ -33,10 +33,10 @@ class TextStreamer:
     def push(self, tokens: Sequence[int]) -> str:
         """Commit tokens; returns the text that is now safe to show (may be empty)."""
         self.ids += tokens
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
-            self.text += after[len(before):]
+            self.text += after[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
         return self._release(final=False)
 
@@ -47,23 +47,23 @@ class TextStreamer:
         if self.stopped:
             return ""
         whole = self._decode(self.ids)
-        if whole.startswith(self.text[:self.released]):
+        if whole.startswith(self.text[: self.released]):
             self.text = whole
         self.prefix = self.read = len(self.ids)
         return self._release(final=True)
 
     def released_text(self) -> str:
-        return self.text[:self.released]
+        return self.text[: self.released]
 
     def preview(self, provisional: Sequence[int]) -> str:
         """The text after what was released if `provisional` tokens were final: held-back text,
         pending characters and the provisional tokens, cut before any stop string."""
         if self.stopped:
             return ""
-        base = self._decode(self.ids[self.prefix:self.read])
-        extended = self._decode(self.ids[self.prefix:] + list(provisional))
-        tail = extended[len(base):] if extended.startswith(base) else ""
-        text = (self.text[self.released:] + tail).rstrip(REPLACEMENT)
+        base = self._decode(self.ids[self.prefix : self.read])
+        extended = self._decode(self.ids[self.prefix :] + list(provisional))
+        tail = extended[len(base) :] if extended.startswith(base) else ""
+        text = (self.text[self.released :] + tail).rstrip(REPLACEMENT)
         cut = self._first_stop(text, 0)
         return text if cut is None else text[:cut]
 
@@ -91,6 +91,6 @@ class TextStreamer:
             end = cut
         else:
             end = len(self.text) - (0 if final else self._held_back())
-        out = self.text[self.released:end]
+        out = self.text[self.released : end]
         self.released = max(self.released, end)
         return out

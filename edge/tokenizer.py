@@ -21,8 +21,18 @@ from tokenizers import Tokenizer
 from shared.errors import ConfigError
 
 # transformers' clean_up_tokenization: spaces before punctuation and English contractions.
-_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+_CLEANUPS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
 
 
 def _token_text(value: Any) -> str | None:
@@ -46,8 +56,9 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -70,8 +81,9 @@ class EdgeTokenizer:
             raise ConfigError(f"{path} has no tokenizer.json (the edge tokenizes with the verifier's tokenizer files)")
         self.backend = Tokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
-        self.special_tokens = {key: text for key, value in config.items()
-                               if key.endswith("_token") and (text := _token_text(value)) is not None}
+        self.special_tokens = {
+            key: text for key, value in config.items() if key.endswith("_token") and (text := _token_text(value)) is not None
+        }
         self.eos_token_id = self._id(self.special_tokens.get("eos_token"))
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         template = config.get("chat_template")
@@ -109,5 +121,6 @@ class EdgeTokenizer:
         if self.chat_template is None:
             raise ConfigError("the model has no chat template (use --no-chat)")
         template = _template_environment().from_string(self.chat_template)
-        return template.render(messages=messages, tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return template.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )

@@ -135,11 +135,15 @@ class SessionTrace:
 
 
 def _request_json(req: VerifyRequest) -> dict[str, Any]:
-    return {"base_position": req.base_position, "committed_tokens": req.committed_tokens,
-            "draft_tokens": req.draft_tokens, "draft_probs": req.draft_probs,
-            "hard_mask": [int(b) for b in req.hard_mask],
-            "sparse_draft": [{"token_ids": s.token_ids, "probs": s.probs} for s in req.sparse_draft],
-            "want_top_k": req.want_top_k}
+    return {
+        "base_position": req.base_position,
+        "committed_tokens": req.committed_tokens,
+        "draft_tokens": req.draft_tokens,
+        "draft_probs": req.draft_probs,
+        "hard_mask": [int(b) for b in req.hard_mask],
+        "sparse_draft": [{"token_ids": s.token_ids, "probs": s.probs} for s in req.sparse_draft],
+        "want_top_k": req.want_top_k,
+    }
 
 
 def _event_json(event: Event) -> dict[str, Any]:
@@ -166,14 +170,30 @@ def write_trace(path: Path, trace: SessionTrace) -> None:
 
 def _verify_event(line: dict[str, Any]) -> VerifyEvent:
     request = VerifyRequest(
-        "", int(line["base_position"]), [int(t) for t in line["draft_tokens"]],
-        [float(q) for q in line["draft_probs"]], committed_tokens=[int(t) for t in line["committed_tokens"]],
+        "",
+        int(line["base_position"]),
+        [int(t) for t in line["draft_tokens"]],
+        [float(q) for q in line["draft_probs"]],
+        committed_tokens=[int(t) for t in line["committed_tokens"]],
         hard_mask=[bool(b) for b in line["hard_mask"]],
-        sparse_draft=[SparseDistribution([int(t) for t in s["token_ids"]], [float(q) for q in s["probs"]])
-                      for s in line["sparse_draft"]],
-        want_top_k=int(line["want_top_k"]))
-    return VerifyEvent(line["t"], line["t_reply"], request, line["accepted_len"], line["next_token"], line["bonus"],
-                       line["new_base_position"], line["verify_ms"], line["queue_ms"], line["resends"], line["error"])
+        sparse_draft=[
+            SparseDistribution([int(t) for t in s["token_ids"]], [float(q) for q in s["probs"]]) for s in line["sparse_draft"]
+        ],
+        want_top_k=int(line["want_top_k"]),
+    )
+    return VerifyEvent(
+        line["t"],
+        line["t_reply"],
+        request,
+        line["accepted_len"],
+        line["next_token"],
+        line["bonus"],
+        line["new_base_position"],
+        line["verify_ms"],
+        line["queue_ms"],
+        line["resends"],
+        line["error"],
+    )
 
 
 def _event(line: dict[str, Any]) -> Event:
@@ -241,31 +261,82 @@ class SessionRecorder:
     def _t(self, clock: float) -> float:
         return round(clock - self.start, 6)
 
-    def opened(self, req: OpenSessionRequest, result: OpenSessionResult | None, error: SpecDecError | None,
-               sent: float, replied: float) -> None:
-        prefix = req.prompt_tokens[len(self.header.prompt_tokens):]
+    def opened(
+        self, req: OpenSessionRequest, result: OpenSessionResult | None, error: SpecDecError | None, sent: float, replied: float
+    ) -> None:
+        prefix = req.prompt_tokens[len(self.header.prompt_tokens) :]
         if result is not None:  # a folder's name, not the verifier's local path
             self.target_model = self.target_model or result.model_id.rstrip("/").rsplit("/", 1)[-1]
-        self.events.append(OpenEvent(self._t(sent), self._t(replied), req.config.seed, prefix,
-                                     result.position if result else 0, result.prefill_ms if result else 0.0,
-                                     _code(error)))
+        self.events.append(
+            OpenEvent(
+                self._t(sent),
+                self._t(replied),
+                req.config.seed,
+                prefix,
+                result.position if result else 0,
+                result.prefill_ms if result else 0.0,
+                _code(error),
+            )
+        )
 
-    def verified(self, req: VerifyRequest, result: VerifyResult | None, error: SpecDecError | None,
-                 sent: float, replied: float, resends: int) -> None:
-        bare = VerifyRequest("", req.base_position, req.draft_tokens, req.draft_probs, req.committed_tokens,
-                             req.hard_mask, req.sparse_draft, req.want_top_k)
+    def verified(
+        self,
+        req: VerifyRequest,
+        result: VerifyResult | None,
+        error: SpecDecError | None,
+        sent: float,
+        replied: float,
+        resends: int,
+    ) -> None:
+        bare = VerifyRequest(
+            "",
+            req.base_position,
+            req.draft_tokens,
+            req.draft_probs,
+            req.committed_tokens,
+            req.hard_mask,
+            req.sparse_draft,
+            req.want_top_k,
+        )
         if result is None:
             self.events.append(VerifyEvent(self._t(sent), self._t(replied), bare, resends=resends, error=_code(error)))
             return
-        self.events.append(VerifyEvent(
-            self._t(sent), self._t(replied), bare, result.accepted_len, result.next_token, result.bonus,
-            result.new_base_position, result.metrics.verify_ms, result.metrics.queue_ms, resends))
+        self.events.append(
+            VerifyEvent(
+                self._t(sent),
+                self._t(replied),
+                bare,
+                result.accepted_len,
+                result.next_token,
+                result.bonus,
+                result.new_base_position,
+                result.metrics.verify_ms,
+                result.metrics.queue_ms,
+                resends,
+            )
+        )
 
-    def generated(self, req: GenerateRequest, tokens: list[int], error: SpecDecError | None,
-                  sent: float, first: float | None, replied: float) -> None:
+    def generated(
+        self,
+        req: GenerateRequest,
+        tokens: list[int],
+        error: SpecDecError | None,
+        sent: float,
+        first: float | None,
+        replied: float,
+    ) -> None:
         self.target_model = self.target_model or self.header.target_model
-        self.events.append(GenerateEvent(self._t(sent), None if first is None else self._t(first), self._t(replied),
-                                         req.max_new_tokens, list(req.stop_token_ids), tokens, _code(error)))
+        self.events.append(
+            GenerateEvent(
+                self._t(sent),
+                None if first is None else self._t(first),
+                self._t(replied),
+                req.max_new_tokens,
+                list(req.stop_token_ids),
+                tokens,
+                _code(error),
+            )
+        )
 
     def finish(self, output_tokens: list[int], finish_reason: str, rounds: int = 0, reopens: int = 0) -> SessionTrace:
         header = self.header

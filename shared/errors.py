@@ -98,6 +98,5 @@ class ConfigError(SpecDecError):
 
 
 ERRORS_BY_STATUS: dict[str, type[SpecDecError]] = {
-    cls.status: cls for cls in (InvalidRequest, SessionNotFound, CapacityExceeded, ServerDraining,
-                             Unauthenticated)
+    cls.status: cls for cls in (InvalidRequest, SessionNotFound, CapacityExceeded, ServerDraining, Unauthenticated)
 }

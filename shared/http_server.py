@@ -39,8 +39,9 @@ async def start_http(app: Any, host: str, port: int, grace_s: int = 2, **options
     """Serve app on host:port (0 = any free port) in this event loop; returns once it listens.
     `options` go to uvicorn.Config (the TLS files); open requests get `grace_s` at stop."""
     sock = bind_tcp(host, port, "HTTP")
-    config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
-                            timeout_graceful_shutdown=grace_s, **options)
+    config = uvicorn.Config(
+        app, lifespan="off", access_log=False, log_config=None, log_level="warning", timeout_graceful_shutdown=grace_s, **options
+    )
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

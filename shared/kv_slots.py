@@ -122,8 +122,9 @@ class _PoolView:
     def __init__(self, pool: SlotPool, dest: torch.Tensor, window: slice) -> None:
         self.pool, self.dest, self.window = pool, dest, window
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]  # [1, kv_heads, P, head_dim]
         keys.index_copy_(2, self.dest, key_states.to(keys.dtype))  # key_states [1, kv_heads, new, head_dim]
         values.index_copy_(2, self.dest, value_states.to(values.dtype))
@@ -142,8 +143,9 @@ def _check(kvs: Sequence[SlotKV], lengths: Sequence[int]) -> None:
 
 
 @torch.inference_mode()
-def forward_slots(model: PreTrainedModel, kvs: Sequence[SlotKV], blocks: Sequence[Sequence[int]],
-                  keeps: Sequence[int]) -> list[torch.Tensor]:
+def forward_slots(
+    model: PreTrainedModel, kvs: Sequence[SlotKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]
+) -> list[torch.Tensor]:
     """forward_packed over slots: per sequence, the last keeps[i] rows of float32 logits (all
     rows when 0), on the CPU; each slot gains its block's KV."""
     lengths = [len(block) for block in blocks]
@@ -164,9 +166,14 @@ def forward_slots(model: PreTrainedModel, kvs: Sequence[SlotKV], blocks: Sequenc
         rows.append(torch.arange(start + n - (keep or n), start + n))
         start += n
     view = _PoolView(pool, dest, slice(lo, hi))
-    out = model(input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
-                attention_mask=mask[None, None], position_ids=positions[None],
-                past_key_values=view, use_cache=True, logits_to_keep=torch.cat(rows).to(device))
+    out = model(
+        input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
+        attention_mask=mask[None, None],
+        position_ids=positions[None],
+        past_key_values=view,
+        use_cache=True,
+        logits_to_keep=torch.cat(rows).to(device),
+    )
     for kv, n in zip(kvs, lengths, strict=True):  # the pass succeeded: only now do the lengths move
         kv.length += n
     return list(out.logits[0].float().cpu().split([len(r) for r in rows]))

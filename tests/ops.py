@@ -28,9 +28,11 @@ SETTINGS = VerifierSettings(port=0, http_port=0, max_draft_tokens=8, dtype="floa
 
 
 @asynccontextmanager
-async def running_servers(model: PreTrainedModel, gate: threading.Event | None = None,
-                          settings: VerifierSettings = SETTINGS) -> AsyncIterator[tuple[Servers, asyncio.Task[None]]]:
+async def running_servers(
+    model: PreTrainedModel, gate: threading.Event | None = None, settings: VerifierSettings = SETTINGS
+) -> AsyncIterator[tuple[Servers, asyncio.Task[None]]]:
     """Servers up; the model 'loads' (returns a Verifier of `model`) once `gate` is set."""
+
     def load(s: VerifierSettings) -> Verifier:
         if gate is not None:
             gate.wait(30)
@@ -67,8 +69,11 @@ async def http_json(port: int, path: str) -> tuple[int, Any]:
 
 def metric_samples(exposition: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """{(sample name, labels): value} from Prometheus text exposition."""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(exposition) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(exposition)
+        for s in family.samples
+    }
 
 
 def greedy_continuation(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
@@ -86,16 +91,16 @@ def stub(port: int) -> tuple[grpc.aio.Channel, pb_grpc.VerifierStub]:
     return channel, pb_grpc.VerifierStub(channel)
 
 
-async def _session_rounds(verifier: pb_grpc.VerifierStub, draft: PreTrainedModel, rng: random.Random,
-                         rounds: int) -> None:
+async def _session_rounds(verifier: pb_grpc.VerifierStub, draft: PreTrainedModel, rng: random.Random, rounds: int) -> None:
     """One session of `rounds` greedy speculative rounds, drafts from `draft`, k in [2, 8]."""
     tokens = [rng.randrange(2, 96) for _ in range(8)]
     opened = await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=tokens))
     try:
         for _ in range(rounds):
             drafts = greedy_continuation(draft, tokens, rng.randint(2, 8))
-            reply = await verifier.Verify(pb.VerifyRequest(
-                session_id=opened.session_id, base_position=len(tokens), draft_tokens=drafts))
+            reply = await verifier.Verify(
+                pb.VerifyRequest(session_id=opened.session_id, base_position=len(tokens), draft_tokens=drafts)
+            )
             tokens.extend([*drafts[: reply.accepted_len], reply.next_token])
             await asyncio.sleep(0.01)  # spread rounds over the seconds the page charts
     finally:

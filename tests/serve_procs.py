@@ -42,8 +42,23 @@ def start(cmd: list[str], log: Path, ready: str, timeout_s: float = 180) -> Serv
 
 def start_verifier(target: Path, log: Path) -> tuple[Server, str, int]:
     """A cloud-verifier of `target`: (server, gRPC address, HTTP port)."""
-    cmd = [sys.executable, "-m", "cloud", "--model", str(target), "--port", "0", "--http-port", "0",
-           "--dtype", "float32", "--threads", "1", "--drain-grace-s", "1"]  # sessions cut off by a test expire
+    cmd = [
+        sys.executable,
+        "-m",
+        "cloud",
+        "--model",
+        str(target),
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--drain-grace-s",
+        "1",
+    ]  # sessions cut off by a test expire
     server = start(cmd, log, r"serving .* on (\S+:\d+)")
     http = re.search(r"http on \S+:(\d+)", log.read_text())
     assert http, log.read_text()
@@ -51,5 +66,22 @@ def start_verifier(target: Path, log: Path) -> tuple[Server, str, int]:
 
 
 def serve_cmd(draft: Path, cloud: str, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "edge", "serve", "--cloud", cloud, "--draft-model", str(draft), "--port", "0",
-            "--dtype", "float32", "--threads", "1", "--draft-threads", "1", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "edge",
+        "serve",
+        "--cloud",
+        cloud,
+        "--draft-model",
+        str(draft),
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--draft-threads",
+        "1",
+        *flags,
+    ]

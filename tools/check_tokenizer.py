@@ -22,8 +22,9 @@ def main(folder: str, prompts_file: str) -> int:
     prompts = read_prompts(Path(prompts_file))
     counts = {"prompts": len(prompts), "chat_ids_equal": 0, "plain_ids_equal": 0, "decoded_equal": 0, "tokens": 0}
     for prompt in prompts:
-        rendered = theirs.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False,
-                                              add_generation_prompt=True)
+        rendered = theirs.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], tokenize=False, add_generation_prompt=True
+        )
         want = theirs(rendered, add_special_tokens=False).input_ids
         got = encode_prompt(ours, prompt.text, chat=True)
         counts["chat_ids_equal"] += got == want

@@ -43,8 +43,8 @@ def forward_ms(config_dir: str, dtype: torch.dtype, context: int = 512) -> dict[
 
 def greedy_equality(prompts: int = 20) -> dict[str, int]:
     cpu_target = tiny_target()
-    draft = tiny_draft(cpu_target, noise=0.2).cuda()
-    target = cpu_target.cuda()
+    draft = tiny_draft(cpu_target, noise=0.2).to("cuda")  # type: ignore[call-arg,arg-type]  # transformers stub types .to oddly
+    target = cpu_target.to("cuda")  # type: ignore[call-arg,arg-type]  # transformers stub types .to oddly
     verifier = Verifier(target, "tiny")
     checked = equal = 0
     for k in (1, 3, 8):
@@ -61,14 +61,17 @@ def greedy_equality(prompts: int = 20) -> dict[str, int]:
                 reply = verifier.verify(VerifyRequest(opened.session_id, len(committed), block.token_ids))
                 committed += block.token_ids[: reply.accepted_len] + [reply.next_token]
             checked += 1
-            equal += committed[len(prompt):len(prompt) + 32] == reference
+            equal += committed[len(prompt) : len(prompt) + 32] == reference
     return {"checked": checked, "identical": equal}
 
 
 def main() -> int:
     draft_dir, target_dir, out = sys.argv[1:4]
-    result: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                 "greedy_equality_fp32_cuda": greedy_equality()}
+    result: dict[str, object] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "greedy_equality_fp32_cuda": greedy_equality(),
+    }
     for name, folder in (("draft_0.5b", draft_dir), ("target_1.5b", target_dir)):
         result[f"{name}_bf16_forward_ms_by_new_tokens"] = forward_ms(folder, torch.bfloat16)
     with open(out, "w") as handle:

@@ -20,23 +20,33 @@ def main() -> int:
         match = re.fullmatch(r"(.+)\.n(\d+)\.json", path.name)
         if match:
             runs[(match.group(1), int(match.group(2)))] = json.loads(path.read_text())
-    header = ("| configuration | sessions | completed | errors | verified tok/s | rounds/s | latency p50 / p95 ms "
-              "| p95 / p95 at 1 | TTFT p50 s | tau | × cloud_only (same n) | batched / unbatched |")
+    header = (
+        "| configuration | sessions | completed | errors | verified tok/s | rounds/s | latency p50 / p95 ms "
+        "| p95 / p95 at 1 | TTFT p50 s | tau | × cloud_only (same n) | batched / unbatched |"
+    )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for (name, n), r in sorted(runs.items(), key=lambda item: (item[0][0], item[0][1])):
         lat = r["verify_latency_ms"]
         single = runs.get((name, 1))
         p95_ratio = f"{lat['p95'] / single['verify_latency_ms']['p95']:.2f}" if single and lat.get("p95") else "–"
         cloud = runs.get(("cloud_only_batched", n))
-        vs_cloud = f"{r['verified_tokens_per_s'] / cloud['verified_tokens_per_s']:.2f}" \
-            if cloud and name != "cloud_only_batched" and cloud["verified_tokens_per_s"] else "–"
+        vs_cloud = (
+            f"{r['verified_tokens_per_s'] / cloud['verified_tokens_per_s']:.2f}"
+            if cloud and name != "cloud_only_batched" and cloud["verified_tokens_per_s"]
+            else "–"
+        )
         unbatched = runs.get((name.replace("_batched", "_unbatched"), n)) if name.endswith("_batched") else None
-        vs_unbatched = f"{r['verified_tokens_per_s'] / unbatched['verified_tokens_per_s']:.2f}" \
-            if unbatched and unbatched["verified_tokens_per_s"] else "–"
+        vs_unbatched = (
+            f"{r['verified_tokens_per_s'] / unbatched['verified_tokens_per_s']:.2f}"
+            if unbatched and unbatched["verified_tokens_per_s"]
+            else "–"
+        )
         errors = ", ".join(f"{k} {v}" for k, v in r["errors_by_code"].items()) or "none"
-        lines.append(f"| {name} | {n} | {r['sessions_completed']}/{r['sessions_planned']} | {errors} "
-                     f"| {r['verified_tokens_per_s']:.2f} | {r['rounds_per_s']:.2f} | {lat['p50']:.0f} / {lat['p95']:.0f} "
-                     f"| {p95_ratio} | {r['ttft_ms']['p50'] / 1000:.1f} | {r['tau']} | {vs_cloud} | {vs_unbatched} |")
+        lines.append(
+            f"| {name} | {n} | {r['sessions_completed']}/{r['sessions_planned']} | {errors} "
+            f"| {r['verified_tokens_per_s']:.2f} | {r['rounds_per_s']:.2f} | {lat['p50']:.0f} / {lat['p95']:.0f} "
+            f"| {p95_ratio} | {r['ttft_ms']['p50'] / 1000:.1f} | {r['tau']} | {vs_cloud} | {vs_unbatched} |"
+        )
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     sys.stdout.write(table)

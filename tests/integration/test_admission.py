@@ -41,8 +41,7 @@ async def _serve(verifier: Verifier):  # type: ignore[no-untyped-def]
 
 async def _one_session(address: str, draft_model, prompt: list[int]) -> tuple[str, float, Any]:  # type: ignore[no-untyped-def]
     """Open (deadline DEADLINE_S, no resends) and generate; (outcome, seconds to the open's answer, detail)."""
-    client = VerifierClient(address, verify_timeout_s=30, open_timeout_s=DEADLINE_S,
-                            capacity_retry=CapacityRetry(max_retries=0))
+    client = VerifierClient(address, verify_timeout_s=30, open_timeout_s=DEADLINE_S, capacity_retry=CapacityRetry(max_retries=0))
     started = time.perf_counter()
     try:
         result = await speculative_generate(prompt, make_drafter(draft_model), client, FixedK(3), gen_config(12))

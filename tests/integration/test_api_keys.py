@@ -62,10 +62,11 @@ def _get(port: int, path: str, key: str | None = None) -> tuple[int, dict[str, s
 async def _each_rpc(verifier: Any, session_id: str, key: str | None) -> list[grpc.aio.AioRpcError]:
     """OpenSession, Verify, CloseSession and Generate with `key`; the errors they raised."""
     metadata = _metadata(key)
-    calls = [verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=metadata),
-             verifier.Verify(pb.VerifyRequest(session_id=session_id, base_position=len(PROMPT), draft_tokens=[4]),
-                             metadata=metadata),
-             verifier.CloseSession(pb.CloseSessionRequest(session_id=session_id), metadata=metadata)]
+    calls = [
+        verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=metadata),
+        verifier.Verify(pb.VerifyRequest(session_id=session_id, base_position=len(PROMPT), draft_tokens=[4]), metadata=metadata),
+        verifier.CloseSession(pb.CloseSessionRequest(session_id=session_id), metadata=metadata),
+    ]
     errors = []
     for call in calls:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -77,8 +78,9 @@ async def _each_rpc(verifier: Any, session_id: str, key: str | None) -> list[grp
     return [*errors, err.value]
 
 
-def test_every_rpc_needs_a_known_key_and_never_echoes_it(target_model, draft_model, tmp_path: Path,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_every_rpc_needs_a_known_key_and_never_echoes_it(
+    target_model, draft_model, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="cloud-verifier")
 
     async def run() -> str:
@@ -91,8 +93,10 @@ def test_every_rpc_needs_a_known_key_and_never_echoes_it(target_model, draft_mod
                 assert [e.code() for e in errors] == [grpc.StatusCode.UNAUTHENTICATED] * 4
                 assert all(e.details() and WRONG_KEY not in e.details() for e in errors)
             # The session the refused calls named is untouched: a round with the key goes on from the prompt.
-            reply = await verifier.Verify(pb.VerifyRequest(session_id=opened.session_id, base_position=len(PROMPT),
-                                                           draft_tokens=[4]), metadata=_metadata(PLAIN_KEY))
+            reply = await verifier.Verify(
+                pb.VerifyRequest(session_id=opened.session_id, base_position=len(PROMPT), draft_tokens=[4]),
+                metadata=_metadata(PLAIN_KEY),
+            )
             assert reply.next_token >= 0
             # The health service stays open for probes.
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
@@ -103,8 +107,9 @@ def test_every_rpc_needs_a_known_key_and_never_echoes_it(target_model, draft_mod
             # key it stops at once with Unauthenticated (no reconnecting).
             address = f"127.0.0.1:{servers.grpc_port}"
             client = VerifierClient(address, verify_timeout_s=10, api_key=HASHED_KEY)
-            result = await speculative_generate(PROMPT, make_drafter(draft_model), client, FixedK(3),
-                                                gen_config(max_new_tokens=16))
+            result = await speculative_generate(
+                PROMPT, make_drafter(draft_model), client, FixedK(3), gen_config(max_new_tokens=16)
+            )
             assert result.token_ids == greedy_continuation(target_model, PROMPT, 16)
             await client.close()
             client = VerifierClient(address, api_key=WRONG_KEY)
@@ -157,18 +162,26 @@ def test_http_routes_beyond_the_probes_need_a_key(target_model, tmp_path: Path, 
 
 
 def _verifier_cmd(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "cloud", "--port", "0", "--http-port", "0", "--dtype", "float32", "--threads", "1",
-            *flags]
+    return [sys.executable, "-m", "cloud", "--port", "0", "--http-port", "0", "--dtype", "float32", "--threads", "1", *flags]
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--host", "0.0.0.0"], "--host 0.0.0.0 serves other machines: give --tls-cert and --tls-key"),
-    (["--tls-cert", "server.pem"], "--tls-cert and --tls-key go together"),
-    (["--api-keys-file", "/nonexistent/keys.txt"], "--api-keys-file /nonexistent/keys.txt"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--host", "0.0.0.0"], "--host 0.0.0.0 serves other machines: give --tls-cert and --tls-key"),
+        (["--tls-cert", "server.pem"], "--tls-cert and --tls-key go together"),
+        (["--api-keys-file", "/nonexistent/keys.txt"], "--api-keys-file /nonexistent/keys.txt"),
+    ],
+)
 def test_verifier_refuses_to_start_with_one_line(flags: list[str], message: str) -> None:
-    done = subprocess.run(_verifier_cmd("--model", "/nonexistent/model", *flags), capture_output=True, text=True,
-                          env=ENV, timeout=120, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        _verifier_cmd("--model", "/nonexistent/model", *flags),
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("cloud-verifier: error: ") and message in last
@@ -185,12 +198,25 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def secured_verifier(models: tuple[Path, Path], pki: Pki, tmp_path_factory: pytest.TempPathFactory,
-                     ) -> Iterator[tuple[str, list[str]]]:
+def secured_verifier(
+    models: tuple[Path, Path],
+    pki: Pki,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, list[str]]]:
     """cloud-verifier on 0.0.0.0 over TLS with API keys; yields its loopback address and its log so far."""
     keys = _keys_file(tmp_path_factory.mktemp("keys"))
-    cmd = _verifier_cmd("--model", str(models[1]), "--host", "0.0.0.0", "--tls-cert", str(pki.server_cert),
-                        "--tls-key", str(pki.server_key), "--api-keys-file", str(keys))
+    cmd = _verifier_cmd(
+        "--model",
+        str(models[1]),
+        "--host",
+        "0.0.0.0",
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--api-keys-file",
+        str(keys),
+    )
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV, stdin=subprocess.DEVNULL)
     assert proc.stderr is not None
     log, port = [], None
@@ -208,15 +234,36 @@ def secured_verifier(models: tuple[Path, Path], pki: Pki, tmp_path_factory: pyte
     assert proc.returncode == 0
 
 
-def _edge(models: tuple[Path, Path], address: str, *flags: str, env: dict[str, str] | None = None,
-          prompt: tuple[str, str] = ("--prompt", "w5 w9")) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "edge", "--dtype", "float32", "--threads", "1", "--cloud", address,
-           "--draft-model", str(models[0]), *prompt, "--max-new-tokens", "8", *flags]
+def _edge(
+    models: tuple[Path, Path],
+    address: str,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    prompt: tuple[str, str] = ("--prompt", "w5 w9"),
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "edge",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--cloud",
+        address,
+        "--draft-model",
+        str(models[0]),
+        *prompt,
+        "--max-new-tokens",
+        "8",
+        *flags,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env or ENV, timeout=300, stdin=subprocess.DEVNULL)
 
 
-def test_edge_over_tls_with_a_key(models: tuple[Path, Path], pki: Pki, secured_verifier: tuple[str, list[str]],
-                                  tmp_path: Path) -> None:
+def test_edge_over_tls_with_a_key(
+    models: tuple[Path, Path], pki: Pki, secured_verifier: tuple[str, list[str]], tmp_path: Path
+) -> None:
     address, log = secured_verifier
     tls = ["--tls-ca", str(pki.ca)]
     ok = _edge(models, address, *tls, env={**ENV, "SPECDEC_EDGE_API_KEY": PLAIN_KEY})  # the key from the environment
@@ -254,8 +301,11 @@ def test_a_session_belongs_to_the_key_that_opened_it(target_model, tmp_path: Pat
             round_ = pb.VerifyRequest(session_id=opened.session_id, base_position=len(PROMPT), draft_tokens=[4])
             missing = pb.VerifyRequest(session_id="no-such-session", base_position=len(PROMPT), draft_tokens=[4])
             answers = []
-            for call in (verifier.Verify(round_, metadata=other), verifier.Verify(missing, metadata=other),
-                         verifier.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), metadata=other)):
+            for call in (
+                verifier.Verify(round_, metadata=other),
+                verifier.Verify(missing, metadata=other),
+                verifier.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), metadata=other),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 answers.append(err.value)

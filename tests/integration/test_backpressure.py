@@ -29,8 +29,9 @@ class AdmitsAfterRejections(Verifier):
         super().__init__(*args, **kwargs)
         self.rejections = rejections
 
-    def begin_open(self, req: OpenSessionRequest, session_id: str | None = None,
-                   owner: str = "") -> ForwardStep[OpenSessionResult]:
+    def begin_open(
+        self, req: OpenSessionRequest, session_id: str | None = None, owner: str = ""
+    ) -> ForwardStep[OpenSessionResult]:
         if self.rejections > 0:
             self.rejections -= 1
             raise CapacityExceeded("queue full", retry_after_ms=HINT_MS)
@@ -48,8 +49,13 @@ def test_edge_resends_after_the_retry_hint_and_output_is_unchanged(target_model,
         client = VerifierClient(f"127.0.0.1:{port}", 10, capacity_retry=CapacityRetry(max_retries=3, backoff_s=0.001))
         try:
             start = time.perf_counter()
-            result = await speculative_generate(prompt, make_drafter(draft_model), client, FixedK(4),
-                                                gen_config(max_new_tokens=20, timeouts=TimeoutPolicy(soft_deadline_s=5)))
+            result = await speculative_generate(
+                prompt,
+                make_drafter(draft_model),
+                client,
+                FixedK(4),
+                gen_config(max_new_tokens=20, timeouts=TimeoutPolicy(soft_deadline_s=5)),
+            )
             elapsed = time.perf_counter() - start
         finally:
             await client.close()
@@ -92,8 +98,9 @@ def test_verify_refused_for_good_falls_back_locally_only_in_accept_unverified(ta
     async def run() -> None:
         async with running_verifier(target_model, limits) as (client, _):
             client.capacity_retry = CapacityRetry(max_retries=1, backoff_s=0.001)
-            run = speculative_generate(prompt, make_drafter(draft_model), client, FixedK(3),
-                                       gen_config(max_new_tokens=20, timeouts=timeouts))
+            run = speculative_generate(
+                prompt, make_drafter(draft_model), client, FixedK(3), gen_config(max_new_tokens=20, timeouts=timeouts)
+            )
             if mode == "provisional":
                 with pytest.raises(CapacityExceeded):
                     await run

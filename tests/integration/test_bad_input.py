@@ -57,11 +57,14 @@ LIMITS = VerifierLimits(max_draft_tokens=8)
 
 
 def _valid_verify(sid: str, **changes: object) -> pb.VerifyRequest:
-    fields: dict[str, object] = {"session_id": sid, "base_position": len(PROMPT),
-                                 "draft_tokens": [5, 6, 7], "draft_probs": [0.5, 0.5, 0.5]}
+    fields: dict[str, object] = {
+        "session_id": sid,
+        "base_position": len(PROMPT),
+        "draft_tokens": [5, 6, 7],
+        "draft_probs": [0.5, 0.5, 0.5],
+    }
     fields.update(changes)
     return pb.VerifyRequest(**fields)  # type: ignore[arg-type]
-
 
 
 @pytest.mark.parametrize(("name", "changes", "code"), BAD_VERIFY, ids=[c[0] for c in BAD_VERIFY])
@@ -82,7 +85,10 @@ def test_bad_verify_gets_its_status_and_session_survives(target_model, name: str
             fresh = await stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96))
             expected = await stub.Verify(_valid_verify(fresh.session_id))
             assert (after.accepted_len, after.next_token, after.new_base_position) == (
-                expected.accepted_len, expected.next_token, expected.new_base_position)
+                expected.accepted_len,
+                expected.next_token,
+                expected.new_base_position,
+            )
 
     asyncio.run(run())
 
@@ -160,14 +166,16 @@ def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
         await server.start()
         stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
         try:
-            ids = [(await stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96))).session_id
-                   for _ in range(4)]
+            ids = [
+                (await stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96))).session_id for _ in range(4)
+            ]
             served: dict[str, list[tuple[int, int, int]]] = {sid: [] for sid in ids}
             for bad in (0, 1, 3):
                 verifier.broken = ids[bad]
                 before = {sid: list(verifier.sessions.get(sid).tokens) for sid in ids}
-                replies = await asyncio.gather(*(stub.Verify(_valid_verify(sid, base_position=len(before[sid])))
-                                                 for sid in ids), return_exceptions=True)
+                replies = await asyncio.gather(
+                    *(stub.Verify(_valid_verify(sid, base_position=len(before[sid]))) for sid in ids), return_exceptions=True
+                )
                 for sid, reply in zip(ids, replies, strict=True):
                     stored = verifier.sessions.get(sid)
                     assert stored.cache.get_seq_length() == len(stored.tokens) - 1  # KV holds the committed prefix
@@ -193,19 +201,23 @@ def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
     asyncio.run(run())
 
 
-@pytest.mark.parametrize(("method", "frame"), [
-    ("Verify", b"\x0a\x02\xff\xfe"),  # session_id with invalid UTF-8
-    ("Verify", b"\x0a\x40abc"),  # truncated: a 64-byte string with 3 bytes
-    ("OpenSession", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"),  # a varint that never ends
-    ("Generate", b"\x0a\x05\x01"),  # truncated packed prompt
-])
+@pytest.mark.parametrize(
+    ("method", "frame"),
+    [
+        ("Verify", b"\x0a\x02\xff\xfe"),  # session_id with invalid UTF-8
+        ("Verify", b"\x0a\x40abc"),  # truncated: a 64-byte string with 3 bytes
+        ("OpenSession", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"),  # a varint that never ends
+        ("Generate", b"\x0a\x05\x01"),  # truncated packed prompt
+    ],
+)
 def test_undecodable_frames_are_invalid_argument(target_model, method: str, frame: bytes) -> None:
     async def run() -> None:
         async with running_verifier(target_model, LIMITS) as (client, _):
             channel = grpc.aio.insecure_channel(client.target)
             path = f"/specdec.v1.Verifier/{method}"
             call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
-                path, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+                path, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
+            )
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 reply = call(frame)
                 if method == "Generate":
@@ -227,8 +239,10 @@ def test_errors_never_echo_a_long_session_id(target_model) -> None:
     async def run() -> None:
         async with running_verifier(target_model, LIMITS) as (client, _):
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
-            for call in (stub.Verify(_valid_verify("x" * 16_000)),
-                         stub.CloseSession(pb.CloseSessionRequest(session_id="y" * 16_000))):
+            for call in (
+                stub.Verify(_valid_verify("x" * 16_000)),
+                stub.CloseSession(pb.CloseSessionRequest(session_id="y" * 16_000)),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -252,7 +266,8 @@ def test_a_full_store_never_evicts_a_session_whose_round_is_in_flight(target_mod
                 verify, other = await asyncio.gather(
                     stub.Verify(_valid_verify(opened.session_id)),
                     stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96)),
-                    return_exceptions=True)
+                    return_exceptions=True,
+                )
                 assert isinstance(verify, pb.VerifyResponse), verify
                 code = other.code().name if isinstance(other, grpc.aio.AioRpcError) else "OK"
                 codes[code] = codes.get(code, 0) + 1

@@ -26,8 +26,11 @@ NEW_TOKENS = 24
 
 
 @asynccontextmanager
-async def batching_verifier(model, batch: BatchLimits, limits: VerifierLimits | None = None,  # type: ignore[no-untyped-def]
-                            ) -> AsyncIterator[tuple[VerifierClient, ServerState]]:
+async def batching_verifier(
+    model,
+    batch: BatchLimits,
+    limits: VerifierLimits | None = None,  # type: ignore[no-untyped-def]
+) -> AsyncIterator[tuple[VerifierClient, ServerState]]:
     state = ServerState.for_verifier(Verifier(model, "tiny-target", limits), batch)
     async with serving(state, verify_timeout_s=30) as client:
         yield client, state
@@ -42,7 +45,8 @@ def _alone(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:  # type:
 def _mean_batch(state: ServerState) -> float:
     registry = state.metrics.registry
     return (registry.get_sample_value("specdec_batch_size_sum") or 0.0) / (
-        registry.get_sample_value("specdec_batch_size_count") or 1.0)
+        registry.get_sample_value("specdec_batch_size_count") or 1.0
+    )
 
 
 def test_concurrent_sessions_batched_equal_each_alone(target_model, draft_model) -> None:
@@ -69,8 +73,9 @@ def test_unbatched_server_matches_batched_one(target_model, draft_model) -> None
 
     async def run() -> None:
         async with batching_verifier(target_model, BatchLimits(max_batch_size=1)) as (client, state):
-            results = await asyncio.gather(*[speculative_generate(p, make_drafter(draft_model), client, FixedK(3), cfg)
-                                             for p in PROMPTS[:3]])
+            results = await asyncio.gather(
+                *[speculative_generate(p, make_drafter(draft_model), client, FixedK(3), cfg) for p in PROMPTS[:3]]
+            )
             assert _mean_batch(state) == 1.0
         for prompt, result in zip(PROMPTS, results, strict=False):
             assert result.token_ids == _alone(target_model, prompt, 12)
@@ -78,8 +83,9 @@ def test_unbatched_server_matches_batched_one(target_model, draft_model) -> None
     asyncio.run(run())
 
 
-async def _drive(client: VerifierClient, prompt: list[int], reference: list[int], rng: random.Random,
-                 session_id: str | None = None) -> tuple[list[int], dict[str, int]]:
+async def _drive(
+    client: VerifierClient, prompt: list[int], reference: list[int], rng: random.Random, session_id: str | None = None
+) -> tuple[list[int], dict[str, int]]:
     """Verify rounds until NEW_TOKENS are committed; drafts are the reference's next tokens,
     the last one spoiled half the time. A refused round waits the server's hint and retries;
     an evicted session is reopened with its committed prefix, as the edge does."""
@@ -87,7 +93,7 @@ async def _drive(client: VerifierClient, prompt: list[int], reference: list[int]
     config = SessionConfig(vocab_size=96)
     while len(tokens) - len(prompt) < NEW_TOKENS:
         done = len(tokens) - len(prompt)
-        draft = reference[done:done + 3]
+        draft = reference[done : done + 3]
         if draft and rng.random() < 0.5:
             draft[-1] = (draft[-1] + 1) % 96
         try:
@@ -104,8 +110,8 @@ async def _drive(client: VerifierClient, prompt: list[int], reference: list[int]
             assert events["reopened"] < 100, "eviction thrash"
             session_id = None
             continue
-        tokens += [*draft[:reply.accepted_len], reply.next_token]
-    return tokens[len(prompt):len(prompt) + NEW_TOKENS], events
+        tokens += [*draft[: reply.accepted_len], reply.next_token]
+    return tokens[len(prompt) : len(prompt) + NEW_TOKENS], events
 
 
 def test_prefills_of_sessions_opened_together_share_one_forward_pass(target_model) -> None:
@@ -116,15 +122,18 @@ def test_prefills_of_sessions_opened_together_share_one_forward_pass(target_mode
     references = [_alone(target_model, p, NEW_TOKENS + 4) for p in prompts]
 
     async def run() -> None:
-        async with batching_verifier(target_model, BatchLimits(max_batch_size=16, max_batch_wait_ms=500)) as (
-                client, state):
+        async with batching_verifier(target_model, BatchLimits(max_batch_size=16, max_batch_wait_ms=500)) as (client, state):
             assert state.verifier is not None
             config = SessionConfig(vocab_size=96)
             opened = await asyncio.gather(*[client.open_session(OpenSessionRequest(p, config)) for p in prompts])
             assert state.verifier.forward_passes == 1
             assert [o.position for o in opened] == [len(p) for p in prompts]
-            outcomes = await asyncio.gather(*[_drive(client, p, r, random.Random(i), o.session_id)
-                                              for i, (p, r, o) in enumerate(zip(prompts, references, opened, strict=True))])
+            outcomes = await asyncio.gather(
+                *[
+                    _drive(client, p, r, random.Random(i), o.session_id)
+                    for i, (p, r, o) in enumerate(zip(prompts, references, opened, strict=True))
+                ]
+            )
         for (tokens, _), reference in zip(outcomes, references, strict=True):
             assert tokens == reference[:NEW_TOKENS]
 
@@ -148,14 +157,12 @@ def test_past_queue_and_kv_caps_clear_errors_and_admitted_sessions_complete(targ
                 await client.verify(VerifyRequest(opened[0].session_id, len(prompts[0]), []))
             live = range(4, 8)
             rng = random.Random(0)
-            outcomes = await asyncio.gather(*[_drive(client, prompts[i], references[i], rng, opened[i].session_id)
-                                              for i in live])
+            outcomes = await asyncio.gather(*[_drive(client, prompts[i], references[i], rng, opened[i].session_id) for i in live])
             # Four sessions with rounds in flight against a queue of two: some rounds were
             # refused (and resent, by the client or by _drive); sessions outgrowing the KV room
             # were evicted and reopened...
             assert sum(events["reopened"] for _, events in outcomes) > 0
-            assert (state.metrics.registry.get_sample_value("specdec_rejected_requests_total", {"method": "Verify"})
-                    or 0) > 0
+            assert (state.metrics.registry.get_sample_value("specdec_rejected_requests_total", {"method": "Verify"}) or 0) > 0
             # ...and every session still produced exactly the target's tokens.
             for i, (tokens, _) in zip(live, outcomes, strict=True):
                 assert tokens == references[i][:NEW_TOKENS], f"session {i}"
@@ -176,7 +183,9 @@ def test_refused_round_carries_retry_hint_over_the_wire(target_model) -> None:
         # The first round waits 500 ms for company in a queue of one: the others arrive meanwhile
         # (loopback) and find it full, however slow the machine.
         async with batching_verifier(target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=500, max_queue=1)) as (
-                client, _):
+            client,
+            _,
+        ):
             opened = [await client.open_session(OpenSessionRequest(p, SessionConfig(vocab_size=96))) for p in PROMPTS[:4]]
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
             calls = [stub.Verify(pb.VerifyRequest(session_id=o.session_id, base_position=o.position)) for o in opened]

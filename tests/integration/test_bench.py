@@ -18,12 +18,34 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"id": "p1", "prompt": "w5 w6 w7", "category": "qa"}\n'
-                       '{"id": "p2", "prompt": "w9 w10 w11 w12", "category": "writing"}\n')
+    prompts.write_text(
+        '{"id": "p1", "prompt": "w5 w6 w7", "category": "qa"}\n{"id": "p2", "prompt": "w9 w10 w11 w12", "category": "writing"}\n'
+    )
     output = tmp_path / "result.json"
-    done = subprocess.run([sys.executable, "-m", "bench", "--quick", "--prompts", str(prompts), "--rtt-ms", "50",
-                           "--max-new-tokens", "8", "--k", "3", "--output", str(output), "--report",
-                           str(tmp_path / "report")], capture_output=True, text=True, env=ENV, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--prompts",
+            str(prompts),
+            "--rtt-ms",
+            "50",
+            "--max-new-tokens",
+            "8",
+            "--k",
+            "3",
+            "--output",
+            str(output),
+            "--report",
+            str(tmp_path / "report"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(output.read_text())
     jsonschema.validate(result, schema())

@@ -22,8 +22,21 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def verifier_address(models: tuple[Path, Path]) -> Iterator[str]:
-    cmd = [sys.executable, "-m", "cloud", "--model", str(models[1]), "--port", "0", "--http-port", "0",
-           "--dtype", "float32", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cloud",
+        "--model",
+        str(models[1]),
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
     assert proc.stderr is not None
     address = None
@@ -44,13 +57,26 @@ def _edge(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_batch_speculative_equals_cloud_only(models: tuple[Path, Path], verifier_address: str, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 7} w{2 * i + 3}"}) + "\n"
-                               for i in range(4)))
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 7} w{2 * i + 3}"}) + "\n" for i in range(4)))
     outputs = {}
     for mode in ("speculative", "cloud_only"):
         out = tmp_path / f"{mode}.jsonl"
-        done = _edge("--cloud", verifier_address, "--draft-model", str(models[0]), "--prompts", str(prompts),
-                     "--output", str(out), "--mode", mode, "--max-new-tokens", "24", "--k", "3")
+        done = _edge(
+            "--cloud",
+            verifier_address,
+            "--draft-model",
+            str(models[0]),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--mode",
+            mode,
+            "--max-new-tokens",
+            "24",
+            "--k",
+            "3",
+        )
         assert done.returncode == 0, done.stderr
         outputs[mode] = [json.loads(line) for line in out.read_text().splitlines()]
     spec, cloud = outputs["speculative"], outputs["cloud_only"]
@@ -65,16 +91,26 @@ def test_batch_speculative_equals_cloud_only(models: tuple[Path, Path], verifier
 def test_spec_bench_file_is_read_as_is(models: tuple[Path, Path], verifier_address: str, tmp_path: Path) -> None:
     questions = tmp_path / "question.jsonl"
     questions.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["w4 w5", "w6"]}) + "\n")
-    done = _edge("--cloud", verifier_address, "--draft-model", str(models[0]), "--prompts", str(questions),
-                 "--max-new-tokens", "8")
+    done = _edge(
+        "--cloud", verifier_address, "--draft-model", str(models[0]), "--prompts", str(questions), "--max-new-tokens", "8"
+    )
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
     assert record["id"] == "81" and record["category"] == "writing" and len(record["token_ids"]) <= 8
 
 
 def test_single_prompt_streams_text_and_stats(models: tuple[Path, Path], verifier_address: str) -> None:
-    done = _edge("--cloud", verifier_address, "--draft-model", str(models[0]), "--prompt", "w5 w9",
-                 "--max-new-tokens", "12", "--show-steps")
+    done = _edge(
+        "--cloud",
+        verifier_address,
+        "--draft-model",
+        str(models[0]),
+        "--prompt",
+        "w5 w9",
+        "--max-new-tokens",
+        "12",
+        "--show-steps",
+    )
     assert done.returncode == 0, done.stderr
     assert "k= 4" in done.stdout  # one line per round (the default k)
     assert re.search(r"\[speculative\] \d+ tokens .* tau", done.stderr)
@@ -88,8 +124,18 @@ def test_cli_errors_are_one_line(models: tuple[Path, Path], tmp_path: Path) -> N
 
 
 def test_unreachable_cloud_is_one_line(models: tuple[Path, Path]) -> None:
-    done = _edge("--cloud", "127.0.0.1:1", "--draft-model", str(models[0]), "--prompt", "w5",
-                 "--verify-timeout-ms", "2000", "--reconnect-window-s", "1")
+    done = _edge(
+        "--cloud",
+        "127.0.0.1:1",
+        "--draft-model",
+        str(models[0]),
+        "--prompt",
+        "w5",
+        "--verify-timeout-ms",
+        "2000",
+        "--reconnect-window-s",
+        "1",
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     last = done.stderr.splitlines()[-1]
     assert "unreachable" in last and "gave up reconnecting to the verifier after 1." in last
@@ -107,8 +153,22 @@ def test_ngram_edge_loads_no_model(models: tuple[Path, Path], verifier_address: 
     records = {}
     for mode in ("speculative", "cloud_only"):
         out = tmp_path / f"{mode}.jsonl"
-        done = _edge("--cloud", verifier_address, "--draft-model", str(tokenizer_only), "--drafter", "ngram",
-                     "--prompts", str(prompts), "--output", str(out), "--mode", mode, "--max-new-tokens", "16")
+        done = _edge(
+            "--cloud",
+            verifier_address,
+            "--draft-model",
+            str(tokenizer_only),
+            "--drafter",
+            "ngram",
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--mode",
+            mode,
+            "--max-new-tokens",
+            "16",
+        )
         assert done.returncode == 0, done.stderr
         records[mode] = json.loads(out.read_text())
     assert records["speculative"]["token_ids"] == records["cloud_only"]["token_ids"]
@@ -140,16 +200,40 @@ def test_a_llamacpp_edge_imports_no_torch(models: tuple[Path, Path], verifier_ad
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i + 3} w{i + 9} w{i}"}) + "\n" for i in range(3)))
     tokens = {}
-    for name, flags in {"llama.cpp": ["--draft-runtime", "llama.cpp"], "ngram": ["--drafter", "ngram"],
-                        "cloud_only": ["--mode", "cloud_only"]}.items():
+    for name, flags in {
+        "llama.cpp": ["--draft-runtime", "llama.cpp"],
+        "ngram": ["--drafter", "ngram"],
+        "cloud_only": ["--mode", "cloud_only"],
+    }.items():
         out = tmp_path / f"{name}.jsonl"
-        cmd = [sys.executable, "-c", LEAN, "--cloud", verifier_address, "--draft-model", str(models[0]),
-               "--draft-threads", "1", "--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "20", *flags]
+        cmd = [
+            sys.executable,
+            "-c",
+            LEAN,
+            "--cloud",
+            verifier_address,
+            "--draft-model",
+            str(models[0]),
+            "--draft-threads",
+            "1",
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "20",
+            *flags,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
         assert done.returncode == 0, done.stderr
         tokens[name] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     assert tokens["llama.cpp"] == tokens["ngram"] == tokens["cloud_only"]
     # Without --cloud the lean edge says what it needs instead of failing on an import.
-    done = subprocess.run([sys.executable, "-c", LEAN, "--draft-model", str(models[0]), "--prompt", "w5"],
-                          capture_output=True, text=True, env=ENV, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", LEAN, "--draft-model", str(models[0]), "--prompt", "w5"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert done.returncode == 1 and "cloud-verifier is not installed" in done.stderr

@@ -15,8 +15,7 @@ from tests.harness import gen_config, make_drafter, random_prompt, running_verif
 
 def _scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {sample.name: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples}
+    return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def test_edge_metrics_count_rounds_and_provisional_tokens(target_model, draft_model) -> None:
@@ -30,8 +29,9 @@ def test_edge_metrics_count_rounds_and_provisional_tokens(target_model, draft_mo
             client = VerifierClient(proxy.address, verify_timeout_s=10)
             try:
                 cfg = gen_config(max_new_tokens=16, timeouts=TimeoutPolicy(soft_deadline_s=0.05))
-                result = await speculative_generate(random_prompt(9), make_drafter(draft_model), client, FixedK(4),
-                                                    cfg, MeteredObserver(metrics, None))
+                result = await speculative_generate(
+                    random_prompt(9), make_drafter(draft_model), client, FixedK(4), cfg, MeteredObserver(metrics, None)
+                )
             finally:
                 await client.close()
                 await proxy.close()

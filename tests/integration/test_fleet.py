@@ -53,8 +53,14 @@ class Secure:
         return cls(make_pki(folder / "tls"), folder / "keys.txt")
 
     def flags(self) -> list[str]:
-        return ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key),
-                "--api-keys-file", str(self.keys_file)]
+        return [
+            "--tls-cert",
+            str(self.pki.server_cert),
+            "--tls-key",
+            str(self.pki.server_key),
+            "--api-keys-file",
+            str(self.keys_file),
+        ]
 
 
 def _connect(address: str, secure: Secure | None) -> VerifierClient:
@@ -83,8 +89,9 @@ def _free_port() -> int:
 @contextmanager
 def haproxy(verifiers: list[VerifierProcess], folder: Path) -> Iterator[str]:
     """deploy/haproxy.cfg as shipped, with these replicas and a free port: its address."""
-    servers = "".join(f"    server v{i} {v.address} proto h2 check check-proto h1 port {v.http_port}\n"
-                      for i, v in enumerate(verifiers))
+    servers = "".join(
+        f"    server v{i} {v.address} proto h2 check check-proto h1 port {v.http_port}\n" for i, v in enumerate(verifiers)
+    )
     text = re.sub(r"(?m)^    server .*\n", "", HAPROXY_CFG.read_text()) + servers
     port = _free_port()
     with _haproxy_running(re.sub(r"bind 127\.0\.0\.1:\d+", f"bind 127.0.0.1:{port}", text), port, folder) as address:
@@ -98,8 +105,9 @@ def k8s_haproxy(verifiers: list[VerifierProcess], folder: Path, secure: Secure) 
     the Secret's, and a free port."""
     tls = secure.pki.ca.parent
     (tls / "proxy.pem").write_bytes(secure.pki.server_cert.read_bytes() + secure.pki.server_key.read_bytes())
-    template = re.search(r"(?m)^    server-template verifier 16 \S+ resolvers kube init-addr none (.*) port 8080$",
-                         K8S_HAPROXY_CFG.read_text())
+    template = re.search(
+        r"(?m)^    server-template verifier 16 \S+ resolvers kube init-addr none (.*) port 8080$", K8S_HAPROXY_CFG.read_text()
+    )
     assert template, "no server-template line in the Kubernetes haproxy.cfg"
     options = template.group(1).replace("verifier.specdec.svc", "localhost")
     servers = "".join(f"    server v{i} {v.address} {options} port {v.http_port}\n" for i, v in enumerate(verifiers))
@@ -116,8 +124,9 @@ def _haproxy_running(text: str, port: int, folder: Path) -> Iterator[str]:
     binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
     config = folder / "haproxy.cfg"
     config.write_text(text)
-    proc = subprocess.Popen([binary, "-W", "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
-                            stderr=(folder / "haproxy.log").open("w"))
+    proc = subprocess.Popen(
+        [binary, "-W", "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=(folder / "haproxy.log").open("w")
+    )
     try:
         _wait_port(proc, port, folder / "haproxy.log")
         time.sleep(2.5)  # two health checks: every replica is up in HAProxy's eyes
@@ -135,13 +144,15 @@ def nginx(verifiers: list[VerifierProcess], folder: Path) -> Iterator[str]:
     servers = "".join(f"        server {v.address} max_fails=1 fail_timeout=10s;\n" for v in verifiers)
     text = re.sub(r"(?m)^        server 127.*\n", "", NGINX_CONF.read_text())
     text = text.replace("        keepalive 32;", servers + "        keepalive 32;")
-    text = re.sub(r"listen 127\.0\.0\.1:\d+", f"listen 127.0.0.1:{port}", text).replace("/tmp/specdec-nginx.pid",
-                                                                                     str(folder / "nginx.pid"))
+    text = re.sub(r"listen 127\.0\.0\.1:\d+", f"listen 127.0.0.1:{port}", text).replace(
+        "/tmp/specdec-nginx.pid", str(folder / "nginx.pid")
+    )
     config = folder / "nginx.conf"
     config.write_text(text)
     log = (folder / "nginx.log").open("w")
-    proc = subprocess.Popen([binary, "-c", str(config), "-p", str(folder), "-e", "stderr", "-g", "daemon off;"],
-                            stdout=subprocess.DEVNULL, stderr=log)
+    proc = subprocess.Popen(
+        [binary, "-c", str(config), "-p", str(folder), "-e", "stderr", "-g", "daemon off;"], stdout=subprocess.DEVNULL, stderr=log
+    )
     try:
         _wait_port(proc, port, folder / "nginx.log")
         yield f"127.0.0.1:{port}"
@@ -163,8 +174,9 @@ def _counts(verifier: VerifierProcess, secure: Secure | None) -> tuple[float, fl
     request = urllib.request.Request(f"http://127.0.0.1:{verifier.http_port}/metrics")
     if secure is not None:
         scheme, context = "https", ssl.create_default_context(cafile=str(secure.pki.ca))
-        request = urllib.request.Request(f"{scheme}://127.0.0.1:{verifier.http_port}/metrics",
-                                         headers={"authorization": f"Bearer {API_KEY}"})
+        request = urllib.request.Request(
+            f"{scheme}://127.0.0.1:{verifier.http_port}/metrics", headers={"authorization": f"Bearer {API_KEY}"}
+        )
     with urllib.request.urlopen(request, timeout=10, context=context) as reply:
         samples = metric_samples(reply.read().decode())
     opens = samples.get(("specdec_requests_total", frozenset({("method", "OpenSession"), ("code", "OK")})), 0.0)
@@ -173,16 +185,17 @@ def _counts(verifier: VerifierProcess, secure: Secure | None) -> tuple[float, fl
 
 async def _sessions(client: VerifierClient, draft_model, max_new_tokens: int) -> list[GenerationResult]:  # type: ignore[no-untyped-def]
     cfg = gen_config(max_new_tokens=max_new_tokens, timeouts=TimeoutPolicy(reconnect_window_s=60))
-    return list(await asyncio.gather(*(
-        speculative_generate(prompt, make_drafter(draft_model), client, FixedK(4), cfg)
-        for prompt in PROMPTS)))
+    return list(
+        await asyncio.gather(
+            *(speculative_generate(prompt, make_drafter(draft_model), client, FixedK(4), cfg) for prompt in PROMPTS)
+        )
+    )
 
 
 async def _references(address: str, max_new_tokens: int, secure: Secure | None) -> list[list[int]]:
     client = _connect(address, secure)
     try:
-        return [(await cloud_only_generate(p, client, gen_config(max_new_tokens=max_new_tokens))).token_ids
-                for p in PROMPTS]
+        return [(await cloud_only_generate(p, client, gen_config(max_new_tokens=max_new_tokens))).token_ids for p in PROMPTS]
     finally:
         await client.close()
 
@@ -196,8 +209,9 @@ async def _client(address: str, secure: Secure | None) -> AsyncIterator[Verifier
         await client.close()
 
 
-async def _kill_busiest(verifiers: list[VerifierProcess], before: list[tuple[float, float]],
-                        rounds: float, secure: Secure | None) -> VerifierProcess:
+async def _kill_busiest(
+    verifiers: list[VerifierProcess], before: list[tuple[float, float]], rounds: float, secure: Secure | None
+) -> VerifierProcess:
     """Once some replica has served `rounds` rounds of this run, SIGKILL it."""
     while True:
         now = await asyncio.gather(*(asyncio.to_thread(_counts, v, secure) for v in verifiers))
@@ -209,8 +223,12 @@ async def _kill_busiest(verifiers: list[VerifierProcess], before: list[tuple[flo
         await asyncio.sleep(0.05)
 
 
-def _check_fleet(verifiers: list[VerifierProcess], address: str, draft_model,  # type: ignore[no-untyped-def]
-                 secure: Secure | None = None) -> None:
+def _check_fleet(
+    verifiers: list[VerifierProcess],
+    address: str,
+    draft_model,  # type: ignore[no-untyped-def]
+    secure: Secure | None = None,
+) -> None:
     async def run() -> None:
         references = await _references(verifiers[0].address, 60, secure)
         before = [_counts(v, secure) for v in verifiers]

@@ -63,8 +63,7 @@ LIMITS = VerifierLimits(max_context_tokens=1024, sessions=SessionLimits(ttl_s=36
 MAX_K = LIMITS.max_draft_tokens
 # docs/architecture.md, "Errors": the statuses a request may get. INTERNAL is a bug by definition; UNAUTHENTICATED
 # (no API keys are configured here) and UNAVAILABLE (loading, draining) cannot happen on this server.
-DOCUMENTED = frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
-                        "DEADLINE_EXCEEDED"})
+DOCUMENTED = frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
 LONG_TIMEOUT = 30.0  # a call that runs into this deadline means the server hung
 MAX_CHUNKS = 8  # a Generate stream is cancelled after this many chunks
 BYSTANDER_EVERY = 3  # a bystander round rides beside every third case
@@ -75,13 +74,23 @@ EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "0") or 0)
 
 
 def _budget(default: int) -> settings:
-    return settings(max_examples=EXAMPLES or default, deadline=None, derandomize=True, database=None,
-                    print_blob=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.filter_too_much, HealthCheck.large_base_example])
+    return settings(
+        max_examples=EXAMPLES or default,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=False,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.filter_too_much,
+            HealthCheck.large_base_example,
+        ],
+    )
 
 
 # ---- strategies -------------------------------------------------------------------------------
+
 
 def _f32(x: float) -> float:
     return float(struct.unpack("f", struct.pack("f", x))[0])
@@ -93,15 +102,58 @@ U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
 DICE = st.integers(0, 9)
 ANY_F32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
-EDGE_FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 1e-45, 1e-40, _f32(1.1754943508222875e-38), _f32(1e-7), _f32(0.999),
-               _f32(1.0000001), 1.5, 999.0, 1000.0, _f32(1000.0001), _f32(1e-3), _f32(0.00099999), F32_MAX, -F32_MAX,
-               math.inf, -math.inf, math.nan]
+EDGE_FLOATS = [
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    0.5,
+    1e-45,
+    1e-40,
+    _f32(1.1754943508222875e-38),
+    _f32(1e-7),
+    _f32(0.999),
+    _f32(1.0000001),
+    1.5,
+    999.0,
+    1000.0,
+    _f32(1000.0001),
+    _f32(1e-3),
+    _f32(0.00099999),
+    F32_MAX,
+    -F32_MAX,
+    math.inf,
+    -math.inf,
+    math.nan,
+]
 BAD_IDS = [-1, VOCAB, VOCAB + 1, 2**31 - 1, -(2**31)]
 TEXT = st.text(max_size=40)  # any code point but surrogates (a str field cannot carry one)
-ODD_IDS = ["", " ", "\x00", "\u00e9\u00e9\u00e9", "\U0001f642", "\u202eevil", "../../etc/passwd", "%s%n%x", "a" * 12,
-           "\ufeff", "A" * 64]
-INVALID_UTF8 = [b"\xff", b"\xfe\xff", b"\xc3\x28", b"\xa0\xa1", b"\xe2\x28\xa1", b"\xf0\x28\x8c\x28", b"\xed\xa0\x80",
-                b"\xc0\xaf", b"\xf8\x88\x80\x80\x80", b"sid\xff", b"\xf4\x90\x80\x80"]
+ODD_IDS = [
+    "",
+    " ",
+    "\x00",
+    "\u00e9\u00e9\u00e9",
+    "\U0001f642",
+    "\u202eevil",
+    "../../etc/passwd",
+    "%s%n%x",
+    "a" * 12,
+    "\ufeff",
+    "A" * 64,
+]
+INVALID_UTF8 = [
+    b"\xff",
+    b"\xfe\xff",
+    b"\xc3\x28",
+    b"\xa0\xa1",
+    b"\xe2\x28\xa1",
+    b"\xf0\x28\x8c\x28",
+    b"\xed\xa0\x80",
+    b"\xc0\xaf",
+    b"\xf8\x88\x80\x80\x80",
+    b"sid\xff",
+    b"\xf4\x90\x80\x80",
+]
 HEADER_VALUE = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=80)
 
 
@@ -114,6 +166,7 @@ def weighted(*options: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[
                 return strategy
             n -= w
         raise AssertionError("unreachable")
+
     return st.integers(0, total - 1).flatmap(pick)
 
 
@@ -157,36 +210,51 @@ def sampling_configs(draw: Any, clean: bool = False) -> pb.SamplingConfig | None
     top_p = st.floats(2.0**-10, 1.0, width=32)
     penalty = st.floats(2.0**-9, 512.0, width=32)
     if clean:
-        return pb.SamplingConfig(temperature=draw(weighted((1, st.just(0.0)), (2, temperature))),
-                                 top_k=draw(st.integers(0, 120)), top_p=draw(weighted((1, st.just(0.0)), (2, top_p))),
-                                 repetition_penalty=draw(weighted((1, st.just(0.0)), (2, penalty))))
+        return pb.SamplingConfig(
+            temperature=draw(weighted((1, st.just(0.0)), (2, temperature))),
+            top_k=draw(st.integers(0, 120)),
+            top_p=draw(weighted((1, st.just(0.0)), (2, top_p))),
+            repetition_penalty=draw(weighted((1, st.just(0.0)), (2, penalty))),
+        )
     return pb.SamplingConfig(
         temperature=draw(_setting(temperature)),
-        top_k=draw(weighted((5, st.just(0)), (3, st.integers(1, 120)),
-                            (1, st.sampled_from([1, 95, 96, 97, 2**31, 2**32 - 1])), (1, U32))),
+        top_k=draw(
+            weighted((5, st.just(0)), (3, st.integers(1, 120)), (1, st.sampled_from([1, 95, 96, 97, 2**31, 2**32 - 1])), (1, U32))
+        ),
         top_p=draw(_setting(top_p)),
-        repetition_penalty=draw(_setting(penalty)))
+        repetition_penalty=draw(_setting(penalty)),
+    )
 
 
 ACCEPT_MODES = weighted((8, st.integers(0, 5)), (1, st.sampled_from([6, 99, -1, 2**31 - 1, -(2**31)])), (1, I32))
-VOCAB_SIZES = weighted((4, st.just(0)), (3, st.just(VOCAB)), (2, st.integers(1, VOCAB)),
-                       (1, st.sampled_from([VOCAB + 1, 4096, 2**31, 2**32 - 1])))
+VOCAB_SIZES = weighted(
+    (4, st.just(0)), (3, st.just(VOCAB)), (2, st.integers(1, VOCAB)), (1, st.sampled_from([VOCAB + 1, 4096, 2**31, 2**32 - 1]))
+)
 CLEAN_VOCAB_SIZES = weighted((1, st.just(0)), (1, st.just(VOCAB)), (1, st.integers(1, VOCAB)))
 SEEDS = weighted((6, U64), (1, st.sampled_from([0, 1, 2**63, 2**64 - 1])))
 TIMEOUTS = weighted((9, st.just(LONG_TIMEOUT)), (1, st.floats(0.001, 0.3)))
-METADATA = weighted((8, st.just(())),
-                    (1, st.tuples(st.tuples(st.just("authorization"), HEADER_VALUE))),
-                    (1, st.lists(st.tuples(st.sampled_from(["authorization", "x-fuzz", "x-request-id"]), HEADER_VALUE),
-                                 max_size=3).map(tuple)))
+METADATA = weighted(
+    (8, st.just(())),
+    (1, st.tuples(st.tuples(st.just("authorization"), HEADER_VALUE))),
+    (1, st.lists(st.tuples(st.sampled_from(["authorization", "x-fuzz", "x-request-id"]), HEADER_VALUE), max_size=3).map(tuple)),
+)
 
 
 @st.composite
 def prompts(draw: Any, vocab_field: int, clean: bool = False) -> list[int]:
     vocab = vocab_field if 0 < vocab_field <= VOCAB else VOCAB
     if clean:
-        return draw(weighted((9, st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24)),  # type: ignore[no-any-return]
-                             (1, st.tuples(U32, st.integers(25, 900)).map(
-                                 lambda s: [random.Random(s[0]).randrange(vocab) for _ in range(s[1])]))))
+        return draw(
+            weighted(
+                (9, st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24)),  # type: ignore[no-any-return]
+                (
+                    1,
+                    st.tuples(U32, st.integers(25, 900)).map(
+                        lambda s: [random.Random(s[0]).randrange(vocab) for _ in range(s[1])]
+                    ),
+                ),
+            )
+        )
     if draw(DICE) == 0:
         return []
     return draw(id_lists(vocab, 24, 1100, min_size=1))  # type: ignore[no-any-return]
@@ -196,8 +264,12 @@ def prompts(draw: Any, vocab_field: int, clean: bool = False) -> list[int]:
 def open_requests(draw: Any) -> pb.OpenSessionRequest:
     clean = draw(DICE) < 4  # four in ten valid in every field, so OK paths are fuzzed as deeply as refusals
     vocab_size = draw(CLEAN_VOCAB_SIZES if clean else VOCAB_SIZES)
-    req = pb.OpenSessionRequest(prompt_tokens=draw(prompts(vocab_size, clean)), seed=draw(SEEDS),
-                                accept_mode=draw(st.integers(0, 5) if clean else ACCEPT_MODES), vocab_size=vocab_size)
+    req = pb.OpenSessionRequest(
+        prompt_tokens=draw(prompts(vocab_size, clean)),
+        seed=draw(SEEDS),
+        accept_mode=draw(st.integers(0, 5) if clean else ACCEPT_MODES),
+        vocab_size=vocab_size,
+    )
     if (sampling := draw(sampling_configs(clean))) is not None:
         req.sampling.CopyFrom(sampling)
     return req
@@ -209,13 +281,24 @@ def generate_requests(draw: Any) -> pb.GenerateRequest:
     vocab_size = draw(CLEAN_VOCAB_SIZES if clean else VOCAB_SIZES)
     valid_stops = st.lists(st.integers(0, VOCAB - 1), max_size=8)
     req = pb.GenerateRequest(
-        prompt_tokens=draw(prompts(vocab_size, clean)), seed=draw(SEEDS),
-        max_new_tokens=draw(st.integers(1, 12) if clean else weighted(
-            (6, st.integers(1, 8)), (1, st.just(0)), (1, st.integers(9, 4096)), (1, st.integers(4097, 2**32 - 1)),
-            (1, st.sampled_from([1024, 4096, 4097, 2**32 - 1])))),
-        stop_token_ids=draw(valid_stops if clean else weighted((6, st.just([])), (3, valid_stops),
-                                                               (1, st.lists(ids(VOCAB), max_size=8)))),
-        vocab_size=vocab_size)
+        prompt_tokens=draw(prompts(vocab_size, clean)),
+        seed=draw(SEEDS),
+        max_new_tokens=draw(
+            st.integers(1, 12)
+            if clean
+            else weighted(
+                (6, st.integers(1, 8)),
+                (1, st.just(0)),
+                (1, st.integers(9, 4096)),
+                (1, st.integers(4097, 2**32 - 1)),
+                (1, st.sampled_from([1024, 4096, 4097, 2**32 - 1])),
+            )
+        ),
+        stop_token_ids=draw(
+            valid_stops if clean else weighted((6, st.just([])), (3, valid_stops), (1, st.lists(ids(VOCAB), max_size=8)))
+        ),
+        vocab_size=vocab_size,
+    )
     if (sampling := draw(sampling_configs(clean))) is not None:
         req.sampling.CopyFrom(sampling)
     return req
@@ -224,6 +307,7 @@ def generate_requests(draw: Any) -> pb.GenerateRequest:
 # Strategies for calls on the fuzzer's own sessions draw a plan, and the plan builds the request
 # from what the fuzzer knows at run time (the session's id, mode, vocabulary and position): no
 # draw may depend on that state, or hypothesis could not replay a case.
+
 
 def _fit(token: int, vocab: int) -> int:
     """An id valid in the model's vocabulary, moved into a session's smaller one; others as drawn."""
@@ -242,8 +326,18 @@ def session_id_plans(draw: Any) -> Callable[[str | None], str]:
                 return other
             if d <= 9:
                 return real
-            return [real[:-1], real + "x", real.upper(), " " + real, real + "\x00", real[::-1], real + "\u00e9",
-                    real * 2, real[1:]][mutation]
+            return [
+                real[:-1],
+                real + "x",
+                real.upper(),
+                " " + real,
+                real + "\x00",
+                real[::-1],
+                real + "\u00e9",
+                real * 2,
+                real[1:],
+            ][mutation]
+
         return build
     if d == 11:
         text = draw(TEXT)
@@ -280,8 +374,9 @@ def _sparse(drafts: list[int], vocab: int, seed: int) -> list[pb.SparseDistribut
 @st.composite
 def broken_sparse(draw: Any) -> pb.SparseDistribution:
     n = draw(st.integers(0, 6))
-    return pb.SparseDistribution(token_ids=draw(st.lists(ids(VOCAB), max_size=n)),
-                                 probs=draw(st.lists(probability(), max_size=n + 1)))
+    return pb.SparseDistribution(
+        token_ids=draw(st.lists(ids(VOCAB), max_size=n)), probs=draw(st.lists(probability(), max_size=n + 1))
+    )
 
 
 @st.composite
@@ -289,8 +384,11 @@ def verify_plans(draw: Any) -> Callable[[Tracked | None], pb.VerifyRequest]:
     """A VerifyRequest for a tracked session (None: no real session at all). Four in ten are
     valid in every field for the session's mode, so the accept paths are fuzzed too."""
     clean = draw(DICE) < 4
-    k = draw(st.integers(0, MAX_K) if clean else weighted(
-        (6, st.integers(0, 4)), (3, st.integers(5, MAX_K)), (1, st.integers(MAX_K + 1, 40))))
+    k = draw(
+        st.integers(0, MAX_K)
+        if clean
+        else weighted((6, st.integers(0, 4)), (3, st.integers(5, MAX_K)), (1, st.integers(MAX_K + 1, 40)))
+    )
     drafts = draw(st.lists(st.integers(0, VOCAB - 1) if clean or draw(DICE) < 8 else ids(VOCAB), min_size=k, max_size=k))
     d_position, delta, guess, fixed = (0 if clean else draw(DICE)), 0, 0, 0
     if d_position <= 7:  # the real position (a guess while it is unknown), one in eight a near miss
@@ -318,10 +416,14 @@ def verify_plans(draw: Any) -> Callable[[Tracked | None], pb.VerifyRequest]:
     broken_at, broken = draw(st.integers(0, 2**16)), draw(broken_sparse())
     junk = draw(st.lists(broken_sparse(), max_size=k + 1)) if sparse_kind >= 8 else []
     session_id = (lambda real: real or "") if clean else draw(session_id_plans())
-    committed = draw(weighted((7, st.just([])), (3, st.lists(st.integers(0, VOCAB - 1), max_size=8) if clean
-                                                    else id_lists(VOCAB, 8, 80))))
-    want_top_k = draw(st.integers(0, LIMITS.max_top_k) if clean else weighted(
-        (6, st.just(0)), (3, st.integers(1, LIMITS.max_top_k + 1)), (1, U32)))
+    committed = draw(
+        weighted((7, st.just([])), (3, st.lists(st.integers(0, VOCAB - 1), max_size=8) if clean else id_lists(VOCAB, 8, 80)))
+    )
+    want_top_k = draw(
+        st.integers(0, LIMITS.max_top_k)
+        if clean
+        else weighted((6, st.just(0)), (3, st.integers(1, LIMITS.max_top_k + 1)), (1, U32))
+    )
     request_id = draw(weighted((7, st.just("")), (2, TEXT), (1, st.integers(100, 5000).map(lambda n: "r" * n))))
 
     def build(target: Tracked | None) -> pb.VerifyRequest:
@@ -341,17 +443,29 @@ def verify_plans(draw: Any) -> Callable[[Tracked | None], pb.VerifyRequest]:
             sparse = []
         q = valid_probs if clean and mode in (AcceptMode.SCALAR, AcceptMode.SHORTCUT) else probs
         return pb.VerifyRequest(
-            session_id=session_id(target.session_id if target else None), base_position=position,
-            committed_tokens=[_fit(t, vocab) for t in committed], draft_tokens=tokens, draft_probs=q,
-            hard_mask=mask, sparse_draft=sparse, want_top_k=want_top_k, request_id=request_id)
+            session_id=session_id(target.session_id if target else None),
+            base_position=position,
+            committed_tokens=[_fit(t, vocab) for t in committed],
+            draft_tokens=tokens,
+            draft_probs=q,
+            hard_mask=mask,
+            sparse_draft=sparse,
+            want_top_k=want_top_k,
+            request_id=request_id,
+        )
+
     return build
 
 
 # ---- raw frames ---------------------------------------------------------------------------------
 
 METHODS = ("OpenSession", "Verify", "CloseSession", "Generate")
-REQUEST_TYPES: dict[str, type[Message]] = {"OpenSession": pb.OpenSessionRequest, "Verify": pb.VerifyRequest,
-                                           "CloseSession": pb.CloseSessionRequest, "Generate": pb.GenerateRequest}
+REQUEST_TYPES: dict[str, type[Message]] = {
+    "OpenSession": pb.OpenSessionRequest,
+    "Verify": pb.VerifyRequest,
+    "CloseSession": pb.CloseSessionRequest,
+    "Generate": pb.GenerateRequest,
+}
 STRING_FIELDS = {"OpenSession": [], "Verify": [1, 9], "CloseSession": [1], "Generate": []}
 OVERSIZE = b"\x0a\x90\x80\x80\x02" + b"a" * (4 * 1024 * 1024 + 16)  # a 4 MiB + 16 B session id: past gRPC's cap
 
@@ -404,6 +518,7 @@ def frame_plans(draw: Any, method: str) -> Callable[[bytes], bytes]:
             for at, bits in flips if frame else ():
                 frame[at % len(frame)] ^= bits
             return bytes(frame)
+
         return flipped
     if d == 3:  # garbage after a valid message
         tail = draw(st.binary(min_size=1, max_size=32))
@@ -428,6 +543,7 @@ def frame_plans(draw: Any, method: str) -> Callable[[bytes], bytes]:
 
 
 # ---- the server and the calls -------------------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -476,6 +592,7 @@ class ServerThread:
             state = ServerState.for_verifier(verifier)
             server, port = await start_server(state, "127.0.0.1:0")
             return state, server, port
+
         self.state, self.server, self.port = self._run(start())
 
     def _run(self, coro: Any) -> Any:
@@ -524,18 +641,23 @@ class Bystander:
         self.reopened = 0
 
     def open(self) -> None:
-        reply = self.stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=self.ref.prompt, vocab_size=VOCAB),
-                                      timeout=LONG_TIMEOUT)
+        reply = self.stub.OpenSession(
+            pb.OpenSessionRequest(prompt_tokens=self.ref.prompt, vocab_size=VOCAB), timeout=LONG_TIMEOUT
+        )
         assert reply.position == len(self.ref.prompt)
         self.session_id, self.produced = reply.session_id, 0
 
     def request(self) -> pb.VerifyRequest:
         k = self.rounds % 4
-        drafts = list(self.ref.rounds[self.produced: self.produced + k])
+        drafts = list(self.ref.rounds[self.produced : self.produced + k])
         if k and self.rounds % 3 == 2:
             drafts[-1] = (drafts[-1] + 1) % VOCAB
-        return pb.VerifyRequest(session_id=self.session_id, base_position=len(self.ref.prompt) + self.produced,
-                                draft_tokens=drafts, request_id=f"bystander-{self.rounds}")
+        return pb.VerifyRequest(
+            session_id=self.session_id,
+            base_position=len(self.ref.prompt) + self.produced,
+            draft_tokens=drafts,
+            request_id=f"bystander-{self.rounds}",
+        )
 
     def start(self) -> tuple[pb.VerifyRequest, Any]:
         req = self.request()
@@ -546,7 +668,7 @@ class Bystander:
             reply = future.result()
         except grpc.RpcError as err:
             raise AssertionError(f"the bystander's round failed: {err.code().name} {err.details()!r}") from None
-        expected_rest = self.ref.rounds[self.produced:]
+        expected_rest = self.ref.rounds[self.produced :]
         accepted = 0
         while accepted < len(req.draft_tokens) and req.draft_tokens[accepted] == expected_rest[accepted]:
             accepted += 1
@@ -566,9 +688,13 @@ class Bystander:
 
 
 MODES = [AcceptMode.GREEDY, AcceptMode.POINT, AcceptMode.SPARSE, AcceptMode.SCALAR, AcceptMode.SHORTCUT, AcceptMode.TOP1]
-MODE_TO_PB = {AcceptMode.POINT: pb.ACCEPT_MODE_POINT, AcceptMode.SPARSE: pb.ACCEPT_MODE_SPARSE,
-              AcceptMode.SCALAR: pb.ACCEPT_MODE_SCALAR, AcceptMode.SHORTCUT: pb.ACCEPT_MODE_SHORTCUT,
-              AcceptMode.TOP1: pb.ACCEPT_MODE_TOP1}
+MODE_TO_PB = {
+    AcceptMode.POINT: pb.ACCEPT_MODE_POINT,
+    AcceptMode.SPARSE: pb.ACCEPT_MODE_SPARSE,
+    AcceptMode.SCALAR: pb.ACCEPT_MODE_SCALAR,
+    AcceptMode.SHORTCUT: pb.ACCEPT_MODE_SHORTCUT,
+    AcceptMode.TOP1: pb.ACCEPT_MODE_TOP1,
+}
 POOL_MAX = 12
 
 
@@ -586,8 +712,12 @@ class Fuzz:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.raw = {m: (self.channel.unary_stream if m == "Generate" else self.channel.unary_unary)(
-            f"/{SERVICE_NAME}/{m}", request_serializer=None, response_deserializer=None) for m in METHODS}
+        self.raw = {
+            m: (self.channel.unary_stream if m == "Generate" else self.channel.unary_unary)(
+                f"/{SERVICE_NAME}/{m}", request_serializer=None, response_deserializer=None
+            )
+            for m in METHODS
+        }
         self.reference = reference
         self.bystander = Bystander(self.stub, reference)
         self.pool: list[Tracked] = []
@@ -642,13 +772,19 @@ class Fuzz:
         try:
             request = REQUEST_TYPES[method].FromString(frame)
         except DecodeError:
-            expected = {"INVALID_ARGUMENT"} | ({"RESOURCE_EXHAUSTED"} if len(frame) > 4 << 20 else set()) | (
-                {"DEADLINE_EXCEEDED"} if timeout < LONG_TIMEOUT else set())
+            expected = (
+                {"INVALID_ARGUMENT"}
+                | ({"RESOURCE_EXHAUSTED"} if len(frame) > 4 << 20 else set())
+                | ({"DEADLINE_EXCEEDED"} if timeout < LONG_TIMEOUT else set())
+            )
             assert result.code in expected, f"an undecodable {method} frame got {result.code}: {_describe(frame)}"
             return None
         if result.code == "OK" and method != "Generate":
-            response: type[Message] = {"OpenSession": pb.OpenSessionResponse, "Verify": pb.VerifyResponse,
-                                       "CloseSession": pb.CloseSessionResponse}[method]
+            response: type[Message] = {
+                "OpenSession": pb.OpenSessionResponse,
+                "Verify": pb.VerifyResponse,
+                "CloseSession": pb.CloseSessionResponse,
+            }[method]
             result.reply = response.FromString(result.reply)
         elif result.code == "OK":
             result.reply = [pb.GenerateChunk.FromString(chunk) for chunk in result.reply]
@@ -766,12 +902,22 @@ class Fuzz:
         for i, mode in enumerate(MODES):
             if any(t.mode is mode for t in self.pool):
                 continue
-            sampling = pb.SamplingConfig() if mode is AcceptMode.GREEDY else pb.SamplingConfig(
-                temperature=0.9, top_k=40 if i % 2 else 0, top_p=0.95, repetition_penalty=1.1 if i % 3 else 0)
+            sampling = (
+                pb.SamplingConfig()
+                if mode is AcceptMode.GREEDY
+                else pb.SamplingConfig(
+                    temperature=0.9, top_k=40 if i % 2 else 0, top_p=0.95, repetition_penalty=1.1 if i % 3 else 0
+                )
+            )
             vocab = 64 if i % 2 else VOCAB
             prompt = [t % vocab for t in random_prompt(100 + len(self.pool) + self.setup_calls, 8)]
-            req = pb.OpenSessionRequest(prompt_tokens=prompt, sampling=sampling, seed=i, vocab_size=vocab,
-                                        accept_mode=MODE_TO_PB.get(mode, pb.ACCEPT_MODE_UNSPECIFIED))
+            req = pb.OpenSessionRequest(
+                prompt_tokens=prompt,
+                sampling=sampling,
+                seed=i,
+                vocab_size=vocab,
+                accept_mode=MODE_TO_PB.get(mode, pb.ACCEPT_MODE_UNSPECIFIED),
+            )
             reply = self.stub.OpenSession(req, timeout=LONG_TIMEOUT)
             self.setup_calls += 1
             self._adopt(Tracked(reply.session_id, mode, vocab, reply.position))
@@ -784,11 +930,17 @@ class Fuzz:
         total: Counter[str] = Counter()
         for counts in self.codes.values():
             total.update(counts)
-        return {"cases": self.cases, "by_code": dict(total.most_common()),
-                "by_method": {m: dict(c.most_common()) for m, c in sorted(self.codes.items())},
-                "bystander_rounds": self.bystander.rounds, "bystander_reopened": self.bystander.reopened,
-                "setup_calls": self.setup_calls, "examples_per_property": EXAMPLES or "default",
-                "details": dict(sorted(self.details.items())), "elapsed_s": round(time.perf_counter() - self.started, 1)}
+        return {
+            "cases": self.cases,
+            "by_code": dict(total.most_common()),
+            "by_method": {m: dict(c.most_common()) for m, c in sorted(self.codes.items())},
+            "bystander_rounds": self.bystander.rounds,
+            "bystander_reopened": self.bystander.reopened,
+            "setup_calls": self.setup_calls,
+            "examples_per_property": EXAMPLES or "default",
+            "details": dict(sorted(self.details.items())),
+            "elapsed_s": round(time.perf_counter() - self.started, 1),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -821,6 +973,7 @@ def fuzz(target_model: Any, request: pytest.FixtureRequest) -> Iterator[Fuzz]:
 
 # ---- the properties -----------------------------------------------------------------------------
 
+
 @_budget(70)
 @given(req=open_requests(), timeout=TIMEOUTS, metadata=METADATA)
 def test_open_session_fuzz(fuzz: Fuzz, req: pb.OpenSessionRequest, timeout: float, metadata: Any) -> None:
@@ -829,8 +982,9 @@ def test_open_session_fuzz(fuzz: Fuzz, req: pb.OpenSessionRequest, timeout: floa
 
 @_budget(120)
 @given(plan=verify_plans(), pick=st.integers(0, 2**16), real=st.integers(0, 19), timeout=TIMEOUTS, metadata=METADATA)
-def test_verify_fuzz(fuzz: Fuzz, plan: Callable[[Tracked | None], pb.VerifyRequest], pick: int, real: int, timeout: float,
-                     metadata: Any) -> None:
+def test_verify_fuzz(
+    fuzz: Fuzz, plan: Callable[[Tracked | None], pb.VerifyRequest], pick: int, real: int, timeout: float, metadata: Any
+) -> None:
     req = plan(fuzz.pick(pick) if real < 19 else None)  # one case in 20 aims at no real session at all
     fuzz.case("Verify", "Verify", req, lambda: _unary(fuzz.stub.Verify, req, timeout, metadata), timeout)
 
@@ -839,8 +993,7 @@ def test_verify_fuzz(fuzz: Fuzz, plan: Callable[[Tracked | None], pb.VerifyReque
 @given(plan=session_id_plans(), pick=st.integers(0, 2**16), timeout=TIMEOUTS, metadata=METADATA)
 def test_close_session_fuzz(fuzz: Fuzz, plan: Callable[[str | None], str], pick: int, timeout: float, metadata: Any) -> None:
     req = pb.CloseSessionRequest(session_id=plan(fuzz.pick(pick).session_id))
-    fuzz.case("CloseSession", "CloseSession", req, lambda: _unary(fuzz.stub.CloseSession, req, timeout, metadata),
-              timeout)
+    fuzz.case("CloseSession", "CloseSession", req, lambda: _unary(fuzz.stub.CloseSession, req, timeout, metadata), timeout)
 
 
 @_budget(50)
@@ -872,8 +1025,11 @@ def raw_plans(draw: Any) -> tuple[str, Callable[[Tracked], bytes]]:
 def test_raw_frames_fuzz(fuzz: Fuzz, plan: tuple[str, Callable[[Tracked], bytes]], pick: int, timeout: float) -> None:
     method, build = plan
     frame = build(fuzz.pick(pick))
-    send = (lambda: _stream(fuzz.raw[method], frame, timeout, ())) if method == "Generate" else (
-        lambda: _unary(fuzz.raw[method], frame, timeout, ()))
+    send = (
+        (lambda: _stream(fuzz.raw[method], frame, timeout, ()))
+        if method == "Generate"
+        else (lambda: _unary(fuzz.raw[method], frame, timeout, ()))
+    )
     fuzz.case(method, f"raw {method}", frame, send, timeout)
 
 
@@ -884,11 +1040,16 @@ def test_bystander_unchanged_after_the_fuzzing(fuzz: Fuzz) -> None:
         fuzz.bystander.round()
     fresh = Bystander(fuzz.stub, fuzz.reference)
     fresh.open()
-    rounds = [fuzz.stub.Verify(pb.VerifyRequest(session_id=fresh.session_id, base_position=len(fresh.ref.prompt) + i),
-                               timeout=LONG_TIMEOUT).next_token for i in range(len(fuzz.reference.rounds))]
+    rounds = [
+        fuzz.stub.Verify(
+            pb.VerifyRequest(session_id=fresh.session_id, base_position=len(fresh.ref.prompt) + i), timeout=LONG_TIMEOUT
+        ).next_token
+        for i in range(len(fuzz.reference.rounds))
+    ]
     assert rounds == fuzz.reference.rounds
-    generate = pb.GenerateRequest(prompt_tokens=fuzz.reference.prompt, vocab_size=VOCAB,
-                                  max_new_tokens=len(fuzz.reference.generated))
+    generate = pb.GenerateRequest(
+        prompt_tokens=fuzz.reference.prompt, vocab_size=VOCAB, max_new_tokens=len(fuzz.reference.generated)
+    )
     tokens = [t for chunk in fuzz.stub.Generate(generate, timeout=LONG_TIMEOUT) for t in chunk.tokens]
     assert tokens == fuzz.reference.generated
     fuzz.alive()

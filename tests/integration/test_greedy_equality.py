@@ -19,8 +19,9 @@ def _policy(name: str) -> KPolicy:
     return policies[name] if name in policies else FixedK(int(name))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(repetition_penalty=1.3)],
-                         ids=["plain", "repetition-penalty"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(repetition_penalty=1.3)], ids=["plain", "repetition-penalty"]
+)
 @pytest.mark.parametrize("policy", ["1", "3", "8", "la-ratio", "egag", "cost"])
 def test_speculative_equals_target_only(target_model, draft_lm, policy: str, params: SamplingParams) -> None:
     async def run() -> None:
@@ -61,8 +62,7 @@ def test_stop_token_ends_generation(target_model, draft_model) -> None:
             stop = frozenset({free.token_ids[5]})
             cfg = gen_config(max_new_tokens=20, stop=stop)
             reference = await cloud_only_generate(PROMPTS[3], client, cfg)
-            result = await speculative_generate(PROMPTS[3], make_drafter(draft_model, stop=stop), client,
-                                                FixedK(4), cfg)
+            result = await speculative_generate(PROMPTS[3], make_drafter(draft_model, stop=stop), client, FixedK(4), cfg)
         assert result.token_ids == reference.token_ids
         assert result.finish_reason == reference.finish_reason == "stop"
         assert result.token_ids[-1] in stop and len(result.token_ids) <= 6

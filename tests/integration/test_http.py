@@ -190,8 +190,9 @@ def test_logs_carry_request_ids_and_no_prompt(target_model, caplog: pytest.LogCa
             await loading
             channel, verifier = stub(servers.grpc_port)
             opened = await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=[7, 8, 9]))
-            await verifier.Verify(pb.VerifyRequest(session_id=opened.session_id, base_position=3, draft_tokens=[4],
-                                                   request_id="edge-42"))
+            await verifier.Verify(
+                pb.VerifyRequest(session_id=opened.session_id, base_position=3, draft_tokens=[4], request_id="edge-42")
+            )
             with pytest.raises(grpc.aio.AioRpcError):
                 await verifier.Verify(pb.VerifyRequest(session_id="nope", draft_tokens=[4]))
             await channel.close()

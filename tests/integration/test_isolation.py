@@ -135,6 +135,7 @@ def test_a_prefill_cut_off_between_chunks_leaves_no_session(target_model) -> Non
 
 # ---- keys: the batcher and the store, driven directly (the gRPC side is in test_api_keys) ----
 
+
 def test_a_session_is_invisible_to_other_keys(target_model) -> None:
     verifier = Verifier(target_model, "tiny-target")
     opened = verifier.begin_open(OpenSessionRequest(random_prompt(7), CONFIG), owner="alice")
@@ -249,8 +250,9 @@ def test_a_key_over_its_queue_limit_is_refused_and_others_are_not(target_model) 
         assert verifier is not None
 
         def opening(key: str):  # type: ignore[no-untyped-def]
-            return batcher.submit(key, 8, lambda: verifier.begin_open(OpenSessionRequest(random_prompt(2), CONFIG),
-                                                                      owner=key), key=key)
+            return batcher.submit(
+                key, 8, lambda: verifier.begin_open(OpenSessionRequest(random_prompt(2), CONFIG), owner=key), key=key
+            )
 
         heavy = [asyncio.ensure_future(opening("heavy")) for _ in range(3)]
         light = asyncio.ensure_future(opening("light"))

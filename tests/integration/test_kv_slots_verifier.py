@@ -22,8 +22,11 @@ CONFIG = SessionConfig(vocab_size=96)
 
 
 def _slots(model, max_sessions: int = 8, slot_tokens: int = 128) -> Verifier:  # type: ignore[no-untyped-def]
-    return Verifier(model, "tiny-target", VerifierLimits(kv_layout="slots", kv_slot_tokens=slot_tokens,
-                                                         sessions=SessionLimits(max_sessions=max_sessions)))
+    return Verifier(
+        model,
+        "tiny-target",
+        VerifierLimits(kv_layout="slots", kv_slot_tokens=slot_tokens, sessions=SessionLimits(max_sessions=max_sessions)),
+    )
 
 
 def _check_accounting(verifier: Verifier) -> None:
@@ -45,8 +48,9 @@ def test_slots_server_batched_equals_each_alone(target_model, draft_model) -> No
     limits = VerifierLimits(kv_layout="slots", kv_slot_tokens=96, sessions=SessionLimits(max_sessions=8))
 
     async def run() -> None:
-        async with batching_verifier(target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=20, max_prefill_chunk=4),
-                                     limits) as (client, state):
+        async with batching_verifier(
+            target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=20, max_prefill_chunk=4), limits
+        ) as (client, state):
             speculative = [speculative_generate(p, make_drafter(draft_model), client, FixedK(3), cfg) for p in PROMPTS[:4]]
             cloud_only = [cloud_only_generate(p, client, cfg) for p in PROMPTS[4:]]
             results = await asyncio.gather(*speculative, *cloud_only)
@@ -87,8 +91,11 @@ def test_rounds_over_joins_leaves_and_evictions_equal_each_alone(target_model) -
             ref_id, tokens = live[sid]
             want = alone.verify(VerifyRequest(ref_id, len(tokens), draft))
             assert (reply.accepted_len, reply.next_token, reply.new_base_position) == (
-                want.accepted_len, want.next_token, want.new_base_position)
-            tokens += [*draft[:reply.accepted_len], reply.next_token]
+                want.accepted_len,
+                want.next_token,
+                want.new_base_position,
+            )
+            tokens += [*draft[: reply.accepted_len], reply.next_token]
             assert slots.sessions.get(sid).cache.get_seq_length() == len(tokens) - 1  # the rejected tail cropped
         if rng.random() < 0.15 and len(live) > 1:
             sid = rng.choice(sorted(live))

@@ -21,18 +21,33 @@ pytestmark = pytest.mark.browser
 CHROMIUM = Path("/usr/bin/chromium")
 # The series colours of cloud/static/index.html, one per chart (RGB).
 # Each chart's canvas and its series colour in cloud/static/index.html (RGB).
-CHART_COLOURS = {"c-rounds": (0x25, 0x63, 0xEB), "c-tau": (0x16, 0xA3, 0x4A), "c-accept": (0xF5, 0x9E, 0x0B),
-                 "c-latency": (0xDC, 0x26, 0x26)}
+CHART_COLOURS = {
+    "c-rounds": (0x25, 0x63, 0xEB),
+    "c-tau": (0x16, 0xA3, 0x4A),
+    "c-accept": (0xF5, 0x9E, 0x0B),
+    "c-latency": (0xDC, 0x26, 0x26),
+}
 MIN_PIXELS = 60  # a few seconds of a drawn series inside its canvas
 
 
 async def _chromium(url: str, profile: Path, *mode: str) -> str:
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}", "--window-size=1280,900", "--virtual-time-budget=5000"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,900",
+        "--virtual-time-budget=5000",
+    ]
     # An asyncio subprocess: the verifier answering the page runs on this very event loop.
-    proc = await asyncio.create_subprocess_exec(str(CHROMIUM), *flags, *mode, url, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        str(CHROMIUM), *flags, *mode, url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
     return out.decode(errors="replace")
@@ -62,8 +77,8 @@ def read_png(path: Path) -> tuple[int, int, list[bytes], int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat = 8, b""
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
         if kind == b"IHDR":
             width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", body)
         idat += body if kind == b"IDAT" else b""
@@ -74,7 +89,7 @@ def read_png(path: Path) -> tuple[int, int, list[bytes], int]:
     rows, prev = [], bytes(stride)
     for y in range(height):
         start = y * (stride + 1)
-        line = bytearray(raw[start + 1:start + 1 + stride])
+        line = bytearray(raw[start + 1 : start + 1 + stride])
         _unfilter(raw[start], line, prev, bpp)
         rows.append(prev := bytes(line))
     return width, height, rows, bpp
@@ -87,7 +102,7 @@ def colour_counts(path: Path, rects: dict[str, list[int]], tolerance: int = 24) 
     counts = {}
     for chart, rgb in CHART_COLOURS.items():
         x, y, w, h = rects[chart]
-        area = pixels[y:y + h, x:x + w]
+        area = pixels[y : y + h, x : x + w]
         counts[chart] = int((np.abs(area - np.array(rgb, dtype=np.int16)) <= tolerance).all(axis=-1).sum())
     return counts
 

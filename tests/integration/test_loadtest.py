@@ -20,8 +20,20 @@ from tests.harness import gen_config, make_drafter, random_prompt, running_verif
 from tests.tiny_models import save_pair
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=20)
-REQUIRED_KEYS = {"sessions_completed", "errors_by_code", "verified_tokens_per_s", "rounds_per_s", "verify_latency_ms",
-                 "ttft_ms", "queue_ms", "fidelity", "sessions", "settings", "machine", "timeline"}
+REQUIRED_KEYS = {
+    "sessions_completed",
+    "errors_by_code",
+    "verified_tokens_per_s",
+    "rounds_per_s",
+    "verify_latency_ms",
+    "ttft_ms",
+    "queue_ms",
+    "fidelity",
+    "sessions",
+    "settings",
+    "machine",
+    "timeline",
+}
 
 
 async def _record(client, draft_model, folder: Path) -> None:
@@ -30,14 +42,15 @@ async def _record(client, draft_model, folder: Path) -> None:
         prompt = random_prompt(40 + n, length=6)
         cfg = gen_config(max_new_tokens=24, params=params, mode=mode, seed=n)
         drafter = make_drafter(draft_model, params, mode, seed=n + 1)
-        header = TraceHeader("speculative", prompt, cfg.session.sampling, n, mode.value, 96, 24, [],
-                             started_at=time.time())
+        header = TraceHeader("speculative", prompt, cfg.session.sampling, n, mode.value, 96, 24, [], started_at=time.time())
         recorder = SessionRecorder(header)
         client.tap = recorder
         result = await speculative_generate(prompt, drafter, client, FixedK(4), cfg)
         client.tap = None
-        write_trace(folder / trace_file_name(f"s{n}", header.started_at),
-                    recorder.finish(result.token_ids, result.finish_reason, result.rounds, result.reopens))
+        write_trace(
+            folder / trace_file_name(f"s{n}", header.started_at),
+            recorder.finish(result.token_ids, result.finish_reason, result.rounds, result.reopens),
+        )
 
 
 def _max_overlap(sessions: list[dict]) -> int:
@@ -56,8 +69,9 @@ def test_replay_eight_concurrent_sessions_matches_the_recording(target_model, dr
             traces = read_traces(tmp_path)
             assert len(traces) == 4 and all(t.replied_verifies() for t in traces)
             # Two copies of the four sessions, all arriving at once (scale shrinks the recorded gaps).
-            settings = LoadtestSettings(cloud=client.target, output=str(tmp_path / "r.json"), trace=str(tmp_path),
-                                        sessions=2, scale=1e-6, progress=False)
+            settings = LoadtestSettings(
+                cloud=client.target, output=str(tmp_path / "r.json"), trace=str(tmp_path), sessions=2, scale=1e-6, progress=False
+            )
             result = await run_loadtest(settings)
         assert result["sessions_completed"] == 8 and result["errors_by_code"] == {}
         assert _max_overlap(result["sessions"]) == 8
@@ -71,8 +85,9 @@ def test_replay_eight_concurrent_sessions_matches_the_recording(target_model, dr
 
 
 async def _cli(*args: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, *args, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
     out, _ = await proc.communicate()
     return proc.returncode or 0, out.decode()
 
@@ -87,24 +102,88 @@ def test_record_with_edge_agent_then_loadtest_cli_writes_result_and_report(targe
 
     async def run() -> None:
         async with running_verifier(target_model) as (client, _):
-            code, out = await _cli("-m", "edge", "--cloud", client.target, "--prompts", str(prompts), "--draft-model",
-                                   str(draft), "--dtype", "float32", "--max-new-tokens", "16", "--k", "3",
-                                   "--record", str(traces), "--output", str(tmp_path / "out.jsonl"))
+            code, out = await _cli(
+                "-m",
+                "edge",
+                "--cloud",
+                client.target,
+                "--prompts",
+                str(prompts),
+                "--draft-model",
+                str(draft),
+                "--dtype",
+                "float32",
+                "--max-new-tokens",
+                "16",
+                "--k",
+                "3",
+                "--record",
+                str(traces),
+                "--output",
+                str(tmp_path / "out.jsonl"),
+            )
             assert code == 0, out
-            code, out = await _cli("-m", "bench.loadtest", "--cloud", client.target, "--trace", str(traces),
-                                   "--sessions", "2", "--output", str(tmp_path / "spec.json"), "--report", str(report),
-                                   "--no-progress")
+            code, out = await _cli(
+                "-m",
+                "bench.loadtest",
+                "--cloud",
+                client.target,
+                "--trace",
+                str(traces),
+                "--sessions",
+                "2",
+                "--output",
+                str(tmp_path / "spec.json"),
+                "--report",
+                str(report),
+                "--no-progress",
+            )
             assert code == 0, out
             azure = Path(__file__).resolve().parents[2] / "bench" / "data" / "traces" / "azure_code_2023.csv"
-            code, out = await _cli("-m", "bench.loadtest", "--cloud", client.target, "--trace", str(traces), "--azure",
-                                   str(azure), "--scale", "0.01", "--max-sessions", "3", "--max-prompt-tokens", "40",
-                                   "--max-output-tokens", "12", "--mode", "cloud_only", "--no-progress",
-                                   "--output", str(tmp_path / "cloud.json"))
+            code, out = await _cli(
+                "-m",
+                "bench.loadtest",
+                "--cloud",
+                client.target,
+                "--trace",
+                str(traces),
+                "--azure",
+                str(azure),
+                "--scale",
+                "0.01",
+                "--max-sessions",
+                "3",
+                "--max-prompt-tokens",
+                "40",
+                "--max-output-tokens",
+                "12",
+                "--mode",
+                "cloud_only",
+                "--no-progress",
+                "--output",
+                str(tmp_path / "cloud.json"),
+            )
             assert code == 0, out
-            code, out = await _cli("-m", "bench.loadtest", "--cloud", client.target, "--trace", str(traces),
-                                   "--find-capacity", "--slo-itl-p95-ms", "60000", "--capacity-max-sessions", "1",
-                                   "--capacity-step-s", "0.1", "--no-progress", "--output", str(tmp_path / "cap.json"),
-                                   "--report", str(tmp_path / "cap"))
+            code, out = await _cli(
+                "-m",
+                "bench.loadtest",
+                "--cloud",
+                client.target,
+                "--trace",
+                str(traces),
+                "--find-capacity",
+                "--slo-itl-p95-ms",
+                "60000",
+                "--capacity-max-sessions",
+                "1",
+                "--capacity-step-s",
+                "0.1",
+                "--no-progress",
+                "--output",
+                str(tmp_path / "cap.json"),
+                "--report",
+                str(tmp_path / "cap"),
+            )
             assert code == 0, out
 
     asyncio.run(run())
@@ -128,7 +207,8 @@ def test_record_with_edge_agent_then_loadtest_cli_writes_result_and_report(targe
 
 
 def test_capacity_search_finds_sessions_for_a_generous_target_and_none_for_an_impossible_one(
-        target_model, draft_model, tmp_path: Path) -> None:
+    target_model, draft_model, tmp_path: Path
+) -> None:
     """--find-capacity end to end on tiny models: both modes, the verifier's /metrics read
     for its busy fraction, the report written."""
     state = ServerState.for_verifier(Verifier(target_model, "tiny-target"))
@@ -138,11 +218,18 @@ def test_capacity_search_finds_sessions_for_a_generous_target_and_none_for_an_im
             http = await start_http(create_app(state, public_metrics=True), "127.0.0.1", 0)
             try:
                 await _record(client, draft_model, tmp_path)
-                common = {"cloud": client.target, "output": str(tmp_path / "c.json"), "trace": str(tmp_path),
-                          "metrics_url": f"http://127.0.0.1:{http.port}/metrics", "find_capacity": True,
-                          "capacity_step_s": 0.3, "progress": False}
-                generous = await run_capacity(LoadtestSettings(**common, slo_itl_p95_ms=60_000, slo_ttft_p95_ms=60_000,
-                                                               capacity_max_sessions=3))
+                common = {
+                    "cloud": client.target,
+                    "output": str(tmp_path / "c.json"),
+                    "trace": str(tmp_path),
+                    "metrics_url": f"http://127.0.0.1:{http.port}/metrics",
+                    "find_capacity": True,
+                    "capacity_step_s": 0.3,
+                    "progress": False,
+                }
+                generous = await run_capacity(
+                    LoadtestSettings(**common, slo_itl_p95_ms=60_000, slo_ttft_p95_ms=60_000, capacity_max_sessions=3)
+                )
                 impossible = await run_capacity(LoadtestSettings(**common, slo_itl_p95_ms=1e-3))
             finally:
                 await http.stop()

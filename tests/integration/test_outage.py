@@ -31,8 +31,22 @@ class VerifierProcess:
     it) and notes the ports it serves on."""
 
     def __init__(self, model: Path, port: int = 0, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "cloud", "--model", str(model), "--port", str(port), "--http-port", "0",
-               "--dtype", "float32", "--threads", "1", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cloud",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--http-port",
+            "0",
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            *flags,
+        ]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
         self.log: list[str] = []
         self.grpc_port = self.http_port = 0
@@ -83,9 +97,27 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _edge_cmd(draft: Path, address: str, prompts: Path, output: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "edge", "--dtype", "float32", "--threads", "1", "--draft-threads", "1",
-            "--draft-model", str(draft), "--cloud", address, "--prompts", str(prompts), "--output", str(output),
-            "--no-chat", *args]
+    return [
+        sys.executable,
+        "-m",
+        "edge",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--draft-threads",
+        "1",
+        "--draft-model",
+        str(draft),
+        "--cloud",
+        address,
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(output),
+        "--no-chat",
+        *args,
+    ]
 
 
 def _write_prompts(path: Path, texts: list[str]) -> Path:
@@ -104,21 +136,23 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[n
         time.sleep(0.02)
 
 
-def test_a_batch_rides_out_a_verifier_killed_and_restarted_a_minute_later(models: tuple[Path, Path],
-                                                                        tmp_path: Path) -> None:
+def test_a_batch_rides_out_a_verifier_killed_and_restarted_a_minute_later(models: tuple[Path, Path], tmp_path: Path) -> None:
     """SIGKILL the verifier once the first prompt is a few dozen rounds in (its /metrics says
     so), keep it down a minute, start it again on the same port: every prompt finishes with
     exactly cloud_only's tokens, and the run exits 0."""
     draft, target = models
     # 300 tokens is about 170 rounds per prompt: the kill at round 30 lands inside the first one.
-    prompts = _write_prompts(tmp_path / "prompts.jsonl", ["w2 w15 w28 w41 w54", "w9 w22 w35 w48 w61",
-                                                          "w16 w29 w42 w55 w68"])
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", ["w2 w15 w28 w41 w54", "w9 w22 w35 w48 w61", "w16 w29 w42 w55 w68"])
     spec_out, cloud_out = tmp_path / "speculative.jsonl", tmp_path / "cloud_only.jsonl"
     edge_log = (tmp_path / "edge.log").open("w")
     with verifier_process(target) as first:
         port = first.grpc_port
-        edge = subprocess.Popen(_edge_cmd(draft, first.address, prompts, spec_out, "--max-new-tokens", "300"),
-                                stdout=edge_log, stderr=subprocess.STDOUT, env=ENV)
+        edge = subprocess.Popen(
+            _edge_cmd(draft, first.address, prompts, spec_out, "--max-new-tokens", "300"),
+            stdout=edge_log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
         try:
             _wait_for(lambda: first.rounds() >= 30, 120, "30 rounds")
             first.kill()
@@ -127,9 +161,13 @@ def test_a_batch_rides_out_a_verifier_killed_and_restarted_a_minute_later(models
             assert edge.poll() is None, "the edge gave up during the outage"
             with verifier_process(target, port) as second:
                 assert edge.wait(timeout=120) == 0, (tmp_path / "edge.log").read_text()
-                done = subprocess.run(_edge_cmd(draft, second.address, prompts, cloud_out, "--mode", "cloud_only",
-                                                "--max-new-tokens", "300"),
-                                      capture_output=True, text=True, env=ENV, timeout=120)
+                done = subprocess.run(
+                    _edge_cmd(draft, second.address, prompts, cloud_out, "--mode", "cloud_only", "--max-new-tokens", "300"),
+                    capture_output=True,
+                    text=True,
+                    env=ENV,
+                    timeout=120,
+                )
                 assert done.returncode == 0, done.stderr
         finally:
             if edge.poll() is None:
@@ -158,9 +196,13 @@ def test_a_prompt_the_verifier_refuses_fails_alone(models: tuple[Path, Path], tm
         for mode in ("speculative", "cloud_only"):
             out = tmp_path / f"{mode}.jsonl"
             start = time.monotonic()
-            done = subprocess.run(_edge_cmd(draft, verifier.address, prompts, out, "--mode", mode,
-                                            "--max-new-tokens", "20"),
-                                  capture_output=True, text=True, env=ENV, timeout=120)
+            done = subprocess.run(
+                _edge_cmd(draft, verifier.address, prompts, out, "--mode", mode, "--max-new-tokens", "20"),
+                capture_output=True,
+                text=True,
+                env=ENV,
+                timeout=120,
+            )
             assert done.returncode == PROMPTS_FAILED, done.stderr
             assert time.monotonic() - start < 60  # not retried for the reconnect window
             assert "Traceback" not in done.stderr

@@ -36,8 +36,15 @@ def test_overlap_keeps_greedy_output_exact(target_model, draft_lm, policy: str) 
 def _medium_model() -> LlamaForCausalLM:
     """Large enough that drafting 12 tokens takes a good part of a 200 ms round trip."""
     torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=96, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
     return LlamaForCausalLM(config).float().eval()
 
 

@@ -52,8 +52,7 @@ def test_overlap_keeps_sparse_sampling_exact() -> None:
             for trial in range(TRIALS):
                 config = DrafterConfig(PARAMS, AcceptMode.SPARSE, V, draft_top_k=V)
                 drafter = Drafter(TransformersDraftLM(draft), config, seed=10_000 + trial)
-                cfg = gen_config(max_new_tokens=4, params=PARAMS, mode=AcceptMode.SPARSE, seed=trial, vocab=V,
-                                 overlap=True)
+                cfg = gen_config(max_new_tokens=4, params=PARAMS, mode=AcceptMode.SPARSE, seed=trial, vocab=V, overlap=True)
                 result = await speculative_generate(PROMPT, drafter, client, FixedK(1), cfg)
                 counts[result.token_ids[2] * V + result.token_ids[3]] += 1
                 used += result.ahead_used

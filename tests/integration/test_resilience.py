@@ -42,15 +42,20 @@ async def _reference(client: VerifierClient, prompt: list[int], n: int) -> list[
 
 
 def test_lossless_gating_equals_target_and_marks_hard_tokens(target_model, draft_model) -> None:
-    gating = Gating(GatingThresholds(entropy_bits=1.0, margin=0.3, nll=1.0),
-                    EscalationRules(), token_text=lambda t: f" w{t}")
+    gating = Gating(GatingThresholds(entropy_bits=1.0, margin=0.3, nll=1.0), EscalationRules(), token_text=lambda t: f" w{t}")
+
     async def run() -> None:
         async with running_verifier(target_model) as (client, _):
             hard = 0
             for prompt in PROMPTS:
                 reference = await _reference(client, prompt, 30)
-                result = await speculative_generate(prompt, make_drafter(draft_model, signals=True), client,
-                                                    FixedK(8), gen_config(max_new_tokens=30, gating=gating))
+                result = await speculative_generate(
+                    prompt,
+                    make_drafter(draft_model, signals=True),
+                    client,
+                    FixedK(8),
+                    gen_config(max_new_tokens=30, gating=gating),
+                )
                 assert result.token_ids == reference
                 hard += result.hard_tokens
                 # A hard token ends a block: no block goes on past its first hard token.
@@ -63,10 +68,16 @@ def test_lossless_gating_equals_target_and_marks_hard_tokens(target_model, draft
 
 def test_local_commit_is_lossy_and_counted(target_model, draft_model) -> None:
     gating = Gating(GatingThresholds(entropy_bits=9.0, margin=0.0, nll=9.0, hard_ratio=0.3), local_commit=True)
+
     async def run() -> None:
         async with running_verifier(target_model) as (client, _):
-            result = await speculative_generate(PROMPTS[0], make_drafter(draft_model, signals=True), client,
-                                                FixedK(4), gen_config(max_new_tokens=30, gating=gating))
+            result = await speculative_generate(
+                PROMPTS[0],
+                make_drafter(draft_model, signals=True),
+                client,
+                FixedK(4),
+                gen_config(max_new_tokens=30, gating=gating),
+            )
             reference = await _reference(client, PROMPTS[0], 30)
         # Every block is easy under these thresholds: all tokens but the last are local; the one
         # cloud round carries them as catch-up and returns the target's next token after them.
@@ -81,8 +92,9 @@ def test_local_commit_is_lossy_and_counted(target_model, draft_model) -> None:
     asyncio.run(run())
 
 
-async def _through_proxy(target_model, draft_model, rtt_ms: float, timeouts: TimeoutPolicy, prompt: list[int],
-                         n: int = 24) -> tuple[GenerationResult, Recorder, list[int]]:
+async def _through_proxy(
+    target_model, draft_model, rtt_ms: float, timeouts: TimeoutPolicy, prompt: list[int], n: int = 24
+) -> tuple[GenerationResult, Recorder, list[int]]:
     async with running_verifier(target_model) as (direct, _):
         reference = await _reference(direct, prompt, n)
         proxy = FaultProxy("127.0.0.1", int(direct.target.rsplit(":", 1)[1]), LinkConditions(rtt_ms=rtt_ms))
@@ -90,9 +102,18 @@ async def _through_proxy(target_model, draft_model, rtt_ms: float, timeouts: Tim
         client = VerifierClient(proxy.address, verify_timeout_s=10)
         recorder = Recorder()
         try:
-            return (await speculative_generate(prompt, make_drafter(draft_model), client, FixedK(4),
-                                               gen_config(max_new_tokens=n, timeouts=timeouts), recorder),
-                    recorder, reference)
+            return (
+                await speculative_generate(
+                    prompt,
+                    make_drafter(draft_model),
+                    client,
+                    FixedK(4),
+                    gen_config(max_new_tokens=n, timeouts=timeouts),
+                    recorder,
+                ),
+                recorder,
+                reference,
+            )
         finally:
             await client.close()
             await proxy.close()
@@ -100,6 +121,7 @@ async def _through_proxy(target_model, draft_model, rtt_ms: float, timeouts: Tim
 
 def test_slow_verifier_shows_provisional_text_and_final_text_is_lossless(target_model, draft_model) -> None:
     timeouts = TimeoutPolicy(soft_deadline_s=0.05)
+
     async def run() -> None:
         retracted = provisional = 0
         for prompt in PROMPTS[:3]:
@@ -119,6 +141,7 @@ def test_slow_verifier_shows_provisional_text_and_final_text_is_lossless(target_
 
 def test_accept_unverified_counts_unverified_tokens(target_model, draft_model) -> None:
     timeouts = TimeoutPolicy(soft_deadline_s=0.05, mode="accept-unverified", backoff_s=0.01)
+
     async def run() -> None:
         result, recorder, _ = await _through_proxy(target_model, draft_model, 400.0, timeouts, PROMPTS[1])
         assert result.unverified_tokens > 0
@@ -129,8 +152,9 @@ def test_accept_unverified_counts_unverified_tokens(target_model, draft_model) -
 
 def test_strict_mode_never_shows_unverified_text(target_model, draft_model) -> None:
     async def run() -> None:
-        result, recorder, reference = await _through_proxy(target_model, draft_model, 300.0, TimeoutPolicy(mode="strict"),
-                                                           PROMPTS[2], n=12)
+        result, recorder, reference = await _through_proxy(
+            target_model, draft_model, 300.0, TimeoutPolicy(mode="strict"), PROMPTS[2], n=12
+        )
         assert result.token_ids == reference and not recorder.provisional_shown
         assert result.provisional_tokens == result.unverified_tokens == 0
 
@@ -197,14 +221,14 @@ class RestartAfter(Recorder):
 def test_verifier_restarted_mid_generation(target_model, draft_lm) -> None:
     """Kill the verifier after a few rounds, start a new one behind the same proxy address:
     the edge reopens a session with its committed prefix and ends with target-only output."""
+
     async def run() -> None:
         verifier = Restartable(target_model)
         client = await verifier.start()
         try:
             recorder = RestartAfter(verifier, rounds=3, down_s=0.0)
             cfg = gen_config(max_new_tokens=40, timeouts=TimeoutPolicy(soft_deadline_s=5.0, backoff_s=0.05))
-            result = await speculative_generate(PROMPTS[4], make_drafter(draft_lm), client, FixedK(3), cfg,
-                                                recorder)
+            result = await speculative_generate(PROMPTS[4], make_drafter(draft_lm), client, FixedK(3), cfg, recorder)
             reference = await _reference(client, PROMPTS[4], 40)
             assert verifier.restarted.is_set() and result.reopens >= 1
             assert result.token_ids == reference == recorder.final
@@ -220,14 +244,21 @@ def test_the_edge_shows_its_draft_while_the_verifier_is_away(target_model, draft
     """Down for a second and a half (many waits of the backoff): provisional mode shows the
     pending block, at most one block, and the final text is still the target's; strict mode
     shows nothing."""
+
     async def run() -> None:
         verifier = Restartable(target_model)
         client = await verifier.start()
         try:
             recorder = RestartAfter(verifier, rounds=3, down_s=1.5)
             timeouts = TimeoutPolicy(soft_deadline_s=5.0, mode=mode, backoff_s=0.05, max_backoff_s=0.2)
-            result = await speculative_generate(PROMPTS[5], make_drafter(draft_model), client, FixedK(4),
-                                                gen_config(max_new_tokens=40, timeouts=timeouts), recorder)
+            result = await speculative_generate(
+                PROMPTS[5],
+                make_drafter(draft_model),
+                client,
+                FixedK(4),
+                gen_config(max_new_tokens=40, timeouts=timeouts),
+                recorder,
+            )
             reference = await _reference(client, PROMPTS[5], 40)
         finally:
             await client.close()
@@ -246,6 +277,7 @@ def test_the_edge_shows_its_draft_while_the_verifier_is_away(target_model, draft
 def test_cloud_only_stream_resumes_where_it_was_cut(target_model) -> None:
     """The Generate stream dies after a few tokens and the verifier is back half a second later:
     the stream resumes on prompt + tokens so far; nothing is lost or repeated."""
+
     async def run() -> None:
         verifier = Restartable(target_model)
         client = await verifier.start()
@@ -266,6 +298,7 @@ def test_cloud_only_stream_resumes_where_it_was_cut(target_model) -> None:
 def test_the_first_call_waits_for_a_verifier_still_loading(target_model, draft_model, mode) -> None:
     """The edge starts while the verifier is still loading its model (UNAVAILABLE): the first
     OpenSession (or Generate) is retried until it is served, and the text is the target's."""
+
     async def run() -> None:
         gate = threading.Event()
         async with running_servers(target_model, gate) as (servers, _):
@@ -277,8 +310,7 @@ def test_the_first_call_waits_for_a_verifier_still_loading(target_model, draft_m
                 if mode == "cloud_only":
                     result = await cloud_only_generate(PROMPTS[2], client, cfg, recorder)
                 else:
-                    result = await speculative_generate(PROMPTS[2], make_drafter(draft_model), client, FixedK(4),
-                                                        cfg, recorder)
+                    result = await speculative_generate(PROMPTS[2], make_drafter(draft_model), client, FixedK(4), cfg, recorder)
             finally:
                 await client.close()
         assert gate.is_set() and result.reopens == 0
@@ -291,6 +323,7 @@ def test_the_first_call_waits_for_a_verifier_still_loading(target_model, draft_m
 
 def test_a_refused_request_is_not_retried(target_model) -> None:
     """INVALID_ARGUMENT is no outage: it fails at once, even with a long reconnect window."""
+
     async def run() -> None:
         async with running_verifier(target_model) as (client, _):
             cfg = gen_config(max_new_tokens=8, vocab=10_000, timeouts=TimeoutPolicy(reconnect_window_s=300))

@@ -45,10 +45,19 @@ def verifier(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-def served(models: tuple[Path, Path], verifier: tuple[str, int],
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    cmd = serve_cmd(models[0], verifier[0], "--max-new-tokens", str(MAX_TOKENS), "--k", "3",
-                    "--verify-timeout-ms", "0.01", "--reconnect-window-s", "2")
+def served(models: tuple[Path, Path], verifier: tuple[str, int], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    cmd = serve_cmd(
+        models[0],
+        verifier[0],
+        "--max-new-tokens",
+        str(MAX_TOKENS),
+        "--k",
+        "3",
+        "--verify-timeout-ms",
+        "0.01",
+        "--reconnect-window-s",
+        "2",
+    )
     server = start(cmd, tmp_path_factory.mktemp("serve") / "serve.log", SERVE_READY)
     yield server
     assert server.stop() == 0  # SIGTERM: a clean stop
@@ -60,14 +69,32 @@ def client(served: Server) -> OpenAI:
 
 
 @pytest.fixture(scope="module")
-def expected(models: tuple[Path, Path], verifier: tuple[str, int], tmp_path_factory: pytest.TempPathFactory,
-             ) -> dict[str, dict[str, Any]]:
+def expected(
+    models: tuple[Path, Path],
+    verifier: tuple[str, int],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, dict[str, Any]]:
     """The target alone (edge-agent --mode cloud_only) on each prompt, chat template applied."""
     folder = tmp_path_factory.mktemp("expected")
     prompts, out = folder / "prompts.jsonl", folder / "out.jsonl"
     prompts.write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n" for k, v in PROMPTS.items()))
-    cmd = [sys.executable, "-m", "edge", "--cloud", verifier[0], "--draft-model", str(models[0]), "--mode", "cloud_only",
-           "--prompts", str(prompts), "--output", str(out), "--max-new-tokens", str(MAX_TOKENS)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "edge",
+        "--cloud",
+        verifier[0],
+        "--draft-model",
+        str(models[0]),
+        "--mode",
+        "cloud_only",
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        str(MAX_TOKENS),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr
     return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -132,7 +159,7 @@ def test_stop_string_split_across_rounds(client: OpenAI, expected: dict[str, dic
     boundary = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
     stop = pieces[boundary][-2:] + pieces[boundary + 1][:2]
     full = expected["p2"]["text"]
-    want = full[:full.index(stop)]
+    want = full[: full.index(stop)]
     got, chunks = stream_chat(client, PROMPTS["p2"], stop=[stop, "never seen"])
     assert "".join(got) == want and not any(stop in piece for piece in got)
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
@@ -141,11 +168,13 @@ def test_stop_string_split_across_rounds(client: OpenAI, expected: dict[str, dic
     assert reply.usage is not None and reply.usage.completion_tokens < MAX_TOKENS  # it stopped generating
 
 
-def test_disabled_speculation_makes_no_verify_calls(client: OpenAI, expected: dict[str, dict[str, Any]],
-                                                     verifier: tuple[str, int]) -> None:
+def test_disabled_speculation_makes_no_verify_calls(
+    client: OpenAI, expected: dict[str, dict[str, Any]], verifier: tuple[str, int]
+) -> None:
     before = verifier_metric(verifier[1], "specdec_requests_total", method="Verify")
-    reply = client.chat.completions.create(model="any", messages=_chat(PROMPTS["p3"]),
-                                           extra_body={"speculative": {"enabled": False}})
+    reply = client.chat.completions.create(
+        model="any", messages=_chat(PROMPTS["p3"]), extra_body={"speculative": {"enabled": False}}
+    )
     assert verifier_metric(verifier[1], "specdec_requests_total", method="Verify") == before
     assert reply.choices[0].message.content == expected["p3"]["text"]
     stats = reply.model_extra["speculative_decoding"]  # type: ignore[index]
@@ -202,8 +231,12 @@ def proxy(verifier: tuple[str, int]) -> Iterator[tuple[FaultProxy, asyncio.Abstr
     thread.join(10)
 
 
-def test_a_verifier_lost_midstream_repeats_no_text(models: tuple[Path, Path], proxy: tuple[FaultProxy, asyncio.AbstractEventLoop],
-                                                   expected: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+def test_a_verifier_lost_midstream_repeats_no_text(
+    models: tuple[Path, Path],
+    proxy: tuple[FaultProxy, asyncio.AbstractEventLoop],
+    expected: dict[str, dict[str, Any]],
+    tmp_path: Path,
+) -> None:
     fault, loop = proxy
     cmd = serve_cmd(models[0], fault.address, "--max-new-tokens", str(MAX_TOKENS), "--k", "3", "--reconnect-window-s", "30")
     server = start(cmd, tmp_path / "serve.log", SERVE_READY)
@@ -223,14 +256,17 @@ def test_a_verifier_lost_midstream_repeats_no_text(models: tuple[Path, Path], pr
         assert server.stop() == 0
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"n": 2}, "n"),
-    ({"extra_body": {"speculative": {"k": 2, "depth": 3}}}, "speculative.depth"),
-    ({"max_tokens": -1}, "max_tokens"),
-    ({"temperature": 3.5}, "temperature"),
-    ({"extra_body": {"temperature": "hot"}}, "temperature"),
-    ({"stop": ["w5", ""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"extra_body": {"speculative": {"k": 2, "depth": 3}}}, "speculative.depth"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"temperature": 3.5}, "temperature"),
+        ({"extra_body": {"temperature": "hot"}}, "temperature"),
+        ({"stop": ["w5", ""]}, "stop"),
+    ],
+)
 def test_bad_fields_are_openai_400s(client: OpenAI, body: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="any", messages=_chat("w5"), **body)
@@ -242,8 +278,7 @@ def test_bad_fields_are_openai_400s(client: OpenAI, body: dict[str, Any], param:
 def test_key_page_and_an_unreachable_cloud(models: tuple[Path, Path], tmp_path: Path) -> None:
     """--serve-api-key guards /v1/*; the page and /health stay open; a verifier that cannot be
     reached is a 503 with Retry-After, streamed or not."""
-    cmd = serve_cmd(models[0], "127.0.0.1:1", "--drafter", "ngram", "--serve-api-key", "sekret",
-                    "--reconnect-window-s", "0.3")
+    cmd = serve_cmd(models[0], "127.0.0.1:1", "--drafter", "ngram", "--serve-api-key", "sekret", "--reconnect-window-s", "0.3")
     server = start(cmd, tmp_path / "serve.log", SERVE_READY)
     try:
         base = server.match.group(1)
@@ -282,7 +317,8 @@ sys.exit(main(["serve", *sys.argv[1:]]))
 
 
 def test_serve_without_fastapi_says_what_to_install(models: tuple[Path, Path]) -> None:
-    done = subprocess.run([sys.executable, "-c", LEAN, "--draft-model", str(models[0])], capture_output=True,
-                          text=True, env=ENV, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", LEAN, "--draft-model", str(models[0])], capture_output=True, text=True, env=ENV, timeout=120
+    )
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "pip install 'specedge[serve]'" in done.stderr

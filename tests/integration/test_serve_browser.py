@@ -38,13 +38,25 @@ class DevTools:
     def __init__(self, profile: Path) -> None:
         to_chrome, self.out = os.pipe()
         self.inp, from_chrome = os.pipe()
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}", "--window-size=1100,900",
-                 "--remote-debugging-pipe"]
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--window-size=1100,900",
+            "--remote-debugging-pipe",
+        ]
         command = f'exec "$0" "$@" 3<&{to_chrome} 4>&{from_chrome}'  # bash: dash takes single-digit fds only
-        self.proc = subprocess.Popen(["bash", "-c", command, str(CHROMIUM), *flags, "about:blank"],
-                                     pass_fds=(to_chrome, from_chrome), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            ["bash", "-c", command, str(CHROMIUM), *flags, "about:blank"],
+            pass_fds=(to_chrome, from_chrome),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_chrome)
         os.close(from_chrome)
         self.ids, self.buffer, self.session = 0, b"", None
@@ -92,7 +104,7 @@ def _dark_pixels(png: Path, rect: list[int]) -> int:
     width, height, rows, bpp = read_png(png)
     pixels = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(height, width, bpp)[..., :3].astype(np.int16)
     x, y, w, h = rect
-    area = pixels[y:y + h, x:x + w]
+    area = pixels[y : y + h, x : x + w]
     return int((np.abs(area - np.array(TEXT_RGB, dtype=np.int16)) <= 40).all(axis=-1).sum())
 
 
@@ -107,8 +119,7 @@ def test_chat_page_streams_a_reply_with_its_stats(tmp_path: Path) -> None:
     try:
         base = served.match.group(1)
         api = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-        reply = api.chat.completions.create(model="any", messages=[{"role": "user", "content": PROMPT}],
-                                            max_tokens=MAX_TOKENS)
+        reply = api.chat.completions.create(model="any", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS)
         url = f"{base}/?" + urllib.parse.urlencode({"prompt": PROMPT, "max_tokens": MAX_TOKENS})
         browser = DevTools(tmp_path / "profile")
         try:

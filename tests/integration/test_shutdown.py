@@ -30,8 +30,24 @@ class Verifier:
     """A cloud-verifier process and its stderr, read line by line on a thread."""
 
     def __init__(self, model: Path | str, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "cloud", "--model", str(model), "--port", "0", "--http-port", "0",
-               "--dtype", "float32", "--threads", "1", "--log-format", "json", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cloud",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--log-format",
+            "json",
+            *flags,
+        ]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -110,8 +126,9 @@ def test_sigterm_finishes_rounds_refuses_sessions_and_exits_zero(verifier: Verif
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     # The open session goes on; a new one is refused with UNAVAILABLE.
-    second = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, base_position=first.new_base_position,
-                                          draft_tokens=[3]), timeout=30)
+    second = stub.Verify(
+        pb.VerifyRequest(session_id=opened.session_id, base_position=first.new_base_position, draft_tokens=[3]), timeout=30
+    )
     assert second.new_base_position > first.new_base_position
     with pytest.raises(grpc.RpcError) as refused:
         stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=[5, 6]), timeout=30)

@@ -67,8 +67,9 @@ async def tls_verifier(model, tls: ServerTls) -> AsyncIterator[str]:  # type: ig
 REFUSED_BY_SERVER = (CloudUnavailable, TlsHandshakeFailed)
 
 
-async def _refused(address: str, tls: ClientTls | None,
-                   error: type[SpecDecError] | tuple[type[SpecDecError], ...] = REFUSED_BY_SERVER) -> str:
+async def _refused(
+    address: str, tls: ClientTls | None, error: type[SpecDecError] | tuple[type[SpecDecError], ...] = REFUSED_BY_SERVER
+) -> str:
     """The server hangs up on a client it refuses (under TLS 1.3 the client sees "Socket
     closed", as in an outage); a client that refuses the server's certificate knows it was
     TLS, and does not retry."""
@@ -92,8 +93,9 @@ def test_greedy_generation_over_tls_equals_the_target(target_model, draft_model,
         async with tls_verifier(target_model, _server_tls(pki, mtls)) as address:
             client = VerifierClient(address, verify_timeout_s=10, tls=_client_tls(pki, pki if mtls else None))
             try:
-                spec = await speculative_generate(PROMPT, make_drafter(draft_model), client, FixedK(4),
-                                                  gen_config(max_new_tokens=24))
+                spec = await speculative_generate(
+                    PROMPT, make_drafter(draft_model), client, FixedK(4), gen_config(max_new_tokens=24)
+                )
                 cloud = await cloud_only_generate(PROMPT, client, gen_config(max_new_tokens=24))
             finally:
                 await client.close()
@@ -129,8 +131,18 @@ def test_mtls_refuses_a_client_without_an_accepted_certificate(target_model, pki
 
 def test_openssl_completes_the_handshake(target_model, pki: Pki) -> None:
     def s_client(port: int) -> str:
-        cmd = [OPENSSL, "s_client", "-connect", f"127.0.0.1:{port}", "-CAfile", str(pki.ca),
-               "-verify_ip", "127.0.0.1", "-alpn", "h2"]
+        cmd = [
+            OPENSSL,
+            "s_client",
+            "-connect",
+            f"127.0.0.1:{port}",
+            "-CAfile",
+            str(pki.ca),
+            "-verify_ip",
+            "127.0.0.1",
+            "-alpn",
+            "h2",
+        ]
         done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
         return (done.stdout + done.stderr).decode(errors="replace")  # it also prints the server's HTTP/2 frames
 
@@ -187,8 +199,9 @@ async def _health(port: int, tls: ClientTls) -> int:
 def test_service_serves_https_probes_and_grpc_under_mtls(target_model, pki: Pki) -> None:
     """Under mTLS the HTTP port asks no client certificate, so probes reach /livez and /readyz;
     gRPC (the health service included) requires one."""
-    settings = SETTINGS.model_copy(update={"tls_cert": str(pki.server_cert), "tls_key": str(pki.server_key),
-                                           "tls_client_ca": str(pki.ca)})
+    settings = SETTINGS.model_copy(
+        update={"tls_cert": str(pki.server_cert), "tls_key": str(pki.server_key), "tls_client_ca": str(pki.ca)}
+    )
     trusting = ssl.create_default_context(cafile=str(pki.ca))
 
     async def run() -> None:

@@ -30,8 +30,8 @@ def test_failed_sessions_say_where_they_ended() -> None:
     assert _outcome(None, True).ended_by is None
     assert _outcome("RESOURCE_EXHAUSTED", False).ended_by == "open RESOURCE_EXHAUSTED"
     assert _outcome("DEADLINE_EXCEEDED", True).ended_by == "round DEADLINE_EXCEEDED"
-    result = {"sessions_completed": 8,
-              "sessions_ended_by": {"open RESOURCE_EXHAUSTED": 16, "round DEADLINE_EXCEEDED": 1}}
-    assert ended_by_line(result) == ("served 8, refused at open 16 (RESOURCE_EXHAUSTED 16), "
-                                     "lost in a round 1 (DEADLINE_EXCEEDED 1)")
+    result = {"sessions_completed": 8, "sessions_ended_by": {"open RESOURCE_EXHAUSTED": 16, "round DEADLINE_EXCEEDED": 1}}
+    assert ended_by_line(result) == (
+        "served 8, refused at open 16 (RESOURCE_EXHAUSTED 16), lost in a round 1 (DEADLINE_EXCEEDED 1)"
+    )
     assert ended_by_line({"sessions_completed": 3, "sessions_ended_by": {}}) == "served 3"

@@ -36,8 +36,10 @@ def test_names_plain_and_hashed_entries() -> None:
     assert unnamed.principal(_bearer(ALICE_KEY)) == f"key-{hashlib.sha256(ALICE_KEY.encode()).hexdigest()[:8]}"
 
 
-@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer  ", ALICE_KEY, f"Basic {ALICE_KEY}",
-                                           _bearer(ALICE_KEY + "x"), _bearer(f"sha256:{ANON_HASH}")])
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "", "Bearer", "Bearer  ", ALICE_KEY, f"Basic {ALICE_KEY}", _bearer(ALICE_KEY + "x"), _bearer(f"sha256:{ANON_HASH}")],
+)
 def test_missing_or_wrong_keys_are_refused_without_echoing_them(authorization: str | None) -> None:
     with pytest.raises(Unauthenticated) as err:
         ApiKeys.parse(FILE).principal(authorization)
@@ -50,12 +52,15 @@ def test_without_keys_everyone_is_the_empty_principal() -> None:
     assert ApiKeys().principal(None) == ApiKeys().principal("Bearer anything") == ""
 
 
-@pytest.mark.parametrize(("text", "line", "reason"), [
-    (f"alice {ALICE_KEY}\nbob sha256:abc123\n", 2, "64 hex digits"),
-    (f"# header\n\nalice {ALICE_KEY} extra-field\n", 3, "found 3 fields"),
-    (f"al|ce {ALICE_KEY}\n", 1, "a name is"),
-    (f"sha256:{'g' * 64}\n", 1, "64 hex digits"),
-])
+@pytest.mark.parametrize(
+    ("text", "line", "reason"),
+    [
+        (f"alice {ALICE_KEY}\nbob sha256:abc123\n", 2, "64 hex digits"),
+        (f"# header\n\nalice {ALICE_KEY} extra-field\n", 3, "found 3 fields"),
+        (f"al|ce {ALICE_KEY}\n", 1, "a name is"),
+        (f"sha256:{'g' * 64}\n", 1, "64 hex digits"),
+    ],
+)
 def test_a_malformed_line_is_named_not_echoed(text: str, line: int, reason: str) -> None:
     with pytest.raises(ConfigError) as err:
         ApiKeys.parse(text, "keys.txt")

@@ -26,17 +26,23 @@ def test_percentile_matches_numpy_linear() -> None:
 
 
 def test_acceptance_by_position_counts_rounds_that_drafted_each_position() -> None:
-    rounds = [{"k": 3, "accepted_len": 1}, {"k": 2, "accepted_len": 2}, {"k": 1, "accepted_len": 0},
-              {"k": 4, "accepted_len": 4, "local": True}]  # a local (lossy) block never reached the cloud
+    rounds = [
+        {"k": 3, "accepted_len": 1},
+        {"k": 2, "accepted_len": 2},
+        {"k": 1, "accepted_len": 0},
+        {"k": 4, "accepted_len": 4, "local": True},
+    ]  # a local (lossy) block never reached the cloud
     assert acceptance_by_position(rounds) == pytest.approx([2 / 3, 1 / 2, 0 / 1])
     assert acceptance_by_position([]) == []
 
 
 def test_round_time_splits_a_round_into_drafting_verifier_and_wire() -> None:
-    rounds = [{"k": 4, "accepted_len": 2, "edge_time_ms": 300.0, "cloud_verify_ms": 900.0, "rtt_ms": 960.0},
-              {"k": 2, "accepted_len": 2, "edge_time_ms": 100.0, "cloud_verify_ms": 500.0, "rtt_ms": 600.0},
-              {"k": 8, "accepted_len": 8, "local": True, "edge_time_ms": 1.0, "cloud_verify_ms": 0.0, "rtt_ms": 0.0},
-              {"k": 3, "accepted_len": 1}]  # hf-assisted's rounds carry no times
+    rounds = [
+        {"k": 4, "accepted_len": 2, "edge_time_ms": 300.0, "cloud_verify_ms": 900.0, "rtt_ms": 960.0},
+        {"k": 2, "accepted_len": 2, "edge_time_ms": 100.0, "cloud_verify_ms": 500.0, "rtt_ms": 600.0},
+        {"k": 8, "accepted_len": 8, "local": True, "edge_time_ms": 1.0, "cloud_verify_ms": 0.0, "rtt_ms": 0.0},
+        {"k": 3, "accepted_len": 1},
+    ]  # hf-assisted's rounds carry no times
     profile = round_time(rounds)
     assert profile["round_draft_ms"] == pytest.approx(200.0)
     assert profile["round_verify_ms"] == pytest.approx(700.0)
@@ -50,27 +56,59 @@ def test_round_time_splits_a_round_into_drafting_verifier_and_wire() -> None:
 def test_round_time_table_sets_a_position_beside_cloud_only_on_the_same_link() -> None:
     def run(system: str, rtt: float, **summary: float | None) -> dict[str, object]:
         return {"system": system, "placement": "unpinned", "rtt_ms": rtt, "kind": "wire", "summary": summary}
-    runs = [run("cloud_only", 0.0, decode_tokens_per_s=4.0, round_verify_ms=None),
-            run("cloud_only", 50.0, decode_tokens_per_s=2.0, round_verify_ms=None),
-            run("speculative", 50.0, tau=3.0, round_draft_ms=300.0, round_verify_ms=1000.0, round_wire_ms=60.0,
-                verify_ms_per_position=250.0, draft_ms_per_token=50.0)]
+
+    runs = [
+        run("cloud_only", 0.0, decode_tokens_per_s=4.0, round_verify_ms=None),
+        run("cloud_only", 50.0, decode_tokens_per_s=2.0, round_verify_ms=None),
+        run(
+            "speculative",
+            50.0,
+            tau=3.0,
+            round_draft_ms=300.0,
+            round_verify_ms=1000.0,
+            round_wire_ms=60.0,
+            verify_ms_per_position=250.0,
+            draft_ms_per_token=50.0,
+        ),
+    ]
     rows = [line for line in round_time_table(runs).splitlines() if line.startswith("| speculative")]
     # the +50 ms cloud_only step (500 ms), not +0's: a position costs 0.5 steps, a drafted token c = 0.1
     assert len(rows) == 1 and rows[0].endswith("| 250 | 500 | 0.50 | 50.0 | 0.10 |")
     assert "No timed rounds" in round_time_table(runs[:2])
 
 
-def _record(tokens: int, rounds: int, drafted: int, accepted: int, passes: int, elapsed: float, ttft: float,
-            verify_up: int = 0, **extra: object) -> dict[str, object]:
-    return {"id": str(extra.pop("id", "x")), "token_ids": list(range(tokens)), "rounds": rounds,
-            "draft_tokens": drafted, "accepted_tokens": accepted, "target_forward_passes": passes,
-            "elapsed_s": elapsed, "ttft_s": ttft, "bytes_up": 100, "bytes_down": 50, "verify_bytes_up": verify_up,
-            **extra}
+def _record(
+    tokens: int,
+    rounds: int,
+    drafted: int,
+    accepted: int,
+    passes: int,
+    elapsed: float,
+    ttft: float,
+    verify_up: int = 0,
+    **extra: object,
+) -> dict[str, object]:
+    return {
+        "id": str(extra.pop("id", "x")),
+        "token_ids": list(range(tokens)),
+        "rounds": rounds,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "target_forward_passes": passes,
+        "elapsed_s": elapsed,
+        "ttft_s": ttft,
+        "bytes_up": 100,
+        "bytes_down": 50,
+        "verify_bytes_up": verify_up,
+        **extra,
+    }
 
 
 def test_summary_rates_come_from_totals_not_means_of_ratios() -> None:
-    records = [_record(10, 4, 12, 6, 5, 2.0, 0.5, verify_up=60, ahead_drafted=5, ahead_used=1),
-               _record(30, 6, 18, 24, 7, 4.0, 1.5, verify_up=90)]
+    records = [
+        _record(10, 4, 12, 6, 5, 2.0, 0.5, verify_up=60, ahead_drafted=5, ahead_used=1),
+        _record(30, 6, 18, 24, 7, 4.0, 1.5, verify_up=90),
+    ]
     s = summarize(records)
     assert s["output_tokens"] == 40
     assert s["tokens_per_s"] == pytest.approx(40 / 6.0)  # not the mean of 5 and 7.5

@@ -16,14 +16,17 @@ def _search(threshold: int, cap: int) -> tuple[int, list[int]]:
     return found, [level["sessions"] for level in levels]
 
 
-@pytest.mark.parametrize(("threshold", "cap", "levels"), [
-    (0, 64, [1]),  # one session already misses: capacity 0
-    (1, 64, [1, 2]),
-    (5, 64, [1, 2, 4, 5, 6, 8]),  # doubling to the first miss, then bisection
-    (64, 64, [1, 2, 4, 8, 16, 32, 64]),
-    (100, 20, [1, 2, 4, 8, 16, 20]),  # every doubling met it: the cap itself is tried
-    (17, 20, [1, 2, 4, 8, 16, 17, 18, 20]),
-])
+@pytest.mark.parametrize(
+    ("threshold", "cap", "levels"),
+    [
+        (0, 64, [1]),  # one session already misses: capacity 0
+        (1, 64, [1, 2]),
+        (5, 64, [1, 2, 4, 5, 6, 8]),  # doubling to the first miss, then bisection
+        (64, 64, [1, 2, 4, 8, 16, 32, 64]),
+        (100, 20, [1, 2, 4, 8, 16, 20]),  # every doubling met it: the cap itself is tried
+        (17, 20, [1, 2, 4, 8, 16, 17, 18, 20]),
+    ],
+)
 def test_search_finds_the_largest_level_meeting_the_target(threshold: int, cap: int, levels: list[int]) -> None:
     found, measured = _search(threshold, cap)
     assert found == min(threshold, cap)

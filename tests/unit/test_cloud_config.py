@@ -35,13 +35,16 @@ def test_config_file_named_by_the_environment(tmp_path: Path, monkeypatch: pytes
     assert settings.reflection is False and settings.drain_grace_s == 2.5
 
 
-@pytest.mark.parametrize(("name", "text", "message"), [
-    ("verifier.json", '{"prot": 1}', "unknown setting(s) prot"),
-    ("verifier.json", '{"config": "other.json"}', "unknown setting(s) config"),
-    ("verifier.json", "[1, 2]", "expected an object"),
-    ("verifier.toml", "port = ", "--config"),
-    ("verifier.yaml", "port: 1", "expected a .json or .toml file"),
-])
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("verifier.json", '{"prot": 1}', "unknown setting(s) prot"),
+        ("verifier.json", '{"config": "other.json"}', "unknown setting(s) config"),
+        ("verifier.json", "[1, 2]", "expected an object"),
+        ("verifier.toml", "port = ", "--config"),
+        ("verifier.yaml", "port: 1", "expected a .json or .toml file"),
+    ],
+)
 def test_bad_config_files_are_config_errors(tmp_path: Path, name: str, text: str, message: str) -> None:
     path = tmp_path / name
     path.write_text(text)

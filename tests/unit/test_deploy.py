@@ -37,8 +37,9 @@ def _debian_binary(name: str) -> str:
 
 
 @pytest.mark.fleet
-@pytest.mark.parametrize(("binary", "args", "name"), [("haproxy", ["-c", "-f"], "haproxy.cfg"),
-                                                        ("nginx", ["-t", "-c"], "nginx.conf")])
+@pytest.mark.parametrize(
+    ("binary", "args", "name"), [("haproxy", ["-c", "-f"], "haproxy.cfg"), ("nginx", ["-t", "-c"], "nginx.conf")]
+)
 def test_proxy_config_is_valid(binary: str, args: list[str], name: str) -> None:
     found = _debian_binary(binary)
     text = (DEPLOY / name).read_text()
@@ -50,8 +51,9 @@ def test_proxy_config_is_valid(binary: str, args: list[str], name: str) -> None:
 def _render(overlay: str) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
     assert kubectl is not None, "kubectl is not installed (it renders the kustomize overlays)"
-    rendered = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
-                              capture_output=True, text=True, timeout=60)
+    rendered = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True, text=True, timeout=60
+    )
     assert rendered.returncode == 0, rendered.stderr
     return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
 
@@ -66,8 +68,16 @@ def test_kubernetes_overlay_renders_valid_objects(overlay: str) -> None:
     ServiceMonitor is a CRD the validator has no schema for: it is skipped, and checked by hand."""
     docs = _render(overlay)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ConfigMap", "Deployment", "Deployment", "Namespace", "PodDisruptionBudget", "Service",
-                     "Service", "ServiceMonitor"]
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "Deployment",
+        "Namespace",
+        "PodDisruptionBudget",
+        "Service",
+        "Service",
+        "ServiceMonitor",
+    ]
     for doc in docs:
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)

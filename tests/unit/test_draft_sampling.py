@@ -17,13 +17,16 @@ def _logits(seed: int, width: int = V + 3) -> np.ndarray:  # padded rows past V,
     return (np.random.default_rng(seed).standard_normal(width) * 3).astype(np.float32)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7),
-    SamplingParams(temperature=1.3, top_k=5),
-    SamplingParams(temperature=0.9, top_p=0.8),
-    SamplingParams(temperature=1.0, top_k=12, top_p=0.6, repetition_penalty=1.3),
-    SamplingParams(temperature=0.5, repetition_penalty=0.8),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.9, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=12, top_p=0.6, repetition_penalty=1.3),
+        SamplingParams(temperature=0.5, repetition_penalty=0.8),
+    ],
+)
 def test_numpy_processors_equal_the_cloud_ones(params: SamplingParams) -> None:
     for seed in range(20):
         logits = _logits(seed)
@@ -36,8 +39,9 @@ def test_numpy_processors_equal_the_cloud_ones(params: SamplingParams) -> None:
         np.testing.assert_array_equal(probs > 0, want > 0)  # the same support
         np.testing.assert_allclose(probs, want, atol=1e-6)
         for k in (1, 4, V):
-            np.testing.assert_allclose(draft_sampling.truncate_top_k(probs, k),
-                                       truncate_top_k(torch.from_numpy(probs)[None], k)[0].numpy(), atol=1e-6)
+            np.testing.assert_allclose(
+                draft_sampling.truncate_top_k(probs, k), truncate_top_k(torch.from_numpy(probs)[None], k)[0].numpy(), atol=1e-6
+            )
 
 
 def test_penalty_leaves_the_callers_row_alone() -> None:

@@ -36,8 +36,7 @@ def folder(request, tmp_path: Path) -> Path:  # type: ignore[no-untyped-def]
 def test_prompt_ids_equal_transformers(folder: Path) -> None:
     ours, theirs = EdgeTokenizer(folder), AutoTokenizer.from_pretrained(folder)
     for text in PROMPTS:
-        rendered = theirs.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                              add_generation_prompt=True)
+        rendered = theirs.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         assert ours.render_chat([{"role": "user", "content": text}]) == rendered
         assert encode_prompt(ours, text, chat=True) == theirs(rendered, add_special_tokens=False).input_ids
         if text:

@@ -27,25 +27,31 @@ def test_signals_of_a_known_distribution() -> None:
     assert s.margin == pytest.approx(0.25)
 
 
-@pytest.mark.parametrize(("signals", "hard"), [
-    (TokenSignals(nll=0.1, entropy_bits=0.5, margin=0.9), False),
-    (TokenSignals(nll=0.1, entropy_bits=3.0, margin=0.9), True),  # entropy
-    (TokenSignals(nll=0.1, entropy_bits=0.5, margin=0.1), True),  # margin
-    (TokenSignals(nll=5.0, entropy_bits=0.5, margin=0.9), True),  # nll
-    (TokenSignals(nll=0.1, entropy_bits=0.5, margin=0.9, mc_var=0.5), True),  # MC dropout
-])
+@pytest.mark.parametrize(
+    ("signals", "hard"),
+    [
+        (TokenSignals(nll=0.1, entropy_bits=0.5, margin=0.9), False),
+        (TokenSignals(nll=0.1, entropy_bits=3.0, margin=0.9), True),  # entropy
+        (TokenSignals(nll=0.1, entropy_bits=0.5, margin=0.1), True),  # margin
+        (TokenSignals(nll=5.0, entropy_bits=0.5, margin=0.9), True),  # nll
+        (TokenSignals(nll=0.1, entropy_bits=0.5, margin=0.9, mc_var=0.5), True),  # MC dropout
+    ],
+)
 def test_any_signal_over_its_threshold_is_hard(signals: TokenSignals, hard: bool) -> None:
     assert GatingThresholds().is_hard(signals) is hard
 
 
-@pytest.mark.parametrize(("text", "previous", "rule"), [
-    (" 42", "The answer is", "number"),
-    (" $", "It costs", "amount"),
-    (" March", "Born in", "date"),
-    (" Paris", "She lives in", "entity"),
-    (" The", "End of sentence.", None),  # capitalised at a sentence start: not an entity
-    (" house", "a big", None),
-])
+@pytest.mark.parametrize(
+    ("text", "previous", "rule"),
+    [
+        (" 42", "The answer is", "number"),
+        (" $", "It costs", "amount"),
+        (" March", "Born in", "date"),
+        (" Paris", "She lives in", "entity"),
+        (" The", "End of sentence.", None),  # capitalised at a sentence start: not an entity
+        (" house", "a big", None),
+    ],
+)
 def test_escalation_rules(text: str, previous: str, rule: str | None) -> None:
     assert EscalationRules().rule_hit(7, text, previous) == rule
 

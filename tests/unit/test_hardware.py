@@ -12,13 +12,16 @@ AVX2_EPYC = {"fpu", "sse2", "avx", "avx2", "fma", "f16c", "bmi2"}
 SAPPHIRE_RAPIDS = AVX2_EPYC | {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"}
 
 
-@pytest.mark.parametrize(("device", "flags", "dtype", "because"), [
-    ("cpu", AVX2_EPYC, "float32", "no avx512_bf16"),
-    ("cpu", AVX2_EPYC | {"avx512f", "avx512_bf16"}, "bfloat16", "avx512_bf16"),
-    ("cpu", SAPPHIRE_RAPIDS, "bfloat16", "avx512_bf16"),
-    ("cpu", AVX2_EPYC | {"amx_bf16"}, "bfloat16", "amx_bf16"),
-    ("cuda", AVX2_EPYC, "bfloat16", "CUDA"),
-])
+@pytest.mark.parametrize(
+    ("device", "flags", "dtype", "because"),
+    [
+        ("cpu", AVX2_EPYC, "float32", "no avx512_bf16"),
+        ("cpu", AVX2_EPYC | {"avx512f", "avx512_bf16"}, "bfloat16", "avx512_bf16"),
+        ("cpu", SAPPHIRE_RAPIDS, "bfloat16", "avx512_bf16"),
+        ("cpu", AVX2_EPYC | {"amx_bf16"}, "bfloat16", "amx_bf16"),
+        ("cuda", AVX2_EPYC, "bfloat16", "CUDA"),
+    ],
+)
 def test_auto_dtype_follows_the_hardware(device: str, flags: set[str], dtype: str, because: str) -> None:
     choice = choose_dtype("auto", device, flags)
     assert choice.name == dtype and because in choice.reason

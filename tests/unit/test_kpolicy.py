@@ -5,8 +5,15 @@ import pytest
 from edge.kpolicy import CostK, EgagK, FixedK, LaRatioK, RoundObservation, expected_tokens
 
 
-def _obs(k: int, accepted: int, alpha: float = 0.8, entropy: float = 1.0, rtt_ms: float = 160.0,
-         verify_ms: float = 150.0, draft_ms_per_token: float = 40.0) -> RoundObservation:
+def _obs(
+    k: int,
+    accepted: int,
+    alpha: float = 0.8,
+    entropy: float = 1.0,
+    rtt_ms: float = 160.0,
+    verify_ms: float = 150.0,
+    draft_ms_per_token: float = 40.0,
+) -> RoundObservation:
     return RoundObservation(k, accepted, alpha, draft_ms_per_token * k, rtt_ms, verify_ms, entropy)
 
 

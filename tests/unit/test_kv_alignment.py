@@ -63,4 +63,3 @@ def test_drafter_sync_keeps_only_the_valid_prefix(draft_model) -> None:
     drafter.sync(committed)
     assert len(drafter.cache) == len(tokens) + 2
     _assert_cache_is_prefill_of(draft_model, drafter.cache.kv, committed[: len(tokens) + 2])
-

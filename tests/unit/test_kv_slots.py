@@ -13,7 +13,7 @@ from shared.kv_slots import SlotKV, SlotPool, forward_slots
 
 
 def _slot_keys(kv: SlotKV, layer: int) -> torch.Tensor:
-    return kv.pool.keys[layer][:, :, kv.base:kv.base + kv.length]  # [1, kv_heads, length, head_dim]
+    return kv.pool.keys[layer][:, :, kv.base : kv.base + kv.length]  # [1, kv_heads, length, head_dim]
 
 
 def _assert_same_kv(kv: SlotKV, cache) -> None:  # type: ignore[no-untyped-def]
@@ -87,8 +87,8 @@ def test_a_failed_pass_leaves_every_slot_as_it_was(target_model) -> None:
     assert (a.length, b.length) == (3, 2)
     # What the failed pass wrote (if anything) lies past the lengths: the live KV is unchanged.
     for old, new in zip(before, (*pool.keys, *pool.values), strict=True):
-        assert torch.equal(old[:, :, a.base:a.base + 3], new[:, :, a.base:a.base + 3])
-        assert torch.equal(old[:, :, b.base:b.base + 2], new[:, :, b.base:b.base + 2])
+        assert torch.equal(old[:, :, a.base : a.base + 3], new[:, :, a.base : a.base + 3])
+        assert torch.equal(old[:, :, b.base : b.base + 2], new[:, :, b.base : b.base + 2])
     with pytest.raises(InvalidRequest):  # past the slot: refused before the pass
         forward_slots(target_model, [a], [list(range(30))], [1])
     b.release()
@@ -125,8 +125,12 @@ def test_timing_script_runs_both_layouts(tmp_path) -> None:  # type: ignore[no-u
     from bench.kv_layout_timing import main
 
     out = tmp_path / "kv.json"
-    assert main(["--model", "tiny", "--sessions", "1,3", "--contexts", "32", "--rounds", "1", "--device", "cpu",
-                 "--output", str(out)]) == 0
+    assert (
+        main(
+            ["--model", "tiny", "--sessions", "1,3", "--contexts", "32", "--rounds", "1", "--device", "cpu", "--output", str(out)]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert {(r["layout"], r["sessions"]) for r in rows} == {(lay, n) for lay in ("packed", "slots") for n in (1, 3)}
     assert all(r["ms_p50"] > 0 for r in rows)

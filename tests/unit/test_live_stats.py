@@ -46,4 +46,3 @@ def test_latency_samples_stay_bounded_under_load() -> None:
     bucket = next(iter(stats._seconds.values()))
     assert bucket.rounds == 10_000 and len(bucket.latencies_ms) == 256
     assert 2_000 < stats.snapshot()["window"]["latency_ms"]["p50"] < 8_000  # a fair sample, not the first 256
-

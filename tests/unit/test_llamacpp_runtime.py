@@ -55,7 +55,7 @@ def test_drafter_sync_crops_the_llamacpp_cache(gguf_draft, draft_model) -> None:
         assert len(ours.cache) == len(tokens) + len(draft) - 1
         tokens = tokens + draft.token_ids[:2] + [(draft.token_ids[2] + 1) % 96]  # accept 2, correct the 3rd
     ours.sync(tokens)
-    assert len(ours.cache) == len(ours.cached) <= len(tokens) - 1 and ours.cached == tokens[:len(ours.cached)]
+    assert len(ours.cache) == len(ours.cached) <= len(tokens) - 1 and ours.cached == tokens[: len(ours.cached)]
 
 
 def test_a_full_draft_context_is_a_clear_error(tmp_path: Path, gguf_draft) -> None:

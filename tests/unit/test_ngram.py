@@ -12,11 +12,11 @@ def _brute_force(tokens: list[int], order: int, context: list[int]) -> tuple[int
     """Scan the whole sequence: longest suffix of context seen, its most frequent (latest on
     ties) continuation, and that continuation's count."""
     for n in range(min(order, len(context)), 0, -1):
-        suffix = context[len(context) - n:]
+        suffix = context[len(context) - n :]
         counts: dict[int, int] = {}
         best, best_count = -1, 0
         for i in range(n, len(tokens)):
-            if tokens[i - n:i] == suffix:
+            if tokens[i - n : i] == suffix:
                 counts[tokens[i]] = counts.get(tokens[i], 0) + 1
                 if counts[tokens[i]] >= best_count:
                     best, best_count = tokens[i], counts[tokens[i]]

@@ -48,5 +48,6 @@ def test_packed_caches_keep_decoding_like_unpacked_ones(target_model) -> None:
         for cache, block in zip(alone, blocks, strict=True):
             lm.forward(target_model, cache, block, 1)
     for cache_a, cache_b in zip(alone, packed, strict=True):
-        torch.testing.assert_close(lm.forward(target_model, cache_b, [1], 1), lm.forward(target_model, cache_a, [1], 1),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            lm.forward(target_model, cache_b, [1], 1), lm.forward(target_model, cache_a, [1], 1), atol=1e-5, rtol=1e-5
+        )

@@ -81,8 +81,10 @@ def test_pins_are_bounded() -> None:
     keys = [key for key in KEYS if rendezvous_order(key, ADDRESSES)[0] != ADDRESSES[2]][:5]
     for key in keys:
         replicas.opened(key, ADDRESSES[2])
-    assert [replicas.pick(key) for key in keys] == [rendezvous_order(keys[0], ADDRESSES)[0],
-                                                    rendezvous_order(keys[1], ADDRESSES)[0]] + [ADDRESSES[2]] * 3
+    assert [replicas.pick(key) for key in keys] == [
+        rendezvous_order(keys[0], ADDRESSES)[0],
+        rendezvous_order(keys[1], ADDRESSES)[0],
+    ] + [ADDRESSES[2]] * 3
 
 
 class _Recorder(pb_grpc.VerifierServicer):
@@ -97,6 +99,7 @@ class _Recorder(pb_grpc.VerifierServicer):
 def test_the_session_key_travels_with_each_call_to_its_replica() -> None:
     """Two recording servers behind one client: a key's calls all reach the replica its order
     ranks first, carrying the key; a call without a key carries none."""
+
     async def run() -> None:
         servers, recorders, addresses = [], [], []
         for _ in range(2):

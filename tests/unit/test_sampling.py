@@ -28,12 +28,15 @@ def _hf_probs(logits: torch.Tensor, history: list[int], params: SamplingParams) 
     return scores.softmax(dim=-1)[0]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7),
-    SamplingParams(temperature=1.3, top_k=5),
-    SamplingParams(temperature=0.9, top_p=0.8),
-    SamplingParams(temperature=1.0, top_k=10, top_p=0.6, repetition_penalty=1.3),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.9, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=10, top_p=0.6, repetition_penalty=1.3),
+    ],
+)
 def test_matches_transformers_processors_per_row(params: SamplingParams) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, V, generator=gen) * 3  # rows predict after context + followers[:i]

@@ -52,8 +52,7 @@ def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None) -> torch.Te
         while len(committed) < len(PROMPT) + 2:
             drafter.sync(committed)
             d = drafter.propose(k)
-            reply = verifier.verify(VerifyRequest(opened.session_id, len(committed), d.token_ids, d.probs,
-                                                  sparse_draft=d.sparse))
+            reply = verifier.verify(VerifyRequest(opened.session_id, len(committed), d.token_ids, d.probs, sparse_draft=d.sparse))
             committed += d.token_ids[: reply.accepted_len] + [reply.next_token]
         verifier.close_session(opened.session_id)
         counts[committed[1] * V + committed[2]] += 1

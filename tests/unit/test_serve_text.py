@@ -18,8 +18,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> EdgeTokenizer:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"])
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"])
     backend.train_from_iterator(["hello world", "naïve café", "日本語 テキスト", "then the end"], trainer)
     folder: Path = tmp_path_factory.mktemp("bbpe")
     backend.save(str(folder / "tokenizer.json"))
@@ -27,7 +26,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> EdgeTokenizer:
 
 
 def _stream(streamer: TextStreamer, ids: list[int], step: int = 1) -> list[str]:
-    pieces = [streamer.push(ids[i:i + step]) for i in range(0, len(ids), step)]
+    pieces = [streamer.push(ids[i : i + step]) for i in range(0, len(ids), step)]
     return [p for p in [*pieces, streamer.finish()] if p]
 
 
@@ -50,7 +49,7 @@ def test_stop_string_cut_across_tokens(tokenizer: EdgeTokenizer, stop: str) -> N
         if streamer.stopped:
             break
     pieces.append(streamer.finish())
-    assert streamer.stopped and "".join(pieces) == TEXT[:TEXT.index(stop)]
+    assert streamer.stopped and "".join(pieces) == TEXT[: TEXT.index(stop)]
 
 
 def test_text_that_might_start_a_stop_is_held_then_released(tokenizer: EdgeTokenizer) -> None:
@@ -66,7 +65,7 @@ def test_preview_shows_provisional_text_without_releasing_it(tokenizer: EdgeToke
     emoji_start = next(i for i, t in enumerate(ids) if tokenizer.decode([t]) == "\ufffd")
     streamer = TextStreamer(tokenizer, ["then"])
     streamer.push(ids[:emoji_start])
-    streamer.push(ids[emoji_start:emoji_start + 1])  # part of the emoji committed: not released yet
+    streamer.push(ids[emoji_start : emoji_start + 1])  # part of the emoji committed: not released yet
     assert streamer.released_text() == "café "
-    assert streamer.preview(ids[emoji_start + 1:]) == "🙂 "  # cut before the stop string
+    assert streamer.preview(ids[emoji_start + 1 :]) == "🙂 "  # cut before the stop string
     assert streamer.released_text() == "café "

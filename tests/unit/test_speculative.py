@@ -121,6 +121,5 @@ def test_seeded_generator_repeats_exactly() -> None:
 
 
 def test_zero_draft_prob_does_not_divide_by_zero() -> None:
-    out = rejection_sample(torch.tensor([1]), torch.tensor([0.0]), torch.zeros(1, V), TARGET,
-                           torch.Generator().manual_seed(0))
+    out = rejection_sample(torch.tensor([1]), torch.tensor([0.0]), torch.zeros(1, V), TARGET, torch.Generator().manual_seed(0))
     assert torch.isfinite(out.accept_probs).all()

@@ -26,13 +26,35 @@ SHIPPED_AZURE = Path(__file__).resolve().parents[2] / "bench" / "data" / "traces
 
 
 def _trace(started_at: float = 100.0, output: list[int] | None = None) -> SessionTrace:
-    header = TraceHeader("speculative", [5, 6, 7], SamplingParams(0.7, 20, 0.9, 1.1), 3, "sparse", 96, 8, [1],
-                         "draft", "target", started_at, {"k_policy": "fixed", "k": 2})
+    header = TraceHeader(
+        "speculative",
+        [5, 6, 7],
+        SamplingParams(0.7, 20, 0.9, 1.1),
+        3,
+        "sparse",
+        96,
+        8,
+        [1],
+        "draft",
+        "target",
+        started_at,
+        {"k_policy": "fixed", "k": 2},
+    )
     sparse = [SparseDistribution([9, 10], [0.25, 0.75]), SparseDistribution([11], [1.0])]
     events: list[Event] = [
         OpenEvent(0.001, 0.01, 3, [], 3, 1.5),
-        VerifyEvent(0.02, 0.03, VerifyRequest("", 3, [9, 11], [0.25, 1.0], [], [True, False], sparse, 0),
-                    1, 12, False, 5, 2.0, 0.1, resends=2),
+        VerifyEvent(
+            0.02,
+            0.03,
+            VerifyRequest("", 3, [9, 11], [0.25, 1.0], [], [True, False], sparse, 0),
+            1,
+            12,
+            False,
+            5,
+            2.0,
+            0.1,
+            resends=2,
+        ),
         VerifyEvent(0.04, 0.05, VerifyRequest("", 5, [13], [], [4], [], [], 4), error="NOT_FOUND"),
         OpenEvent(0.06, 0.07, 3 + 1_000_003, [9, 12], 5, 1.0),
         GenerateEvent(0.08, 0.09, 0.1, 3, [1], [20, 21, 22]),
@@ -48,16 +70,19 @@ def test_trace_round_trip(tmp_path: Path) -> None:
     first = json.loads(path.read_text().splitlines()[0])
     assert first["type"] == "session" and first["version"] == TRACE_VERSION
     # Token ids and numbers only: no text field anywhere.
-    assert "text" not in path.read_text() and "prompt\"" not in path.read_text()
+    assert "text" not in path.read_text() and 'prompt"' not in path.read_text()
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda lines: [lines[0].replace(f'"version":{TRACE_VERSION}', '"version":2'), *lines[1:]], "trace version 2"),
-    (lambda lines: lines[1:], "session header first"),
-    (lambda lines: lines[:-1], "end line last"),
-    (lambda lines: [lines[0], '{"type":"verify","t":0}', *lines[1:]], "malformed"),
-    (lambda lines: [lines[0], "{not json", *lines[1:]], "not JSON"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda lines: [lines[0].replace(f'"version":{TRACE_VERSION}', '"version":2'), *lines[1:]], "trace version 2"),
+        (lambda lines: lines[1:], "session header first"),
+        (lambda lines: lines[:-1], "end line last"),
+        (lambda lines: [lines[0], '{"type":"verify","t":0}', *lines[1:]], "malformed"),
+        (lambda lines: [lines[0], "{not json", *lines[1:]], "not JSON"),
+    ],
+)
 def test_trace_refuses_other_versions_and_broken_files(tmp_path: Path, change, message: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(change(trace_lines(_trace()))))

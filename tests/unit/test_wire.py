@@ -33,9 +33,17 @@ def test_mask_is_lsb_first() -> None:
 
 
 def test_verify_request_round_trip() -> None:
-    req = VerifyRequest("s", 12, [5, 6], [0.5, 0.25], committed_tokens=[3], hard_mask=[False, True],
-                        sparse_draft=[SparseDistribution([5, 9], [0.5, 0.5]), SparseDistribution([6], [1.0])],
-                        want_top_k=4, request_id="r1")
+    req = VerifyRequest(
+        "s",
+        12,
+        [5, 6],
+        [0.5, 0.25],
+        committed_tokens=[3],
+        hard_mask=[False, True],
+        sparse_draft=[SparseDistribution([5, 9], [0.5, 0.5]), SparseDistribution([6], [1.0])],
+        want_top_k=4,
+        request_id="r1",
+    )
     assert wire.verify_request_from_pb(wire.verify_request_to_pb(req)) == req
 
 
