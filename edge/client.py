@@ -16,7 +16,7 @@ from typing import Protocol
 
 import grpc
 
-from edge.replicas import SESSION_KEY_HEADER, ReplicaSet, split_addresses
+from edge.replicas import SESSION_KEY_HEADER, ReplicaSet, Resolver, replica_addresses, resolve_host
 from shared import wire
 from shared.errors import (
     ERRORS_BY_STATUS,
@@ -169,6 +169,7 @@ class VerifierClient:
         *,
         tls: ClientTls | None = None,
         api_key: str | None = None,
+        resolve: Resolver = resolve_host,
     ) -> None:
         self.target = target
         self.verify_timeout_s = verify_timeout_s
@@ -179,8 +180,9 @@ class VerifierClient:
         # Per-call metadata rather than call credentials: those need a TLS channel, and a
         # plaintext verifier on loopback (or behind --insecure) may ask for a key too.
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self.replicas = ReplicaSet(split_addresses(target))
-        self._channels = {address: _channel(address, tls) for address in self.replicas.addresses}
+        replicas = replica_addresses(target, resolve)  # a name resolving to several: one replica each
+        self.replicas = ReplicaSet(list(replicas))
+        self._channels = {address: _channel(address, tls, name) for address, name in replicas.items()}
         self._stubs = {address: pb_grpc.VerifierStub(channel) for address, channel in self._channels.items()}
 
     async def close(self) -> None:
@@ -281,6 +283,8 @@ class VerifierClient:
                 error = _error_from_rpc(err)
                 if isinstance(error, CloudUnavailable):
                     self.replicas.mark_down(address)
+                    if opening and self.replicas.any_up():  # a new session: straight to the next replica
+                        return await self._unary(method, msg, max(deadline - loop.time(), 0.001), session_key, opening)
                 if not isinstance(error, CapacityExceeded):
                     raise error from None
                 self.stats.capacity_rejections += 1
@@ -297,8 +301,10 @@ class VerifierClient:
         raise AssertionError("unreachable: the last retry returns or raises")
 
 
-def _channel(address: str, tls: ClientTls | None) -> grpc.aio.Channel:
+def _channel(address: str, tls: ClientTls | None, dns_name: str | None = None) -> grpc.aio.Channel:
+    """dns_name: the name `address` was resolved from, which its certificate carries."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-    name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    server_name = tls.server_name or dns_name
+    name = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     return grpc.aio.secure_channel(address, tls.credentials(), options=_CHANNEL_OPTIONS + name)

@@ -2,12 +2,15 @@
 memory, so every call of a session must reach the replica that opened it. The edge picks a
 routing key per generation and sends it with every call as gRPC metadata (SESSION_KEY_HEADER):
 a proxy in front of several replicas hashes on it (deploy/haproxy.cfg), and an edge given
-several addresses itself (--cloud a:1,b:2) ranks them by rendezvous hashing of the key."""
+several addresses itself (--cloud a:1,b:2, or a name that DNS resolves to several addresses)
+ranks them by rendezvous hashing of the key."""
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import secrets
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -15,7 +18,9 @@ from dataclasses import dataclass, field
 
 from shared.errors import ConfigError
 
-SESSION_KEY_HEADER = "specdec-session-key"  # the contract with any proxy: README "Running several verifiers"
+SESSION_KEY_HEADER = "specdec-session-key"  # the contract with any proxy: docs/fleet.md
+
+Resolver = Callable[[str, int], list[str]]  # (host, port) -> its IP addresses, in DNS order
 
 
 def new_session_key() -> str:
@@ -29,6 +34,51 @@ def split_addresses(target: str) -> list[str]:
     if not addresses:
         raise ConfigError(f"no verifier address in {target!r}")
     return addresses
+
+
+def resolve_host(host: str, port: int) -> list[str]:
+    """The addresses getaddrinfo gives for host:port (IPv4 and IPv6), in its order, once each;
+    none when the name does not resolve (gRPC then reports it as it always did)."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in found))
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """HOST:PORT or [V6]:PORT split; None for anything else (a gRPC URI such as unix:/path or
+    dns:///name, which gRPC resolves itself)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return None
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return (host, int(port)) if (host and ":" not in host) or _is_ip(host) else None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def replica_addresses(target: str, resolve: Resolver = resolve_host) -> dict[str, str | None]:
+    """--cloud's replicas: each dial address, with the host name a TLS certificate must carry
+    when the address came from DNS (None: the address is as given). A name that resolves to
+    several addresses stands for that many replicas (a headless Kubernetes Service, a DNS
+    round-robin record); they are resolved once, here."""
+    replicas: dict[str, str | None] = {}
+    for address in split_addresses(target):
+        parts = _host_port(address)
+        found = resolve(*parts) if parts is not None and not _is_ip(parts[0]) else []
+        if parts is None or len(found) < 2:
+            replicas.setdefault(address, None)  # one address: gRPC resolves the name again on reconnects
+            continue
+        for ip in found:
+            replicas.setdefault(f"[{ip}]:{parts[1]}" if ":" in ip else f"{ip}:{parts[1]}", parts[0])
+    return replicas
 
 
 def rendezvous_order(key: str, addresses: Sequence[str]) -> list[str]:
@@ -75,6 +125,11 @@ class ReplicaSet:
     def closed(self, key: str | None) -> None:
         if key is not None:
             self._pins.pop(key, None)
+
+    def any_up(self) -> bool:
+        """Whether some replica has not answered UNAVAILABLE lately."""
+        now = self.clock()
+        return any(self._down_until.get(a, 0.0) <= now for a in self.addresses)
 
     def mark_down(self, address: str) -> None:
         if len(self.addresses) > 1:
