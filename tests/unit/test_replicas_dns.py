@@ -122,9 +122,7 @@ def test_sessions_reach_each_address_of_the_name_by_rendezvous_over_addresses(tm
 
     async def run() -> None:
         async with _replicas(port, tls) as replicas:
-            client = VerifierClient(
-                f"localhost:{port}", tls=ClientTls(pki.ca.read_bytes()), resolve=_dns({"localhost": HOSTS})
-            )
+            client = VerifierClient(f"localhost:{port}", tls=ClientTls(pki.ca.read_bytes()), resolve=_dns({"localhost": HOSTS}))
             try:
                 assert client.replicas.addresses == addresses
                 for key in keys:
