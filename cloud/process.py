@@ -53,7 +53,8 @@ async def start_servers(settings: VerifierSettings) -> Servers:
         log, logging.INFO, f"http on {settings.host}:{http.port}" + (" (HTTPS)" if tls else ""), http_port=http.port, **security
     )
     credentials = tls.grpc_credentials() if tls else None
-    server, port = await start_server(state, f"{settings.host}:{settings.port}", settings.reflection, credentials=credentials)
+    grpc_host = f"[{settings.host}]" if ":" in settings.host and not settings.host.startswith("[") else settings.host  # IPv6
+    server, port = await start_server(state, f"{grpc_host}:{settings.port}", settings.reflection, credentials=credentials)
     log_event(
         log,
         logging.INFO,

@@ -21,7 +21,7 @@ def is_loopback(host: str) -> bool:
 def bind_tcp(host: str, port: int, what: str = "") -> socket.socket:
     """A TCP socket bound to host:port (0 = any free port), not yet listening. Bound here rather
     than in uvicorn so port 0 resolves before serving and a taken port raises OSError."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
