@@ -127,8 +127,8 @@ def render(
             ax.legend(fontsize=7, loc="upper left", ncol=4, frameon=False)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
-    title = dashboard.get("title", "dashboard") + (f": {caption}" if caption else "")
-    fig.suptitle(title + "  (x: seconds since the window's start)", fontsize=11, x=0.01, y=0.985, ha="left")
+    title = dashboard.get("title", "dashboard") + "  (x: seconds since the window's start)" + (f"\n{caption}" if caption else "")
+    fig.suptitle(title, fontsize=11, x=0.01, y=0.99, ha="left")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90, bbox_inches="tight")
     plt.close(fig)
