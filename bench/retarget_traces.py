@@ -1,0 +1,117 @@
+"""Recorded greedy sessions made to fit another target model, round for round.
+
+    python -m bench.retarget_traces TRACE_DIR MODEL_DIR OUT_DIR [--device auto] [--dtype bfloat16]
+
+Each recorded round keeps its timing (the edge's think-time), its k and its accepted length;
+its draft tokens are rewritten so that MODEL_DIR, greedy, accepts exactly as many as the
+recorded verifier did: the first `accepted_len` drafts are the model's own greedy tokens,
+the next one differs from the model's choice, the rest are the recorded ones. The replies
+the model gives (the recovered or bonus token) become the recorded replies, so a replay
+against a verifier serving MODEL_DIR can compare them (replay fidelity).
+
+Why: a capacity search on a machine that cannot hold the recorded pair's weights (a GPU box
+with no network, say) serves a model of the same architecture with random weights
+(bench/random_weights.py). The verifier's cost per round depends on the shapes, not the
+weights; the acceptance the replay sees, and so the tokens each round yields, stay the
+recorded pair's. Only greedy traces can be rewritten this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from edge.trace import Event, OpenEvent, SessionTrace, TraceEnd, TraceError, VerifyEvent, read_traces, write_trace
+from shared import lm
+from shared.errors import ConfigError
+
+log = logging.getLogger("retarget-traces")
+
+
+class GreedyTarget:
+    """The model's greedy continuation of one session, a token at a time, with its KV."""
+
+    def __init__(self, model: PreTrainedModel, prompt: Sequence[int]) -> None:
+        self.model, self.cache = model, lm.new_cache(model)
+        self.logits = lm.forward(model, self.cache, prompt, keep=1)[-1]  # [V]: the next token's
+        self.generated: list[int] = []
+
+    def next_tokens(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            token = int(self.logits.argmax())
+            out.append(token)
+            self.logits = lm.forward(self.model, self.cache, [token])[-1]
+        self.generated += out
+        return out
+
+
+def _rejected(model_choice: int, recorded: int, vocab: int) -> int:
+    """A draft the model does not choose: the recorded one where it differs."""
+    return recorded if recorded != model_choice else (model_choice + 1) % vocab
+
+
+def _round(event: VerifyEvent, target: GreedyTarget, vocab: int) -> VerifyEvent:
+    drafts, accepted = list(event.request.draft_tokens), event.accepted_len
+    greedy = target.next_tokens(accepted + 1)  # the accepted drafts and the reply token
+    if accepted < len(drafts):
+        drafts[accepted] = _rejected(greedy[accepted], drafts[accepted], vocab)
+    drafts[:accepted] = greedy[:accepted]
+    return replace(event, request=replace(event.request, draft_tokens=drafts), next_token=greedy[accepted])
+
+
+@torch.inference_mode()
+def retarget(trace: SessionTrace, model: PreTrainedModel, model_name: str) -> SessionTrace:
+    if trace.header.accept_mode != "greedy" or trace.header.mode != "speculative":
+        raise TraceError(f"{trace.name}: only greedy speculative traces can be retargeted")
+    if any(e.request.committed_tokens for e in trace.replied_verifies()):
+        raise TraceError(f"{trace.name}: rounds that resend committed tokens cannot be retargeted")
+    vocab = lm.logits_width(model)
+    target = GreedyTarget(model, trace.header.prompt_tokens)
+    events: list[Event] = []
+    for event in trace.events:
+        if isinstance(event, VerifyEvent) and event.error is None:
+            events.append(_round(event, target, vocab))
+        elif isinstance(event, OpenEvent):  # a reopen happens on what the session had committed
+            events.append(replace(event, prefix_tokens=target.generated[: len(event.prefix_tokens)]))
+        elif not isinstance(event, VerifyEvent):
+            raise TraceError(f"{trace.name}: a {type(event).__name__} cannot be retargeted")
+        else:
+            events.append(event)  # a failed round: no reply to rewrite
+    header = replace(trace.header, target_model=model_name, edge={**trace.header.edge, "retargeted": True})
+    end = TraceEnd(trace.end.t, target.generated, trace.end.finish_reason, trace.end.rounds, trace.end.reopens)
+    return SessionTrace(header, events, end, trace.name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="retarget_traces", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("traces", type=Path, help="folder of recorded *.jsonl session traces")
+    parser.add_argument("model", type=Path, help="the target model folder the traces are rewritten for")
+    parser.add_argument("out", type=Path, help="folder for the rewritten traces (same file names)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="bfloat16", help="the dtype the verifier will serve the model in")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    try:
+        traces = read_traces(args.traces)
+        model = lm.load_model(args.model, args.dtype, args.device)
+        for trace in traces:
+            write_trace(args.out / f"{trace.name}.jsonl", retarget(trace, model, args.model.name))
+    except (TraceError, ConfigError) as err:
+        sys.stderr.write(f"retarget_traces: {err}\n")
+        return 2
+    log.info("%d traces rewritten into %s", len(traces), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

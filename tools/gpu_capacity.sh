@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On a CUDA machine: the verifier's figures with the target's real shapes, in bf16.
+#   1. per-round batched pass time, packed against slot KV, 1/4/8/16 sessions x 1k/4k context;
+#   2. the capacity search (loadtest --find-capacity), speculative against cloud_only, with the
+#      verifier on the GPU and the recorded sessions replayed from the machine's CPU cores.
+# The model is CONFIG_DIR's architecture with random weights (bench/random_weights.py) and the
+# shipped Qwen traces are rewritten for it round for round (bench/retarget_traces.py), so each
+# round accepts what the recorded pair accepted.
+#
+#   tools/gpu_capacity.sh CONFIG_DIR OUT_DIR [SLO_ITL_P95_MS] [MAX_SESSIONS] [STEP_S]
+set -euo pipefail
+config_dir=$1 out=$2 slo=${3:-2500} max_sessions=${4:-256} step_s=${5:-15}
+py=${PYTHON:-python3}
+port=${PORT:-50071} http_port=${HTTP_PORT:-8091}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv"
+
+$py -m bench.random_weights "$config_dir" "$out/model" --device cuda --dtype bfloat16
+$py -m bench.kv_layout_timing --model "$out/model" --device cuda --dtype bfloat16 --sessions 1,4,8,16 \
+    --contexts 1024,4096 --rounds 10 --output "$out/kv_layout.json"
+$py -m bench.retarget_traces bench/data/traces/qwen "$out/model" "$out/traces" --device cuda --dtype bfloat16
+
+$py -m cloud --model "$out/model" --device cuda --dtype bfloat16 --port "$port" --http-port "$http_port" \
+    --max-sessions 2048 --max-batch-size 64 --max-queue 4096 > "$out/verifier.log" 2>&1 &
+verifier=$!
+trap 'kill $verifier 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do
+    $py -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http_port/readyz')" 2>/dev/null && break
+    sleep 1
+done
+$py -m bench.loadtest --cloud "127.0.0.1:$port" --trace "$out/traces" --find-capacity --slo-itl-p95-ms "$slo" \
+    --capacity-max-sessions "$max_sessions" --capacity-step-s "$step_s" --no-progress \
+    --metrics-url "http://127.0.0.1:$http_port/metrics" --report "$out/capacity" --output "$out/capacity/capacity.json"
