@@ -12,10 +12,12 @@ none (they arrive together). A session's first tokens are its TTFT, not an inter
 The smoothed ITL (the gap spread over the reply's tokens, what a UI pacing its output shows) is
 reported beside it. ITLs count in the steady part of a level only (after the starts are spread,
 before `step_s`): the ramp and the tail run fewer than N sessions. Throughput is over the
-whole level. A level meets the target when no session ended early and the p95s are
-within it. Search: 1, 2, 4, ... sessions until a level misses (or `max_sessions`), then
-bisection between the last level met and the first missed; the capacity is the largest level
-met (0 when one session already misses).
+whole level. A level meets the target when no session ended early, every one of its N
+workers got tokens in the steady part (a worker stuck waiting for its first tokens has no
+inter-token gaps to count, and would otherwise hide the stall), and the p95s are within it.
+Search: 1, 2, 4, ... sessions until a level misses (or `max_sessions`), then bisection between
+the last level met and the first missed; the capacity is the largest level met (0 when one
+session already misses).
 """
 
 from __future__ import annotations
@@ -98,8 +100,10 @@ def _level(
     failed = [o for o in outcomes if o.error is not None]
     deliveries = steady(clock.deliveries, search)
     itl, ttft = percentiles(itl_as_seen(deliveries)), percentiles([o.ttft_ms for o in outcomes if o.ttft_ms is not None])
+    workers_served = len({d.session % n for d in deliveries})  # session index i + j * n runs on worker i
     meets = (
         not failed
+        and workers_served == n
         and itl["p95"] is not None
         and itl["p95"] <= search.slo_itl_p95_ms
         and (search.slo_ttft_p95_ms is None or (ttft["p95"] is not None and ttft["p95"] <= search.slo_ttft_p95_ms))
@@ -108,6 +112,7 @@ def _level(
         "sessions": n,
         "mode": mode,
         "meets_slo": meets,
+        "workers_served": workers_served,
         "wall_s": round(wall_s, 3),
         "sessions_completed": len(outcomes) - len(failed),
         "sessions_failed": len(failed),

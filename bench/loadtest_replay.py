@@ -57,6 +57,7 @@ class Delivery:
     gap_ms: float
     tokens: int
     t_s: float  # when they came, seconds since the load test began
+    session: int = 0  # the session's index in the load test
 
 
 class LoadClock:
@@ -77,7 +78,7 @@ class LoadClock:
     def deliver(self, session: int, tokens: int) -> None:
         now = self.now()
         if (last := self._last_delivery.get(session)) is not None:
-            self.deliveries.append(Delivery((now - last) * 1000.0, tokens, now))
+            self.deliveries.append(Delivery((now - last) * 1000.0, tokens, now, session))
         self._last_delivery[session] = now
 
 

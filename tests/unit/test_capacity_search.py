@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from bench.loadtest_capacity import CapacitySearch, itl_as_seen, itl_smoothed, search_mode, steady
-from bench.loadtest_replay import Delivery
+from bench.loadtest_capacity import CapacitySearch, _level, itl_as_seen, itl_smoothed, search_mode, steady
+from bench.loadtest_replay import Delivery, LoadClock
 
 
 def _search(threshold: int, cap: int) -> tuple[int, list[int]]:
@@ -41,3 +41,19 @@ def test_itl_as_seen_and_smoothed() -> None:
     timed = [Delivery(1.0, 1, 0.5), Delivery(2.0, 1, 5.0), Delivery(3.0, 1, 11.0)]
     assert steady(timed, search) == [timed[1]]  # the ramp and the tail are left out
     assert steady(timed[:1], search) == timed[:1]  # a level too short for a steady part keeps all
+
+
+def _level_meets(sessions_delivering: list[int], n: int) -> bool:
+    async def level() -> bool:
+        clock = LoadClock()
+        clock.deliveries = [Delivery(100.0, 2, 5.0, session) for session in sessions_delivering]
+        search = CapacitySearch(slo_itl_p95_ms=500, step_s=10.0)
+        return bool(_level(n, "cloud_only", clock, [], 10.0, None, search)["meets_slo"])
+
+    return asyncio.run(level())
+
+
+def test_a_level_meets_the_target_only_when_every_worker_got_tokens() -> None:
+    assert _level_meets([0, 1], n=2)
+    assert _level_meets([0, 3], n=2)  # session 3 is worker 1's second session
+    assert not _level_meets([0, 2], n=2)  # worker 1 never got tokens: a stall, not a fast level
