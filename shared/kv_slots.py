@@ -4,22 +4,28 @@ allocated once, instead of being concatenated into a packed cache and copied bac
 The pool of a layer is one sequence of slots x slot_tokens positions [1, kv_heads, slots *
 slot_tokens, head_dim]; a session owns the slot_tokens positions of one slot (llama.cpp
 server's unified KV buffer with fixed slots; gpt-fast's static cache, one row per sequence).
-A pass packs the new tokens of every session into one row, as forward_packed does, and the
-attention layers see the pool window spanning the slots of the pass (a view, no copy); a
-mask built from the lengths keeps each query to its own slot's past and its own block. Only
-the new tokens' keys and values are written (index_copy_ at their slot positions). Lengths
-move only after a pass succeeds: a failed pass leaves every session as it was (what it wrote
-lies past the lengths, masked), and crop is a length update, not a copy.
+Only the new tokens' keys and values are written (index_copy_ at their slot positions), and
+attention reads the pool through views, never a copy. Lengths move only after a pass
+succeeds: a failed pass leaves every session as it was (what it wrote lies past the lengths,
+masked), and crop is a length update, not a copy.
 
-Cost: attention reads the whole window, gaps included (slots of sessions not in the pass,
-positions past a session's length), so slots are handed out lowest first to keep it tight.
-Full-attention models only, like forward_packed.
+A pass takes one of two shapes (forward_slots picks):
+- batch: one batch row per slot of the range the pass spans, the blocks padded to the
+  longest; each row attends over its own slot's first positions up to the longest filled
+  length (a strided view of the pool). Attention costs rows x block x filled length: the
+  shape of rounds and decode steps, whose blocks are all short.
+- packed: the new tokens of every session in one row, as lm.forward_packed does, attending
+  over the pool window spanning the slots of the pass, gaps included (slots of sessions not
+  in the pass, positions past a session's length). No padding: the shape of a pass that
+  carries a long prefill chunk beside short rounds.
+Slots are handed out lowest first to keep the range tight. Full-attention models only, like
+lm.forward_packed.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,18 +123,26 @@ class SlotPool:
 
 class _PoolView:
     """past_key_values for one pass: update() writes the pass's new keys and values at their
-    slot positions and returns the pool window the pass attends over."""
+    slot positions and returns what the pass attends over (`window`, a view of the pool)."""
 
-    def __init__(self, pool: SlotPool, dest: torch.Tensor, window: slice) -> None:
+    def __init__(self, pool: SlotPool, dest: torch.Tensor, window: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.pool, self.dest, self.window = pool, dest, window
+        self.new_tokens: torch.Tensor | None = None  # batch shape: which of the padded tokens are real
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]  # [1, kv_heads, P, head_dim]
-        keys.index_copy_(2, self.dest, key_states.to(keys.dtype))  # key_states [1, kv_heads, new, head_dim]
-        values.index_copy_(2, self.dest, value_states.to(values.dtype))
-        return keys[:, :, self.window], values[:, :, self.window]
+        keys.index_copy_(2, self.dest, self._real(key_states).to(keys.dtype))
+        values.index_copy_(2, self.dest, self._real(value_states).to(values.dtype))
+        return self.window(keys), self.window(values)
+
+    def _real(self, states: torch.Tensor) -> torch.Tensor:
+        """[rows, kv_heads, new, head_dim] -> [1, kv_heads, real new tokens, head_dim]."""
+        if self.new_tokens is None:
+            return states  # packed: one row of real tokens
+        heads, dim = states.shape[1], states.shape[3]
+        return states.transpose(0, 1).reshape(heads, -1, dim)[:, self.new_tokens][None]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come as position_ids, the mask is given: nothing asks for more
@@ -142,14 +156,58 @@ def _check(kvs: Sequence[SlotKV], lengths: Sequence[int]) -> None:
             raise InvalidRequest(f"{kv.length + length} positions pass the KV slot's {kv.pool.slot_tokens}")
 
 
+def _slot_rows(layer: torch.Tensor, first_slot: int, rows: int, width: int, slot_tokens: int) -> torch.Tensor:
+    """[1, kv_heads, slots * slot_tokens, head_dim] -> [rows, kv_heads, width, head_dim]: the
+    first `width` positions of slots first_slot.. as batch rows (a strided view, no copy)."""
+    _, heads, _, dim = layer.shape
+    return layer.as_strided(
+        (rows, heads, width, dim),
+        (slot_tokens * dim, layer.stride(1), dim, 1),
+        layer.storage_offset() + first_slot * slot_tokens * dim,
+    )
+
+
+def choose_shape(kvs: Sequence[SlotKV], lengths: Sequence[int]) -> str:
+    """batch when padding every slot row of the range to the longest block at most doubles
+    the tokens fed (rounds, decode steps); packed otherwise (a long prefill chunk in the pass)."""
+    rows = max(kv.slot for kv in kvs) - min(kv.slot for kv in kvs) + 1
+    return "batch" if rows * max(lengths) <= 2 * sum(lengths) else "packed"
+
+
 @torch.inference_mode()
 def forward_slots(
-    model: PreTrainedModel, kvs: Sequence[SlotKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]
+    model: PreTrainedModel,
+    kvs: Sequence[SlotKV],
+    blocks: Sequence[Sequence[int]],
+    keeps: Sequence[int],
+    shape: str = "auto",
 ) -> list[torch.Tensor]:
-    """forward_packed over slots: per sequence, the last keeps[i] rows of float32 logits (all
-    rows when 0), on the CPU; each slot gains its block's KV."""
+    """lm.forward_packed over slots: per sequence, the last keeps[i] rows of float32 logits
+    (all rows when 0), on the CPU; each slot gains its block's KV. `shape`: auto, batch or
+    packed (see the module's docstring; the results are the same)."""
     lengths = [len(block) for block in blocks]
     _check(kvs, lengths)
+    if shape == "auto":
+        shape = choose_shape(kvs, lengths)
+    logits = (_forward_batch if shape == "batch" else _forward_packed)(model, kvs, blocks, keeps)
+    for kv, n in zip(kvs, lengths, strict=True):  # the pass succeeded: only now do the lengths move
+        kv.length += n
+    return logits
+
+
+def _kept_rows(lengths: Sequence[int], keeps: Sequence[int]) -> list[torch.Tensor]:
+    """Per sequence, the indices of its kept rows among the pass's packed new tokens."""
+    rows, start = [], 0
+    for n, keep in zip(lengths, keeps, strict=True):
+        rows.append(torch.arange(start + n - (keep or n), start + n))
+        start += n
+    return rows
+
+
+def _forward_packed(
+    model: PreTrainedModel, kvs: Sequence[SlotKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]
+) -> list[torch.Tensor]:
+    lengths = [len(block) for block in blocks]
     device, dtype, pool = model.device, model.dtype, kvs[0].pool
     lo = min(kv.base for kv in kvs)
     hi = max(kv.base + kv.length + length for kv, length in zip(kvs, lengths, strict=True))
@@ -161,19 +219,49 @@ def forward_slots(
     columns = torch.arange(lo, hi, device=device)  # [window]
     allowed = (columns[None] >= bases[:, None]) & (columns[None] <= dest[:, None])  # [total_new, window]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    rows, start = [], 0
-    for n, keep in zip(lengths, keeps, strict=True):
-        rows.append(torch.arange(start + n - (keep or n), start + n))
-        start += n
-    view = _PoolView(pool, dest, slice(lo, hi))
+    rows = _kept_rows(lengths, keeps)
     out = model(
         input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
         attention_mask=mask[None, None],
         position_ids=positions[None],
-        past_key_values=view,
+        past_key_values=_PoolView(pool, dest, lambda layer: layer[:, :, lo:hi]),
         use_cache=True,
         logits_to_keep=torch.cat(rows).to(device),
     )
-    for kv, n in zip(kvs, lengths, strict=True):  # the pass succeeded: only now do the lengths move
-        kv.length += n
     return list(out.logits[0].float().cpu().split([len(r) for r in rows]))
+
+
+def _forward_batch(
+    model: PreTrainedModel, kvs: Sequence[SlotKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]
+) -> list[torch.Tensor]:
+    device, dtype, pool = model.device, model.dtype, kvs[0].pool
+    first = min(kv.slot for kv in kvs)
+    rows = max(kv.slot for kv in kvs) - first + 1  # slots of the range not in the pass run padding
+    block = max(len(b) for b in blocks)
+    width = max(kv.length + len(b) for kv, b in zip(kvs, blocks, strict=True))
+    past = torch.zeros(rows, dtype=torch.long)  # per row: the positions its slot holds
+    fed = torch.zeros(rows, dtype=torch.long)  # per row: the real tokens of its block
+    input_ids = torch.zeros(rows, block, dtype=torch.long)
+    for kv, b in zip(kvs, blocks, strict=True):
+        row = kv.slot - first
+        past[row], fed[row] = kv.length, len(b)
+        input_ids[row, : len(b)] = torch.tensor(b, dtype=torch.long)
+    offsets = torch.arange(block)
+    positions = past[:, None] + offsets[None]  # [rows, block]
+    real = offsets[None] < fed[:, None]  # [rows, block]
+    # A real token sees its slot up to itself; a padding token sees position 0 only (no empty row).
+    allowed = torch.arange(width)[None, None] <= torch.where(real, positions, 0)[:, :, None]  # [rows, block, width]
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    slot_of_row = first + torch.arange(rows)
+    dest = (slot_of_row[:, None] * pool.slot_tokens + positions)[real]  # [total_new], row-major like _real
+    view = _PoolView(pool, dest.to(device), lambda layer: _slot_rows(layer, first, rows, width, pool.slot_tokens))
+    view.new_tokens = real.reshape(-1).to(device)
+    out = model(
+        input_ids=input_ids.to(device),
+        attention_mask=mask[:, None].to(device),
+        position_ids=positions.to(device),
+        past_key_values=view,
+        use_cache=True,
+    )
+    logits = out.logits.float().cpu()  # [rows, block, V]
+    return [logits[kv.slot - first, len(b) - (keep or len(b)) : len(b)] for kv, b, keep in zip(kvs, blocks, keeps, strict=True)]

@@ -9,7 +9,7 @@ import torch
 
 from shared import lm
 from shared.errors import InvalidRequest, SessionNotFound
-from shared.kv_slots import SlotKV, SlotPool, forward_slots
+from shared.kv_slots import SlotKV, SlotPool, choose_shape, forward_slots
 
 
 def _slot_keys(kv: SlotKV, layer: int) -> torch.Tensor:
@@ -23,8 +23,9 @@ def _assert_same_kv(kv: SlotKV, cache) -> None:  # type: ignore[no-untyped-def]
             torch.testing.assert_close(_slot_keys(kv, index), layer.keys, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", ["batch", "packed", "auto"])
 @pytest.mark.parametrize("seed", range(4))
-def test_slot_pass_equals_each_sequence_alone(target_model, seed: int) -> None:
+def test_slot_pass_equals_each_sequence_alone(target_model, seed: int, shape: str) -> None:
     rng = random.Random(seed)
     n = rng.randint(2, 6)
     pool = SlotPool(target_model, slots=8, slot_tokens=64)
@@ -38,7 +39,10 @@ def test_slot_pass_equals_each_sequence_alone(target_model, seed: int) -> None:
     blocks = [[rng.randrange(96) for _ in range(rng.randint(1, 7))] for _ in range(n)]
     keeps = [rng.randint(0, len(block)) for block in blocks]
     expected = [lm.forward(target_model, c, b, k) for c, b, k in zip(alone, blocks, keeps, strict=True)]
-    got = lm.forward_packed(target_model, kvs, blocks, keeps)
+    if seed % 2:  # a slot of the range not in the pass: a padding row (batch), a gap (packed)
+        kvs, alone, blocks, keeps, expected = kvs[1:], alone[1:], blocks[1:], keeps[1:], expected[1:]
+        kvs, alone, blocks, keeps, expected = ([x[0]] + x[2:] for x in (kvs, alone, blocks, keeps, expected))
+    got = forward_slots(target_model, kvs, blocks, keeps, shape)
     for want, have, kv, cache in zip(expected, got, kvs, alone, strict=True):
         assert have.shape == want.shape
         torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
@@ -46,7 +50,8 @@ def test_slot_pass_equals_each_sequence_alone(target_model, seed: int) -> None:
         _assert_same_kv(kv, cache)
 
 
-def test_many_rounds_with_crops_joins_and_leaves_decode_like_alone(target_model) -> None:
+@pytest.mark.parametrize("shape", ["batch", "packed", "auto"])
+def test_many_rounds_with_crops_joins_and_leaves_decode_like_alone(target_model, shape: str) -> None:
     """Greedy rounds over a changing set of sessions: each round a random subset feeds a block,
     keeps a random prefix of it (crop, as a rejected draft does), some sessions leave and new
     ones take their slots; every token equals the unbatched path's."""
@@ -60,7 +65,7 @@ def test_many_rounds_with_crops_joins_and_leaves_decode_like_alone(target_model)
             continue
         batch = rng.sample(live, rng.randint(1, len(live)))
         blocks = [[rng.randrange(96) for _ in range(rng.randint(1, 12 if not fed else 5))] for _, _, fed in batch]
-        got = lm.forward_packed(target_model, [kv for kv, _, _ in batch], blocks, [0] * len(batch))
+        got = forward_slots(target_model, [kv for kv, _, _ in batch], blocks, [0] * len(batch), shape)
         for (kv, cache, fed), block, rows in zip(batch, blocks, got, strict=True):
             want = lm.forward(target_model, cache, block)  # type: ignore[arg-type]
             assert torch.equal(rows.argmax(-1), want.argmax(-1))
@@ -77,13 +82,14 @@ def test_many_rounds_with_crops_joins_and_leaves_decode_like_alone(target_model)
     assert pool.free_slots == 5 - len(live)
 
 
-def test_a_failed_pass_leaves_every_slot_as_it_was(target_model) -> None:
+@pytest.mark.parametrize("shape", ["batch", "packed"])
+def test_a_failed_pass_leaves_every_slot_as_it_was(target_model, shape: str) -> None:
     pool = SlotPool(target_model, slots=3, slot_tokens=32)
     a, b = pool.acquire(), pool.acquire()
-    forward_slots(target_model, [a, b], [[5, 6, 7], [8, 9]], [1, 1])
+    forward_slots(target_model, [a, b], [[5, 6, 7], [8, 9]], [1, 1], shape)
     before = [t.clone() for t in (*pool.keys, *pool.values)]
     with pytest.raises(IndexError):  # an id past the embedding: the pass fails inside the model
-        forward_slots(target_model, [a, b], [[1, 2], [10_000]], [1, 1])
+        forward_slots(target_model, [a, b], [[1, 2], [10_000]], [1, 1], shape)
     assert (a.length, b.length) == (3, 2)
     # What the failed pass wrote (if anything) lies past the lengths: the live KV is unchanged.
     for old, new in zip(before, (*pool.keys, *pool.values), strict=True):
@@ -95,6 +101,14 @@ def test_a_failed_pass_leaves_every_slot_as_it_was(target_model) -> None:
     with pytest.raises(SessionNotFound):
         forward_slots(target_model, [a, b], [[1], [2]], [1, 1])
     assert a.length == 3
+
+
+def test_short_blocks_run_as_batch_rows_and_a_long_chunk_packed(target_model) -> None:
+    pool = SlotPool(target_model, slots=4, slot_tokens=300)
+    a, b, c = pool.acquire(), pool.acquire(), pool.acquire()
+    assert choose_shape([a, b, c], [5, 5, 4]) == "batch"  # rounds: little padding
+    assert choose_shape([a, c], [5, 5]) == "batch"  # slot b idle: 3 rows for 10 tokens
+    assert choose_shape([a, b, c], [256, 5, 5]) == "packed"  # a prefill chunk: padding would triple the tokens
 
 
 def test_pool_bytes_are_the_tensors_allocated(target_model) -> None:
