@@ -7,8 +7,9 @@
 Every session holds `context` positions of KV; a round feeds each a block of `block` tokens
 (k drafts + 1) in one pass, then crops it back (a round whose drafts were all rejected), so
 every round sees the same context. Packed concatenates all caches and copies the new KV back
-each pass; slots write only the new KV, but attend over whole slots' gaps: `--slot-tokens`
-(the verifier's --kv-slot-tokens; default context + block, the best case) measures that cost.
+each pass; slots write only the new KV and attend over each slot's filled positions in place
+(shared/kv_slots.py). `--slot-tokens` (the verifier's --kv-slot-tokens; default context +
+block) sets slots longer than the contexts in them, as a verifier sized for long sessions has.
 The KV is one real prefill copied to every session:
 the values do not change the time. `small` is a random Llama of about 0.1B parameters; a
 model folder runs a real model (on a quiet machine or a GPU: the numbers are timings).
