@@ -283,7 +283,8 @@ class VerifierClient:
                 error = _error_from_rpc(err)
                 if isinstance(error, CloudUnavailable):
                     self.replicas.mark_down(address)
-                    if opening and self.replicas.any_up():  # a new session: straight to the next replica
+                    # A new session: straight to the next replica (one alone is the caller's to retry).
+                    if opening and len(self.replicas.addresses) > 1 and self.replicas.any_up():
                         return await self._unary(method, msg, max(deadline - loop.time(), 0.001), session_key, opening)
                 if not isinstance(error, CapacityExceeded):
                     raise error from None
