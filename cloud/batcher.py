@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from cloud.batch_step import PARTIAL, Batch, BatchRunner, ForwardStep
 from cloud.metrics import VerifierMetrics
 from cloud.quotas import KeyLimits, TokenRate, key_label
-from cloud.verifier import PARTIAL, ForwardStep, Verifier
 from cloud.worker import ModelWorker
 from shared.errors import CapacityExceeded
 
@@ -100,8 +100,8 @@ class _Waiting:
 class ForwardBatcher:
     """Collects steps from concurrent calls and runs them in batches on the model worker."""
 
-    def __init__(self, verifier: Verifier, worker: ModelWorker, limits: BatchLimits, metrics: VerifierMetrics) -> None:
-        self.verifier = verifier
+    def __init__(self, runner: BatchRunner, worker: ModelWorker, limits: BatchLimits, metrics: VerifierMetrics) -> None:
+        self.runner = runner  # the Verifier: each batch is one run_batch on the model worker
         self.worker = worker
         self.limits = limits
         self.metrics = metrics
@@ -247,7 +247,7 @@ class ForwardBatcher:
         for waiting in _fair_order(self._waiting):
             if waiting.future.done():  # cancelled while queued: the caller gave up, do not run it
                 if waiting.step is not None:  # a prefill cut off between chunks: drop what it built
-                    self.worker.submit(waiting.step.undo)
+                    self.worker.submit(waiting.step.work.undo)
                 continue
             if waiting.admitting and waiting.deadline is not None and self.cost.known:
                 alone_ms, left_ms = self.cost.estimate_ms(waiting.remaining) * MARGIN, (waiting.deadline - now) * 1000.0
@@ -281,7 +281,7 @@ class ForwardBatcher:
         now), then one forward pass over those that began."""
         now = time.perf_counter()
         results: list[Any] = [None] * len(batch)
-        steps: list[tuple[ForwardStep[Any], float]] = []
+        steps: Batch = []
         began: list[int] = []
         for index, waiting in enumerate(batch):
             try:
@@ -295,7 +295,7 @@ class ForwardBatcher:
             began.append(index)
         if steps:
             self.metrics.batch_size.observe(len(steps))
-        for index, result in zip(began, self.verifier.run_batch(steps), strict=True):
+        for index, result in zip(began, self.runner.run_batch(steps), strict=True):
             results[index] = result
         return results
 
@@ -304,9 +304,12 @@ def _fair_order(waiting: list[_Waiting]) -> list[_Waiting]:
     """Steps in rounds across keys: every key's oldest step, then every key's second oldest,
     and so on (age order within a round), so a key with many steps queued cannot push a
     key with few out of the next pass."""
+    rounds: list[list[_Waiting]] = []
     seen: dict[str, int] = {}
-    ranked = []
     for w in sorted(waiting, key=lambda w: w.submitted):
-        ranked.append((seen.get(w.key, 0), w.submitted, w))
-        seen[w.key] = seen.get(w.key, 0) + 1
-    return [w for _, _, w in sorted(ranked, key=lambda r: (r[0], r[1]))]
+        rank = seen.get(w.key, 0)
+        seen[w.key] = rank + 1
+        if rank == len(rounds):
+            rounds.append([])
+        rounds[rank].append(w)
+    return [w for steps in rounds for w in steps]

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from cloud.batch_step import ForwardStep
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
-from cloud.verifier import ForwardStep, Verifier
+from cloud.verifier import Verifier
 from edge.client import CapacityRetry, VerifierClient
 from edge.generate import cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK

@@ -6,9 +6,10 @@ import time
 
 import pytest
 
+from cloud.batch_step import ForwardStep
 from cloud.grpc_server import create_server
 from cloud.sessions import SessionLimits
-from cloud.verifier import ForwardStep, Verifier, VerifierLimits
+from cloud.verifier import Verifier, VerifierLimits
 from edge.client import CapacityRetry, VerifierClient
 from edge.generate import TimeoutPolicy, cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK

@@ -7,9 +7,10 @@ import random
 
 import pytest
 
+from cloud.batch_step import ForwardStep
 from cloud.batcher import BatchLimits
 from cloud.sessions import SessionLimits
-from cloud.verifier import ForwardStep, Verifier, VerifierLimits
+from cloud.verifier import Verifier, VerifierLimits
 from edge.generate import cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK
 from shared.errors import SessionNotFound
@@ -105,6 +106,14 @@ def test_rounds_over_joins_leaves_and_evictions_equal_each_alone(target_model) -
     assert evicted > 0
 
 
+class _NoWork:
+    def finish(self, *_: object) -> None:
+        return None
+
+    def undo(self) -> None:
+        pass
+
+
 def test_a_failed_pass_touches_no_session(target_model) -> None:
     slots, alone = _slots(target_model, max_sessions=4), Verifier(target_model, "reference")
     prompts = [random_prompt(seed, length=5 + seed) for seed in range(3)]
@@ -112,7 +121,7 @@ def test_a_failed_pass_touches_no_session(target_model) -> None:
     refs = [alone.open_session(OpenSessionRequest(p, CONFIG)).session_id for p in prompts]
     lengths = [slots.sessions.get(sid).cache.get_seq_length() for sid in ids]
     victim = slots.sessions.get(ids[1])
-    broken = ForwardStep(victim.cache, [10_000], 1, lambda *_: None, lambda: None)  # an id past the embedding
+    broken = ForwardStep(victim.cache, [10_000], 1, _NoWork())  # an id past the embedding
     steps = [(_round(slots, ids[0], prompts[0], [7, 8]), 0.0), (broken, 0.0), (_round(slots, ids[2], prompts[2], [9]), 0.0)]
     with pytest.raises(IndexError):
         slots.run_batch(steps)

@@ -1,0 +1,130 @@
+"""One batch step: ONE forward pass of the target over the steps of several sessions and
+streams (a round, a prefill or a chunk of it, a Generate token), each turned into its own
+result afterwards.
+
+A step is one sequence's share of the pass (ForwardStep); what it does with its rows and
+how it is put back after a failure is its StepWork. A failed pass leaves every cache as it
+was; a step that fails after the pass is undone alone, so it never fails or corrupts the
+others of its pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+from transformers import PreTrainedModel
+
+from shared import lm
+from shared.errors import SessionNotFound, SpecDecError, VerifierFault
+from shared.kv_slots import SlotKV
+
+log = logging.getLogger("cloud-verifier")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class StepWork(Protocol[R_co]):
+    """What a step does once its forward pass ran, and how it is undone when the pass or its
+    own finish fails."""
+
+    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> R_co: ...
+
+    def undo(self) -> None: ...
+
+
+class Partial:
+    """What the head of a split step returns: its tokens are in the cache, the rest follows."""
+
+
+PARTIAL = Partial()
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The first part of a split step: its tokens go into the cache, nothing is returned yet;
+    undoing it undoes the whole step."""
+
+    whole: StepWork[Any]
+
+    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> Partial:
+        return PARTIAL
+
+    def undo(self) -> None:
+        self.whole.undo()
+
+
+@dataclass
+class ForwardStep(Generic[R]):
+    """One sequence's share of a forward pass that may be batched with others: feed `block`
+    after `cache`, keep the last `keep` rows of logits, and hand them to `work`."""
+
+    cache: lm.KVCache
+    block: list[int]
+    keep: int
+    work: StepWork[R]
+
+    def split(self, chunk: int) -> tuple[ForwardStep[Partial], ForwardStep[R]] | None:
+        """A long prefill as two steps for consecutive passes: the first `chunk` tokens
+        (their result is PARTIAL), then the rest, which keeps the rows and the work. Each
+        part undoes the whole step. None when the block is short enough to feed at once."""
+        head = min(chunk, len(self.block) - self.keep)
+        if chunk <= 0 or head <= 0 or len(self.block) <= chunk:
+            return None
+        first = ForwardStep(self.cache, self.block[:head], 1, _Head(self.work))
+        return first, ForwardStep(self.cache, self.block[head:], self.keep, self.work)
+
+
+Batch = list[tuple[ForwardStep[Any], float]]  # each step with the ms it queued
+
+
+class BatchRunner(Protocol):
+    """What the batcher runs its batches on (the Verifier)."""
+
+    def run_batch(self, steps: Batch) -> list[Any]: ...
+
+
+@dataclass
+class PassCount:
+    """Forward passes run (a batch of one-token prompts runs none)."""
+
+    passes: int = 0
+
+
+def run_batch(model: PreTrainedModel, steps: Batch, count: PassCount) -> list[Any]:
+    """ONE forward pass over every (step, queue_ms); returns each step's result, or the
+    exception that ended it."""
+    if not steps:
+        return []
+    gone = [i for i, (step, _) in enumerate(steps) if isinstance(step.cache, SlotKV) and step.cache.released]
+    if gone:  # its session left between two chunks of a prefill: that step alone fails
+        kept = iter(run_batch(model, [s for i, s in enumerate(steps) if i not in gone], count))
+        closed = SessionNotFound("the session was closed or evicted while its step waited")
+        return [closed if i in gone else next(kept) for i in range(len(steps))]
+    fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
+    forward_start = time.perf_counter()
+    try:
+        logits = lm.forward_packed(model, [s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]) if fed else []
+    except BaseException:
+        for step, _ in steps:
+            step.work.undo()
+        raise
+    forward_ms = (time.perf_counter() - forward_start) * 1000.0
+    count.passes += 1 if fed else 0
+    rows_of = iter(logits)
+    return [_finish(step, next(rows_of) if step.block else torch.empty(0), forward_ms, queue_ms) for step, queue_ms in steps]
+
+
+def _finish(step: ForwardStep[Any], rows: torch.Tensor, forward_ms: float, queue_ms: float) -> Any:
+    try:
+        return step.work.finish(rows, forward_ms, queue_ms)
+    except SpecDecError as err:
+        step.work.undo()
+        return err
+    except Exception:  # a bug in one step's accept/sample path: that step alone fails
+        log.exception("a step failed after the forward pass; undone")
+        step.work.undo()
+        return VerifierFault("the verifier failed on this step (see its log)")

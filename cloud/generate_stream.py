@@ -1,0 +1,83 @@
+"""Target-only decoding (the cloud_only baseline): one Generate call between its steps, one
+token per step, each step batched with other streams' steps and sessions' rounds."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from cloud.batch_step import ForwardStep
+from cloud.sessions import Session, SessionStore
+from shared import lm
+from shared.errors import InvalidRequest
+from shared.protocol import GenerateChunk, GenerateRequest, SessionConfig
+from shared.sampling import penalized_logits, probs_from_logits
+from shared.speculative import sample_token
+
+
+class SessionOpener(Protocol):
+    """Where a stream stores its KV: the verifier's session store."""
+
+    sessions: SessionStore
+
+    def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session: ...
+
+
+class GenerateStream:
+    """One Generate call. Its KV is a session in the store (under an id only the stream
+    knows), so the session and KV caps count it like any session's; the first step stores
+    it, close() drops it. A stream is the work of each of its steps."""
+
+    def __init__(self, opener: SessionOpener, req: GenerateRequest, vocab: int, stream_id: str, owner: str) -> None:
+        self.opener = opener
+        self.req = req
+        self.vocab = vocab
+        self.stream_id = stream_id
+        self.owner = owner
+        self.session: Session | None = None  # stored by the first step, on the model worker
+        self.produced = 0
+        self.finished = False
+        self._undo_to: int | None = None  # the cache length before the step in flight (None: the prefill)
+
+    @property
+    def feed(self) -> list[int]:
+        """Tokens the next step feeds: the prompt (the prefill), then the last token."""
+        return list(self.req.prompt_tokens) if self.session is None else self.session.tokens[-1:]
+
+    def begin_step(self) -> ForwardStep[GenerateChunk]:
+        if self.finished:
+            raise InvalidRequest("the stream has finished")
+        if self.session is None:  # its whole length is reserved now: a stream is never cut short for KV
+            planned = len(self.req.prompt_tokens) + self.req.max_new_tokens - 1
+            self.session = self.opener.new_session(self.stream_id, self.req.config, self.req.prompt_tokens, self.owner, planned)
+            self._undo_to = None
+            return ForwardStep(self.session.cache, list(self.session.tokens), 1, self)
+        session = self.opener.sessions.get(self.stream_id, self.owner)  # evicted only if the caller has gone
+        self._undo_to = session.cache.get_seq_length()
+        return ForwardStep(session.cache, session.tokens[-1:], 1, self)
+
+    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> GenerateChunk:
+        assert self.session is not None
+        params = self.req.config.sampling
+        penalized = penalized_logits(logits, self.session.tokens, [], params, self.vocab)  # [1, V]
+        if params.greedy:
+            token = int(penalized[0].argmax())
+        else:
+            token = sample_token(probs_from_logits(penalized, params)[0], self.session.generator)
+        self.session.tokens.append(token)
+        self.opener.sessions.touch(self.session)
+        self.produced += 1
+        self.finished = token in self.req.stop_token_ids or self.produced == self.req.max_new_tokens
+        return GenerateChunk([token], forward_ms, self.finished)
+
+    def undo(self) -> None:
+        """The step in flight failed: a prefill drops the stream, a token step its KV row."""
+        if self._undo_to is None:
+            self.opener.sessions.discard(self.stream_id)
+        elif self.session is not None:
+            lm.crop(self.session.cache, self._undo_to)
+
+    def close(self) -> None:
+        """Drop the stream's KV (on the model worker)."""
+        self.opener.sessions.discard(self.stream_id)
