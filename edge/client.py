@@ -80,12 +80,27 @@ def _read_pem(path: str | None, flag: str) -> bytes | None:
         raise ConfigError(f"{flag} {path}: {err.strerror or err}") from None
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """Serialized payload bytes sent and received; the difference of two readings is what
+    passed between them."""
+
+    up: int = 0
+    down: int = 0
+
+    def __sub__(self, earlier: Traffic) -> Traffic:
+        return Traffic(self.up - earlier.up, self.down - earlier.down)
+
+
 @dataclass
 class WireStats:
     bytes_up: int = 0  # serialized request payloads
     bytes_down: int = 0  # serialized response payloads
     capacity_rejections: int = 0  # RESOURCE_EXHAUSTED answers, resent or not
     capacity_wait_s: float = 0.0  # time spent waiting to resend them
+
+    def traffic(self) -> Traffic:
+        return Traffic(self.bytes_up, self.bytes_down)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ async def cloud_only_generate(
     """Target alone through the verifier's Generate stream. A stream lost to a recoverable
     error is resumed within the reconnect window on the prompt plus the tokens already
     committed, asking only for the rest, so nothing is duplicated or lost."""
-    up0, down0 = client.stats.bytes_up, client.stats.bytes_down
+    traffic = client.stats.traffic()
     out = Output(cfg, GenerationResult(), observer)
     outage: Reconnecting | None = None
     session_key = new_session_key()
@@ -79,7 +79,7 @@ async def cloud_only_generate(
             await outage.wait(err)
             if out.result.token_ids:  # a stream cut midway: resumed with a fresh seed
                 out.result.reopens += 1
-    return out.finish(client, up0, down0)
+    return out.finish(client.stats.traffic() - traffic)
 
 
 def edge_only_generate(

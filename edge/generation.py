@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
-from edge.client import VerifierClient
+from edge.client import Traffic
 from edge.drafter import StopRule
 from edge.gating import EscalationRules, GatingThresholds
 from shared.errors import CloudUnavailable, PositionMismatch, SessionNotFound, SpecDecError
@@ -196,11 +196,11 @@ class Output:
         if self.observer:
             self.observer.provisional(tokens[: self.remaining()])
 
-    def finish(self, client: VerifierClient | None, up0: int = 0, down0: int = 0) -> GenerationResult:
+    def finish(self, traffic: Traffic | None) -> GenerationResult:
+        """The result, timed, with the bytes the generation sent and received (None: no verifier)."""
         self.result.elapsed_s = time.perf_counter() - self.start
-        if client is not None:
-            self.result.bytes_up = client.stats.bytes_up - up0
-            self.result.bytes_down = client.stats.bytes_down - down0
+        if traffic is not None:
+            self.result.bytes_up, self.result.bytes_down = traffic.up, traffic.down
         return self.result
 
 
