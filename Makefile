@@ -21,7 +21,7 @@ install: $(VENV)/.installed
 # Fetch + convert the real Qwen pair (cached under ~/.cache/specedge), start a cloud-verifier
 # on loopback, run edge-agent against it, print the text and the round stats.
 demo: install
-	$(PY) -m shared.model_store fetch
+	$(VENV)/bin/specedge-models fetch
 	bash tools/demo.sh "$(PY)" "$(PROMPT)" $(DEMO_ARGS)
 
 test: install
@@ -33,7 +33,7 @@ lint: install
 	$(PY) -m mypy edge cloud shared bench tools
 
 proto: install
-	$(PY) -m shared.protogen
+	$(VENV)/bin/specedge-protogen
 
 # The verifier/edge image, CPU build (podman, else docker). For a GPU box:
 # make image TAG=cuda BUILD_ARGS="--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128"

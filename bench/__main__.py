@@ -38,7 +38,8 @@ from shared import lm
 from shared.cli import run_cli
 from shared.errors import ConfigError
 from shared.hardware import choose_dtype
-from shared.model_store import DRAFT_MODEL, TARGET_MODEL, model_folder
+from shared.models import DRAFT_MODEL, TARGET_MODEL
+from tools.model_store import model_folder
 
 REPO = Path(__file__).resolve().parent.parent
 QUICK_MAX_NEW_TOKENS = 12

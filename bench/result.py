@@ -138,7 +138,7 @@ def build(
             "kv_peak_bytes": "in-process: bytes of the target's cache tensors after each forward (hook); verifier: "
             "(prompt + output + largest block) tokens x the target's KV bytes per token measured on "
             "real cache tensors",
-            "rtt": "wire systems run once per RTT through shared.netproxy; in-process and edge-local systems run "
+            "rtt": "wire systems run once per RTT through tools/netproxy.py; in-process and edge-local systems run "
             "once per placement and have rtt_ms null",
             "warmup": "every child first answers one warmup prompt that is left out of the numbers",
             "acceptance_by_position": "rounds that accepted draft position i / rounds that drafted it (k > i)",

@@ -240,7 +240,7 @@ class BenchRunner:
         cmd = [
             *_python(),
             "-m",
-            "shared.netproxy",
+            "tools.netproxy",
             "--target",
             address,
             "--rtt-ms",

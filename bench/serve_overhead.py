@@ -36,7 +36,8 @@ from edge.generate import RoundRecord
 from edge.prompts import Prompt, encode_prompt, read_prompts
 from shared.cli import run_cli
 from shared.errors import ConfigError
-from shared.model_store import DRAFT_MODEL, TARGET_MODEL, model_folder
+from shared.models import DRAFT_MODEL, TARGET_MODEL
+from tools.model_store import model_folder
 
 DEFAULT_PROMPTS = [  # short coding and writing asks, like the packaged Qwen-Coder pair is used for
     "Write a Python function that checks whether a string is a palindrome.",

@@ -34,7 +34,8 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
         threads=threads,
     )
     if settings.model is None:
-        from shared.model_store import TARGET_MODEL, ensure_model
+        from shared.models import TARGET_MODEL
+        from tools.model_store import ensure_model
 
         path = str(ensure_model(TARGET_MODEL))
     else:

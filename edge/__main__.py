@@ -44,9 +44,10 @@ from edge.tokenizer import EdgeTokenizer
 from edge.trace import SessionRecorder, TraceHeader, trace_file_name, write_trace
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError, SpecDecError, TlsHandshakeFailed, Unauthenticated
-from shared.model_store import DRAFT_MODEL, model_folder
+from shared.models import DRAFT_MODEL
 from shared.net import is_loopback
 from shared.protocol import AcceptMode, SessionConfig
+from tools.model_store import model_folder
 
 log = logging.getLogger("edge-agent")
 PROMPTS_FAILED = 3  # exit status of a --prompts run that finished with some prompts failed

@@ -25,8 +25,9 @@ from edge.prompts import encode_prompt, read_prompts
 from edge.runtime_transformers import TransformersDraftLM
 from edge.tokenizer import EdgeTokenizer
 from shared.cli import add_settings_flags, run_cli, settings_from_args
-from shared.model_store import DRAFT_MODEL, model_folder
+from shared.models import DRAFT_MODEL
 from shared.protocol import AcceptMode, SamplingParams
+from tools.model_store import model_folder
 
 log = logging.getLogger("edge-calibrate")
 

@@ -27,7 +27,7 @@ from edge.config import EdgeSettings
 from edge.metrics import EdgeMetrics
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
-from shared.model_store import TARGET_MODEL
+from shared.models import TARGET_MODEL
 from shared.net import is_loopback
 
 log = logging.getLogger("edge-agent")

@@ -9,8 +9,8 @@ from edge.client import VerifierClient
 from edge.generate import TimeoutPolicy, speculative_generate
 from edge.kpolicy import FixedK
 from edge.metrics import EdgeMetrics, MeteredObserver
-from shared.netproxy import FaultProxy, LinkConditions
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
+from tools.netproxy import FaultProxy, LinkConditions
 
 
 def _scrape(port: int) -> dict[str, float]:

