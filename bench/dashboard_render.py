@@ -81,12 +81,16 @@ def _formatter(unit: str) -> Callable[[float, Any], str]:
 
 
 def _series(prometheus: Prometheus, query: Query, start: float, end: float, step_s: float, rate_interval: str) -> list[Any]:
-    """[(label, times relative to start, values)] of one query; NaN and Inf points dropped."""
+    """[(label, times relative to start, values)] of one query. A step without a finite value
+    (no data, 0/0) is NaN, so the line breaks there as Grafana's does, rather than bridging it."""
     out = []
     for series in prometheus.query_range(query.promql(rate_interval), start, end, step_s):
-        points = [(float(t) - start, float(v)) for t, v in series["values"] if math.isfinite(float(v))]
-        if points:
-            out.append((query.label(series["metric"]), [p[0] for p in points], [p[1] for p in points]))
+        found = {round(float(t) - start, 3): float(v) for t, v in series["values"]}
+        if not any(math.isfinite(v) for v in found.values()):
+            continue
+        times = [round(i * step_s, 3) for i in range(int((end - start) / step_s) + 1)]
+        values = [found.get(t, math.nan) for t in times]
+        out.append((query.label(series["metric"]), times, [v if math.isfinite(v) else math.nan for v in values]))
     return out
 
 
