@@ -102,8 +102,9 @@ def render(
     step_s: float = 1.0,
     rate_interval: str = "15s",
     caption: str = "",
-) -> Path:
-    """Draw every panel of `dashboard` over `window` (unix seconds) into the PNG `out`."""
+) -> list[str]:
+    """Draw every panel of `dashboard` over `window` (unix seconds) into the PNG `out`; the
+    titles of the panels that had no data (none, when every query found its metrics)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -114,7 +115,7 @@ def render(
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p, _ in panels)
     fig = plt.figure(figsize=(16, rows * 0.42 + 1.2))
     grid = fig.add_gridspec(rows, GRID_COLUMNS, hspace=2.2, wspace=1.2, top=0.95, bottom=0.03)
-    start, end = window
+    start, end, empty = window[0], window[1], []
     for panel, queries in panels:
         pos = panel["gridPos"]
         ax = fig.add_subplot(grid[pos["y"] : pos["y"] + pos["h"] - 1, pos["x"] : pos["x"] + pos["w"]])
@@ -131,12 +132,13 @@ def render(
             ax.legend(fontsize=7, loc="upper left", ncol=4, frameon=False)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+            empty.append(panel["title"])
     title = dashboard.get("title", "dashboard") + "  (x: seconds since the window's start)" + (f"\n{caption}" if caption else "")
     fig.suptitle(title, fontsize=11, x=0.01, y=0.99, ha="left")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90, bbox_inches="tight")
     plt.close(fig)
-    return out
+    return empty
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     end = time.time()
     try:
-        render(
+        empty = render(
             Prometheus(args.prometheus.rstrip("/")),
             load_dashboard(args.dashboard),
             args.out,
@@ -163,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PrometheusError, ValueError, OSError) as err:
         sys.stderr.write(f"dashboard_render: {err}\n")
         return 1
-    sys.stdout.write(f"{args.out}\n")
+    sys.stdout.write(f"{args.out}\n" + "".join(f"no data: {title}\n" for title in empty))
     return 0
 
 
