@@ -173,18 +173,7 @@ def generate_one(
     target_counter.reset()
     draft_counter.reset()
     torch.manual_seed(args.seed)
-    input_ids = torch.tensor([ids], device=target.device)
-    clock = FirstTokenClock()
-    with torch.inference_mode():
-        # transformers' stubs type generate as a Tensor attribute
-        output = target.generate(  # type: ignore[operator]
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            generation_config=config,
-            assistant_model=draft,
-            streamer=clock,
-            logits_processor=LogitsProcessorList([MaskBeyondVocab(vocab)]),
-        )
+    output, clock = _generate(target, draft, ids, config, vocab)
     elapsed = time.perf_counter() - clock.start
     tokens = [int(t) for t in output[0, len(ids) :]]
     if tokens and tokens[-1] in config.eos_token_id:
@@ -214,6 +203,26 @@ def generate_one(
         "kv_peak_bytes": target_counter.kv_peak_bytes,
     }
     return record, [{k: v for k, v in r.items() if k != "id"} for r in rounds]
+
+
+def _generate(
+    target: PreTrainedModel, draft: PreTrainedModel | None, ids: list[int], config: GenerationConfig, vocab: int
+) -> tuple[torch.Tensor, FirstTokenClock]:
+    """transformers' generate, target alone or assisted by `draft`; the output ids and the clock
+    that timed its first token."""
+    input_ids = torch.tensor([ids], device=target.device)
+    clock = FirstTokenClock()
+    with torch.inference_mode():
+        # transformers' stubs type generate as a Tensor attribute
+        output = target.generate(  # type: ignore[operator]
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=config,
+            assistant_model=draft,
+            streamer=clock,
+            logits_processor=LogitsProcessorList([MaskBeyondVocab(vocab)]),
+        )
+    return output, clock
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

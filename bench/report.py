@@ -257,40 +257,15 @@ def plot_latency_cdf(runs: Sequence[dict[str, Any]], placements: int, path: Path
 
 def write_report(result: dict[str, Any], folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    runs, m, v, st = result["runs"], result["machine"], result["versions"], result["settings"]
-    placements = len(st["placements"])
+    runs, m = result["runs"], result["machine"]
+    placements = len(result["settings"]["placements"])
     flags = f" ({m['cpu_flags']})" if m.get("cpu_flags") else ""
     machine = f"{m['cpu_model']}{flags}, {m['cores']} cores, {fmt(m['memory_gib'], 0)} GiB"
     plot_tokens_per_s(runs, placements, folder / "tokens_per_s.png", machine)
     plot_acceptance(runs, placements, folder / "acceptance.png", machine)
     plot_latency_cdf(runs, placements, folder / "latency_cdf.png", machine)
-    git = result["git"]
-    sampling = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']}"
-    k = st["k"] if st["k"] is not None else "edge default"
-    cap = f", bandwidth cap {st['bandwidth_kbps']:g} kbit/s" if st["bandwidth_kbps"] else ""
-    pinned = (
-        "pinned: verifier on core 0, edge on core 1, one torch thread each; in-process systems on core 0, one thread"
-        if "pinned" in st["placements"]
-        else ""
-    )
     text = [
-        "# Benchmark report\n",
-        f"**Measured on**: {machine} ({m['platform']}). All absolute times below are from this machine; "
-        "every ratio compares systems measured in this same run.\n",
-        f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}; "
-        f"git {git['commit'] or 'unknown'}{' (dirty tree)' if git['dirty'] else ''}.\n",
-        f"Models: draft `{result['models']['draft']}`, target `{result['models']['target']}`; "
-        f"dtype {st['dtype']} ({st.get('dtype_reason', 'set by --dtype')}); "
-        f"{sampling}, seed {st['seed']}; "
-        f"max {st['max_new_tokens']} new tokens; k {k}; "
-        f"{result['prompts']['count']} prompts (`{result['prompts']['file']}`).\n",
-        f"Placements: {', '.join(st['placements'])}. {pinned}\n"
-        if pinned
-        else f"Placement: {', '.join(st['placements'])} (processes share all cores).\n",
-        "Links: wire systems (edge ↔ verifier) run once per added RTT through the loopback proxy"
-        f"{cap}; in-process systems "
-        "(target-only, hf-assisted) and edge_only never cross the wire: they run once and appear as their own "
-        "rows marked *no network*.\n",
+        *_setup_lines(result, machine),
         "## Overall\n",
         overall_table(runs),
         "\nPeak RSS: the measured process (edge-agent or the in-process runner) by wait4, and the verifier's "
@@ -314,3 +289,35 @@ def write_report(result: dict[str, Any], folder: Path) -> Path:
     path = folder / "report.md"
     path.write_text("\n".join(text))
     return path
+
+
+def _setup_lines(result: dict[str, Any], machine: str) -> list[str]:
+    """The report's opening: where, with what, on which models and prompts, over which links."""
+    m, v, st, git = result["machine"], result["versions"], result["settings"], result["git"]
+    sampling = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']}"
+    k = st["k"] if st["k"] is not None else "edge default"
+    cap = f", bandwidth cap {st['bandwidth_kbps']:g} kbit/s" if st["bandwidth_kbps"] else ""
+    pinned = (
+        "pinned: verifier on core 0, edge on core 1, one torch thread each; in-process systems on core 0, one thread"
+        if "pinned" in st["placements"]
+        else ""
+    )
+    return [
+        "# Benchmark report\n",
+        f"**Measured on**: {machine} ({m['platform']}). All absolute times below are from this machine; "
+        "every ratio compares systems measured in this same run.\n",
+        f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}; "
+        f"git {git['commit'] or 'unknown'}{' (dirty tree)' if git['dirty'] else ''}.\n",
+        f"Models: draft `{result['models']['draft']}`, target `{result['models']['target']}`; "
+        f"dtype {st['dtype']} ({st.get('dtype_reason', 'set by --dtype')}); "
+        f"{sampling}, seed {st['seed']}; "
+        f"max {st['max_new_tokens']} new tokens; k {k}; "
+        f"{result['prompts']['count']} prompts (`{result['prompts']['file']}`).\n",
+        f"Placements: {', '.join(st['placements'])}. {pinned}\n"
+        if pinned
+        else f"Placement: {', '.join(st['placements'])} (processes share all cores).\n",
+        "Links: wire systems (edge ↔ verifier) run once per added RTT through the loopback proxy"
+        f"{cap}; in-process systems "
+        "(target-only, hf-assisted) and edge_only never cross the wire: they run once and appear as their own "
+        "rows marked *no network*.\n",
+    ]

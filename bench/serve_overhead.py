@@ -29,9 +29,10 @@ from typing import Any
 from bench.environment import machine, versions
 from bench.processes import running
 from bench.tiny_models import save_pair
-from edge.__main__ import EdgeContext, generate_one, load_edge, verifier_client
+from edge.__main__ import generate_one
 from edge.client import VerifierClient
 from edge.config import EdgeSettings
+from edge.context import EdgeContext, load_edge, verifier_client
 from edge.generate import RoundRecord
 from edge.prompts import Prompt, encode_prompt, read_prompts
 from shared.cli import run_cli
@@ -243,23 +244,8 @@ def run(args: argparse.Namespace) -> int:
     args.draft_model = args.draft_model or Path(model_folder(None, DRAFT_MODEL))
     args.target_model = args.target_model or Path(model_folder(None, TARGET_MODEL))
     prompts = _prompts(args)
-    verifier = [
-        sys.executable,
-        "-m",
-        "cloud",
-        "--model",
-        str(args.target_model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-        "--dtype",
-        args.dtype,
-        "--threads",
-        str(args.threads),
-    ]
+    verifier = [sys.executable, "-m", "cloud", "--model", str(args.target_model), "--host", "127.0.0.1", "--port", "0"]
+    verifier += ["--http-port", "0", "--dtype", args.dtype, "--threads", str(args.threads)]
     with running(verifier, args.out / "verifier.log", r"serving .* on (\S+:\d+)", "cloud-verifier") as (_, address):
         serve = [sys.executable, "-m", "edge", "serve", "--cloud", address, "--port", "0", *_edge_flags(args)]
         with running(serve, args.out / "serve.log", r"serving on (http://\S+:\d+)", "edge-agent serve") as (_, url):

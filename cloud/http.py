@@ -49,10 +49,13 @@ def create_app(state: ServerState, public_metrics: bool = False) -> FastAPI:
     # No /docs: its page pulls scripts from a CDN, and operators read the README. Routes are
     # async so they run on the event loop, where the telemetry they read is written.
     app = FastAPI(title="cloud-verifier", version=state.version, docs_url=None, redoc_url=None)
-    page = (resources.files("cloud") / "static" / "index.html").read_text()
     # Probes (/livez /readyz /healthz) stay open: kubelet sends no key. The rest needs one.
-    keyed = [_key_guard(state, public_metrics)]
+    _add_probes(app, state)
+    _add_telemetry(app, state, [_key_guard(state, public_metrics)])
+    return app
 
+
+def _add_probes(app: FastAPI, state: ServerState) -> None:
     @app.get("/livez")
     async def livez() -> dict[str, str]:
         return {"status": "alive"}
@@ -72,6 +75,10 @@ def create_app(state: ServerState, public_metrics: bool = False) -> FastAPI:
             "sessions": len(state.sessions()),
             "version": state.version,
         }
+
+
+def _add_telemetry(app: FastAPI, state: ServerState, keyed: list[Any]) -> None:
+    page = (resources.files("cloud") / "static" / "index.html").read_text()
 
     @app.get("/metrics", dependencies=keyed)
     async def metrics() -> Response:
@@ -98,8 +105,6 @@ def create_app(state: ServerState, public_metrics: bool = False) -> FastAPI:
     @app.get("/", response_class=HTMLResponse, dependencies=keyed)
     async def live_page() -> str:
         return page
-
-    return app
 
 
 async def start_http(app: FastAPI, host: str, port: int, tls: ServerTls | None = None) -> HttpServer:

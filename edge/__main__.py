@@ -12,183 +12,33 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from edge.client import CapacityRetry, ClientTls, VerifierClient
+from edge.client import VerifierClient
 from edge.config import EdgeSettings
+from edge.context import EdgeContext, cloud_address, load_edge, verifier_client
 from edge.display import StepPrinter, TextStream, format_stats
-from edge.drafter import Drafter, DrafterConfig, DraftLM, DraftSource
-from edge.gating import EscalationRules, GatingThresholds, load_gating_config
 from edge.generate import (
-    Gating,
     GenerationConfig,
     GenerationResult,
     Observer,
     RoundRecord,
-    TimeoutPolicy,
     cloud_only_generate,
     edge_only_generate,
     speculative_generate,
 )
-from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
-from edge.local_verifier import local_verifier
-from edge.metrics import EdgeMetrics, MeteredObserver
-from edge.ngram import HybridDrafter, NGramDrafter, NGramStore
+from edge.metrics import EdgeMetrics
 from edge.prompts import Prompt, encode_prompt, read_prompts
-from edge.runtime_llamacpp import LlamaCppDraftLM, find_gguf
-from edge.tokenizer import EdgeTokenizer
-from edge.trace import SessionRecorder, TraceHeader, trace_file_name, write_trace
+from edge.trace import TraceHeader, write_trace
+from edge.trace_recorder import SessionRecorder, trace_file_name
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError, SpecDecError, TlsHandshakeFailed, Unauthenticated
-from shared.models import DRAFT_MODEL
-from shared.net import is_loopback
-from shared.protocol import AcceptMode, SessionConfig
-from tools.model_store import model_folder
 
 log = logging.getLogger("edge-agent")
 PROMPTS_FAILED = 3  # exit status of a --prompts run that finished with some prompts failed
-
-
-@dataclass
-class EdgeContext:
-    settings: EdgeSettings
-    tokenizer: EdgeTokenizer
-    draft_lm: DraftLM | None
-    vocab_size: int
-    stop_token_ids: frozenset[int]
-    metrics: EdgeMetrics | None = None
-    draft_name: str = ""  # the draft model folder's name, for recorded traces
-
-    def observer(self, inner: Observer | None) -> Observer | None:
-        return MeteredObserver(self.metrics, inner) if self.metrics else inner
-
-    def generation_config(self, seed: int) -> GenerationConfig:
-        s = self.settings
-        session = SessionConfig(s.sampling(), seed, s.resolved_accept_mode(), self.vocab_size)
-        timeouts = TimeoutPolicy(s.verify_timeout_ms / 1000, s.timeout_mode(), s.reconnect_window_s)
-        stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if s.k_policy == "egag" else None
-        return GenerationConfig(session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule, s.overlap)
-
-    def gating(self) -> Gating | None:
-        s = self.settings
-        if not s.gating:
-            if s.local_commit:
-                raise ConfigError("--local-commit needs --gating")
-            return None
-        thresholds, counts = GatingThresholds(), dict[int, int]()
-        if s.gating_config:
-            thresholds, counts = load_gating_config(Path(s.gating_config))
-        rules = EscalationRules(counts) if s.rules else None
-        return Gating(thresholds, rules, self.token_text, s.local_commit)
-
-    def token_text(self, token: int) -> str:
-        return str(self.tokenizer.decode([token]))
-
-    def k_policy(self) -> KPolicy:
-        s = self.settings
-        if s.k_policy == "la-ratio":
-            return LaRatioK(min(max(6, s.k_min), s.k_max), s.k_min, s.k_max, s.la_raise_at, s.la_lower_at, s.la_window)
-        if s.k_policy == "egag":
-            return EgagK(s.k_min, s.k_max, s.egag_ema_beta, stop_bits=s.egag_stop_bits)
-        if s.k_policy == "cost":
-            return CostK(1, s.k_max, overlap=s.overlap)
-        return FixedK(s.k)
-
-    def draft_source(self, seed: int) -> DraftSource:
-        """The drafter of --drafter: the model, an n-gram store, or both."""
-        s = self.settings
-        if s.drafter == "model":
-            return self.drafter(seed)
-        mode = s.resolved_accept_mode()
-        signals = s.gating or s.k_policy == "egag"
-        ngram = NGramDrafter(
-            NGramStore(s.ngram_order, s.ngram_max_contexts),
-            s.filler_top_k,
-            self.stop_token_ids,
-            with_sparse=mode is AcceptMode.SPARSE,
-            with_signals=signals,
-        )
-        if s.drafter == "ngram":
-            return ngram
-        return HybridDrafter(self.drafter(seed), ngram, s.hybrid_min_order, s.hybrid_min_count)
-
-    def drafter(self, seed: int) -> Drafter:
-        if self.draft_lm is None:
-            raise ConfigError("this mode needs a draft model")
-        s = self.settings
-        mode = s.resolved_accept_mode()
-        signals = s.gating or s.k_policy == "egag"
-        config = DrafterConfig(
-            s.sampling(),
-            mode,
-            self.vocab_size,
-            s.draft_top_k,
-            self.stop_token_ids,
-            signals=signals,
-            mc_passes=s.mc_passes if s.gating else 0,
-        )
-        return Drafter(self.draft_lm, config, seed + 1)  # the cloud's generator uses `seed`
-
-
-def load_draft_lm(settings: EdgeSettings, folder: str) -> DraftLM:
-    """The draft model in the runtime --draft-runtime names (auto: llama.cpp when it is
-    installed and a GGUF is at hand, else transformers)."""
-    gguf = Path(settings.draft_gguf) if settings.draft_gguf else find_gguf(folder)
-    runtime = settings.resolved_draft_runtime(gguf is not None)
-    threads = settings.draft_threads or settings.threads
-    if runtime == "llama.cpp":
-        if gguf is None:
-            raise ConfigError(f"--draft-runtime llama.cpp: no .gguf in {folder} (name one with --draft-gguf)")
-        return LlamaCppDraftLM(gguf, threads, settings.draft_context)
-    from edge.runtime_transformers import TransformersDraftLM  # torch: only on this path
-
-    return TransformersDraftLM.load(
-        folder, settings.dtype, settings.device, threads, keep_hidden=settings.gating and settings.mc_passes > 0
-    )
-
-
-def load_edge(settings: EdgeSettings) -> EdgeContext:
-    folder = model_folder(settings.draft_model, DRAFT_MODEL)
-    tokenizer = EdgeTokenizer(folder)
-    needs_model = settings.mode == "edge_only" or (settings.mode == "speculative" and settings.drafter != "ngram")
-    # An n-gram edge never loads a model: only the tokenizer.
-    draft_lm = load_draft_lm(settings, folder) if needs_model else None
-    vocab = len(tokenizer) if draft_lm is None else min(len(tokenizer), draft_lm.logits_width)
-    return EdgeContext(settings, tokenizer, draft_lm, vocab, tokenizer.stop_token_ids, draft_name=Path(folder).name)
-
-
-@asynccontextmanager
-async def cloud_address(settings: EdgeSettings) -> AsyncIterator[str | None]:
-    """The verifier to talk to: --cloud, or a cloud-verifier started here on a loopback port."""
-    if settings.cloud or settings.mode == "edge_only":
-        yield settings.cloud
-        return
-    flags = ["--dtype", settings.dtype, "--device", settings.device, "--drain-grace-s", "1"]
-    if settings.target_model:  # else the verifier's default: the packaged target model
-        flags += ["--model", settings.target_model]
-    if settings.threads:
-        flags += ["--threads", str(settings.threads)]
-    async with local_verifier(flags) as address:
-        yield address
-
-
-def verifier_client(settings: EdgeSettings, address: str) -> VerifierClient:
-    """A client of the verifier at `address`: TLS and the API key apply to --cloud (a verifier
-    started here by cloud_address is plaintext on loopback and asks no key)."""
-    retry = CapacityRetry(settings.capacity_retries, settings.capacity_backoff_ms / 1000)
-    remote = settings.cloud is not None
-    tls = None
-    if remote and settings.uses_tls():
-        tls = ClientTls.from_files(settings.tls_ca, settings.tls_cert, settings.tls_key, settings.tls_server_name)
-    key = settings.api_key.get_secret_value() if settings.api_key and remote else None
-    exposed = [a for a in address.split(",") if not is_loopback(a.strip().rsplit(":", 1)[0])]
-    if key and tls is None and exposed:
-        log.warning("sending the API key to %s without TLS (give --tls-ca)", ",".join(exposed))
-    return VerifierClient(address, settings.call_timeout_ms / 1000, capacity_retry=retry, tls=tls, api_key=key)
 
 
 def _trace_header(ctx: EdgeContext, prompt_ids: list[int], cfg: GenerationConfig) -> TraceHeader:

@@ -22,8 +22,8 @@ from typing import Any
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from edge.__main__ import cloud_address, load_edge
 from edge.config import EdgeSettings
+from edge.context import cloud_address, load_edge
 from edge.metrics import EdgeMetrics
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError

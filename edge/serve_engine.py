@@ -23,9 +23,9 @@ from typing import Literal
 
 import numpy as np
 
-from edge.__main__ import EdgeContext, verifier_client
 from edge.client import VerifierClient
 from edge.config import EdgeSettings
+from edge.context import EdgeContext, verifier_client
 from edge.drafter import DraftCache, DraftLM
 from edge.generate import GenerationResult, RoundRecord, SpeculativeRun, cloud_only_generate
 from edge.serve_text import TextStreamer

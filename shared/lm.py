@@ -114,16 +114,47 @@ def forward_packed(
     caches = dynamic
     pasts = [cache.get_seq_length() for cache in caches]
     lengths = [len(block) for block in blocks]
-    total_past, total_new = sum(pasts), sum(lengths)
-    dtype, device = model.dtype, model.device
+    total_past = sum(pasts)
+    mask, positions, rows = _packed_mask(pasts, lengths, keeps, model.dtype)
+    device = model.device
+    packed = _packed_past(model, caches, pasts)
+    out = model(
+        input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
+        attention_mask=mask[None, None].to(device),
+        position_ids=positions[None].to(device),
+        past_key_values=packed,
+        use_cache=True,
+        logits_to_keep=torch.cat(rows).to(device),
+    )
+    new_start = 0
+    for cache, length in zip(caches, lengths, strict=True):
+        block = slice(total_past + new_start, total_past + new_start + length)
+        for index, layer in enumerate(packed.layers):
+            keys, values = _keys_values(layer)
+            cache.update(keys[..., block, :].clone(), values[..., block, :].clone(), index)
+        new_start += length
+    logits = out.logits[0].float().cpu()
+    return list(logits.split([len(r) for r in rows]))
+
+
+def _packed_past(model: PreTrainedModel, caches: Sequence[DynamicCache], pasts: Sequence[int]) -> DynamicCache:
+    """One cache holding every sequence's past, concatenated in order."""
     packed = new_cache(model)
-    if total_past:
+    if sum(pasts):
         for index in range(len(caches[0].layers)):
             filled = [_keys_values(cache.layers[index]) for cache, past in zip(caches, pasts, strict=True) if past]
             packed.update(
                 torch.cat([keys for keys, _ in filled], dim=-2), torch.cat([values for _, values in filled], dim=-2), index
             )
-    # mask [1, 1, total_new, total_past + total_new]: 0 where a query may look, the dtype's min elsewhere.
+    return packed
+
+
+def _packed_mask(
+    pasts: Sequence[int], lengths: Sequence[int], keeps: Sequence[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The packed pass's mask [total_new, total_past + total_new] (0 where a query may look,
+    the dtype's min elsewhere), its position ids [total_new], and each sequence's kept rows."""
+    total_past, total_new = sum(pasts), sum(lengths)
     allowed = torch.zeros(total_new, total_past + total_new, dtype=torch.bool)
     positions, rows = [], []
     past_start = new_start = 0
@@ -139,24 +170,7 @@ def forward_packed(
         past_start += past
         new_start += length
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    kept = torch.cat(rows)
-    out = model(
-        input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
-        attention_mask=mask[None, None].to(device),
-        position_ids=torch.cat(positions)[None].to(device),
-        past_key_values=packed,
-        use_cache=True,
-        logits_to_keep=kept.to(device),
-    )
-    new_start = 0
-    for cache, length in zip(caches, lengths, strict=True):
-        block = slice(total_past + new_start, total_past + new_start + length)
-        for index, layer in enumerate(packed.layers):
-            keys, values = _keys_values(layer)
-            cache.update(keys[..., block, :].clone(), values[..., block, :].clone(), index)
-        new_start += length
-    logits = out.logits[0].float().cpu()
-    return list(logits.split([len(r) for r in rows]))
+    return mask, torch.cat(positions), rows
 
 
 def _keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,8 @@ from cloud.state import ServerState
 from cloud.verifier import Verifier
 from edge.generate import speculative_generate
 from edge.kpolicy import FixedK
-from edge.trace import SessionRecorder, TraceHeader, read_traces, trace_file_name, write_trace
+from edge.trace import TraceHeader, read_traces, write_trace
+from edge.trace_recorder import SessionRecorder, trace_file_name
 from shared.protocol import AcceptMode, SamplingParams
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier, serving
 from tests.tiny_models import save_pair

@@ -1,0 +1,120 @@
+"""Recording a session trace (edge-agent --record DIR): a client tap that keeps one
+session's calls, in the format edge/trace.py writes and reads."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict
+
+from edge.trace import Event, GenerateEvent, OpenEvent, SessionTrace, TraceEnd, TraceHeader, VerifyEvent
+from shared.errors import SpecDecError
+from shared.protocol import GenerateRequest, OpenSessionRequest, OpenSessionResult, VerifyRequest, VerifyResult
+
+
+def _code(error: SpecDecError | None) -> str | None:
+    return None if error is None else error.status
+
+
+class SessionRecorder:
+    """A client tap (edge/client.py CallTap) that keeps one session's calls; `finish` writes
+    the trace. The round loop is unaware of it."""
+
+    def __init__(self, header: TraceHeader) -> None:
+        self.header = header
+        self.start = time.perf_counter()
+        self.events: list[Event] = []
+        self.target_model = ""
+
+    def _t(self, clock: float) -> float:
+        return round(clock - self.start, 6)
+
+    def opened(
+        self, req: OpenSessionRequest, result: OpenSessionResult | None, error: SpecDecError | None, sent: float, replied: float
+    ) -> None:
+        prefix = req.prompt_tokens[len(self.header.prompt_tokens) :]
+        if result is not None:  # a folder's name, not the verifier's local path
+            self.target_model = self.target_model or result.model_id.rstrip("/").rsplit("/", 1)[-1]
+        self.events.append(
+            OpenEvent(
+                self._t(sent),
+                self._t(replied),
+                req.config.seed,
+                prefix,
+                result.position if result else 0,
+                result.prefill_ms if result else 0.0,
+                _code(error),
+            )
+        )
+
+    def verified(
+        self,
+        req: VerifyRequest,
+        result: VerifyResult | None,
+        error: SpecDecError | None,
+        sent: float,
+        replied: float,
+        resends: int,
+    ) -> None:
+        bare = VerifyRequest(
+            "",
+            req.base_position,
+            req.draft_tokens,
+            req.draft_probs,
+            req.committed_tokens,
+            req.hard_mask,
+            req.sparse_draft,
+            req.want_top_k,
+        )
+        if result is None:
+            self.events.append(VerifyEvent(self._t(sent), self._t(replied), bare, resends=resends, error=_code(error)))
+            return
+        self.events.append(
+            VerifyEvent(
+                self._t(sent),
+                self._t(replied),
+                bare,
+                result.accepted_len,
+                result.next_token,
+                result.bonus,
+                result.new_base_position,
+                result.metrics.verify_ms,
+                result.metrics.queue_ms,
+                resends,
+            )
+        )
+
+    def generated(
+        self,
+        req: GenerateRequest,
+        tokens: list[int],
+        error: SpecDecError | None,
+        sent: float,
+        first: float | None,
+        replied: float,
+    ) -> None:
+        self.target_model = self.target_model or self.header.target_model
+        self.events.append(
+            GenerateEvent(
+                self._t(sent),
+                None if first is None else self._t(first),
+                self._t(replied),
+                req.max_new_tokens,
+                list(req.stop_token_ids),
+                tokens,
+                _code(error),
+            )
+        )
+
+    def finish(self, output_tokens: list[int], finish_reason: str, rounds: int = 0, reopens: int = 0) -> SessionTrace:
+        header = self.header
+        if self.target_model and not header.target_model:
+            header = TraceHeader(**{**asdict(header), "sampling": header.sampling, "target_model": self.target_model})
+        end = TraceEnd(self._t(time.perf_counter()), output_tokens, finish_reason, rounds, reopens)
+        return SessionTrace(header, self.events, end)
+
+
+def trace_file_name(label: str, started_at: float) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(started_at))
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)[:40]
+    return f"{stamp}-{safe}-{uuid.uuid4().hex[:6]}.jsonl"
