@@ -12,9 +12,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
+import pytest
 
 from edge.client import ClientTls, VerifierClient
 from edge.replicas import SESSION_KEY_HEADER, ReplicaSet, rendezvous_order, replica_addresses, resolve_host
+from shared.errors import CloudUnavailable
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.protocol import OpenSessionRequest, SessionConfig
@@ -170,3 +172,19 @@ def test_any_up_follows_the_down_marks() -> None:
     assert not replicas.any_up()
     now[0] = 10.0
     assert replicas.any_up()
+
+
+def test_one_dead_verifier_fails_the_open_once() -> None:
+    """With a single address and nothing listening, OpenSession fails at once as UNAVAILABLE
+    (the edge's reconnect loop takes over), rather than trying the same address again."""
+    port = _port_free_on_every_host()
+
+    async def run() -> None:
+        client = VerifierClient(f"127.0.0.1:{port}")
+        try:
+            with pytest.raises(CloudUnavailable):
+                await asyncio.wait_for(client.open_session(_open([5]), session_key="k"), 10)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
