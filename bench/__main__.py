@@ -25,71 +25,29 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.config import BenchSettings
+from bench.config import QUICK_MAX_NEW_TOKENS, BenchFlags, BenchSettings
 from bench.processes import PINNED, UNPINNED, Placement
 from bench.report import write_report
 from bench.result import build, validate
 from bench.runner import BenchRunner
-from bench.systems import DEFAULT_SYSTEMS, resolve_systems
+from bench.systems import resolve_systems
 from bench.tasks import TASKS, select_per_task, spec_bench_path, write_prompts
 from bench.tiny_models import save_pair
 from edge.prompts import Prompt, read_prompts
 from shared import lm
-from shared.cli import run_cli
+from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
 from shared.hardware import choose_dtype
 from shared.models import DRAFT_MODEL, TARGET_MODEL
 from tools.model_store import model_folder
 
 REPO = Path(__file__).resolve().parent.parent
-QUICK_MAX_NEW_TOKENS = 12
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output", type=Path, required=True, help="result JSON; logs and raw JSONL go to OUTPUT_files/")
-    p.add_argument("--report", type=Path, help="folder for report.md and the PNG plots")
-    p.add_argument("--quick", action="store_true", help="smoke run on tiny random models (fp32, few tokens)")
-    p.add_argument(
-        "--systems",
-        default=",".join(DEFAULT_SYSTEMS),
-        help="comma-separated; NAME@0 runs a wire system at RTT 0 only (NAME@0/50: at those); default: %(default)s",
-    )
-    p.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="NAME=FLAGS",
-        help="an extra edge-agent system, e.g. 'k8=--k 8' or 'cost@0=--k-policy cost' (NAME@0: at RTT 0 only; repeatable)",
-    )
-    p.add_argument("--prompts", type=Path, help="JSONL of prompts (edge-agent's format); default: Spec-Bench")
-    p.add_argument(
-        "--per-task",
-        type=int,
-        help="prompts per task: the shortest of each, round-robin over its labels "
-        "(default 3 for Spec-Bench, all prompts of a --prompts file)",
-    )
-    p.add_argument("--rtt-ms", default=None, help="comma-separated added RTTs for wire systems (default 0,50; --quick: 0)")
-    p.add_argument("--bandwidth-kbps", type=float, default=0.0, help="link cap for wire systems in kbit/s (0 = none)")
-    p.add_argument("--max-new-tokens", type=int, help=f"per prompt (default 64; --quick: {QUICK_MAX_NEW_TOKENS})")
-    p.add_argument(
-        "--dtype",
-        help="auto | bfloat16 | float32 | float16 (default auto: bf16 on CUDA and on CPUs with "
-        "avx512_bf16/amx_bf16, else fp32; --quick: float32)",
-    )
-    p.add_argument("--k", type=int, help="draft tokens per round for edge-agent systems (default: edge-agent's)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then outputs are compared to target-only)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pin", action="store_true", help="two-machine mode only (= --placement pinned)")
-    p.add_argument(
-        "--placement",
-        choices=["unpinned", "pinned", "both"],
-        default=None,
-        help="pinned: verifier on core 0, edge on core 1, one thread each (taskset); default unpinned",
-    )
-    p.add_argument("--draft-model", type=Path, help="draft model folder (default: the packaged Qwen 0.5B)")
-    p.add_argument("--target-model", type=Path, help="target model folder (default: the packaged Qwen 1.5B)")
-    return p
+    parser = argparse.ArgumentParser(prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_settings_flags(parser, BenchFlags)
+    return parser
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -102,7 +60,7 @@ def _floats(text: str, flag: str) -> list[float]:
     return values
 
 
-def _placements(args: argparse.Namespace) -> list[Placement]:
+def _placements(args: BenchFlags) -> list[Placement]:
     choice = args.placement or ("pinned" if args.pin else "unpinned")
     if args.pin and args.placement == "unpinned":
         raise ConfigError("--pin and --placement unpinned contradict each other")
@@ -128,7 +86,7 @@ def _quick_prompts() -> list[Prompt]:
     ]
 
 
-def _prompts(args: argparse.Namespace) -> list[Prompt]:
+def _prompts(args: BenchFlags) -> list[Prompt]:
     if args.per_task is not None and args.per_task < 1:
         raise ConfigError("--per-task must be at least 1")
     if args.prompts is not None:
@@ -139,7 +97,7 @@ def _prompts(args: argparse.Namespace) -> list[Prompt]:
     return select_per_task(read_prompts(spec_bench_path()), args.per_task or 3)
 
 
-def settings_from(args: argparse.Namespace) -> BenchSettings:
+def settings_from(args: BenchFlags) -> BenchSettings:
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens must be at least 1")
     if args.k is not None and args.k < 0:
@@ -175,7 +133,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: BenchFlags) -> int:
     if args.temperature < 0 or args.bandwidth_kbps < 0:
         raise ConfigError("--temperature and --bandwidth-kbps must not be negative")
     prompts = _prompts(args)
@@ -198,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return run_cli("bench", lambda: run(args))
+    return run_cli("bench", lambda: run(settings_from_args(BenchFlags, args)))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,65 @@
-"""A benchmark run's settings, as parsed from the command line."""
+"""What `bench` is asked (BenchFlags: its flags, also SPECDEC_BENCH_* environment variables)
+and the run's settings resolved from them (BenchSettings)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.processes import Placement
-from bench.systems import System
+from bench.systems import DEFAULT_SYSTEMS, System
+
+QUICK_MAX_NEW_TOKENS = 12
+
+
+class BenchFlags(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_BENCH_")
+
+    output: Path = Field(description="result JSON; logs and raw JSONL go to OUTPUT_files/")
+    report: Path | None = Field(None, description="folder for report.md and the PNG plots")
+    quick: bool = Field(False, description="smoke run on tiny random models (fp32, few tokens)")
+    systems: str = Field(
+        ",".join(DEFAULT_SYSTEMS), description="comma-separated; NAME@0 runs a wire system at RTT 0 only (NAME@0/50: at those)"
+    )
+    variant: list[str] = Field(
+        default_factory=list,
+        description="NAME=FLAGS: an extra edge-agent system, e.g. 'k8=--k 8' or 'cost@0=--k-policy cost' "
+        "(NAME@0: at RTT 0 only; repeatable)",
+    )
+    prompts: Path | None = Field(None, description="JSONL of prompts (edge-agent's format); default: Spec-Bench")
+    per_task: int | None = Field(
+        None,
+        description="prompts per task: the shortest of each, round-robin over its labels "
+        "(default 3 for Spec-Bench, all prompts of a --prompts file)",
+    )
+    rtt_ms: str | None = Field(None, description="comma-separated added RTTs for wire systems (default 0,50; --quick: 0)")
+    bandwidth_kbps: float = Field(0.0, description="link cap for wire systems in kbit/s (0 = none)")
+    max_new_tokens: int | None = Field(None, description=f"per prompt (default 64; --quick: {QUICK_MAX_NEW_TOKENS})")
+    dtype: str | None = Field(
+        None,
+        description="auto | bfloat16 | float32 | float16 (default auto: bf16 on CUDA and on CPUs with "
+        "avx512_bf16/amx_bf16, else fp32; --quick: float32)",
+    )
+    k: int | None = Field(None, description="draft tokens per round for edge-agent systems (default: edge-agent's)")
+    temperature: float = Field(0.0, description="0 = greedy (then outputs are compared to target-only)")
+    seed: int = Field(0, description="seeds every system's sampling")
+    pin: bool = Field(False, description="two-machine mode only (= --placement pinned)")
+    placement: Literal["unpinned", "pinned", "both"] | None = Field(
+        None, description="pinned: verifier on core 0, edge on core 1, one thread each (taskset); default unpinned"
+    )
+    draft_model: Path | None = Field(None, description="draft model folder (default: the packaged Qwen 0.5B)")
+    target_model: Path | None = Field(None, description="target model folder (default: the packaged Qwen 1.5B)")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "what to run": ("systems", "variant", "quick", "draft_model", "target_model", "dtype"),
+        "prompts and sampling": ("prompts", "per_task", "max_new_tokens", "k", "temperature", "seed"),
+        "links and placement": ("rtt_ms", "bandwidth_kbps", "pin", "placement"),
+        "results": ("output", "report"),
+    }
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,16 @@ from shared.errors import SpecDecError
 S = TypeVar("S", bound=BaseSettings)
 
 
-def _flag_type(annotation: Any) -> Any:
+def _unwrapped(annotation: Any) -> Any:
+    """X of `X | None`."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _flag_type(args[0])
-    if typing.get_origin(annotation) is typing.Literal:
-        return str
+        return _unwrapped(next(a for a in typing.get_args(annotation) if a is not type(None)))
+    return annotation
+
+
+def _flag_type(annotation: Any) -> Any:
+    """What argparse converts a flag's text to (pydantic converts the rest, paths included)."""
+    annotation = _unwrapped(annotation)
     return annotation if annotation in (int, float, str) else str
 
 
@@ -46,12 +50,17 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
         target = groups.get(name, parser)
         flag = "--" + name.replace("_", "-")
         env = (prefix + name).upper()
-        help_text = f"{field.description or ''} [env {env}; default {field.default!r}]"
+        default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
+        help_text = f"{field.description or ''} [env {env}; {default}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if field.annotation is bool:
             target.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
-        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        if typing.get_origin(field.annotation) is list:  # repeatable: each use adds one item
+            target.add_argument(flag, action="append", type=_flag_type(typing.get_args(field.annotation)[0]), **kwargs)
+            continue
+        kind = _unwrapped(field.annotation)
+        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
         target.add_argument(flag, type=_flag_type(field.annotation), choices=choices, **kwargs)
 
 

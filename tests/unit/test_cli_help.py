@@ -1,10 +1,13 @@
-"""edge-agent --help groups its flags by concern: every setting in exactly one group."""
+"""edge-agent and bench --help group their flags by concern: every setting in exactly one group;
+bench's flags come from its settings class like the other commands'."""
 
 import argparse
 from collections import Counter
 
+from bench.__main__ import _parser as bench_parser
+from bench.config import BenchFlags
 from edge.config import EdgeSettings
-from shared.cli import add_settings_flags
+from shared.cli import add_settings_flags, settings_from_args
 
 
 def test_every_edge_setting_is_in_one_help_group() -> None:
@@ -19,3 +22,18 @@ def test_help_lists_each_flag_under_its_group() -> None:
     titles = {group.title: [a.dest for a in group._group_actions] for group in parser._action_groups}
     for title, names in EdgeSettings.help_groups.items():
         assert titles[title] == list(names) or set(titles[title]) == set(names)
+
+
+def test_every_bench_flag_is_in_one_help_group() -> None:
+    grouped = Counter(name for names in BenchFlags.help_groups.values() for name in names)
+    assert set(grouped) == set(BenchFlags.model_fields)
+    assert max(grouped.values()) == 1
+
+
+def test_bench_flags_parse_into_its_settings() -> None:
+    args = bench_parser().parse_args(
+        ["--output", "r.json", "--variant", "k8=--k 8", "--variant", "cost@0=--k-policy cost", "--placement", "both", "--pin"]
+    )
+    flags = settings_from_args(BenchFlags, args)
+    assert str(flags.output) == "r.json" and flags.variant == ["k8=--k 8", "cost@0=--k-policy cost"]
+    assert flags.placement == "both" and flags.pin and flags.report is None and flags.temperature == 0.0
