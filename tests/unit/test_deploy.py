@@ -94,6 +94,45 @@ def test_kubernetes_overlay_renders_valid_objects(overlay: str) -> None:
             assert doc["spec"]["endpoints"][0]["port"] == "http"
 
 
+def _validate_or_crd(doc: dict[str, Any], crds: set[str]) -> None:
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        assert doc["kind"] in crds, f"no schema for {doc['kind']}"
+
+
+def test_ingress_nginx_overlay_hashes_the_session_key_over_the_verifier_pods() -> None:
+    docs = _render("ingress-nginx")
+    assert not [d for d in docs if d["metadata"]["name"] in ("proxy", "specdec-haproxy")]  # the controller proxies
+    for doc in docs:
+        _validate_or_crd(doc, {"ServiceMonitor"})
+    ingress = next(d for d in docs if d["kind"] == "Ingress")
+    annotations = ingress["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_" + HEADER.replace("-", "_")
+    assert annotations["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPCS"  # the pods serve only TLS
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "verifier", "port": {"name": "grpc"}}
+
+
+def test_gateway_overlay_hashes_the_session_key_over_the_verifier_pods() -> None:
+    """Gateway API objects and Envoy Gateway's policy are CRDs the validator has no schema for:
+    checked by hand, the core objects against the schemas."""
+    docs = _render("gateway")
+    assert not [d for d in docs if d["metadata"]["name"] in ("proxy", "specdec-haproxy")]
+    for doc in docs:
+        _validate_or_crd(doc, {"ServiceMonitor", "Gateway", "GRPCRoute", "BackendTrafficPolicy", "BackendTLSPolicy"})
+    by_kind = {d["kind"]: d for d in docs}
+    route, policy = by_kind["GRPCRoute"], by_kind["BackendTrafficPolicy"]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": "verifier", "port": 50051}]
+    assert route["spec"]["parentRefs"][0]["name"] == by_kind["Gateway"]["metadata"]["name"]
+    assert policy["spec"]["targetRefs"][0] == {"group": "gateway.networking.k8s.io", "kind": "GRPCRoute", "name": "verifier"}
+    assert policy["spec"]["loadBalancer"] == {
+        "type": "ConsistentHash",
+        "consistentHash": {"type": "Header", "header": {"name": HEADER}},
+    }
+    assert by_kind["BackendTLSPolicy"]["spec"]["targetRefs"][0]["name"] == "verifier"
+
+
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_verifier_pods_drain_serve_tls_and_ask_keys(overlay: str) -> None:
     docs = _render(overlay)
