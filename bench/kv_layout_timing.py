@@ -84,14 +84,21 @@ def slot_sessions(model: PreTrainedModel, sessions: int, context: int, slot_toke
     return kvs
 
 
-def time_rounds(model: PreTrainedModel, caches: Sequence[lm.KVCache], block: int, rounds: int) -> list[float]:
+LAYOUTS = ("packed", "slots", "slots-packed")  # slots-packed: slots fed in one packed row, over the gaps
+
+
+def time_rounds(model: PreTrainedModel, caches: Sequence[lm.KVCache], block: int, rounds: int, layout: str) -> list[float]:
     """ms per pass: every session feeds `block` tokens, then is cropped back to where it was."""
     lengths = [c.get_seq_length() for c in caches]
     blocks = [_prompt(model, block)] * len(caches)
+    keeps = [block] * len(caches)
     times = []
     for _ in range(rounds + 1):  # the first pass warms up (allocator, kernels) and is dropped
         start = time.perf_counter()
-        lm.forward_packed(model, caches, blocks, [block] * len(caches))  # logits come to the CPU: the pass is done
+        if layout == "slots-packed":
+            forward_slots(model, [c for c in caches if isinstance(c, SlotKV)], blocks, keeps, shape="packed")
+        else:
+            lm.forward_packed(model, caches, blocks, keeps)  # logits come to the CPU: the pass is done
         for cache, length in zip(caches, lengths, strict=True):
             lm.crop(cache, length)
         times.append((time.perf_counter() - start) * 1000.0)
@@ -105,14 +112,14 @@ def measure(
     caches: Sequence[lm.KVCache] = (
         packed_sessions(model, sessions, context) if layout == "packed" else slot_sessions(model, sessions, context, slot_tokens)
     )
-    times = time_rounds(model, caches, block, rounds)
+    times = time_rounds(model, caches, block, rounds, layout)
     return {
         "layout": layout,
         "sessions": sessions,
         "context": context,
         "block": block,
         "rounds": rounds,
-        "slot_tokens": slot_tokens if layout == "slots" else None,
+        "slot_tokens": slot_tokens if layout != "packed" else None,
         "ms_p50": round(statistics.median(times), 3),
         "ms_min": round(min(times), 3),
         "ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))], 3),
@@ -120,13 +127,17 @@ def measure(
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| sessions | context | packed ms p50 | slots ms p50 | packed / slots |", "|---|---|---|---|---|"]
-    by_key = {(r["sessions"], r["context"], r["layout"]): r for r in rows}
+    layouts = [layout for layout in LAYOUTS if any(r["layout"] == layout for r in rows)]
+    lines = [
+        "| sessions | context | " + " | ".join(f"{layout} ms p50" for layout in layouts) + " | packed / slots |",
+        "|---|---|" + "---|" * (len(layouts) + 1),
+    ]
+    ms = {(r["sessions"], r["context"], r["layout"]): r["ms_p50"] for r in rows}
     for sessions, context in sorted({(r["sessions"], r["context"]) for r in rows}):
-        packed, slots = by_key[(sessions, context, "packed")], by_key[(sessions, context, "slots")]
-        lines.append(
-            f"| {sessions} | {context} | {packed['ms_p50']} | {slots['ms_p50']} | {packed['ms_p50'] / slots['ms_p50']:.2f} |"
-        )
+        cells = [str(ms.get((sessions, context, layout), "–")) for layout in layouts]
+        packed, slots = ms.get((sessions, context, "packed")), ms.get((sessions, context, "slots"))
+        ratio = f"{packed / slots:.2f}" if packed and slots else "–"
+        lines.append(f"| {sessions} | {context} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default="kv_layout.json")
+    parser.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help="packed, slots (as the verifier feeds them), slots-packed (one row)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     device, dtype = lm.resolve_device(args.device), lm.resolve_dtype(args.dtype)
@@ -154,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for context in args.contexts:
         for sessions in args.sessions:
-            for layout in ("packed", "slots"):
+            for layout in args.layouts.split(","):
                 rows.append(measure(model, layout, sessions, context, args.block, args.rounds, args.slot_tokens))
                 log.info("%s", rows[-1])
     table = markdown(rows)

@@ -146,5 +146,7 @@ def test_timing_script_runs_both_layouts(tmp_path) -> None:  # type: ignore[no-u
         == 0
     )
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["layout"], r["sessions"]) for r in rows} == {(lay, n) for lay in ("packed", "slots") for n in (1, 3)}
+    assert {(r["layout"], r["sessions"]) for r in rows} == {
+        (lay, n) for lay in ("packed", "slots", "slots-packed") for n in (1, 3)
+    }
     assert all(r["ms_p50"] > 0 for r in rows)
