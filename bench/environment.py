@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,25 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "hostname": platform.node(),
     }
+
+
+def measurement_parser(name: str, doc: str | None, prompt_tokens: int) -> argparse.ArgumentParser:
+    """The flags of an in-process measurement `python -m bench.NAME` on a target model: the
+    model, its dtype, the prompt length, torch threads, the output folder; it adds its own."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m bench.{name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True, help="target model folder (HF format)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = usable cores)")
+    parser.add_argument("--out", type=Path, required=True)
+    return parser
+
+
+def provenance(command: str) -> dict[str, Any]:
+    """Where, with what and when a measurement ran, and the command that runs it again."""
+    return {"machine": machine(), "versions": versions(), "date": time.strftime("%Y-%m-%d"), "command": command}
 
 
 def versions() -> dict[str, str]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.environment import machine, versions, write_result
+from bench.environment import measurement_parser, provenance, write_result
 from cloud.batcher import BatchLimits
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
@@ -124,24 +124,14 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(model.dtype).removeprefix("torch."),
         "prompt_tokens": args.prompt_tokens,
         "runs": runs,
-        "machine": machine(),
-        "versions": versions(),
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "python -m bench.prefill_stall " + " ".join(args.argv),
+        **provenance("python -m bench.prefill_stall " + " ".join(args.argv)),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.prefill_stall", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", required=True, help="target model folder (HF format)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser = measurement_parser("prefill_stall", __doc__, prompt_tokens=2048)
     parser.add_argument("--chunks", default="0,512,256", help="--max-prefill-chunk values, comma-separated")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = usable cores)")
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     result = asyncio.run(_main(args))

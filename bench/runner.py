@@ -86,35 +86,24 @@ class BenchRunner:
         self.bar.update(len(self.prompts) - shown)
         return finished
 
+    def _run_flags(self, stem: RunFiles) -> list[str]:
+        """What every measured child is told alike: the prompts, where its outputs go, how long
+        and how it samples."""
+        s = self.s
+        files = ["--prompts", str(self.child_prompts), "--output", str(stem.path(".jsonl"))]
+        files += ["--log-rounds", str(stem.path(".rounds.jsonl"))]
+        sampling = ["--max-new-tokens", str(s.max_new_tokens), "--temperature", str(s.temperature), "--seed", str(s.seed)]
+        return [*files, "--dtype", s.dtype, *sampling]
+
     def _hf_command(self, system: str, placement: Placement, stem: RunFiles, extra: list[str]) -> list[str]:
         s = self.s
+        models = ["--target", str(s.target_model), "--draft", str(s.draft_model)]
         return [
             *placement.prefix(placement.cloud_cores),
             *_python(),
-            "-m",
-            "bench.hf_runner",
-            "--system",
-            system,
-            "--target",
-            str(s.target_model),
-            "--draft",
-            str(s.draft_model),
-            "--prompts",
-            str(self.child_prompts),
-            "--output",
-            str(stem.path(".jsonl")),
-            "--log-rounds",
-            str(stem.path(".rounds.jsonl")),
-            "--meta",
-            str(stem.path(".meta.json")),
-            "--max-new-tokens",
-            str(s.max_new_tokens),
-            "--dtype",
-            s.dtype,
-            "--temperature",
-            str(s.temperature),
-            "--seed",
-            str(s.seed),
+            *["-m", "bench.hf_runner", "--system", system, *models],
+            *self._run_flags(stem),
+            *["--meta", str(stem.path(".meta.json"))],
             *placement.thread_flags(),
             *extra,
         ]
@@ -134,24 +123,8 @@ class BenchRunner:
         cmd = [
             *placement.prefix(placement.edge_cores),
             *_python(),
-            "-m",
-            "edge",
-            "--prompts",
-            str(self.child_prompts),
-            "--output",
-            str(stem.path(".jsonl")),
-            "--log-rounds",
-            str(stem.path(".rounds.jsonl")),
-            "--draft-model",
-            str(s.draft_model),
-            "--dtype",
-            s.dtype,
-            "--max-new-tokens",
-            str(s.max_new_tokens),
-            "--temperature",
-            str(s.temperature),
-            "--seed",
-            str(s.seed),
+            *["-m", "edge", "--draft-model", str(s.draft_model)],
+            *self._run_flags(stem),
             *placement.thread_flags(),
         ]
         if cloud is not None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.environment import machine, versions, write_result
+from bench.environment import measurement_parser, provenance, write_result
 from cloud.auth import ApiKeys
 from cloud.batcher import BatchLimits
 from cloud.grpc_server import create_server
@@ -153,28 +153,18 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "heavy_sessions": args.heavy_sessions,
         "phases": phases,
-        "machine": machine(),
-        "versions": versions(),
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "python -m bench.two_keys " + " ".join(args.argv),
+        **provenance("python -m bench.two_keys " + " ".join(args.argv)),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.two_keys", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", required=True, help="target model folder (HF format)")
-    parser.add_argument("--dtype", default="float32")
+    parser = measurement_parser("two_keys", __doc__, prompt_tokens=64)
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=30, help="the light key's rounds per phase")
     parser.add_argument("--heavy-sessions", type=int, default=12)
     parser.add_argument("--key-max-sessions", type=int, default=1, help="the heavy key's quota in the limited phase")
     parser.add_argument("--key-max-queued", type=int, default=2)
     parser.add_argument("--flood-head-start-s", type=float, default=2.0)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     result = asyncio.run(_main(args))

@@ -15,6 +15,17 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 SERVE_READY = r"serving on (http://\S+:\d+)"
 
 
+def verifier_command(model: Path | str, *flags: str, port: int = 0) -> list[str]:
+    """`cloud-verifier` of `model` for a test: fp32, one thread, any free HTTP port."""
+    base = [sys.executable, "-m", "cloud", "--model", str(model), "--port", str(port), "--http-port", "0"]
+    return [*base, "--dtype", "float32", "--threads", "1", *flags]
+
+
+def edge_command(*flags: str) -> list[str]:
+    """`edge-agent` for a test: fp32, one thread."""
+    return [sys.executable, "-m", "edge", "--dtype", "float32", "--threads", "1", *flags]
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen[bytes]
@@ -42,23 +53,7 @@ def start(cmd: list[str], log: Path, ready: str, timeout_s: float = 180) -> Serv
 
 def start_verifier(target: Path, log: Path) -> tuple[Server, str, int]:
     """A cloud-verifier of `target`: (server, gRPC address, HTTP port)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "cloud",
-        "--model",
-        str(target),
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-        "--dtype",
-        "float32",
-        "--threads",
-        "1",
-        "--drain-grace-s",
-        "1",
-    ]  # sessions cut off by a test expire
+    cmd = verifier_command(target, "--drain-grace-s", "1")  # sessions cut off by a test expire
     server = start(cmd, log, r"serving .* on (\S+:\d+)")
     http = re.search(r"http on \S+:(\d+)", log.read_text())
     assert http, log.read_text()

@@ -28,6 +28,7 @@ from tests.certs import Pki, make_pki
 from tests.harness import gen_config, make_drafter, random_prompt
 from tests.integration.test_cli import ENV
 from tests.ops import SETTINGS, greedy_continuation, metric_samples, running_servers, stub
+from tests.serve_procs import edge_command
 from tests.tiny_models import save_pair
 
 PLAIN_KEY = "plain-key-Xq7Lr2Vw9"
@@ -241,23 +242,7 @@ def _edge(
     env: dict[str, str] | None = None,
     prompt: tuple[str, str] = ("--prompt", "w5 w9"),
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "edge",
-        "--dtype",
-        "float32",
-        "--threads",
-        "1",
-        "--cloud",
-        address,
-        "--draft-model",
-        str(models[0]),
-        *prompt,
-        "--max-new-tokens",
-        "8",
-        *flags,
-    ]
+    cmd = edge_command("--cloud", address, "--draft-model", str(models[0]), *prompt, "--max-new-tokens", "8", *flags)
     return subprocess.run(cmd, capture_output=True, text=True, env=env or ENV, timeout=300, stdin=subprocess.DEVNULL)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.serve_procs import edge_command, verifier_command
 from tests.tiny_models import save_pair
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -22,21 +23,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def verifier_address(models: tuple[Path, Path]) -> Iterator[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "cloud",
-        "--model",
-        str(models[1]),
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-        "--dtype",
-        "float32",
-        "--threads",
-        "1",
-    ]
+    cmd = verifier_command(models[1])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
     assert proc.stderr is not None
     address = None
@@ -51,8 +38,12 @@ def verifier_address(models: tuple[Path, Path]) -> Iterator[str]:
 
 
 def _edge(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "edge", "--dtype", "float32", "--threads", "1", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    return subprocess.run(edge_command(*args), capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def _answer(address: str, draft: Path, prompts: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """edge-agent answering a prompts file into `out`."""
+    return _edge("--cloud", address, "--draft-model", str(draft), "--prompts", str(prompts), "--output", str(out), *flags)
 
 
 def test_batch_speculative_equals_cloud_only(models: tuple[Path, Path], verifier_address: str, tmp_path: Path) -> None:
@@ -61,22 +52,7 @@ def test_batch_speculative_equals_cloud_only(models: tuple[Path, Path], verifier
     outputs = {}
     for mode in ("speculative", "cloud_only"):
         out = tmp_path / f"{mode}.jsonl"
-        done = _edge(
-            "--cloud",
-            verifier_address,
-            "--draft-model",
-            str(models[0]),
-            "--prompts",
-            str(prompts),
-            "--output",
-            str(out),
-            "--mode",
-            mode,
-            "--max-new-tokens",
-            "24",
-            "--k",
-            "3",
-        )
+        done = _answer(verifier_address, models[0], prompts, out, "--mode", mode, "--max-new-tokens", "24", "--k", "3")
         assert done.returncode == 0, done.stderr
         outputs[mode] = [json.loads(line) for line in out.read_text().splitlines()]
     spec, cloud = outputs["speculative"], outputs["cloud_only"]
@@ -153,22 +129,8 @@ def test_ngram_edge_loads_no_model(models: tuple[Path, Path], verifier_address: 
     records = {}
     for mode in ("speculative", "cloud_only"):
         out = tmp_path / f"{mode}.jsonl"
-        done = _edge(
-            "--cloud",
-            verifier_address,
-            "--draft-model",
-            str(tokenizer_only),
-            "--drafter",
-            "ngram",
-            "--prompts",
-            str(prompts),
-            "--output",
-            str(out),
-            "--mode",
-            mode,
-            "--max-new-tokens",
-            "16",
-        )
+        flags = ["--drafter", "ngram", "--mode", mode, "--max-new-tokens", "16"]
+        done = _answer(verifier_address, tokenizer_only, prompts, out, *flags)
         assert done.returncode == 0, done.stderr
         records[mode] = json.loads(out.read_text())
     assert records["speculative"]["token_ids"] == records["cloud_only"]["token_ids"]

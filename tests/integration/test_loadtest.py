@@ -124,66 +124,24 @@ def test_record_with_edge_agent_then_loadtest_cli_writes_result_and_report(targe
                 str(tmp_path / "out.jsonl"),
             )
             assert code == 0, out
-            code, out = await _cli(
-                "-m",
-                "bench.loadtest",
-                "--cloud",
-                client.target,
-                "--trace",
-                str(traces),
-                "--sessions",
-                "2",
-                "--output",
-                str(tmp_path / "spec.json"),
-                "--report",
-                str(report),
-                "--no-progress",
-            )
+
+            async def loadtest(*flags: str) -> tuple[int, str]:
+                source = ["--cloud", client.target, "--trace", str(traces)]
+                return await _cli("-m", "bench.loadtest", *source, "--no-progress", *flags)
+
+            code, out = await loadtest("--sessions", "2", "--output", str(tmp_path / "spec.json"), "--report", str(report))
             assert code == 0, out
             azure = Path(__file__).resolve().parents[2] / "bench" / "data" / "traces" / "azure_code_2023.csv"
-            code, out = await _cli(
-                "-m",
-                "bench.loadtest",
-                "--cloud",
-                client.target,
-                "--trace",
-                str(traces),
-                "--azure",
-                str(azure),
-                "--scale",
-                "0.01",
-                "--max-sessions",
-                "3",
-                "--max-prompt-tokens",
-                "40",
-                "--max-output-tokens",
-                "12",
-                "--mode",
-                "cloud_only",
-                "--no-progress",
-                "--output",
-                str(tmp_path / "cloud.json"),
+            azure_flags = ["--azure", str(azure), "--scale", "0.01", "--max-sessions", "3"]
+            code, out = await loadtest(
+                *azure_flags,
+                *["--max-prompt-tokens", "40", "--max-output-tokens", "12", "--mode", "cloud_only"],
+                *["--output", str(tmp_path / "cloud.json")],
             )
             assert code == 0, out
-            code, out = await _cli(
-                "-m",
-                "bench.loadtest",
-                "--cloud",
-                client.target,
-                "--trace",
-                str(traces),
-                "--find-capacity",
-                "--slo-itl-p95-ms",
-                "60000",
-                "--capacity-max-sessions",
-                "1",
-                "--capacity-step-s",
-                "0.1",
-                "--no-progress",
-                "--output",
-                str(tmp_path / "cap.json"),
-                "--report",
-                str(tmp_path / "cap"),
+            code, out = await loadtest(
+                *["--find-capacity", "--slo-itl-p95-ms", "60000", "--capacity-max-sessions", "1", "--capacity-step-s", "0.1"],
+                *["--output", str(tmp_path / "cap.json"), "--report", str(tmp_path / "cap")],
             )
             assert code == 0, out
 

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.ops import metric_samples
+from tests.serve_procs import edge_command, verifier_command
 from tests.tiny_models import save_pair
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -31,22 +31,7 @@ class VerifierProcess:
     it) and notes the ports it serves on."""
 
     def __init__(self, model: Path, port: int = 0, *flags: str) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "cloud",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--http-port",
-            "0",
-            "--dtype",
-            "float32",
-            "--threads",
-            "1",
-            *flags,
-        ]
+        cmd = verifier_command(model, *flags, port=port)
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
         self.log: list[str] = []
         self.grpc_port = self.http_port = 0
@@ -97,27 +82,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _edge_cmd(draft: Path, address: str, prompts: Path, output: Path, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "edge",
-        "--dtype",
-        "float32",
-        "--threads",
-        "1",
-        "--draft-threads",
-        "1",
-        "--draft-model",
-        str(draft),
-        "--cloud",
-        address,
-        "--prompts",
-        str(prompts),
-        "--output",
-        str(output),
-        "--no-chat",
-        *args,
-    ]
+    flags = ["--draft-threads", "1", "--draft-model", str(draft), "--cloud", address]
+    return edge_command(*flags, "--prompts", str(prompts), "--output", str(output), "--no-chat", *args)
 
 
 def _write_prompts(path: Path, texts: list[str]) -> Path:

@@ -6,7 +6,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
+from tests.serve_procs import verifier_command
 from tests.tiny_models import save_pair
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -30,24 +30,7 @@ class Verifier:
     """A cloud-verifier process and its stderr, read line by line on a thread."""
 
     def __init__(self, model: Path | str, *flags: str) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "cloud",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--dtype",
-            "float32",
-            "--threads",
-            "1",
-            "--log-format",
-            "json",
-            *flags,
-        ]
+        cmd = verifier_command(model, "--log-format", "json", *flags)
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
