@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
-from bench.tiny_models import tiny_target
+from bench.tiny_models import random_llama, tiny_target
 from shared import lm
 from shared.kv_slots import SlotKV, SlotPool, forward_slots
 
@@ -40,17 +40,8 @@ log = logging.getLogger("kv-layout-timing")
 
 def small_model(dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """A random Llama with a Qwen-like KV shape (2 KV heads of 64) and about 0.1B parameters."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-    )
-    return LlamaForCausalLM(config).to(dtype=dtype, device=device).eval()  # type: ignore[call-arg]  # transformers stub types .to oddly
+    model = random_llama(0, vocab=32000, hidden=768, mlp=2048, layers=12, heads=12, kv_heads=2, positions=32768)
+    return model.to(dtype=dtype, device=device)  # type: ignore[call-arg]  # transformers stub types .to oddly
 
 
 def _model(name: str, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:

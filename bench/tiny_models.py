@@ -16,18 +16,25 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrai
 VOCAB = 96
 
 
-def tiny_target(seed: int = 0, vocab: int = VOCAB) -> PreTrainedModel:
+def random_llama(
+    seed: int, *, vocab: int, hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, positions: int = 1024
+) -> LlamaForCausalLM:
+    """A Llama of this shape with transformers' random initialisation, fp32, in eval mode."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
     )
-    model = LlamaForCausalLM(config).float().eval()
+    return LlamaForCausalLM(config).float().eval()
+
+
+def tiny_target(seed: int = 0, vocab: int = VOCAB) -> PreTrainedModel:
+    model = random_llama(seed, vocab=vocab, hidden=32, mlp=64, layers=2, heads=4, kv_heads=2)
     # Random init gives near-uniform logits; sharpen them so greedy and sampling have structure.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)

@@ -5,9 +5,9 @@ import asyncio
 import time
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from bench.tiny_models import random_llama
 from edge.client import VerifierClient
 from edge.generate import GenerationResult, TimeoutPolicy, cloud_only_generate, speculative_generate
 from edge.kpolicy import FixedK, KPolicy, LaRatioK
@@ -35,17 +35,7 @@ def test_overlap_keeps_greedy_output_exact(target_model, draft_lm, policy: str) 
 
 def _medium_model() -> LlamaForCausalLM:
     """Large enough that drafting 12 tokens takes a good part of a 200 ms round trip."""
-    torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-    )
-    return LlamaForCausalLM(config).float().eval()
+    return random_llama(3, vocab=96, hidden=1024, mlp=4096, layers=4, heads=8, kv_heads=4)
 
 
 async def _timed(model, proxy_rtt_ms: float, overlap: bool) -> tuple[GenerationResult, float]:  # type: ignore[no-untyped-def]
