@@ -77,14 +77,12 @@ def retarget(trace: SessionTrace, model: PreTrainedModel, model_name: str) -> Se
     target = GreedyTarget(model, trace.header.prompt_tokens)
     events: list[Event] = []
     for event in trace.events:
-        if isinstance(event, VerifyEvent) and event.error is None:
-            events.append(_round(event, target, vocab))
-        elif isinstance(event, OpenEvent):  # a reopen happens on what the session had committed
+        if isinstance(event, OpenEvent):  # a reopen happens on what the session had committed
             events.append(replace(event, prefix_tokens=target.generated[: len(event.prefix_tokens)]))
-        elif not isinstance(event, VerifyEvent):
-            raise TraceError(f"{trace.name}: a {type(event).__name__} cannot be retargeted")
+        elif isinstance(event, VerifyEvent):  # a failed round has no reply to rewrite
+            events.append(_round(event, target, vocab) if event.error is None else event)
         else:
-            events.append(event)  # a failed round: no reply to rewrite
+            raise TraceError(f"{trace.name}: a {type(event).__name__} cannot be retargeted")
     header = replace(trace.header, target_model=model_name, edge={**trace.header.edge, "retargeted": True})
     end = TraceEnd(trace.end.t, target.generated, trace.end.finish_reason, trace.end.rounds, trace.end.reopens)
     return SessionTrace(header, events, end, trace.name)

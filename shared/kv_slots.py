@@ -125,9 +125,14 @@ class _PoolView:
     """past_key_values for one pass: update() writes the pass's new keys and values at their
     slot positions and returns what the pass attends over (`window`, a view of the pool)."""
 
-    def __init__(self, pool: SlotPool, dest: torch.Tensor, window: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.pool, self.dest, self.window = pool, dest, window
-        self.new_tokens: torch.Tensor | None = None  # batch shape: which of the padded tokens are real
+    def __init__(
+        self,
+        pool: SlotPool,
+        dest: torch.Tensor,
+        window: Callable[[torch.Tensor], torch.Tensor],
+        new_tokens: torch.Tensor | None = None,  # batch shape: which of the padded tokens are real
+    ) -> None:
+        self.pool, self.dest, self.window, self.new_tokens = pool, dest, window, new_tokens
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object
@@ -254,8 +259,12 @@ def _forward_batch(
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     slot_of_row = first + torch.arange(rows)
     dest = (slot_of_row[:, None] * pool.slot_tokens + positions)[real]  # [total_new], row-major like _real
-    view = _PoolView(pool, dest.to(device), lambda layer: _slot_rows(layer, first, rows, width, pool.slot_tokens))
-    view.new_tokens = real.reshape(-1).to(device)
+    view = _PoolView(
+        pool,
+        dest.to(device),
+        lambda layer: _slot_rows(layer, first, rows, width, pool.slot_tokens),
+        real.reshape(-1).to(device),
+    )
     out = model(
         input_ids=input_ids.to(device),
         attention_mask=mask[:, None].to(device),
@@ -263,5 +272,8 @@ def _forward_batch(
         past_key_values=view,
         use_cache=True,
     )
-    logits = out.logits.float().cpu()  # [rows, block, V]
-    return [logits[kv.slot - first, len(b) - (keep or len(b)) : len(b)] for kv, b, keep in zip(kvs, blocks, keeps, strict=True)]
+    # Only the kept rows leave the device (not the padding's nor the idle slots'): [kept, V] each.
+    kept = [
+        out.logits[kv.slot - first, len(b) - (keep or len(b)) : len(b)] for kv, b, keep in zip(kvs, blocks, keeps, strict=True)
+    ]
+    return list(torch.cat(kept).float().cpu().split([len(rows_kept) for rows_kept in kept]))
