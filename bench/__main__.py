@@ -39,7 +39,7 @@ from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
 from shared.hardware import choose_dtype
 from shared.models import DRAFT_MODEL, TARGET_MODEL
-from tools.model_store import model_folder
+from shared.models.store import model_folder
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
-"""The two measurements of the fleet benchmark, as the edge makes its calls (edge.client,
-edge.generate): Verify latency through the proxy against straight to the replica, paired; and
+"""The two measurements of the fleet benchmark, as the edge makes its calls (edge.transport.client,
+edge.round.generate): Verify latency through the proxy against straight to the replica, paired; and
 concurrent speculative sessions through the proxy while one replica is SIGKILLed."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from transformers import AutoModelForCausalLM
 from bench.fleet_parts import Replica
 from bench.fleet_report import percentiles
 from bench.tiny_models import VOCAB
-from edge.client import VerifierClient
-from edge.drafter import Drafter, DrafterConfig
-from edge.generate import cloud_only_generate, speculative_generate
-from edge.generation import GenerationConfig, GenerationResult, RoundRecord, TimeoutPolicy
-from edge.kpolicy import FixedK
-from edge.replicas import new_session_key
-from edge.runtime_transformers import TransformersDraftLM
+from edge.drafting.drafter import Drafter, DrafterConfig
+from edge.drafting.kpolicy import FixedK
+from edge.drafting.runtime_transformers import TransformersDraftLM
+from edge.round.generate import cloud_only_generate, speculative_generate
+from edge.round.generation import GenerationConfig, GenerationResult, RoundRecord, TimeoutPolicy
+from edge.transport.client import VerifierClient
+from edge.transport.replicas import new_session_key
 from shared.protocol import AcceptMode, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
 
 GREEDY = SessionConfig(SamplingParams(), 0, AcceptMode.GREEDY, VOCAB)

@@ -39,8 +39,8 @@ from bench.loadtest_arrivals import Caps, PlannedSession, azure_plan, poisson_pl
 from bench.loadtest_capacity import CapacitySearch, find_capacity, write_capacity_report
 from bench.loadtest_replay import LoadClock, SessionOutcome, replay
 from bench.loadtest_report import ServerSample, ended_by_line, machine, summarize, write_report
-from edge.client import CapacityRetry, ClientTls, VerifierClient
 from edge.trace import read_traces
+from edge.transport.client import CapacityRetry, ClientTls, VerifierClient
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError
 

@@ -31,7 +31,7 @@ from typing import Any
 from bench.loadtest_arrivals import PlannedSession
 from bench.loadtest_replay import Delivery, LoadClock, SessionOutcome, replay
 from bench.loadtest_report import percentiles
-from edge.client import VerifierClient
+from edge.transport.client import VerifierClient
 
 MODES = ("speculative", "cloud_only")
 START_SPREAD = 0.1  # worker starts are spread over this fraction of a level

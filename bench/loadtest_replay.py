@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from bench.loadtest_arrivals import PlannedSession
-from edge.client import VerifierClient
 from edge.trace import Event, OpenEvent, SessionTrace, VerifyEvent
+from edge.transport.client import VerifierClient
 from shared.errors import PositionMismatch, SessionNotFound, SpecDecError
 from shared.protocol import (
     REOPEN_SEED_STRIDE,
@@ -133,7 +133,7 @@ def _think_gaps(events: list[Event]) -> dict[int, float]:
 
 
 def final_output(generated: list[int], trace: SessionTrace) -> list[int]:
-    """The edge's cut (edge/generation.py Output): up to the first stop token, at most max_new_tokens."""
+    """The edge's cut (edge/round/generation.py Output): up to the first stop token, at most max_new_tokens."""
     out: list[int] = []
     for token in generated[: trace.header.max_new_tokens]:
         out.append(token)

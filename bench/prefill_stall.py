@@ -27,7 +27,7 @@ from cloud.batcher import BatchLimits
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.verifier import Verifier
-from edge.client import VerifierClient
+from edge.transport.client import VerifierClient
 from shared import lm
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
 

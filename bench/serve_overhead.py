@@ -30,15 +30,15 @@ from bench.environment import machine, versions
 from bench.processes import running
 from bench.tiny_models import save_pair
 from edge.__main__ import generate_one
-from edge.client import VerifierClient
 from edge.config import EdgeSettings
 from edge.context import EdgeContext, load_edge, verifier_client
-from edge.generate import RoundRecord
 from edge.prompts import Prompt, encode_prompt, read_prompts
+from edge.round.generate import RoundRecord
+from edge.transport.client import VerifierClient
 from shared.cli import run_cli
 from shared.errors import ConfigError
 from shared.models import DRAFT_MODEL, TARGET_MODEL
-from tools.model_store import model_folder
+from shared.models.store import model_folder
 
 DEFAULT_PROMPTS = [  # short coding and writing asks, like the packaged Qwen-Coder pair is used for
     "Write a Python function that checks whether a string is a palindrome.",

@@ -32,7 +32,7 @@ from cloud.grpc_server import create_server
 from cloud.quotas import KeyLimits
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
-from edge.client import CapacityRetry, VerifierClient
+from edge.transport.client import CapacityRetry, VerifierClient
 from shared import lm
 from shared.errors import SpecDecError
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest

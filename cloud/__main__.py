@@ -35,7 +35,7 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
     )
     if settings.model is None:
         from shared.models import TARGET_MODEL
-        from tools.model_store import ensure_model
+        from shared.models.store import ensure_model
 
         path = str(ensure_model(TARGET_MODEL))
     else:

@@ -12,7 +12,7 @@ from cloud.sessions import Session, SessionStore
 from shared import lm
 from shared.errors import InvalidRequest
 from shared.protocol import GenerateChunk, GenerateRequest, SessionConfig
-from shared.sampling import penalized_logits, probs_from_logits
+from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 from shared.speculative import sample_token
 
 

@@ -33,15 +33,14 @@ from shared.protocol import (
     OpenSessionResult,
     RoundMetrics,
     SessionConfig,
-    TopK,
+    SparseDistribution,
     VerifyRequest,
     VerifyResult,
 )
-from shared.sampling import penalized_logits, probs_from_logits
+from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 from shared.speculative import RoundOutcome, accept, dense_draft
 
 R = TypeVar("R")
-SCALAR_MODES = (AcceptMode.SCALAR, AcceptMode.SHORTCUT)
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,7 @@ class Verifier:
             torch.tensor(req.draft_tokens, dtype=torch.long),
             penalized if greedy else probs,
             session.generator,
-            draft_probs=torch.tensor(req.draft_probs, dtype=torch.float32) if mode in SCALAR_MODES else None,  # [k]
+            draft_probs=torch.tensor(req.draft_probs, dtype=torch.float32) if mode.reads_draft_probs else None,  # [k]
             sparse_draft=dense_draft(req.sparse_draft, vocab) if mode is AcceptMode.SPARSE else None,  # [k, V]
         )
         return outcome, probs
@@ -259,8 +258,8 @@ class _Round:
         lm.crop(self.session.cache, self.position - 1)
 
 
-def _top_k(probs: torch.Tensor, k: int) -> list[TopK]:
+def _top_k(probs: torch.Tensor, k: int) -> list[SparseDistribution]:
     if k <= 0:
         return []
     top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-    return [TopK(ids.tolist(), vals.tolist()) for ids, vals in zip(top.indices, top.values, strict=True)]
+    return [SparseDistribution(ids.tolist(), vals.tolist()) for ids, vals in zip(top.indices, top.values, strict=True)]

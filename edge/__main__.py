@@ -17,11 +17,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from edge.client import VerifierClient
 from edge.config import EdgeSettings
 from edge.context import EdgeContext, cloud_address, load_edge, verifier_client
 from edge.display import StepPrinter, TextStream, format_stats
-from edge.generate import (
+from edge.metrics import EdgeMetrics
+from edge.prompts import Prompt, encode_prompt, read_prompts
+from edge.round.generate import (
     GenerationConfig,
     GenerationResult,
     Observer,
@@ -30,10 +31,9 @@ from edge.generate import (
     edge_only_generate,
     speculative_generate,
 )
-from edge.metrics import EdgeMetrics
-from edge.prompts import Prompt, encode_prompt, read_prompts
 from edge.trace import TraceHeader, write_trace
 from edge.trace_recorder import SessionRecorder, trace_file_name
+from edge.transport.client import VerifierClient
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError, SpecDecError, TlsHandshakeFailed, Unauthenticated
 
@@ -219,7 +219,7 @@ async def run_agent(settings: EdgeSettings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # the OpenAI-compatible endpoint; FastAPI is imported only for it
-        from edge.serve import serve_main
+        from edge.serve.server import serve_main
 
         return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="edge-agent", description=__doc__)

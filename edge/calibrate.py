@@ -19,15 +19,15 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from edge.drafter import Drafter, DrafterConfig
-from edge.gating import GatingThresholds, TokenSignals, save_gating_config, token_frequencies
+from edge.drafting.drafter import Drafter, DrafterConfig
+from edge.drafting.gating import GatingThresholds, TokenSignals, save_gating_config, token_frequencies
+from edge.drafting.runtime_transformers import TransformersDraftLM
 from edge.prompts import encode_prompt, read_prompts
-from edge.runtime_transformers import TransformersDraftLM
 from edge.tokenizer import EdgeTokenizer
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.models import DRAFT_MODEL
+from shared.models.store import model_folder
 from shared.protocol import AcceptMode, SamplingParams
-from tools.model_store import model_folder
 
 log = logging.getLogger("edge-calibrate")
 

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from edge.runtime_llamacpp import available as llama_cpp_available
+from edge.drafting.runtime_llamacpp import available as llama_cpp_available
 from shared.protocol import AcceptMode, SamplingParams
 
 

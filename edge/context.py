@@ -10,22 +10,22 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge.client import CapacityRetry, ClientTls, VerifierClient
 from edge.config import EdgeSettings
-from edge.drafter import Drafter, DrafterConfig, DraftLM, DraftSource
-from edge.gating import EscalationRules, GatingThresholds, load_gating_config
-from edge.generation import Gating, GenerationConfig, Observer, TimeoutPolicy
-from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
-from edge.local_verifier import local_verifier
+from edge.drafting.drafter import Drafter, DrafterConfig, DraftLM, DraftSource
+from edge.drafting.gating import EscalationRules, GatingThresholds, load_gating_config
+from edge.drafting.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
+from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
+from edge.drafting.runtime_llamacpp import LlamaCppDraftLM, find_gguf
 from edge.metrics import EdgeMetrics, MeteredObserver
-from edge.ngram import HybridDrafter, NGramDrafter, NGramStore
-from edge.runtime_llamacpp import LlamaCppDraftLM, find_gguf
+from edge.round.generation import Gating, GenerationConfig, Observer, TimeoutPolicy
 from edge.tokenizer import EdgeTokenizer
+from edge.transport.client import CapacityRetry, ClientTls, VerifierClient
+from edge.transport.local_verifier import local_verifier
 from shared.errors import ConfigError
 from shared.models import DRAFT_MODEL
+from shared.models.store import model_folder
 from shared.net import is_loopback
 from shared.protocol import AcceptMode, SessionConfig
-from tools.model_store import model_folder
 
 log = logging.getLogger("edge-agent")
 
@@ -121,7 +121,7 @@ def load_draft_lm(settings: EdgeSettings, folder: str) -> DraftLM:
         if gguf is None:
             raise ConfigError(f"--draft-runtime llama.cpp: no .gguf in {folder} (name one with --draft-gguf)")
         return LlamaCppDraftLM(gguf, threads, settings.draft_context)
-    from edge.runtime_transformers import TransformersDraftLM  # torch: only on this path
+    from edge.drafting.runtime_transformers import TransformersDraftLM  # torch: only on this path
 
     return TransformersDraftLM.load(
         folder, settings.dtype, settings.device, threads, keep_hidden=settings.gating and settings.mc_passes > 0

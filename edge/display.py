@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from edge.generate import GenerationResult, RoundRecord
+from edge.round.generate import GenerationResult, RoundRecord
 from edge.tokenizer import EdgeTokenizer
 
 GREEN, RED, YELLOW, CYAN, MAGENTA = "\033[32m", "\033[31;9m", "\033[33m", "\033[36m", "\033[35m"

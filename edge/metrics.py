@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from edge.generate import Observer, RoundRecord
+from edge.round.generate import Observer, RoundRecord
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 K_BUCKETS = tuple(float(k) for k in range(17))

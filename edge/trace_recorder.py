@@ -17,7 +17,7 @@ def _code(error: SpecDecError | None) -> str | None:
 
 
 class SessionRecorder:
-    """A client tap (edge/client.py CallTap) that keeps one session's calls; `finish` writes
+    """A client tap (edge/transport/client.py CallTap) that keeps one session's calls; `finish` writes
     the trace. The round loop is unaware of it."""
 
     def __init__(self, header: TraceHeader) -> None:

@@ -1,6 +1,6 @@
 """Error types shared by both sides. Each names the gRPC status code it maps to,
 so the server has one place that translates them (cloud/grpc_server.py) and the
-edge client raises the same types back from a status code (edge/client.py)."""
+edge client raises the same types back from a status code (edge/transport/client.py)."""
 
 from __future__ import annotations
 

@@ -21,10 +21,17 @@ class AcceptMode(enum.Enum):
     def exact(self) -> bool:
         return self not in (AcceptMode.SCALAR, AcceptMode.SHORTCUT, AcceptMode.TOP1)
 
+    @property
+    def reads_draft_probs(self) -> bool:
+        """Whether the verifier reads q(y) of each drafted token (the scalar modes): only then
+        does the edge send it. Greedy and point drafts are points; sparse drafts carry their
+        whole support."""
+        return self in (AcceptMode.SCALAR, AcceptMode.SHORTCUT)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Logits processors of a session; shared/sampling.py applies them (in transformers' order)."""
+    """Logits processors of a session; shared/sampling/verifier_torch.py applies them (in transformers' order)."""
 
     temperature: float = 0.0  # 0 = greedy: argmax of the penalised logits
     top_k: int = 0  # 0 = off
@@ -48,6 +55,18 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
+class WireBytes:
+    """The bytes one call put on the wire each way (serialized message sizes), as the edge's
+    client counts them; it sets them on each reply it returns (zero on the verifier's side)."""
+
+    up: int = 0
+    down: int = 0
+
+    def __add__(self, other: WireBytes) -> WireBytes:
+        return WireBytes(self.up + other.up, self.down + other.down)
+
+
+@dataclass(frozen=True)
 class OpenSessionRequest:
     prompt_tokens: list[int]
     config: SessionConfig
@@ -61,10 +80,14 @@ class OpenSessionResult:
     vocab_size: int
     prefill_ms: float
     model_id: str
+    wire: WireBytes = WireBytes()  # set by the edge's client
 
 
 @dataclass(frozen=True)
 class SparseDistribution:
+    """A distribution over a few token ids (the rest have probability 0): a sparse draft's
+    support, or the target's top-k at a verified position."""
+
     token_ids: list[int]
     probs: list[float]
 
@@ -93,25 +116,21 @@ class RoundMetrics:
 
 
 @dataclass(frozen=True)
-class TopK:
-    token_ids: list[int]
-    probs: list[float]
-
-
-@dataclass(frozen=True)
 class VerifyResult:
     accepted_len: int
     next_token: int
     bonus: bool
     new_base_position: int
     metrics: RoundMetrics = RoundMetrics()
-    target_top_k: list[TopK] = field(default_factory=list)
+    target_top_k: list[SparseDistribution] = field(default_factory=list)
+    wire: WireBytes = WireBytes()  # set by the edge's client
 
 
 @dataclass(frozen=True)
 class CloseSessionResult:
     position: int
     rounds: int
+    wire: WireBytes = WireBytes()  # set by the edge's client
 
 
 @dataclass(frozen=True)
@@ -127,3 +146,4 @@ class GenerateChunk:
     tokens: list[int]
     forward_ms: float
     finished: bool
+    wire: WireBytes = WireBytes()  # set by the edge's client

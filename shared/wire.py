@@ -160,7 +160,7 @@ def verify_result_from_pb(msg: pb.VerifyResponse) -> protocol.VerifyResult:
         bonus=msg.bonus,
         new_base_position=msg.new_base_position,
         metrics=protocol.RoundMetrics(m.alpha_mean, m.la_over_k, m.verify_ms, m.queue_ms, m.forward_ms, m.hard_tokens),
-        target_top_k=[protocol.TopK(list(t.token_ids), list(t.probs)) for t in msg.target_top_k],
+        target_top_k=[protocol.SparseDistribution(list(t.token_ids), list(t.probs)) for t in msg.target_top_k],
     )
 
 

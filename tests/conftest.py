@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from edge.drafter import DraftLM
-from edge.runtime_transformers import TransformersDraftLM
+from edge.drafting.drafter import DraftLM
+from edge.drafting.runtime_transformers import TransformersDraftLM
 from tests.harness import gguf_lm
 from tests.tiny_models import tiny_draft, tiny_target
 

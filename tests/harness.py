@@ -13,11 +13,11 @@ from transformers import PreTrainedModel
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
-from edge.client import VerifierClient
-from edge.drafter import Drafter, DrafterConfig, DraftLM
-from edge.generate import GenerationConfig
-from edge.runtime_llamacpp import LlamaCppDraftLM
-from edge.runtime_transformers import TransformersDraftLM
+from edge.drafting.drafter import Drafter, DrafterConfig, DraftLM
+from edge.drafting.runtime_llamacpp import LlamaCppDraftLM
+from edge.drafting.runtime_transformers import TransformersDraftLM
+from edge.round.generate import GenerationConfig
+from edge.transport.client import VerifierClient
 from shared.protocol import AcceptMode, SamplingParams, SessionConfig
 from tests.tiny_models import save_gguf
 

@@ -15,12 +15,12 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bench.tiny_models import tiny_draft, tiny_target
 from cloud.verifier import Verifier
-from edge.drafter import Drafter, DrafterConfig
-from edge.runtime_transformers import TransformersDraftLM
+from edge.drafting.drafter import Drafter, DrafterConfig
+from edge.drafting.runtime_transformers import TransformersDraftLM
 from shared import lm
 from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
-from tests.tiny_models import tiny_draft, tiny_target
 
 
 def forward_ms(config_dir: str, dtype: torch.dtype, context: int = 512) -> dict[int, float]:

@@ -13,9 +13,9 @@ from cloud.batch_step import ForwardStep
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.verifier import Verifier
-from edge.client import CapacityRetry, VerifierClient
-from edge.generate import cloud_only_generate, speculative_generate
-from edge.kpolicy import FixedK
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import cloud_only_generate, speculative_generate
+from edge.transport.client import CapacityRetry, VerifierClient
 from shared.errors import CapacityExceeded, CloudUnavailable, DeadlineExceeded, SpecDecError
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
 from tests.harness import gen_config, make_drafter, random_prompt

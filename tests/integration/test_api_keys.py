@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cloud.config import VerifierSettings
-from edge.client import VerifierClient
-from edge.generate import speculative_generate
-from edge.kpolicy import FixedK
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import speculative_generate
+from edge.transport.client import VerifierClient
 from shared.errors import Unauthenticated
 from shared.pb import verifier_pb2 as pb
 from tests.certs import Pki, make_pki

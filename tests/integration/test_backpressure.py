@@ -10,9 +10,9 @@ from cloud.batch_step import ForwardStep
 from cloud.grpc_server import create_server
 from cloud.sessions import SessionLimits
 from cloud.verifier import Verifier, VerifierLimits
-from edge.client import CapacityRetry, VerifierClient
-from edge.generate import TimeoutPolicy, cloud_only_generate, speculative_generate
-from edge.kpolicy import FixedK
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import TimeoutPolicy, cloud_only_generate, speculative_generate
+from edge.transport.client import CapacityRetry, VerifierClient
 from shared.errors import CapacityExceeded
 from shared.protocol import OpenSessionRequest, OpenSessionResult
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier

@@ -13,9 +13,9 @@ from cloud.batcher import BatchLimits
 from cloud.sessions import SessionLimits
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
-from edge.client import VerifierClient
-from edge.generate import cloud_only_generate, speculative_generate
-from edge.kpolicy import FixedK
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import cloud_only_generate, speculative_generate
+from edge.transport.client import VerifierClient
 from shared import lm
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest

@@ -5,10 +5,10 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from edge.client import VerifierClient
-from edge.generate import TimeoutPolicy, speculative_generate
-from edge.kpolicy import FixedK
+from edge.drafting.kpolicy import FixedK
 from edge.metrics import EdgeMetrics, MeteredObserver
+from edge.round.generate import TimeoutPolicy, speculative_generate
+from edge.transport.client import VerifierClient
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
 from tools.netproxy import FaultProxy, LinkConditions
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from edge.client import ClientTls, VerifierClient
-from edge.generate import GenerationResult, TimeoutPolicy, cloud_only_generate, speculative_generate
-from edge.kpolicy import FixedK
-from edge.replicas import Resolver, resolve_host
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import GenerationResult, TimeoutPolicy, cloud_only_generate, speculative_generate
+from edge.transport.client import ClientTls, VerifierClient
+from edge.transport.replicas import Resolver, resolve_host
 from tests.certs import Pki, make_pki
 from tests.harness import gen_config, make_drafter, random_prompt
 from tests.integration.test_outage import VerifierProcess, verifier_process

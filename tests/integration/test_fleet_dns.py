@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.replicas import resolve_host
+from edge.transport.replicas import resolve_host
 from tests.integration.test_fleet import _bracketed, _check_fleet, _free_port
 from tests.integration.test_outage import VerifierProcess
 from tests.tiny_models import save_pair

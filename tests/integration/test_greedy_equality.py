@@ -6,8 +6,8 @@ import asyncio
 import pytest
 import torch
 
-from edge.generate import cloud_only_generate, speculative_generate
-from edge.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
+from edge.drafting.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
+from edge.round.generate import cloud_only_generate, speculative_generate
 from shared.protocol import SamplingParams
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
 
@@ -96,7 +96,7 @@ REPETITIVE = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, random_prompt(77, length=12) * 
 
 @pytest.mark.parametrize("kind", ["ngram", "ngram-filler", "hybrid"])
 def test_ngram_and_hybrid_drafts_equal_target_only(target_model, draft_model, kind: str) -> None:
-    from edge.ngram import HybridDrafter, NGramDrafter, NGramStore
+    from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
 
     def drafter():  # type: ignore[no-untyped-def]
         ngram = NGramDrafter(NGramStore(order=3), filler_top_k=4 if kind == "ngram-filler" else 1)

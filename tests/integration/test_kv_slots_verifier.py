@@ -11,8 +11,8 @@ from cloud.batch_step import ForwardStep
 from cloud.batcher import BatchLimits
 from cloud.sessions import SessionLimits
 from cloud.verifier import Verifier, VerifierLimits
-from edge.generate import cloud_only_generate, speculative_generate
-from edge.kpolicy import FixedK
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import cloud_only_generate, speculative_generate
 from shared.errors import SessionNotFound
 from shared.kv_slots import SlotKV
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest

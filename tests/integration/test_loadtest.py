@@ -12,8 +12,8 @@ from bench.loadtest_capacity import write_capacity_report
 from cloud.http import create_app, start_http
 from cloud.state import ServerState
 from cloud.verifier import Verifier
-from edge.generate import speculative_generate
-from edge.kpolicy import FixedK
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import speculative_generate
 from edge.trace import TraceHeader, read_traces, write_trace
 from edge.trace_recorder import SessionRecorder, trace_file_name
 from shared.protocol import AcceptMode, SamplingParams

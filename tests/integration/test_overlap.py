@@ -8,9 +8,9 @@ import pytest
 from transformers import LlamaForCausalLM
 
 from bench.tiny_models import random_llama
-from edge.client import VerifierClient
-from edge.generate import GenerationResult, TimeoutPolicy, cloud_only_generate, speculative_generate
-from edge.kpolicy import FixedK, KPolicy, LaRatioK
+from edge.drafting.kpolicy import FixedK, KPolicy, LaRatioK
+from edge.round.generate import GenerationResult, TimeoutPolicy, cloud_only_generate, speculative_generate
+from edge.transport.client import VerifierClient
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
 from tools.netproxy import FaultProxy, LinkConditions
 

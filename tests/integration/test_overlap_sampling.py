@@ -7,16 +7,16 @@ import itertools
 
 import torch
 
-from edge.drafter import Drafter, DrafterConfig
-from edge.generate import speculative_generate
-from edge.kpolicy import FixedK
-from edge.runtime_transformers import TransformersDraftLM
+from edge.drafting.drafter import Drafter, DrafterConfig
+from edge.drafting.kpolicy import FixedK
+from edge.drafting.runtime_transformers import TransformersDraftLM
+from edge.round.generate import speculative_generate
 from shared import lm
 from shared.protocol import AcceptMode, SamplingParams
-from shared.sampling import penalized_logits, probs_from_logits
+from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 from tests.harness import gen_config, running_verifier
 from tests.tiny_models import tiny_draft, tiny_target
-from tests.unit.test_sampling_exactness import _pvalue
+from tests.unit.cloud.test_sampling_exactness import _pvalue
 
 V = 8
 PROMPT = [3]

@@ -9,10 +9,10 @@ from grpc import aio
 
 from cloud.grpc_server import create_server
 from cloud.verifier import Verifier
-from edge.client import VerifierClient
-from edge.gating import EscalationRules, GatingThresholds
-from edge.generate import Gating, GenerationResult, RoundRecord, TimeoutPolicy, cloud_only_generate, speculative_generate
-from edge.kpolicy import FixedK
+from edge.drafting.gating import EscalationRules, GatingThresholds
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import Gating, GenerationResult, RoundRecord, TimeoutPolicy, cloud_only_generate, speculative_generate
+from edge.transport.client import VerifierClient
 from shared.errors import InvalidRequest
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
 from tests.ops import greedy_continuation, running_servers

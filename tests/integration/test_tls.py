@@ -20,9 +20,9 @@ from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.tls import ServerTls, check_exposure
 from cloud.verifier import Verifier
-from edge.client import ClientTls, VerifierClient
-from edge.generate import cloud_only_generate, speculative_generate
-from edge.kpolicy import FixedK
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import cloud_only_generate, speculative_generate
+from edge.transport.client import ClientTls, VerifierClient
 from shared.errors import CloudUnavailable, ConfigError, SpecDecError, TlsHandshakeFailed
 from shared.protocol import OpenSessionRequest, SessionConfig
 from tests.certs import Pki, make_pki

@@ -1,0 +1,182 @@
+"""The edge's draft model with its own KV cache: propose k tokens, then sync to what the
+cloud committed (the cache is cropped to the longest prefix still valid).
+
+The model itself runs in a *draft runtime* (`DraftLM`): llama.cpp on a GGUF file
+(edge/drafting/runtime_llamacpp.py) or transformers (edge/drafting/runtime_transformers.py). Everything
+else here is numpy, so a llama.cpp or n-gram edge never imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from edge.drafting.gating import TokenSignals, token_signals
+from shared.errors import ConfigError
+from shared.protocol import AcceptMode, SamplingParams, SparseDistribution
+from shared.sampling import edge_numpy
+
+
+@dataclass
+class Draft:
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)  # q(y) of each drafted token; on the wire only in scalar/shortcut mode
+    sparse: list[SparseDistribution] = field(default_factory=list)  # SPARSE mode only
+    signals: list[TokenSignals] = field(default_factory=list)  # when DrafterConfig.signals
+    sources: list[str] = field(default_factory=list)  # who proposed each token: "model" or "ngram"
+    mc_ms: float = 0.0  # time spent on MC-dropout passes
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def head(self, n: int) -> Draft:
+        """The first n drafted tokens with their distributions."""
+        return Draft(self.token_ids[:n], self.probs[:n], self.sparse[:n], self.signals[:n], self.sources[:n])
+
+    def tail(self, n: int) -> Draft:
+        """Everything after the first n tokens."""
+        return Draft(self.token_ids[n:], self.probs[n:], self.sparse[n:], self.signals[n:], self.sources[n:])
+
+    def extend(self, other: Draft) -> None:
+        self.token_ids += other.token_ids
+        self.probs += other.probs
+        self.sparse += other.sparse
+        self.signals += other.signals
+        self.sources += other.sources
+        self.mc_ms += other.mc_ms
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    sampling: SamplingParams
+    accept_mode: AcceptMode
+    vocab_size: int  # ids >= this are never drafted (padded embedding rows)
+    draft_top_k: int = 16  # support size sent in SPARSE mode
+    stop_token_ids: frozenset[int] = frozenset()
+    signals: bool = False  # compute gating signals per drafted token
+    mc_passes: int = 0  # MC-dropout passes per token (0 = off)
+    mc_dropout_p: float = 0.1
+
+
+StopRule = Callable[[TokenSignals], bool]
+
+
+class DraftSource(Protocol):
+    """What the round loop needs from a drafter (model, n-gram or hybrid)."""
+
+    filler_top_k: int  # ask the cloud for the target's top-K per verified position (0 = no)
+
+    def sync(self, tokens: Sequence[int]) -> None: ...
+
+    def prefill(self) -> None: ...
+
+    def propose(self, k: int, stop_after: StopRule | None = None) -> Draft: ...
+
+    def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[SparseDistribution]) -> None: ...
+
+
+class DraftCache(Protocol):
+    """One session's KV cache in a draft runtime. Its length is the number of tokens fed."""
+
+    def __len__(self) -> int: ...
+
+    def feed(self, token_ids: Sequence[int]) -> np.ndarray: ...  # [V_model] float32 logits after the last
+
+    def crop(self, length: int) -> None: ...  # keep the first `length` tokens' KV
+
+    def mc_dropout_variance(self, token: int, passes: int, dropout_p: float) -> float: ...
+
+
+class DraftLM(Protocol):
+    """A loaded draft model: weights shared by every session, one cache per session."""
+
+    runtime: str  # "llama.cpp" | "transformers"
+    logits_width: int  # the model's vocabulary rows (may exceed the tokenizer's)
+
+    def new_cache(self, seed: int) -> DraftCache: ...  # seed: the runtime's own randomness (MC dropout)
+
+
+class Drafter:
+    filler_top_k = 0  # a model drafter learns nothing from the target's top-K
+
+    def __init__(self, lm: DraftLM, config: DrafterConfig, seed: int) -> None:
+        if config.mc_passes > 0 and lm.runtime != "transformers":
+            raise ConfigError("MC-dropout signals need --draft-runtime transformers (they read hidden states)")
+        self.lm = lm
+        self.config = config
+        self.rng = np.random.Generator(np.random.PCG64(seed))  # one per session, never reseeded
+        self.cache = lm.new_cache(seed + 1)  # dropout masks: drafts stay reproducible
+        self.tokens: list[int] = []  # the sequence drafts continue from
+        self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
+        self.forward_passes = 0
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Continue from `tokens`; keep the cached KV of its longest shared prefix."""
+        self.tokens = list(tokens)
+        keep = 0
+        limit = min(len(self.cached), len(self.tokens) - 1)
+        while keep < limit and self.cached[keep] == self.tokens[keep]:
+            keep += 1
+        self.cache.crop(keep)
+        del self.cached[keep:]
+
+    def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[SparseDistribution]) -> None:
+        pass
+
+    def prefill(self) -> None:
+        """Cache all but the last token now (e.g. while the cloud prefills the same prompt)."""
+        if len(self.cached) < len(self.tokens) - 1:
+            self._feed(self.tokens[len(self.cached) : -1])
+
+    def _feed(self, token_ids: list[int]) -> np.ndarray:  # [V_model] logits after the last fed token
+        logits = self.cache.feed(token_ids)
+        self.cached.extend(token_ids)
+        self.forward_passes += 1
+        return logits
+
+    def propose(self, k: int, stop_after: StopRule | None = None) -> Draft:
+        """Draft up to k tokens; stop early after a stop token or a token `stop_after` flags."""
+        draft = Draft()
+        if k <= 0:
+            return draft
+        logits = self._feed(self.tokens[len(self.cached) :])
+        while True:
+            self._pick(logits, draft)
+            if len(draft) == k or draft.token_ids[-1] in self.config.stop_token_ids:
+                return draft
+            if stop_after is not None and draft.signals and stop_after(draft.signals[-1]):
+                return draft
+            logits = self._feed(draft.token_ids[-1:])
+
+    def _pick(self, logits: np.ndarray, draft: Draft) -> None:
+        cfg = self.config
+        penalized = edge_numpy.penalized_logits(logits, self.tokens + draft.token_ids, cfg.sampling, cfg.vocab_size)  # [V]
+        if cfg.accept_mode in (AcceptMode.GREEDY, AcceptMode.POINT):
+            # Deterministic drafts; q (at temperature 1) is sent for gating and logs only.
+            q = edge_numpy.softmax(penalized)
+            token = int(penalized.argmax())
+        else:
+            q = edge_numpy.probs_from_logits(penalized, cfg.sampling)
+            if cfg.accept_mode is AcceptMode.SPARSE:
+                q = edge_numpy.truncate_top_k(q, cfg.draft_top_k)
+                support = np.flatnonzero(q)
+                draft.sparse.append(SparseDistribution(support.tolist(), q[support].tolist()))
+            token = edge_numpy.sample_token(q, self.rng)
+        draft.token_ids.append(token)
+        draft.probs.append(float(q[token]))
+        draft.sources.append("model")
+        if cfg.signals:
+            draft.signals.append(self._signals(q, token, draft))
+
+    def _signals(self, q: np.ndarray, token: int, draft: Draft) -> TokenSignals:
+        signals = token_signals(q, token)
+        if self.config.mc_passes <= 0:
+            return signals
+        start = time.perf_counter()
+        var = self.cache.mc_dropout_variance(token, self.config.mc_passes, self.config.mc_dropout_p)
+        draft.mc_ms += (time.perf_counter() - start) * 1000.0
+        return TokenSignals(signals.nll, signals.entropy_bits, signals.margin, var)

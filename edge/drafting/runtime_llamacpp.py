@@ -1,0 +1,158 @@
+"""The draft model in llama.cpp, through llama-cpp-python's C API, on a GGUF file as is.
+
+This is how laptops run small models: quantized weights, no torch, a few hundred MB of
+memory. Only llama.cpp's model evaluation is used. Token ids come from the edge's HF
+tokenizer (the verifier's), sampling is shared/sampling/edge_numpy.py, and a session's KV cache is
+one llama.cpp context whose sequence 0 is cropped with `llama_memory_seq_rm`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.errors import ConfigError, DraftFailed
+from shared.hardware import usable_cores
+
+log = logging.getLogger("edge-agent")
+_GGML_LOG_LEVEL_ERROR = 4
+
+
+def available() -> bool:
+    """True when llama-cpp-python imports (it is an optional part of the edge install)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def _api() -> Any:
+    try:
+        import llama_cpp
+    except (ImportError, OSError) as err:
+        raise ConfigError(f"--draft-runtime llama.cpp: llama-cpp-python is not importable ({err})") from None
+    return llama_cpp
+
+
+class _Logs:
+    """llama.cpp logs every load in detail; keep its errors only (the callback must stay alive)."""
+
+    callback: Any = None
+
+    @classmethod
+    def quiet(cls, api: Any) -> None:
+        if cls.callback is None:
+
+            def forward(level: int, text: bytes, _user: Any) -> None:
+                if level == _GGML_LOG_LEVEL_ERROR:
+                    log.error("llama.cpp: %s", text.decode(errors="replace").rstrip())
+
+            cls.callback = api.llama_log_callback(forward)
+            api.llama_log_set(cls.callback, ctypes.c_void_p(0))
+            api.llama_backend_init()
+
+
+class LlamaCppCache:
+    """One session: a llama.cpp context whose sequence 0 holds the fed tokens' KV."""
+
+    def __init__(self, lm: LlamaCppDraftLM) -> None:
+        api = lm.api
+        self.api, self.width, self.batch_size = api, lm.logits_width, lm.batch_size
+        params = api.llama_context_default_params()
+        params.n_ctx = lm.context_size
+        params.n_batch = params.n_ubatch = lm.batch_size
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = lm.threads
+        params.no_perf = True
+        self.ctx = api.llama_init_from_model(lm.model, params)
+        if not self.ctx:
+            raise ConfigError(f"llama.cpp could not create a context of {lm.context_size} tokens")
+        self.batch = api.llama_batch_init(lm.batch_size, 0, 1)
+        self.memory = api.llama_get_memory(self.ctx)
+        self.length = 0  # tokens whose KV the context holds
+        self.context_size = lm.context_size
+        weakref.finalize(self, _free_context, api, self.ctx, self.batch)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def feed(self, token_ids: Sequence[int]) -> np.ndarray:  # [V_model] float32 after the last token
+        tokens = list(token_ids)
+        if not tokens:
+            raise DraftFailed("nothing to feed the draft model")
+        if self.length + len(tokens) > self.context_size:
+            raise DraftFailed(f"the draft context is full ({self.context_size} tokens; raise --draft-context)")
+        for start in range(0, len(tokens), self.batch_size):
+            chunk = tokens[start : start + self.batch_size]
+            self._decode(chunk, wants_logits=start + len(chunk) == len(tokens))
+        row = self.api.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(row, shape=(self.width,)).copy()
+
+    def _decode(self, chunk: list[int], wants_logits: bool) -> None:
+        batch = self.batch
+        batch.n_tokens = len(chunk)
+        for i, token in enumerate(chunk):
+            batch.token[i] = token
+            batch.pos[i] = self.length + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = wants_logits and i == len(chunk) - 1
+        code = self.api.llama_decode(self.ctx, batch)
+        if code != 0:
+            raise DraftFailed(f"llama.cpp could not evaluate the draft (llama_decode returned {code})")
+        self.length += len(chunk)
+
+    def crop(self, length: int) -> None:
+        if length < self.length:
+            self.api.llama_memory_seq_rm(self.memory, 0, length, -1)
+            self.length = length
+
+    def mc_dropout_variance(self, token: int, passes: int, dropout_p: float) -> float:
+        raise ConfigError("MC-dropout signals need --draft-runtime transformers")
+
+
+def _free_context(api: Any, ctx: Any, batch: Any) -> None:
+    api.llama_batch_free(batch)
+    api.llama_free(ctx)
+
+
+class LlamaCppDraftLM:
+    runtime = "llama.cpp"
+
+    def __init__(self, gguf: str | Path, threads: int = 0, context_size: int = 4096, batch_size: int = 64) -> None:
+        path = Path(gguf).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"draft GGUF {path} does not exist")
+        self.api = _api()
+        _Logs.quiet(self.api)
+        params = self.api.llama_model_default_params()
+        self.model = self.api.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise ConfigError(f"llama.cpp could not load {path} (not a GGUF model it knows?)")
+        weakref.finalize(self, self.api.llama_model_free, self.model)
+        vocab = self.api.llama_model_get_vocab(self.model)
+        self.logits_width = int(self.api.llama_vocab_n_tokens(vocab))
+        self.threads = threads or usable_cores()  # affinity, capped by a container's CPU quota
+        self.context_size, self.batch_size = context_size, batch_size
+        self.path = path
+
+    def new_cache(self, seed: int) -> LlamaCppCache:
+        return LlamaCppCache(self)
+
+
+def find_gguf(folder: str | Path) -> Path | None:
+    """The GGUF to draft with: the path itself when it is a file, else the folder's one .gguf."""
+    path = Path(folder).expanduser()
+    if path.is_file():
+        return path
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ConfigError(f"{path} holds {len(found)} GGUF files; name one with --draft-gguf")
+    return found[0] if found else None
