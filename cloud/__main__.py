@@ -8,7 +8,6 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
 from cloud.logs import configure_logging, log_event
@@ -17,6 +16,9 @@ from cloud.verifier import Verifier
 from shared import lm
 from shared.cli import add_settings_flags, run_cli
 from shared.hardware import choose_dtype
+from shared.models import TARGET_MODEL
+from shared.models.hub import describe as describe_model
+from shared.models.store import model_folder
 
 log = logging.getLogger("cloud-verifier")
 
@@ -33,16 +35,11 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
         dtype_reason=dtype.reason,
         threads=threads,
     )
-    if settings.model is None:
-        from shared.models import TARGET_MODEL
-        from shared.models.store import ensure_model
-
-        path = str(ensure_model(TARGET_MODEL))
-    else:
-        path = settings.model
+    path = model_folder(settings.model, TARGET_MODEL)
     model = lm.load_model(path, dtype.name, str(device))
-    # The folder's name, not its path: model ids reach callers (OpenSession, /healthz, /v1/stats).
-    return Verifier(model, Path(path).name, settings.limits(), dtype_reason=dtype.reason)
+    # A name, not a path, reaches callers (OpenSession, /healthz, /v1/stats): the folder's name,
+    # or `org/name@commit` for a Hub model, so the revision that ran is pinned.
+    return Verifier(model, describe_model(path), settings.limits(), dtype_reason=dtype.reason)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

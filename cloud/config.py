@@ -30,7 +30,10 @@ class VerifierSettings(BaseSettings):
         None, description="JSON or TOML file of settings (keys as the flags, without --); flags and env override it"
     )
     model: str | None = Field(
-        None, description="target model folder (HF format); default: the packaged Qwen2.5-Coder-1.5B-Instruct"
+        None,
+        description="target model: a folder (HF format), a packaged model name or a Hugging Face Hub id "
+        "(org/name[@revision], from the Hub cache; HF_HUB_OFFLINE=1 for the cache alone); "
+        "default: the packaged Qwen2.5-Coder-1.5B-Instruct",
     )
     dtype: str = Field(
         "auto",

@@ -91,9 +91,15 @@ class EdgeSettings(BaseSettings):
         None, description="name the verifier's certificate must carry, when it is not --cloud's host"
     )
     mode: Literal["speculative", "cloud_only", "edge_only"] = Field("speculative", description="what generates the text")
-    draft_model: str | None = Field(None, description="draft model folder; default: the packaged Qwen2.5-Coder-0.5B-Instruct")
+    draft_model: str | None = Field(
+        None,
+        description="draft model: a folder, a packaged model name or a Hugging Face Hub id (org/name[@revision], "
+        "from the Hub cache; HF_HUB_OFFLINE=1 for the cache alone); default: the packaged Qwen2.5-Coder-0.5B-Instruct",
+    )
     target_model: str | None = Field(
-        None, description="target model folder for the in-process verifier; default: packaged Qwen2.5-Coder-1.5B-Instruct"
+        None,
+        description="target model of the local verifier (no --cloud), named as --draft-model; "
+        "default: the packaged Qwen2.5-Coder-1.5B-Instruct",
     )
     draft_runtime: Literal["auto", "llama.cpp", "transformers"] = Field(
         "auto",

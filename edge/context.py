@@ -23,6 +23,7 @@ from edge.transport.client import CapacityRetry, ClientTls, VerifierClient
 from edge.transport.local_verifier import local_verifier
 from shared.errors import ConfigError
 from shared.models import DRAFT_MODEL
+from shared.models.hub import describe as describe_model
 from shared.models.store import model_folder
 from shared.net import is_loopback
 from shared.protocol import AcceptMode, SessionConfig
@@ -135,7 +136,7 @@ def load_edge(settings: EdgeSettings) -> EdgeContext:
     # An n-gram edge never loads a model: only the tokenizer.
     draft_lm = load_draft_lm(settings, folder) if needs_model else None
     vocab = len(tokenizer) if draft_lm is None else min(len(tokenizer), draft_lm.logits_width)
-    return EdgeContext(settings, tokenizer, draft_lm, vocab, tokenizer.stop_token_ids, draft_name=Path(folder).name)
+    return EdgeContext(settings, tokenizer, draft_lm, vocab, tokenizer.stop_token_ids, draft_name=describe_model(folder))
 
 
 @asynccontextmanager

