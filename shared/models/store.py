@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import importlib.util
 import json
@@ -120,7 +121,8 @@ def _manifest(model: PackagedModel) -> dict[str, Any]:
 
 
 def is_complete(model: PackagedModel, folder: Path) -> bool:
-    """True when ``folder`` is a finished conversion of exactly this model's pinned GGUF."""
+    """True when ``folder`` is a finished conversion of exactly this model's pinned GGUF (with
+    the GGUF itself beside it when the model keeps it)."""
     try:
         manifest = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -196,12 +198,15 @@ def _build(model: PackagedModel, cache: Path, final: Path) -> None:
     log_progress(f"{model.name}: converted in {time.monotonic() - started:.1f}s -> {final}")
 
 
-def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
-    """Return the converted HF folder for ``name``, building it on first use.
+def ensure_model(name: str, cache_dir: Path | None = None, keep_gguf: bool = False) -> Path:
+    """Return the converted HF folder for ``name``, building it on first use; with
+    ``keep_gguf`` its GGUF stays beside the weights too (for a llama.cpp verifier or drafter).
 
     A no-op when the folder already holds a manifest for the pinned sha256.
     """
     model = get_model(name)
+    if keep_gguf:
+        model = dataclasses.replace(model, keep_gguf=True)
     cache = cache_dir or default_cache_dir()
     final = cache / model.name
     if is_complete(model, final):
