@@ -1,10 +1,10 @@
-"""`loadtest`: replay recorded edge sessions against a verifier, open-loop, and report.
+"""`python -m bench.loadtest`: replay recorded edge sessions against a verifier, open-loop, and report.
 
-    loadtest --cloud 127.0.0.1:50051 --output result.json [--trace DIR] [--azure FILE.csv | --rate R]
+    python -m bench.loadtest --cloud 127.0.0.1:50051 --output result.json [--trace DIR] [--azure FILE.csv | --rate R]
              [--sessions N] [--scale X] [--max-prompt-tokens N] [--max-output-tokens N]
              [--max-sessions N] [--duration S] [--mode speculative|cloud_only] [--report DIR]
              [--metrics-url http://127.0.0.1:8080/metrics] [--api-key KEY] [--tls-ca CA.pem]
-    loadtest --cloud ... --output capacity.json --find-capacity --slo-itl-p95-ms X [--slo-ttft-p95-ms Y]
+    python -m bench.loadtest --cloud ... --output capacity.json --find-capacity --slo-itl-p95-ms X [--slo-ttft-p95-ms Y]
              [--capacity-max-sessions N] [--capacity-step-s S] [--metrics-url ...] [--report DIR]
 
 Sessions come from the traces `edge-agent --record DIR` writes (default: the Qwen traces shipped
@@ -241,7 +241,9 @@ async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_settings_flags(parser, LoadtestSettings)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)

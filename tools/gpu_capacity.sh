@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the verifier's figures with the target's real shapes, in bf16.
 #   1. per-round batched pass time, packed against slot KV, 1/4/8/16 sessions x 1k/4k context;
-#   2. the capacity search (loadtest --find-capacity), speculative against cloud_only, with the
+#   2. the capacity search (python -m bench.loadtest --find-capacity), speculative against cloud_only, with the
 #      verifier on the GPU and the recorded sessions replayed from the machine's CPU cores.
 # The model is CONFIG_DIR's architecture with random weights (bench/random_weights.py) and the
 # shipped Qwen traces are rewritten for it round for round (bench/retarget_traces.py), so each

@@ -117,8 +117,8 @@ async def _serve(target: str, rtt_ms: float, bandwidth: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`specedge-netproxy --target HOST:PORT --rtt-ms 50`: run until killed."""
-    parser = argparse.ArgumentParser(prog="specedge-netproxy", description="loopback TCP proxy with added RTT")
+    """`python -m tools.netproxy --target HOST:PORT --rtt-ms 50`: run until killed."""
+    parser = argparse.ArgumentParser(prog="python -m tools.netproxy", description="loopback TCP proxy with added RTT")
     parser.add_argument("--target", required=True, help="HOST:PORT to forward to")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="added round-trip time")
     parser.add_argument("--bandwidth-bytes-per-s", type=float, default=0.0, help="0 = unlimited")

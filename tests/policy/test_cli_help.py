@@ -1,4 +1,4 @@
-"""edge-agent and bench --help group their flags by concern: every setting in exactly one group;
+"""edge-agent and python -m bench --help group their flags by concern: every setting in exactly one group;
 bench's flags come from its settings class like the other commands'."""
 
 import argparse
