@@ -16,7 +16,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv"
 
 $py -m bench.random_weights "$config_dir" "$out/model" --device cuda --dtype bfloat16
-$py -m bench.kv_layout_timing --model "$out/model" --device cuda --dtype bfloat16 --sessions 1,4,8,16 \
+$py -m bench.studies.kv_layout_timing --model "$out/model" --device cuda --dtype bfloat16 --sessions 1,4,8,16 \
     --contexts 1024,4096 --rounds 10 --output "$out/kv_layout.json"
 $py -m bench.retarget_traces bench/data/traces/qwen "$out/model" "$out/traces" --device cuda --dtype bfloat16
 

@@ -1,7 +1,7 @@
 """Two API keys on one verifier: a light client's round latency alone and beside a heavy
 client that floods the verifier, with the heavy key's quota on and off.
 
-    python -m bench.two_keys --model PATH --out DIR [--heavy-sessions 12] [--rounds 30]
+    python -m bench.studies.two_keys --model PATH --out DIR [--heavy-sessions 12] [--rounds 30]
 
 The light key runs one session of k-token rounds back to back (greedy, random drafts:
 the cost of a round, not its acceptance, is measured). The heavy key opens many sessions
@@ -153,7 +153,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "heavy_sessions": args.heavy_sessions,
         "phases": phases,
-        **provenance("python -m bench.two_keys " + " ".join(args.argv)),
+        **provenance("python -m bench.studies.two_keys " + " ".join(args.argv)),
     }
 
 

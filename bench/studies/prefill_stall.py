@@ -1,6 +1,6 @@
 """How long one long prompt holds up everyone else's rounds, with and without chunked prefill.
 
-    python -m bench.prefill_stall --model PATH --prompt-tokens 2048 --chunks 0,512,256 --out DIR
+    python -m bench.studies.prefill_stall --model PATH --prompt-tokens 2048 --chunks 0,512,256 --out DIR
 
 A verifier (in this process, on a loopback port) serves one bystander session that sends
 k=0 rounds back to back; after a few rounds another client opens a session on a long
@@ -124,7 +124,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(model.dtype).removeprefix("torch."),
         "prompt_tokens": args.prompt_tokens,
         "runs": runs,
-        **provenance("python -m bench.prefill_stall " + " ".join(args.argv)),
+        **provenance("python -m bench.studies.prefill_stall " + " ".join(args.argv)),
     }
 
 
