@@ -129,7 +129,8 @@ def render(
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=7, loc="upper left", ncol=4, frameon=False)
+            # Above the axes, right of the title: inside, it covered the lines near the top.
+            ax.legend(fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, frameon=False, borderaxespad=0.2)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
             empty.append(panel["title"])
