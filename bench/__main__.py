@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.cli import settings_parser
 from bench.config import QUICK_MAX_NEW_TOKENS, BenchFlags, BenchSettings
 from bench.processes import PINNED, UNPINNED, Placement
 from bench.report import write_report
@@ -35,7 +36,7 @@ from bench.tasks import TASKS, select_per_task, spec_bench_path, write_prompts
 from bench.tiny_models import save_pair
 from edge.prompts import Prompt, read_prompts
 from shared import lm
-from shared.cli import add_settings_flags, run_cli, settings_from_args
+from shared.cli import run_cli, settings_from_args
 from shared.errors import ConfigError
 from shared.hardware import choose_dtype
 from shared.models import DRAFT_MODEL, TARGET_MODEL
@@ -45,11 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_settings_flags(parser, BenchFlags)
-    return parser
+    return settings_parser("python -m bench", __doc__, BenchFlags)
 
 
 def _floats(text: str, flag: str) -> list[float]:

@@ -223,7 +223,7 @@ def _line_looks(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     links = sorted({r["rtt_ms"] for r in runs if r["rtt_ms"] is not None})
     dashes = ["-", "--", ":", "-."]
     style = {None: "-", **{rtt: dashes[i % len(dashes)] for i, rtt in enumerate(links)}}
-    colors = plt.get_cmap("tab20").colors
+    colors = [plt.get_cmap("tab20")(i) for i in range(20)]  # its 20 distinct colours
     return [{"color": colors[i % len(colors)], "linestyle": style[run["rtt_ms"]]} for i, run in enumerate(runs)]
 
 
