@@ -33,7 +33,7 @@ lint: install
 	$(PY) -m mypy edge cloud shared bench tools
 
 proto: install
-	$(VENV)/bin/specedge-protogen
+	$(PY) -m tools.protogen
 
 # The verifier/edge image, CPU build (podman, else docker). For a GPU box:
 # make image TAG=cuda BUILD_ARGS="--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128"

@@ -1,4 +1,4 @@
-"""`bench`: every system over the same prompts, sampling settings and seeds, side by side in
+"""`python -m bench`: every system over the same prompts, sampling settings and seeds, side by side in
 one run, at each added RTT; one JSON result (checked against bench/result.schema.json) and,
 with --report, a Markdown report with plots.
 
@@ -8,9 +8,9 @@ llama.cpp on the draft GGUF), and the named rows speculative-transformers (the s
 model in transformers), ngram, ngram8, hybrid (n-gram drafting) and overlap (drafting while
 Verify is in flight); more with --variant NAME="edge-agent flags".
 
-    bench --systems target-only,hf-assisted,cloud_only,speculative --per-task 3 --rtt-ms 0,50 \\
+    python -m bench --systems target-only,hf-assisted,cloud_only,speculative --per-task 3 --rtt-ms 0,50 \\
           --max-new-tokens 64 --output results/bench.json --report results/bench
-    bench --quick --output /tmp/quick.json --report /tmp/quick      # tiny random models, seconds
+    python -m bench --quick --output /tmp/quick.json --report /tmp/quick      # tiny random models, seconds
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.cli import settings_parser
 from bench.config import QUICK_MAX_NEW_TOKENS, BenchFlags, BenchSettings
 from bench.processes import PINNED, UNPINNED, Placement
 from bench.report import write_report
@@ -35,7 +36,7 @@ from bench.tasks import TASKS, select_per_task, spec_bench_path, write_prompts
 from bench.tiny_models import save_pair
 from edge.prompts import Prompt, read_prompts
 from shared import lm
-from shared.cli import add_settings_flags, run_cli, settings_from_args
+from shared.cli import run_cli, settings_from_args
 from shared.errors import ConfigError
 from shared.hardware import choose_dtype
 from shared.models import DRAFT_MODEL, TARGET_MODEL
@@ -45,9 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_settings_flags(parser, BenchFlags)
-    return parser
+    return settings_parser("python -m bench", __doc__, BenchFlags)
 
 
 def _floats(text: str, flag: str) -> list[float]:

@@ -1,4 +1,4 @@
-"""What `bench` is asked (BenchFlags: its flags, also SPECDEC_BENCH_* environment variables)
+"""What `python -m bench` is asked (BenchFlags: its flags, also SPECDEC_BENCH_* environment variables)
 and the run's settings resolved from them (BenchSettings)."""
 
 from __future__ import annotations

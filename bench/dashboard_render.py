@@ -17,9 +17,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bench.cli import settings_parser
 from bench.prometheus import Prometheus, PrometheusError
+from shared.cli import settings_from_args
 
 GRID_COLUMNS = 24  # Grafana's grid width
 # Grafana's built-in interval variables; $__rate_interval is at least four scrape intervals.
@@ -129,7 +134,8 @@ def render(
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=7, loc="upper left", ncol=4, frameon=False)
+            # Above the axes, right of the title: inside, it covered the lines near the top.
+            ax.legend(fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, frameon=False, borderaxespad=0.2)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
             empty.append(panel["title"])
@@ -141,16 +147,29 @@ def render(
     return empty
 
 
+class DashboardRenderSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_DASHBOARD_")
+
+    prometheus: str = Field(description="Prometheus base URL, e.g. http://127.0.0.1:9090")
+    dashboard: Path = Field(Path("deploy/grafana/specdec.json"), description="the Grafana dashboard JSON to draw")
+    since_s: float = Field(600.0, gt=0, description="the window: this many seconds up to now")
+    step_s: float = Field(1.0, gt=0, description="seconds between the points of a series")
+    rate_interval: str = Field("15s", description="what $__rate_interval stands for")
+    out: Path = Field(description="the PNG to write")
+    caption: str = Field("", description="appended to the figure's title (what ran, where)")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "what to draw": ("prometheus", "dashboard", "since_s", "step_s", "rate_interval"),
+        "the image": ("out", "caption"),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.dashboard_render", __doc__, DashboardRenderSettings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.dashboard_render", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prometheus", required=True, help="Prometheus base URL, e.g. http://127.0.0.1:9090")
-    parser.add_argument("--dashboard", type=Path, default=Path("deploy/grafana/specdec.json"))
-    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
-    parser.add_argument("--since-s", type=float, default=600.0, help="the window: this many seconds up to now")
-    parser.add_argument("--step-s", type=float, default=1.0)
-    parser.add_argument("--rate-interval", default="15s", help="what $__rate_interval stands for")
-    parser.add_argument("--caption", default="", help="appended to the figure's title (what ran, where)")
-    args = parser.parse_args(argv)
+    args = settings_from_args(DashboardRenderSettings, parser().parse_args(argv))
     end = time.time()
     try:
         empty = render(

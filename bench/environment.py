@@ -50,6 +50,17 @@ def measurement_parser(name: str, doc: str | None, prompt_tokens: int) -> argpar
     return parser
 
 
+def load_measured_model(args: argparse.Namespace) -> Any:
+    """The target model of a `measurement_parser` run, on the CPU with --threads torch threads
+    (0: the cores this process may use)."""
+    import torch  # here, not at the top: the load tester and the fleet run import this module without a model
+
+    from shared import lm
+
+    torch.set_num_threads(args.threads or lm.configure_cpu(torch.device("cpu"), 0))
+    return lm.load_model(args.model, args.dtype, "cpu")
+
+
 def provenance(command: str) -> dict[str, Any]:
     """Where, with what and when a measurement ran, and the command that runs it again."""
     return {"machine": machine(), "versions": versions(), "date": time.strftime("%Y-%m-%d"), "command": command}

@@ -25,39 +25,53 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench import environment
+from bench.cli import settings_parser
 from bench.dashboard_render import load_dashboard, render
 from bench.fleet_parts import REPO, Replica, running_haproxy, running_replicas
 from bench.fleet_report import markdown
 from bench.fleet_sessions import failover, proxy_overhead
 from bench.prometheus import running_prometheus
 from bench.tiny_models import save_pair
+from shared.cli import run_cli, settings_from_args
 
 DASHBOARD = REPO / "deploy" / "grafana" / "specdec.json"
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--report", type=Path, required=True, help="folder for fleet.json, fleet.md, dashboard.png")
-    parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--sessions", type=int, default=8, help="concurrent edge sessions in the failover run")
-    parser.add_argument("--max-new-tokens", type=int, default=600)
-    parser.add_argument("--kill-after-rounds", type=int, default=200, help="SIGKILL the busiest replica after this many rounds")
-    parser.add_argument("--pairs", type=int, default=400, help="Verify pairs (proxy, direct) for the proxy's added latency")
-    return parser.parse_args(argv)
+class FleetSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_FLEET_")
+
+    report: Path = Field(description="folder for fleet.json, fleet.md, dashboard.png")
+    replicas: int = Field(3, ge=1, description="verifier replicas behind the proxy")
+    sessions: int = Field(8, ge=1, description="concurrent edge sessions in the failover run")
+    max_new_tokens: int = Field(600, ge=1, description="per edge session")
+    kill_after_rounds: int = Field(200, ge=1, description="SIGKILL the busiest replica after this many rounds")
+    pairs: int = Field(400, ge=1, description="Verify pairs (proxy, direct) for the proxy's added latency")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the fleet": ("replicas", "pairs"),
+        "the failover run": ("sessions", "max_new_tokens", "kill_after_rounds"),
+        "results": ("report",),
+    }
 
 
-async def _measure(args: argparse.Namespace, proxy: str, replicas: list[Replica], draft: Path) -> dict[str, Any]:
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.fleet", __doc__, FleetSettings)
+
+
+async def _measure(args: FleetSettings, proxy: str, replicas: list[Replica], draft: Path) -> dict[str, Any]:
     overhead = await proxy_overhead(proxy, replicas, args.pairs)
     fleet = await failover(proxy, replicas, draft, args.sessions, args.max_new_tokens, args.kill_after_rounds)
     return {"proxy_overhead": overhead, "failover": fleet}
 
 
-def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+def run(args: FleetSettings, folder: Path) -> dict[str, Any]:
     torch.set_num_threads(1)  # the edges' draft model: leave the cores to the verifiers
     draft, target = save_pair(folder / "models")
     with running_replicas(target, args.replicas, folder) as replicas:
@@ -79,7 +93,11 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
+    given = parser().parse_args(argv)
+    return run_cli("python -m bench.fleet", lambda: _run_and_report(settings_from_args(FleetSettings, given), argv))
+
+
+def _run_and_report(args: FleetSettings, argv: Sequence[str] | None) -> int:
     with tempfile.TemporaryDirectory(prefix="specdec-fleet-") as tmp:
         measured = run(args, Path(tmp))
     git = environment.git_state(REPO)
@@ -91,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "git_commit": git["commit"],
         "git_dirty": git["dirty"],
         "models": "tiny random Llama pair (bench/tiny_models.py: 2 layers, hidden 32, vocab 96), fp32",
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "settings": args.model_dump(mode="json"),
     } | measured
     (args.report / "fleet.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.report / "fleet.md").write_text(markdown(result))

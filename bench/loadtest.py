@@ -1,10 +1,10 @@
-"""`loadtest`: replay recorded edge sessions against a verifier, open-loop, and report.
+"""`python -m bench.loadtest`: replay recorded edge sessions against a verifier, open-loop, and report.
 
-    loadtest --cloud 127.0.0.1:50051 --output result.json [--trace DIR] [--azure FILE.csv | --rate R]
+    python -m bench.loadtest --cloud 127.0.0.1:50051 --output result.json [--trace DIR] [--azure FILE.csv | --rate R]
              [--sessions N] [--scale X] [--max-prompt-tokens N] [--max-output-tokens N]
              [--max-sessions N] [--duration S] [--mode speculative|cloud_only] [--report DIR]
              [--metrics-url http://127.0.0.1:8080/metrics] [--api-key KEY] [--tls-ca CA.pem]
-    loadtest --cloud ... --output capacity.json --find-capacity --slo-itl-p95-ms X [--slo-ttft-p95-ms Y]
+    python -m bench.loadtest --cloud ... --output capacity.json --find-capacity --slo-itl-p95-ms X [--slo-ttft-p95-ms Y]
              [--capacity-max-sessions N] [--capacity-step-s S] [--metrics-url ...] [--report DIR]
 
 Sessions come from the traces `edge-agent --record DIR` writes (default: the Qwen traces shipped
@@ -28,20 +28,21 @@ import sys
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlparse
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from tqdm import tqdm
 
+from bench.cli import settings_parser
 from bench.loadtest_arrivals import Caps, PlannedSession, azure_plan, poisson_plan, read_azure, trace_plan
 from bench.loadtest_capacity import CapacitySearch, find_capacity, write_capacity_report
 from bench.loadtest_replay import LoadClock, SessionOutcome, replay
 from bench.loadtest_report import ServerSample, ended_by_line, machine, summarize, write_report
 from edge.trace import read_traces
 from edge.transport.client import CapacityRetry, ClientTls, VerifierClient
-from shared.cli import add_settings_flags, run_cli, settings_from_args
+from shared.cli import run_cli, settings_from_args
 from shared.errors import ConfigError
 
 log = logging.getLogger("loadtest")
@@ -91,6 +92,26 @@ class LoadtestSettings(BaseSettings):
     slo_ttft_p95_ms: float | None = Field(None, gt=0, description="capacity target: time to first token p95, ms")
     capacity_max_sessions: int = Field(64, ge=1, description="capacity search: most concurrent sessions tried")
     capacity_step_s: float = Field(30.0, gt=0, description="capacity search: seconds each level keeps N sessions going")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the verifier": ("cloud", "api_key", "tls_ca", "mode", "call_timeout", "capacity_retries", "metrics_url"),
+        "sessions and arrivals": (
+            "trace",
+            "azure",
+            "rate",
+            "sessions",
+            "scale",
+            "think_scale",
+            "seed",
+            "max_prompt_tokens",
+            "max_output_tokens",
+            "max_sessions",
+            "duration",
+            "drain_timeout",
+        ),
+        "capacity search": ("find_capacity", "slo_itl_p95_ms", "slo_ttft_p95_ms", "capacity_max_sessions", "capacity_step_s"),
+        "results": ("output", "report", "bin_s", "progress"),
+    }
 
     @model_validator(mode="after")
     def _one_arrival_source(self) -> LoadtestSettings:
@@ -240,10 +261,12 @@ async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
     return summarize(sorted(outcomes, key=lambda o: o.index), clock, samples, wall_s, settings, len(plan), s.bin_s)
 
 
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.loadtest", __doc__, LoadtestSettings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_settings_flags(parser, LoadtestSettings)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
 
     def run() -> int:

@@ -1,4 +1,4 @@
-"""`loadtest --find-capacity`: how many concurrent sessions one verifier serves within a latency
+"""`python -m bench.loadtest --find-capacity`: how many concurrent sessions one verifier serves within a latency
 target, speculative against cloud_only, on the same verifier, trace and run.
 
 A level of N sessions is closed-loop: N workers each replay recorded sessions back to back

@@ -3,6 +3,7 @@ can be re-reported)."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,33 @@ def position_table(runs: Sequence[dict[str, Any]]) -> str:
     return _table(header, rows)
 
 
+def _titled(fig: Any, title: str, machine: str) -> None:
+    """The figure's title and, wrapped to the figure's width, the machine it was measured on."""
+    width_chars = int(fig.get_figwidth() * 14)  # about 14 characters of 9-point text per inch
+    fig.suptitle("\n".join([title, *textwrap.wrap(machine, width_chars)]), fontsize=9)
+
+
+def _legend_beside(ax: Any, **kwargs: Any) -> None:
+    """The legend right of the axes, where it covers no bar and no line."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=7, **kwargs)
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Saved with every title, tick label and outside legend inside the image."""
+    fig.savefig(path, dpi=110, bbox_inches="tight", pad_inches=0.15)
+    plt.close(fig)
+
+
+def _line_looks(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run's line: its own colour (20 before one repeats) and one dash per link (no network
+    and the first RTT solid), so rows at another RTT read apart even where colours are close."""
+    links = sorted({r["rtt_ms"] for r in runs if r["rtt_ms"] is not None})
+    dashes = ["-", "--", ":", "-."]
+    style = {None: "-", **{rtt: dashes[i % len(dashes)] for i, rtt in enumerate(links)}}
+    colors = [plt.get_cmap("tab20")(i) for i in range(20)]  # its 20 distinct colours
+    return [{"color": colors[i % len(colors)], "linestyle": style[run["rtt_ms"]]} for i, run in enumerate(runs)]
+
+
 def plot_tokens_per_s(runs: Sequence[dict[str, Any]], placements: int, path: Path, machine: str) -> None:
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(runs) + 2), 4.2))
     names = [label(r, placements) for r in runs]
@@ -210,13 +238,11 @@ def plot_tokens_per_s(runs: Sequence[dict[str, Any]], placements: int, path: Pat
     handles = [Patch(color=f"C{i % 10}", label=f"+{rtt:g} ms RTT") for i, rtt in enumerate(links)]
     if any(r["rtt_ms"] is None for r in runs):
         handles.insert(0, Patch(color="#888888", label="no network"))
-    ax.legend(handles=handles, fontsize=8)
+    _legend_beside(ax, handles=handles)
     ax.set_xticks(range(len(runs)), names, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("output tokens / s (end to end)")
-    ax.set_title(f"tokens/s by system and RTT\n{machine}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _titled(fig, "tokens/s by system and RTT", machine)
+    _save(fig, path)
 
 
 def plot_acceptance(runs: Sequence[dict[str, Any]], placements: int, path: Path, machine: str) -> None:
@@ -225,34 +251,30 @@ def plot_acceptance(runs: Sequence[dict[str, Any]], placements: int, path: Path,
     tau_ax.bar(range(len(drafting)), [r["summary"]["tau"] for r in drafting], color="C0")
     tau_ax.set_xticks(range(len(drafting)), [label(r, placements) for r in drafting], rotation=60, ha="right", fontsize=8)
     tau_ax.set_ylabel("tau: output tokens per target round")
-    for run in drafting:
+    for run, look in zip(drafting, _line_looks(drafting), strict=True):
         rates = run["summary"]["acceptance_by_position"]
         if rates:
-            pos_ax.plot(range(len(rates)), rates, marker="o", label=label(run, placements))
+            pos_ax.plot(range(len(rates)), rates, marker="o", label=label(run, placements), **look)
     pos_ax.set_xlabel("draft position")
     pos_ax.set_ylabel("acceptance rate")
     pos_ax.set_ylim(0, 1.05)
     if pos_ax.lines:
-        pos_ax.legend(fontsize=7)
-    fig.suptitle(f"tau and acceptance per draft position — {machine}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        _legend_beside(pos_ax)
+    _titled(fig, "tau and acceptance per draft position", machine)
+    _save(fig, path)
 
 
 def plot_latency_cdf(runs: Sequence[dict[str, Any]], placements: int, path: Path, machine: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for run in runs:
+    for run, look in zip(runs, _line_looks(runs), strict=True):
         latencies = sorted(r["elapsed_s"] for r in run["requests"])
         fractions = [(i + 1) / len(latencies) for i in range(len(latencies))]
-        ax.step(latencies, fractions, where="post", label=label(run, placements))
+        ax.step(latencies, fractions, where="post", label=label(run, placements), **look)
     ax.set_xlabel("request latency, s")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(f"latency CDF — {machine}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _legend_beside(ax)
+    _titled(fig, "latency CDF", machine)
+    _save(fig, path)
 
 
 def write_report(result: dict[str, Any], folder: Path) -> Path:

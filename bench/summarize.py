@@ -1,8 +1,8 @@
 """Numbers from per-prompt records: per-request metrics, percentiles, and a run's summary.
 
 Records are edge-agent's `--prompts` output lines (or bench.hf_runner's, same shape); round
-logs are `--log-rounds` lines (k and accepted_len per round). The CLI keeps the old
-`tools/summarize.py` use: one table from several JSONL files.
+logs are `--log-rounds` lines (k and accepted_len per round). The CLI writes one table from
+several JSONL files, one per mode.
 
     python -m bench.summarize --output result.json speculative=spec.jsonl cloud_only=cloud.jsonl ...
 """

@@ -1,5 +1,5 @@
 """Tiny random causal LMs: real transformers code paths, milliseconds per forward. The tests and
-`bench --quick` use them."""
+`python -m bench --quick` use them."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def save_gguf(model: PreTrainedModel, path: Path) -> Path:
     """Write a tiny Llama as an f32 GGUF that llama.cpp loads: the same weights, so its logits
     match transformers' to float rounding. No vocabulary inside ("none"): the edge feeds
     llama.cpp the HF tokenizer's ids."""
-    import gguf  # the model store's dependency; only the tests and bench --quick write GGUFs
+    import gguf  # the model store's dependency; only the tests and python -m bench --quick write GGUFs
 
     cfg = model.config
     heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads

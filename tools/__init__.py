@@ -1,3 +1,3 @@
-"""Tools around the product, not run by the edge or the verifier in serving: fetching and
-converting the models (model_store), a fault-injecting proxy for tests and benchmarks
-(netproxy), the protobuf code generator (protogen), and scripts for measurements."""
+"""Repository tools, run from a checkout and not installed: a fault-injecting proxy for tests
+and benchmarks (`python -m tools.netproxy`), the protobuf code generator (`python -m
+tools.protogen`), and the scripts of the measurements."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the verifier's figures with the target's real shapes, in bf16.
 #   1. per-round batched pass time, packed against slot KV, 1/4/8/16 sessions x 1k/4k context;
-#   2. the capacity search (loadtest --find-capacity), speculative against cloud_only, with the
+#   2. the capacity search (python -m bench.loadtest --find-capacity), speculative against cloud_only, with the
 #      verifier on the GPU and the recorded sessions replayed from the machine's CPU cores.
 # The model is CONFIG_DIR's architecture with random weights (bench/random_weights.py) and the
 # shipped Qwen traces are rewritten for it round for round (bench/retarget_traces.py), so each
@@ -16,7 +16,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv"
 
 $py -m bench.random_weights "$config_dir" "$out/model" --device cuda --dtype bfloat16
-$py -m bench.kv_layout_timing --model "$out/model" --device cuda --dtype bfloat16 --sessions 1,4,8,16 \
+$py -m bench.studies.kv_layout_timing --model "$out/model" --device cuda --dtype bfloat16 --sessions 1,4,8,16 \
     --contexts 1024,4096 --rounds 10 --output "$out/kv_layout.json"
 $py -m bench.retarget_traces bench/data/traces/qwen "$out/model" "$out/traces" --device cuda --dtype bfloat16
 

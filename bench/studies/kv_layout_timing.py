@@ -1,6 +1,6 @@
 """Per-round time of one batched verify pass, packed KV against slot KV (shared/kv_slots.py).
 
-    python -m bench.kv_layout_timing --model tiny|small|MODEL_DIR [--sessions 1,4,8,16]
+    python -m bench.studies.kv_layout_timing --model tiny|small|MODEL_DIR [--sessions 1,4,8,16]
         [--contexts 1024,4096] [--block 5] [--rounds 20] [--slot-tokens N] [--device auto]
         [--dtype float32] [--output kv_layout.json]
 

@@ -1,6 +1,6 @@
 """How long one long prompt holds up everyone else's rounds, with and without chunked prefill.
 
-    python -m bench.prefill_stall --model PATH --prompt-tokens 2048 --chunks 0,512,256 --out DIR
+    python -m bench.studies.prefill_stall --model PATH --prompt-tokens 2048 --chunks 0,512,256 --out DIR
 
 A verifier (in this process, on a loopback port) serves one bystander session that sends
 k=0 rounds back to back; after a few rounds another client opens a session on a long
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.environment import measurement_parser, provenance, write_result
+from bench.environment import load_measured_model, measurement_parser, provenance, write_result
 from cloud.batcher import BatchLimits
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
@@ -108,8 +108,7 @@ def _report(result: dict[str, Any]) -> str:
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads or lm.configure_cpu(torch.device("cpu"), 0))
-    model = lm.load_model(args.model, args.dtype, "cpu")
+    model = load_measured_model(args)
     verifier = Verifier(model, Path(args.model).name)
     vocab = min(lm.logits_width(model), 30000)
     prompt = torch.randint(vocab // 10, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -124,7 +123,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(model.dtype).removeprefix("torch."),
         "prompt_tokens": args.prompt_tokens,
         "runs": runs,
-        **provenance("python -m bench.prefill_stall " + " ".join(args.argv)),
+        **provenance("python -m bench.studies.prefill_stall " + " ".join(args.argv)),
     }
 
 

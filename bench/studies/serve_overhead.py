@@ -2,9 +2,9 @@
 own generate_one in this process, with the same settings on the same prompts, alternating in
 one run (each prompt and repeat: both, the one that goes first alternating).
 
-    python -m bench.serve_overhead --draft-model D --target-model T --max-new-tokens 64 --k 4 \\
+    python -m bench.studies.serve_overhead --draft-model D --target-model T --max-new-tokens 64 --k 4 \\
         --repeats 3 --out results/serve_overhead
-    python -m bench.serve_overhead --quick --out /tmp/serve-quick      # tiny random models, seconds
+    python -m bench.studies.serve_overhead --quick --out /tmp/serve-quick      # tiny random models, seconds
 
 One cloud-verifier (a subprocess on loopback) answers both; the served edge is a second
 process with its own copy of the draft model. Time to first token: from the request's start
@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.serve_overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.studies.serve_overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for serve_overhead.json, report.md, logs")
     parser.add_argument("--quick", action="store_true", help="tiny random models (fp32, 12 tokens): a smoke run")

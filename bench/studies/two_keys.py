@@ -1,7 +1,7 @@
 """Two API keys on one verifier: a light client's round latency alone and beside a heavy
 client that floods the verifier, with the heavy key's quota on and off.
 
-    python -m bench.two_keys --model PATH --out DIR [--heavy-sessions 12] [--rounds 30]
+    python -m bench.studies.two_keys --model PATH --out DIR [--heavy-sessions 12] [--rounds 30]
 
 The light key runs one session of k-token rounds back to back (greedy, random drafts:
 the cost of a round, not its acceptance, is measured). The heavy key opens many sessions
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.environment import measurement_parser, provenance, write_result
+from bench.environment import load_measured_model, measurement_parser, provenance, write_result
 from cloud.auth import ApiKeys
 from cloud.batcher import BatchLimits
 from cloud.grpc_server import create_server
@@ -138,8 +138,7 @@ def _report(result: dict[str, Any]) -> str:
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads or lm.configure_cpu(torch.device("cpu"), 0))
-    model = lm.load_model(args.model, args.dtype, "cpu")
+    model = load_measured_model(args)
     quota = KeyLimits(max_sessions=args.key_max_sessions, max_queued=args.key_max_queued)
     phases = {
         "alone": await phase(model, args, quota, flood=False),
@@ -153,7 +152,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "heavy_sessions": args.heavy_sessions,
         "phases": phases,
-        **provenance("python -m bench.two_keys " + " ".join(args.argv)),
+        **provenance("python -m bench.studies.two_keys " + " ".join(args.argv)),
     }
 
 

@@ -1,0 +1,2 @@
+"""One-off studies, each behind one table of docs/results.md: prefill stall, two API keys,
+serve overhead and KV layout timing (`python -m bench.studies.NAME --help`)."""
