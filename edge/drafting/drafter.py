@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from edge.drafting.feedback import RoundFeedback
 from edge.drafting.gating import TokenSignals, token_signals
 from shared.errors import ConfigError
 from shared.protocol import AcceptMode, SamplingParams, SparseDistribution
@@ -76,7 +77,7 @@ class DraftSource(Protocol):
 
     def propose(self, k: int, stop_after: StopRule | None = None) -> Draft: ...
 
-    def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[SparseDistribution]) -> None: ...
+    def update(self, feedback: RoundFeedback) -> None: ...  # after each verified round
 
 
 class DraftCache(Protocol):
@@ -124,8 +125,8 @@ class Drafter:
         self.cache.crop(keep)
         del self.cached[keep:]
 
-    def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[SparseDistribution]) -> None:
-        pass
+    def update(self, feedback: RoundFeedback) -> None:
+        pass  # the model's drafts follow from the committed tokens it is synced to
 
     def prefill(self) -> None:
         """Cache all but the last token now (e.g. while the cloud prefills the same prompt)."""
