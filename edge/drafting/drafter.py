@@ -8,7 +8,6 @@ else here is numpy, so a llama.cpp or n-gram edge never imports torch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,6 +16,7 @@ import numpy as np
 
 from edge.drafting.feedback import RoundFeedback
 from edge.drafting.gating import TokenSignals, token_signals
+from edge.experimental.mc_dropout import with_mc_variance
 from shared.errors import ConfigError
 from shared.protocol import AcceptMode, SamplingParams, SparseDistribution
 from shared.sampling import edge_numpy
@@ -59,7 +59,7 @@ class DrafterConfig:
     draft_top_k: int = 16  # support size sent in SPARSE mode
     stop_token_ids: frozenset[int] = frozenset()
     signals: bool = False  # compute gating signals per drafted token
-    mc_passes: int = 0  # MC-dropout passes per token (0 = off)
+    mc_passes: int = 0  # MC-dropout passes per token (0 = off; edge/experimental/mc_dropout.py)
     mc_dropout_p: float = 0.1
 
 
@@ -177,7 +177,6 @@ class Drafter:
         signals = token_signals(q, token)
         if self.config.mc_passes <= 0:
             return signals
-        start = time.perf_counter()
-        var = self.cache.mc_dropout_variance(token, self.config.mc_passes, self.config.mc_dropout_p)
-        draft.mc_ms += (time.perf_counter() - start) * 1000.0
-        return TokenSignals(signals.nll, signals.entropy_bits, signals.margin, var)
+        signals, ms = with_mc_variance(signals, self.cache, token, self.config.mc_passes, self.config.mc_dropout_p)
+        draft.mc_ms += ms
+        return signals
