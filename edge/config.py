@@ -133,11 +133,19 @@ class EdgeSettings(BaseSettings):
         "(--drafter ngram uses point unless top1 is asked for)",
     )
     drafter: Literal["model", "ngram", "hybrid"] = Field(
-        "model", description="model (draft LM) | ngram (no model: n-gram store) | hybrid (n-gram where confident)"
+        "model",
+        description="model (draft LM) | ngram (no model: n-gram store, NASD: N-gram Assisted Speculative Decoding) "
+        "| hybrid (n-gram where confident)",
     )
     ngram_order: int = Field(4, ge=1, le=16, description="longest n-gram context")
     ngram_max_contexts: int = Field(200_000, ge=1, description="n-gram store cap; least recently updated evicted")
-    filler_top_k: int = Field(1, ge=1, le=16, description="learn the target's top-K per verified position (1 = NAPD)")
+    filler_top_k: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="learn the target's top-K per verified position (1 = NAPD: the n-gram drafting of Ou et al., "
+        "Adaptive N-gram Parallel Decoding, arXiv:2404.08698)",
+    )
     # A 3-token match of the prompt is already a copy: order >= 3 seen once drafted 2.6x more
     # n-gram tokens than order >= 2 seen twice on Spec-Bench at the same tau (README Results).
     hybrid_min_order: int = Field(3, ge=1, description="hybrid: n-gram used when its context has this many tokens")
@@ -147,7 +155,9 @@ class EdgeSettings(BaseSettings):
     # drafter on the Qwen pair (README Results); the verifier's cost per row decides it.
     k: int = Field(4, ge=0, description="draft tokens per round (fixed policy)")
     k_policy: Literal["fixed", "la-ratio", "egag", "cost"] = Field(
-        "fixed", description="fixed | la-ratio (seed: 6 in [3, 12]) | egag (draft entropy) | cost (max expected tokens/s)"
+        "fixed",
+        description="fixed | la-ratio (accepted-length ratio: k follows accepted/k; seed: 6 in [3, 12]) "
+        "| egag (EGAG, entropy-adaptive gamma: k follows the draft's entropy) | cost (max expected tokens/s)",
     )
     k_min: int = Field(3, ge=1, description="la-ratio: smallest k (egag: gamma_min)")
     k_max: int = Field(12, ge=1, description="la-ratio, egag, cost: largest k")

@@ -8,14 +8,15 @@ else here is numpy, so a llama.cpp or n-gram edge never imports torch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from edge.drafting.feedback import RoundFeedback
 from edge.drafting.gating import TokenSignals, token_signals
+from edge.experimental.mc_dropout import with_mc_variance
 from shared.errors import ConfigError
 from shared.protocol import AcceptMode, SamplingParams, SparseDistribution
 from shared.sampling import edge_numpy
@@ -58,7 +59,7 @@ class DrafterConfig:
     draft_top_k: int = 16  # support size sent in SPARSE mode
     stop_token_ids: frozenset[int] = frozenset()
     signals: bool = False  # compute gating signals per drafted token
-    mc_passes: int = 0  # MC-dropout passes per token (0 = off)
+    mc_passes: int = 0  # MC-dropout passes per token (0 = off; edge/experimental/mc_dropout.py)
     mc_dropout_p: float = 0.1
 
 
@@ -76,7 +77,7 @@ class DraftSource(Protocol):
 
     def propose(self, k: int, stop_after: StopRule | None = None) -> Draft: ...
 
-    def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[SparseDistribution]) -> None: ...
+    def update(self, feedback: RoundFeedback) -> None: ...  # after each verified round
 
 
 class DraftCache(Protocol):
@@ -124,8 +125,8 @@ class Drafter:
         self.cache.crop(keep)
         del self.cached[keep:]
 
-    def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[SparseDistribution]) -> None:
-        pass
+    def update(self, feedback: RoundFeedback) -> None:
+        pass  # the model's drafts follow from the committed tokens it is synced to
 
     def prefill(self) -> None:
         """Cache all but the last token now (e.g. while the cloud prefills the same prompt)."""
@@ -176,7 +177,6 @@ class Drafter:
         signals = token_signals(q, token)
         if self.config.mc_passes <= 0:
             return signals
-        start = time.perf_counter()
-        var = self.cache.mc_dropout_variance(token, self.config.mc_passes, self.config.mc_dropout_p)
-        draft.mc_ms += (time.perf_counter() - start) * 1000.0
-        return TokenSignals(signals.nll, signals.entropy_bits, signals.margin, var)
+        signals, ms = with_mc_variance(signals, self.cache, token, self.config.mc_passes, self.config.mc_dropout_p)
+        draft.mc_ms += ms
+        return signals

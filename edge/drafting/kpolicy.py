@@ -7,22 +7,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-
-@dataclass(frozen=True)
-class RoundObservation:
-    k: int  # tokens drafted this round
-    accepted_len: int
-    alpha_mean: float  # the cloud's mean min(1, p/q) over the drafts
-    draft_ms: float  # edge time spent drafting the block
-    rtt_ms: float  # wall time of the Verify call (network + cloud)
-    verify_ms: float  # cloud time of the round
-    mean_entropy_bits: float = 0.0  # of the draft distributions (when gating signals are on)
+from edge.drafting.feedback import RoundFeedback
 
 
 class KPolicy(Protocol):
+    """How many tokens to draft next; it learns from each verified round (RoundFeedback)."""
+
     def next_k(self) -> int: ...
 
-    def observe(self, obs: RoundObservation) -> None: ...
+    def update(self, feedback: RoundFeedback) -> None: ...
 
 
 @dataclass
@@ -32,7 +25,7 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def observe(self, obs: RoundObservation) -> None:
+    def update(self, feedback: RoundFeedback) -> None:
         pass
 
 
@@ -52,10 +45,10 @@ class LaRatioK:
     def next_k(self) -> int:
         return self.k
 
-    def observe(self, obs: RoundObservation) -> None:
-        if obs.k <= 0:
+    def update(self, feedback: RoundFeedback) -> None:
+        if feedback.k <= 0:
             return
-        self._recent.append((obs.k, obs.accepted_len))
+        self._recent.append((feedback.k, feedback.accepted_len))
         ratio = sum(a for _, a in self._recent) / sum(d for d, _ in self._recent)
         if ratio >= self.raise_at:
             self.k = min(self.k + 1, self.k_max)
@@ -81,10 +74,10 @@ class EgagK:
         span = self.gamma_max - self.gamma_min
         return self.gamma_min + round(span * (1.0 - self.normalized_entropy))
 
-    def observe(self, obs: RoundObservation) -> None:
-        if obs.k <= 0:
+    def update(self, feedback: RoundFeedback) -> None:
+        if feedback.k <= 0:
             return
-        h = min(obs.mean_entropy_bits / self.h_max_bits, 1.0)
+        h = min(feedback.mean_entropy_bits / self.h_max_bits, 1.0)
         self.normalized_entropy = self.ema_beta * self.normalized_entropy + (1 - self.ema_beta) * h
 
 
@@ -139,14 +132,14 @@ class CostK:
     def _ema(self, old: float, new: float) -> float:
         return self.beta * old + (1 - self.beta) * new
 
-    def observe(self, obs: RoundObservation) -> None:
-        if obs.k <= 0:
+    def update(self, feedback: RoundFeedback) -> None:
+        if feedback.k <= 0:
             return
-        self.alpha = min(self._ema(self.alpha, obs.alpha_mean), 0.99)
-        self.draft_ms_per_token = self._ema(self.draft_ms_per_token, obs.draft_ms / obs.k)
-        self.net_ms = self._ema(self.net_ms, max(obs.rtt_ms - obs.verify_ms, 0.0))
+        self.alpha = min(self._ema(self.alpha, feedback.alpha_mean), 0.99)
+        self.draft_ms_per_token = self._ema(self.draft_ms_per_token, feedback.draft_ms / feedback.k)
+        self.net_ms = self._ema(self.net_ms, max(feedback.rtt_ms - feedback.verify_ms, 0.0))
         # Split the verify time into a fixed and a per-token part from two k's seen so far.
-        self._fit_verify(obs.k + 1, obs.verify_ms)
+        self._fit_verify(feedback.k + 1, feedback.verify_ms)
 
     def _fit_verify(self, tokens: int, verify_ms: float) -> None:
         predicted = self.verify_ms_fixed + tokens * self.verify_ms_per_token

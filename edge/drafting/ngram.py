@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edge.drafting.drafter import Draft, Drafter, StopRule
+from edge.drafting.feedback import RoundFeedback
 from edge.drafting.gating import TokenSignals
 from shared.protocol import SparseDistribution
 
@@ -148,6 +149,9 @@ class NGramDrafter:
         if self.with_signals:
             draft.signals.append(CERTAIN)
 
+    def update(self, feedback: RoundFeedback) -> None:
+        self.learn(feedback.top_k_contexts(), feedback.target_top_k)
+
     def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[SparseDistribution]) -> None:
         """Top-K filler: the target's candidates at each verified position, weighted by p."""
         if self.filler_top_k <= 1:
@@ -179,8 +183,8 @@ class HybridDrafter:
     def prefill(self) -> None:
         self.model.prefill()
 
-    def learn(self, contexts: Sequence[Sequence[int]], top_k: Sequence[SparseDistribution]) -> None:
-        self.ngram.learn(contexts, top_k)
+    def update(self, feedback: RoundFeedback) -> None:
+        self.ngram.update(feedback)
 
     def propose(self, k: int, stop_after: StopRule | None = None) -> Draft:
         draft = Draft()

@@ -13,18 +13,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from edge.experimental.mc_dropout import mc_dropout_variance
 from shared import lm
-
-
-def mc_dropout_variance(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, token: int, passes: int, p: float, generator: torch.Generator
-) -> float:
-    """Variance of softmax(lm_head(dropout(h)))[token] over `passes` dropout masks; hidden [H]."""
-    keep = torch.rand(passes, hidden.shape[-1], generator=generator) >= p  # [passes, H]
-    dropped = hidden.float()[None] * keep / (1.0 - p)
-    with torch.inference_mode():
-        logits = lm_head(dropped.to(hidden.dtype)).float()  # [passes, V]
-    return float(logits.softmax(dim=-1)[:, token].var())
 
 
 class TransformersCache:

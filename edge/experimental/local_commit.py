@@ -1,41 +1,51 @@
-"""Tokens made final without the cloud's verdict (lossy, counted, sent later as catch-up):
-an easy block with --local-commit, and with accept-unverified the first pending token of a
-round the cloud did not answer in time."""
+"""--local-commit (LOSSY): an easy block is final without the cloud's verdict. Easy: nothing of
+it is on screen yet, no escalation rule hit and its hard ratio is at most R_hard. The round loop
+commits it, counts it (local_tokens) and sends it to the cloud later as catch-up."""
 
 from __future__ import annotations
 
 from edge.drafting.drafter import Draft
-from edge.round.accounting import RoundAccounting
-from edge.round.generation import Gating, GenerationResult, Output
-from edge.round.round_tokens import RoundTokens
+from edge.drafting.gating import GatingThresholds
+from edge.round.generation import Gating, RoundRecord
 
 
 class LocalCommit:
-    def __init__(
-        self, gating: Gating | None, tokens: RoundTokens, accounting: RoundAccounting, result: GenerationResult, out: Output
-    ) -> None:
-        self.gating, self.tokens, self.accounting, self.result, self.out = gating, tokens, accounting, result, out
+    def __init__(self, thresholds: GatingThresholds) -> None:
+        self.thresholds = thresholds
 
-    def easy_block(self, hard_ratio: float, rule_hit: bool, draft_ms: float) -> bool:
-        """LOSSY (--local-commit): an easy block is final without the cloud; whether it was."""
-        gating = self.gating
-        block = self.tokens.pending.tail(self.tokens.provisional)
-        if gating is None or not gating.local_commit or self.tokens.provisional or not block.token_ids:
-            return False
-        if rule_hit or hard_ratio > gating.thresholds.hard_ratio:
-            return False
-        committed = block.token_ids
-        self.tokens.commit_unsent(committed)
-        self.tokens.pending = Draft()
-        self.out.commit(committed, self.accounting.local(committed, draft_ms, hard_ratio))
-        return True
+    @classmethod
+    def when_on(cls, gating: Gating | None) -> LocalCommit | None:
+        """The policy when --local-commit is on (it needs --gating), else None."""
+        return cls(gating.thresholds) if gating is not None and gating.local_commit else None
 
-    def unverified_one(self) -> None:
-        """Accept-unverified (lossy): the first pending token becomes final, counted as
-        unverified, and reaches the cloud as catch-up."""
-        tokens = self.tokens
-        token = tokens.pending.token_ids[0]
-        tokens.commit_unsent([token])
-        tokens.pending = tokens.pending.tail(1)
-        self.result.unverified_tokens += 1
-        self.out.commit([token], None)
+    def easy_block(self, pending: Draft, shown: int, hard_ratio: float, rule_hit: bool) -> list[int]:
+        """The tokens to commit without the cloud: the whole pending block when it is easy, else none."""
+        if shown or not pending.token_ids or rule_hit or hard_ratio > self.thresholds.hard_ratio:
+            return []
+        return pending.token_ids
+
+
+def local_record(round_index: int, tokens: list[int], accepted_so_far: int, draft_ms: float, hard_ratio: float) -> RoundRecord:
+    """The round record of a block committed without the cloud."""
+    return RoundRecord(
+        round=round_index,
+        k=len(tokens),
+        draft_tokens=tokens,
+        accepted_len=len(tokens),
+        next_token=tokens[-1],
+        bonus=False,
+        la_over_k=1.0,
+        alpha_mean=0.0,
+        a_cum=accepted_so_far,
+        edge_time_ms=draft_ms,
+        cloud_verify_ms=0.0,
+        rtt_ms=0.0,
+        bytes_up=0,
+        bytes_down=0,
+        hard_ratio=hard_ratio,
+        escalated=False,
+        catchup=0,
+        provisional=0,
+        retracted=0,
+        local=True,
+    )

@@ -1,4 +1,4 @@
-"""Generating text: the speculative round loop (edge/round/rounds.py) and the two baselines,
+"""Generating text: the speculative round loop (edge/round/session.py) and the two baselines,
 cloud_only (the target alone through the verifier's Generate stream) and edge_only (the
 draft model alone). The configuration and result types live in edge/round/generation.py and
 are re-exported here."""
@@ -19,7 +19,7 @@ from edge.round.generation import (
     TimeoutPolicy,
     reopened_config,
 )
-from edge.round.rounds import SpeculativeRun
+from edge.round.session import SpeculativeRun
 from edge.transport.client import VerifierClient
 from edge.transport.replicas import new_session_key
 from shared.protocol import GenerateRequest

@@ -1,5 +1,5 @@
 """What a generation is configured with and what it yields, shared by the round loop
-(edge/round/rounds.py), the baselines (edge/round/generate.py) and everything that reads their results:
+(edge/round/session.py), the baselines (edge/round/generate.py) and everything that reads their results:
 timeouts and reconnecting, gating, the round record, the result, the observer, and the
 output cut at a stop token or max_new_tokens."""
 

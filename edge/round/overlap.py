@@ -1,6 +1,7 @@
 """Overlap: drafting the next block while a Verify is in flight, assuming the block in flight
 passes whole. The first token drafted ahead guesses the bonus; the rest are kept as the
-next block only if every draft token is accepted and the bonus is that guess."""
+next block only if every draft token is accepted and the bonus is that guess. DraftAhead
+keeps the tokens it drafted; the round loop reads them back and counts them."""
 
 from __future__ import annotations
 
@@ -8,18 +9,14 @@ import asyncio
 import time
 
 from edge.drafting.drafter import Draft, DraftSource
+from edge.drafting.feedback import RoundFeedback
 from edge.drafting.kpolicy import KPolicy
-from edge.round.generation import GenerationResult, ms_since
-from edge.round.round_tokens import RoundTokens
-from shared.protocol import VerifyResult
+from edge.round.generation import ms_since
 
 
 class DraftAhead:
-    def __init__(
-        self, enabled: bool, drafter: DraftSource, k_policy: KPolicy, stop_token_ids: frozenset[int], result: GenerationResult
-    ) -> None:
-        self.enabled, self.drafter, self.k_policy = enabled, drafter, k_policy
-        self.stop_token_ids, self.result = stop_token_ids, result
+    def __init__(self, enabled: bool, drafter: DraftSource, k_policy: KPolicy, stop_token_ids: frozenset[int]) -> None:
+        self.enabled, self.drafter, self.k_policy, self.stop_token_ids = enabled, drafter, k_policy, stop_token_ids
         self.ahead = Draft()  # drafted after the in-flight block
         self.carry: Draft | None = None  # ahead tokens still valid after the reply: the next block
 
@@ -27,39 +24,44 @@ class DraftAhead:
         """The round in flight was lost or given up: what was drafted after it is void."""
         self.ahead = Draft()
 
-    def can_draft(self, tokens: RoundTokens, remaining: int) -> bool:
+    def can_draft(self, pending: list[int], remaining: int) -> bool:
+        """Whether to draft one more token after the block in flight (`pending`)."""
         # The first ahead token stands for the bonus; k more make a whole next block.
         if not self.enabled or len(self.ahead) >= self.k_policy.next_k() + 1:
             return False
-        tail = (tokens.pending.token_ids + self.ahead.token_ids)[-1:]
+        tail = (pending + self.ahead.token_ids)[-1:]
         if tail and tail[0] in self.stop_token_ids:
             return False
         # The block, its bonus and the ahead tokens must fit in what is left to generate.
-        return len(tokens.pending) + 1 + len(self.ahead) < remaining
+        return len(pending) + 1 + len(self.ahead) < remaining
 
-    async def draft_one(self, tokens: RoundTokens) -> None:
-        """One more token after the in-flight block (in a thread: the reply can land meanwhile)."""
+    async def draft_one(self, context: list[int]) -> float:
+        """One more token after `context` (the committed tokens and the block in flight) and the
+        tokens already drafted ahead, in a thread: the reply can land meanwhile. Its time in ms."""
         start = time.perf_counter()
-        context = tokens.committed + tokens.pending.token_ids + self.ahead.token_ids
+        after = context + self.ahead.token_ids
 
         def step() -> Draft:
-            self.drafter.sync(context)
+            self.drafter.sync(after)
             return self.drafter.propose(1)
 
         self.ahead.extend(await asyncio.to_thread(step))
-        self.result.overlap_draft_ms += ms_since(start)
+        return ms_since(start)
 
-    def keep(self, reply: VerifyResult) -> tuple[int, int]:
-        """Keep the tokens drafted ahead when the block passed whole and the bonus is the
-        token the drafter guessed; they become the next block. Returns (drafted, kept)."""
+    def drafted(self) -> int:
+        """Tokens drafted ahead of the round in flight so far."""
+        return len(self.ahead)
+
+    def update(self, feedback: RoundFeedback) -> None:
+        """Keep the tokens drafted ahead when the block passed whole and the bonus is the token
+        the drafter guessed: they become the next block (take_carry); drop them otherwise."""
         ahead, self.ahead = self.ahead, Draft()
-        kept = 0
-        if ahead.token_ids and reply.bonus and ahead.token_ids[0] == reply.next_token:
+        if ahead.token_ids and feedback.bonus and ahead.token_ids[0] == feedback.next_token:
             self.carry = ahead.tail(1)
-            kept = len(self.carry)
-        self.result.ahead_drafted += len(ahead)
-        self.result.ahead_used += kept
-        return len(ahead), kept
+
+    def carried(self) -> int:
+        """Tokens kept from the last verified round, waiting to start the next block."""
+        return len(self.carry) if self.carry is not None else 0
 
     def take_carry(self) -> Draft | None:
         carry, self.carry = self.carry, None

@@ -1,15 +1,14 @@
-"""Showing pending tokens before the cloud's verdict. A Verify slower than the soft deadline
-makes the next pending token provisional (shown, not final; retracted if the cloud rejects
-it), one more per soft deadline; while the verifier is away, the pending block is topped up
-and shown. Strict mode only waits; accept-unverified shows nothing provisionally."""
+"""When pending tokens are shown before the cloud's verdict. A Verify slower than the soft
+deadline makes the next pending token provisional (shown, not final; retracted if the cloud
+rejects it), one more per soft deadline; while the verifier is away, provisional mode tops the
+pending block up and shows it. Strict mode only waits; accept-unverified shows nothing
+provisionally. The round loop (edge/round/session.py) shows and counts the tokens."""
 
 from __future__ import annotations
 
 import asyncio
 
-from edge.round.generation import GenerationResult, Output, TimeoutPolicy
-from edge.round.round_tokens import BlockDrafter, RoundTokens
-from shared.protocol import OpenSessionResult
+from edge.round.generation import TimeoutPolicy
 
 
 class SoftDeadline:
@@ -32,43 +31,8 @@ class SoftDeadline:
         self.at = self.loop.time() + self.soft_s if self.soft_s and more_to_show else None
 
 
-class Provisional:
-    """The provisional tokens of a generation: shown one at a time (the observer, and the
-    edge's metrics, count one token per call), counted, and cut back to a session's limit."""
-
-    def __init__(
-        self, policy: TimeoutPolicy, tokens: RoundTokens, blocks: BlockDrafter, result: GenerationResult, out: Output
-    ) -> None:
-        self.policy, self.tokens, self.blocks, self.result, self.out = policy, tokens, blocks, result, out
-
-    def more_to_show(self) -> bool:
-        return self.tokens.provisional < len(self.tokens.pending)
-
-    def show_one(self) -> None:
-        """One more pending token on screen, unverified (none left: nothing happens)."""
-        tokens = self.tokens
-        if tokens.provisional < len(tokens.pending):
-            tokens.provisional += 1
-            self.result.provisional_tokens += 1
-            self.out.show_provisional(tokens.pending.token_ids[: tokens.provisional])
-
-    def while_away(self, session: OpenSessionResult | None) -> None:
-        """Provisional mode: while the verifier is away, top the pending block up to one block
-        and show it provisionally; verified (or retracted) once a session is back. Strict mode
-        only waits; accept-unverified makes nothing final without a reply here either."""
-        if self.policy.mode != "provisional":
-            return
-        room = self.blocks.room(session.max_draft_tokens if session is not None else None)
-        if len(self.tokens.pending) < room:
-            self.blocks.top_up(room)
-        while self.more_to_show():
-            self.show_one()
-
-    def fit(self, max_draft_tokens: int) -> None:
-        """Tokens shown while away, before this session's limit was known, past that limit
-        are retracted."""
-        tokens = self.tokens
-        if tokens.provisional > max_draft_tokens:
-            self.result.retracted_tokens += tokens.provisional - max_draft_tokens
-            tokens.provisional = max_draft_tokens
-            tokens.pending = tokens.pending.head(tokens.provisional)
+def shows_while_away(policy: TimeoutPolicy) -> bool:
+    """Provisional mode shows the pending block (topped up to one block) while the verifier is
+    away, verified or retracted once a session is back. Strict mode only waits; accept-unverified
+    makes nothing final without a reply here either."""
+    return policy.mode == "provisional"

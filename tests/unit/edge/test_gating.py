@@ -4,7 +4,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from edge.drafting.gating import (
     EscalationRules,
@@ -15,7 +14,6 @@ from edge.drafting.gating import (
     token_frequencies,
     token_signals,
 )
-from edge.drafting.runtime_transformers import mc_dropout_variance
 from tests.harness import make_drafter, random_prompt
 
 
@@ -70,15 +68,6 @@ def test_gating_config_round_trip(tmp_path) -> None:
     save_gating_config(path, GatingThresholds(nll=1.25), {5: 2, 9: 1})
     thresholds, counts = load_gating_config(path)
     assert thresholds.nll == 1.25 and thresholds.entropy_bits == 2.5 and counts == {5: 2, 9: 1}
-
-
-def test_mc_dropout_variance_grows_with_dropout(draft_model) -> None:
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(32, generator=gen)
-    head = draft_model.get_output_embeddings()
-    low = mc_dropout_variance(hidden, head, 3, 16, 0.01, gen)
-    high = mc_dropout_variance(hidden, head, 3, 16, 0.5, gen)
-    assert 0 <= low < high
 
 
 def test_drafter_ends_the_block_at_a_hard_token(draft_model) -> None:

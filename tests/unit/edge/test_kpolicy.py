@@ -2,7 +2,8 @@
 
 import pytest
 
-from edge.drafting.kpolicy import CostK, EgagK, FixedK, LaRatioK, RoundObservation, expected_tokens
+from edge.drafting.feedback import RoundFeedback
+from edge.drafting.kpolicy import CostK, EgagK, FixedK, LaRatioK, expected_tokens
 
 
 def _obs(
@@ -13,14 +14,14 @@ def _obs(
     rtt_ms: float = 160.0,
     verify_ms: float = 150.0,
     draft_ms_per_token: float = 40.0,
-) -> RoundObservation:
-    return RoundObservation(k, accepted, alpha, draft_ms_per_token * k, rtt_ms, verify_ms, entropy)
+) -> RoundFeedback:
+    return RoundFeedback(k, accepted, alpha, draft_ms_per_token * k, rtt_ms, verify_ms, entropy)
 
 
 def test_fixed_never_moves() -> None:
     policy = FixedK(5)
     for accepted in (0, 5, 2):
-        policy.observe(_obs(5, accepted))
+        policy.update(_obs(5, accepted))
         assert policy.next_k() == 5
 
 
@@ -29,17 +30,17 @@ def test_la_ratio_rises_to_max_and_falls_to_min() -> None:
     seen = []
     for _ in range(10):
         k = policy.next_k()
-        policy.observe(_obs(k, k))  # everything accepted
+        policy.update(_obs(k, k))  # everything accepted
         seen.append(policy.next_k())
     assert seen[0] == 7 and seen[-1] == 12 and max(seen) == 12
     for _ in range(15):
-        policy.observe(_obs(policy.next_k(), 0))
+        policy.update(_obs(policy.next_k(), 0))
     assert policy.next_k() == 3
 
 
 def test_la_ratio_middle_band_holds() -> None:
     policy = LaRatioK(k_start=6)
-    policy.observe(_obs(6, 3))  # 0.5: between 0.4 and 0.8
+    policy.update(_obs(6, 3))  # 0.5: between 0.4 and 0.8
     assert policy.next_k() == 6
 
 
@@ -51,8 +52,8 @@ def test_la_ratio_rejects_a_start_outside_its_range() -> None:
 def test_egag_follows_draft_entropy_within_bounds() -> None:
     confident, unsure = EgagK(2, 12), EgagK(2, 12)
     for _ in range(20):
-        confident.observe(_obs(confident.next_k(), 1, entropy=0.05))
-        unsure.observe(_obs(unsure.next_k(), 1, entropy=9.0))
+        confident.update(_obs(confident.next_k(), 1, entropy=0.05))
+        unsure.update(_obs(unsure.next_k(), 1, entropy=9.0))
     assert confident.next_k() >= 11 and unsure.next_k() == 2
     assert all(2 <= p.next_k() <= 12 for p in (confident, unsure))
 
@@ -67,7 +68,7 @@ def _settled_cost_k(rtt_extra_ms: float, alpha: float = 0.8, overlap: bool = Fal
     policy = CostK(k_min=1, k_max=12, overlap=overlap)
     for _ in range(40):
         k = policy.next_k()
-        policy.observe(_obs(k, int(k * alpha), alpha=alpha, rtt_ms=150.0 + rtt_extra_ms, verify_ms=150.0))
+        policy.update(_obs(k, int(k * alpha), alpha=alpha, rtt_ms=150.0 + rtt_extra_ms, verify_ms=150.0))
     return policy.next_k()
 
 

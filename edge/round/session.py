@@ -1,0 +1,404 @@
+"""One speculative generation on the edge: SpeculativeRun, the one owner of its tokens
+(RoundTokens), its counters (GenerationResult) and its round records.
+
+A round: draft a block (`_draft`), send it with one Verify (`_verify`), commit the cloud's
+verdict (`_apply`): the accepted prefix plus the recovered/bonus token. Then one RoundFeedback
+goes to each part that adapts, through the same `update` call: the drafter, the k policy and
+overlap. The parts around the core return decisions and values; only this module changes the
+tokens and the counters:
+- edge/round/blocks.py: how many tokens a block holds (edge/drafting/kpolicy.py), where drafting
+  stops early and which tokens are hard (gating, edge/drafting/gating.py);
+- edge/round/provisional.py: when a Verify slower than the soft deadline shows the next pending
+  token (provisional: shown, not final; retracted if the cloud rejects it);
+- edge/round/overlap.py: drafting the next block while the Verify is in flight;
+- edge/round/recovery.py: the verifier session; a lost call or session is reopened here on the
+  committed prefix within the reconnect window (generation.Reconnecting), showing the pending
+  block meanwhile in provisional mode;
+- edge/experimental/: the lossy commits without the cloud (--local-commit; --accept-unverified
+  once the soft deadline passes or a full verifier's resends run out; the other modes stop
+  with the error), consulted only when their flags are on.
+Drafting runs in a worker thread and the Verify call as a task, so the event loop stays free
+(other generations, the HTTP server, gRPC keepalives) while the draft model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from edge.drafting.drafter import Draft, DraftSource
+from edge.drafting.feedback import Learner, RoundFeedback
+from edge.drafting.kpolicy import KPolicy
+from edge.experimental.accept_unverified import AcceptUnverified
+from edge.experimental.local_commit import LocalCommit, local_record
+from edge.round.blocks import BlockDrafting
+from edge.round.generation import (
+    RECOVERABLE,
+    GenerationConfig,
+    GenerationResult,
+    Observer,
+    Output,
+    Reconnecting,
+    RoundRecord,
+    ms_since,
+    reopened_config,
+)
+from edge.round.overlap import DraftAhead
+from edge.round.provisional import SoftDeadline, shows_while_away
+from edge.round.recovery import VerifierSession
+from edge.transport.client import Traffic, VerifierClient
+from shared.errors import CapacityExceeded, SpecDecError
+from shared.protocol import VerifyRequest, VerifyResult
+
+NGRAM_CONTEXT = 64  # committed tokens the feedback carries: n-gram contexts are short
+
+
+@dataclass
+class RoundTokens:
+    committed: list[int]  # final: prompt + generated
+    catchup: list[int] = field(default_factory=list)  # final, not yet sent to the cloud
+    pending: Draft = field(default_factory=Draft)  # drafted, not final
+    provisional: int = 0  # the first pending tokens, shown before the cloud's verdict
+
+    def commit_unsent(self, tokens: list[int], rest: Draft) -> None:
+        """Final without the cloud (lossy modes): the cloud gets them as catch-up; `rest` stays pending."""
+        self.committed += tokens
+        self.catchup += tokens
+        self.pending = rest
+
+    def commit_verified(self, tokens: list[int]) -> None:
+        """The cloud's verdict on a round: final, and the pending block is spent."""
+        self.committed += tokens
+        self.catchup = []
+        self.pending, self.provisional = Draft(), 0
+
+
+@dataclass(frozen=True)
+class SentBlock:
+    """A block on its way to the cloud: the request, and what the round's record needs of it."""
+
+    req: VerifyRequest
+    draft: Draft  # the pending block as sent (sources, signals)
+    draft_ms: float
+    hard_ratio: float
+    sent_at: float  # perf_counter when the Verify call started
+    traffic_at: Traffic  # the client's byte counters then
+
+
+class SpeculativeRun:
+    """One speculative generation; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        drafter: DraftSource,
+        client: VerifierClient,
+        k_policy: KPolicy,
+        cfg: GenerationConfig,
+        observer: Observer | None,
+    ) -> None:
+        self.drafter, self.client, self.k_policy, self.cfg = drafter, client, k_policy, cfg
+        self.result = GenerationResult()
+        self.out = Output(cfg, self.result, observer)
+        self.tokens = RoundTokens(list(prompt))
+        self.blocks = BlockDrafting(drafter, k_policy, cfg)
+        self.session = VerifierSession(client, drafter)
+        self.overlap = DraftAhead(cfg.overlap, drafter, k_policy, cfg.stop_token_ids)
+        self.learners: tuple[Learner, ...] = (drafter, k_policy, self.overlap)
+        self.local_commit = LocalCommit.when_on(cfg.gating)
+        self.unverified = AcceptUnverified.when_on(cfg.timeouts)
+
+    def _wire(self) -> Traffic:
+        """The bytes the client has sent and received so far: differences give a round's and a generation's."""
+        return self.client.stats.traffic()
+
+    async def run(self) -> GenerationResult:
+        start = self._wire()
+        await self._connect(None)
+        try:
+            while not self.out.done():
+                await self._round()
+        finally:
+            await self.session.close()
+        return self.out.finish(self._wire() - start)
+
+    # ---- the verifier session -----------------------------------------------------------
+
+    async def _connect(self, lost: SpecDecError | None) -> None:
+        """Open a session on the committed prefix, at once for the first one (`lost` None) or
+        after a wait once `lost` ended the last; recoverable failures are retried within the
+        reconnect window, showing the pending block meanwhile."""
+        outage = Reconnecting(self.cfg.timeouts)
+        err = lost
+        while True:
+            if err is not None:
+                self._show_while_away()
+                await outage.wait(err)
+                if lost is not None:  # a first open retried is not a reopen: it keeps its seed
+                    self.result.reopens += 1
+            committed = self.tokens.committed
+            try:
+                await self.session.open(committed, reopened_config(self.cfg.session, self.result.reopens))
+            except RECOVERABLE as failed:
+                err = failed
+                continue
+            self.tokens.catchup = []
+            self.result.target_forward_passes += 1 if len(committed) > 1 else 0
+            return
+
+    # ---- drafting a block ---------------------------------------------------------------
+
+    def _draft(self) -> float:
+        """Top the pending block up to k tokens (in a worker thread); the drafting time in ms.
+        The block starts from the tokens drafted ahead during the last round and still valid,
+        else from the tokens already shown."""
+        tokens, limit = self.tokens, self.session.current().max_draft_tokens
+        carry = self.overlap.take_carry()
+        tokens.pending = carry if carry is not None else tokens.pending.head(tokens.provisional)
+        self._fit_shown(limit)
+        room = self.blocks.room(self.out.remaining(), limit)
+        if len(tokens.pending) > max(room, tokens.provisional):
+            tokens.pending = tokens.pending.head(max(room, tokens.provisional))
+        start = time.perf_counter()
+        if room > len(tokens.pending):
+            self.result.mc_dropout_ms += self._top_up(room).mc_ms
+        return ms_since(start)
+
+    def _top_up(self, room: int) -> Draft:
+        """Draft after the pending block until it holds `room` tokens; the new tokens."""
+        tokens = self.tokens
+        block = self.blocks.draft(tokens.committed + tokens.pending.token_ids, room - len(tokens.pending))
+        tokens.pending.extend(block)
+        return block
+
+    def _fit_shown(self, max_draft_tokens: int) -> None:
+        """Tokens shown while away, before this session's limit was known, past that limit
+        are retracted."""
+        tokens = self.tokens
+        if tokens.provisional > max_draft_tokens:
+            self.result.retracted_tokens += tokens.provisional - max_draft_tokens
+            tokens.provisional = max_draft_tokens
+            tokens.pending = tokens.pending.head(tokens.provisional)
+
+    def _hard_mask(self) -> tuple[list[bool], bool]:
+        """The pending block's hard mask, and whether a rule ended the block (verify now)."""
+        tokens = self.tokens
+        mask, end = self.blocks.hard_mask(tokens.pending, tokens.committed, tokens.provisional)
+        if end is not None:
+            tokens.pending = tokens.pending.head(end)
+        return mask, end is not None
+
+    # ---- showing pending tokens ---------------------------------------------------------
+
+    def _more_to_show(self) -> bool:
+        return self.tokens.provisional < len(self.tokens.pending)
+
+    def _show_one(self) -> None:
+        """One more pending token on screen, unverified (none left: nothing happens). One per
+        call: the observer, and the edge's metrics, count one token per call."""
+        tokens = self.tokens
+        if self._more_to_show():
+            tokens.provisional += 1
+            self.result.provisional_tokens += 1
+            self.out.show_provisional(tokens.pending.token_ids[: tokens.provisional])
+
+    def _show_while_away(self) -> None:
+        """Provisional mode: while the verifier is away, top the pending block up to one block
+        and show it; verified (or retracted) once a session is back."""
+        if not shows_while_away(self.cfg.timeouts):
+            return
+        room = self.blocks.room(self.out.remaining(), self.session.max_draft_tokens())
+        if len(self.tokens.pending) < room:
+            self._top_up(room)
+        while self._more_to_show():
+            self._show_one()
+
+    # ---- one round ----------------------------------------------------------------------
+
+    async def _round(self) -> None:
+        draft_ms = await asyncio.to_thread(self._draft)
+        mask, rule_hit = self._hard_mask()
+        hard_ratio = sum(mask) / len(mask) if mask else 0.0
+        if self.local_commit is not None and self._commit_locally(hard_ratio, rule_hit, draft_ms):
+            return
+        tokens = self.tokens
+        # q(y) goes on the wire only where the verifier reads it: a smaller uplink.
+        probs = tokens.pending.probs if self.cfg.session.accept_mode.reads_draft_probs else []
+        req = VerifyRequest(
+            self.session.current().session_id,
+            len(tokens.committed) - len(tokens.catchup),
+            tokens.pending.token_ids,
+            probs,
+            committed_tokens=tokens.catchup,
+            hard_mask=mask,
+            sparse_draft=tokens.pending.sparse,
+            want_top_k=self.drafter.filler_top_k,
+        )
+        sent = SentBlock(req, tokens.pending, draft_ms, hard_ratio, time.perf_counter(), self._wire())
+        reply = await self._verify(req)
+        if reply is not None:
+            self._apply(sent, reply)
+
+    async def _verify(self, req: VerifyRequest) -> VerifyResult | None:
+        """The Verify call with the soft deadline; None when the round was lost (and the
+        session recovered, or the block given up in accept-unverified mode). With overlap the
+        wait is spent drafting the next block."""
+        call = asyncio.ensure_future(self.session.verify(req))
+        deadline = SoftDeadline(self.cfg.timeouts)
+        tokens = self.tokens
+        self.overlap.drop()
+        while not call.done():
+            if self.overlap.can_draft(tokens.pending.token_ids, self.out.remaining()):
+                self.result.overlap_draft_ms += await self.overlap.draft_one(tokens.committed + tokens.pending.token_ids)
+            else:
+                await asyncio.wait({call}, timeout=deadline.left_s())
+            if call.done() or not deadline.passed():
+                continue
+            if self.unverified is not None and self.unverified.gives_up(tokens.pending):
+                call.cancel()
+                self.overlap.drop()
+                self._accept_unverified(self.unverified)
+                return None
+            self._show_one()
+            deadline.rearm(self._more_to_show())
+        return await self._reply(call)
+
+    async def _reply(self, call: asyncio.Future[VerifyResult]) -> VerifyResult | None:
+        """The finished call's reply, or None once its failure was dealt with."""
+        try:
+            return call.result()
+        except RECOVERABLE as err:
+            self.overlap.drop()
+            await self._connect(err)
+            return None
+        except CapacityExceeded:
+            # Still full after the client's resends: accept-unverified falls back locally as on a
+            # slow cloud (the block goes out again as catch-up); the other modes never make
+            # unverified text final, so they give up with the verifier's answer.
+            if self.unverified is None:
+                raise
+            self.overlap.drop()
+            if not self.tokens.pending.token_ids:  # a round of k = 0 (the last token): draft it here
+                self.drafter.sync(self.tokens.committed)
+                self.tokens.pending = self.drafter.propose(1)
+            self._accept_unverified(self.unverified)
+            return None
+
+    def _apply(self, sent: SentBlock, reply: VerifyResult) -> None:
+        """Commit the cloud's verdict (the accepted prefix and the recovered or bonus token),
+        tell every learner, count the round and record it."""
+        rtt_ms, traffic = ms_since(sent.sent_at), self._wire() - sent.traffic_at
+        drafts, accepted = sent.req.draft_tokens, reply.accepted_len
+        shown = self.tokens.provisional  # on screen, unverified, when the reply came
+        feedback = _feedback(sent, reply, rtt_ms, self.tokens.committed[-NGRAM_CONTEXT:])
+        new = [*drafts[:accepted], reply.next_token]
+        self.tokens.commit_verified(new)
+        ahead_drafted = self.overlap.drafted()
+        for learner in self.learners:
+            learner.update(feedback)
+        ahead = (ahead_drafted, self.overlap.carried())
+        retracted = max(shown - accepted, 0)
+        self._count_verified(sent, accepted, retracted, traffic, ahead)
+        record = _verified_record(sent, reply, self.result, shown=shown, rtt_ms=rtt_ms, traffic=traffic, ahead=ahead)
+        self.result.round_log.append(record)
+        self.out.commit(new, record)
+
+    def _count_verified(self, sent: SentBlock, accepted: int, retracted: int, traffic: Traffic, ahead: tuple[int, int]) -> None:
+        result = self.result
+        for i, source in enumerate(sent.draft.sources):
+            result.drafted_by[source] = result.drafted_by.get(source, 0) + 1
+            if i < accepted:
+                result.accepted_by[source] = result.accepted_by.get(source, 0) + 1
+        result.rounds += 1
+        result.target_forward_passes += 1
+        result.draft_tokens += len(sent.req.draft_tokens)
+        result.accepted_tokens += accepted
+        result.retracted_tokens += retracted
+        result.hard_tokens += sum(sent.req.hard_mask)
+        result.verify_bytes_up += traffic.up
+        result.verify_bytes_down += traffic.down
+        result.ahead_drafted += ahead[0]
+        result.ahead_used += ahead[1]
+
+    # ---- lossy commits (edge/experimental/, only when their flags are on) ------------------
+
+    def _commit_locally(self, hard_ratio: float, rule_hit: bool, draft_ms: float) -> bool:
+        """--local-commit: an easy block is final without the cloud; whether it was."""
+        assert self.local_commit is not None
+        tokens = self.tokens
+        block = self.local_commit.easy_block(tokens.pending, tokens.provisional, hard_ratio, rule_hit)
+        if not block:
+            return False
+        tokens.commit_unsent(block, Draft())
+        self.result.local_tokens += len(block)
+        record = local_record(self.result.rounds, block, self.result.accepted_tokens, draft_ms, hard_ratio)
+        self.result.round_log.append(record)
+        self.out.commit(block, record)
+        return True
+
+    def _accept_unverified(self, policy: AcceptUnverified) -> None:
+        """--accept-unverified: the first pending token becomes final, counted as unverified,
+        and reaches the cloud as catch-up."""
+        final, rest = policy.final_token(self.tokens.pending)
+        self.tokens.commit_unsent(final, rest)
+        self.result.unverified_tokens += len(final)
+        self.out.commit(final, None)
+
+
+def _feedback(sent: SentBlock, reply: VerifyResult, rtt_ms: float, context: list[int]) -> RoundFeedback:
+    """What the round tells the drafter, the k policy and overlap."""
+    signals = sent.draft.signals
+    return RoundFeedback(
+        k=len(sent.req.draft_tokens),
+        accepted_len=reply.accepted_len,
+        alpha_mean=reply.metrics.alpha_mean,
+        draft_ms=sent.draft_ms,
+        rtt_ms=rtt_ms,
+        verify_ms=reply.metrics.verify_ms,
+        mean_entropy_bits=sum(s.entropy_bits for s in signals) / len(signals) if signals else 0.0,
+        next_token=reply.next_token,
+        bonus=reply.bonus,
+        context=context,
+        draft_tokens=sent.req.draft_tokens,
+        target_top_k=reply.target_top_k,
+    )
+
+
+def _verified_record(
+    sent: SentBlock,
+    reply: VerifyResult,
+    result: GenerationResult,
+    *,
+    shown: int,
+    rtt_ms: float,
+    traffic: Traffic,
+    ahead: tuple[int, int],
+) -> RoundRecord:
+    """The record of a round the cloud answered (counted already): `shown` of the block was on
+    screen when the reply came, `ahead` is (drafted, kept) by overlap meanwhile."""
+    drafts, accepted = sent.req.draft_tokens, reply.accepted_len
+    return RoundRecord(
+        round=result.rounds - 1,
+        k=len(drafts),
+        draft_tokens=drafts,
+        accepted_len=accepted,
+        next_token=reply.next_token,
+        bonus=reply.bonus,
+        la_over_k=accepted / len(drafts) if drafts else 0.0,
+        alpha_mean=reply.metrics.alpha_mean,
+        a_cum=result.accepted_tokens,
+        edge_time_ms=sent.draft_ms,
+        cloud_verify_ms=reply.metrics.verify_ms,
+        rtt_ms=rtt_ms,
+        bytes_up=traffic.up,
+        bytes_down=traffic.down,
+        hard_ratio=sent.hard_ratio,
+        escalated=True,
+        catchup=len(sent.req.committed_tokens),
+        provisional=shown,
+        retracted=max(shown - accepted, 0),
+        sources=sent.draft.sources,
+        ahead_drafted=ahead[0],
+        ahead_used=ahead[1],
+    )
