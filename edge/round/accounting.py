@@ -1,6 +1,5 @@
-"""What a generation counts: per round (the round record, the k policy's observation) and
-in all (the result's totals, the bytes on the wire). The one reader of the client's byte
-counters for the round loop."""
+"""What a generation counts: per round (the round record, the k policy's observation, the
+Verify call's bytes) and in all (the result's totals)."""
 
 from __future__ import annotations
 
@@ -9,26 +8,16 @@ import time
 from edge.drafting.drafter import Draft
 from edge.drafting.kpolicy import KPolicy, RoundObservation
 from edge.round.generation import GenerationResult, RoundRecord, ms_since
-from edge.transport.client import Traffic, WireStats
-from shared.protocol import VerifyRequest, VerifyResult
+from shared.protocol import VerifyRequest, VerifyResult, WireBytes
 
 
 class RoundAccounting:
-    def __init__(self, wire: WireStats, result: GenerationResult, k_policy: KPolicy) -> None:
-        self.wire, self.result, self.k_policy = wire, result, k_policy
-        self.generation_start = self.round_start = wire.traffic()
+    def __init__(self, result: GenerationResult, k_policy: KPolicy) -> None:
+        self.result, self.k_policy = result, k_policy
         self.sent_at = 0.0
 
-    def start(self) -> None:
-        """The generation starts: its bytes count from here."""
-        self.generation_start = self.wire.traffic()
-
-    def generation_traffic(self) -> Traffic:
-        return self.wire.traffic() - self.generation_start
-
     def sending(self) -> None:
-        """A Verify call starts: its round's time and bytes count from here."""
-        self.round_start = self.wire.traffic()
+        """A Verify call starts: its round's time counts from here."""
         self.sent_at = time.perf_counter()
 
     def verified(
@@ -44,7 +33,7 @@ class RoundAccounting:
     ) -> RoundRecord:
         """A round the cloud answered: `block` was sent, `shown` of it was on screen when the
         reply came, `ahead` is (drafted, kept) by overlap meanwhile."""
-        rtt_ms, traffic = ms_since(self.sent_at), self.wire.traffic() - self.round_start
+        rtt_ms, traffic = ms_since(self.sent_at), reply.wire
         drafts, accepted = req.draft_tokens, reply.accepted_len
         retracted = max(shown - accepted, 0)
         self._count(req, accepted, retracted, block, traffic)
@@ -91,7 +80,7 @@ class RoundAccounting:
         )
         self.k_policy.observe(observation)
 
-    def _count(self, req: VerifyRequest, accepted: int, retracted: int, block: Draft, traffic: Traffic) -> None:
+    def _count(self, req: VerifyRequest, accepted: int, retracted: int, block: Draft, traffic: WireBytes) -> None:
         result = self.result
         for i, source in enumerate(block.sources):
             result.drafted_by[source] = result.drafted_by.get(source, 0) + 1

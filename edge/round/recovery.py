@@ -1,12 +1,14 @@
 """The verifier session of one generation, and getting it back. A lost call or session
 (deadline, restart, eviction, position drift) reopens a session on the committed prefix, so
 nothing final is lost or duplicated; the edge keeps trying (jittered, capped exponential
-waits) for the reconnect window, the first OpenSession of a generation included."""
+waits) for the reconnect window, the first OpenSession of a generation included. Every call of
+the generation goes through SessionKeeper, which counts its bytes into the result."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from collections.abc import Awaitable
+from typing import Protocol, TypeVar
 
 from edge.drafting.drafter import DraftSource
 from edge.round.generation import RECOVERABLE, GenerationConfig, GenerationResult, Reconnecting, reopened_config
@@ -14,7 +16,9 @@ from edge.round.round_tokens import RoundTokens
 from edge.transport.client import VerifierClient
 from edge.transport.replicas import new_session_key
 from shared.errors import CloudUnavailable, SessionNotFound, SpecDecError
-from shared.protocol import OpenSessionRequest, OpenSessionResult, VerifyRequest, VerifyResult
+from shared.protocol import CloseSessionResult, OpenSessionRequest, OpenSessionResult, VerifyRequest, VerifyResult
+
+Reply = TypeVar("Reply", OpenSessionResult, VerifyResult, CloseSessionResult)
 
 
 class AwayDisplay(Protocol):
@@ -50,7 +54,7 @@ class SessionKeeper:
         opening = asyncio.ensure_future(self.client.open_session(request, self.session_key))
         self.drafter.sync(committed)
         await asyncio.to_thread(self.drafter.prefill)
-        self.session = await opening
+        self.session = await self._counted(opening)
         self.tokens.catchup = []
         self.result.target_forward_passes += 1 if len(committed) > 1 else 0
 
@@ -73,11 +77,21 @@ class SessionKeeper:
                 err = failed
 
     async def verify(self, req: VerifyRequest) -> VerifyResult:
-        return await self.client.verify(req, session_key=self.session_key)
+        return await self._counted(self.client.verify(req, session_key=self.session_key))
 
     async def close(self) -> None:
         if self.session is not None:
             try:
-                await self.client.close_session(self.session.session_id, self.session_key)
+                await self._counted(self.client.close_session(self.session.session_id, self.session_key))
             except (CloudUnavailable, SessionNotFound):
                 pass  # the verifier drops idle sessions itself
+
+    async def _counted(self, call: Awaitable[Reply]) -> Reply:
+        """The call's reply, its bytes counted into the result (a failed call's too)."""
+        try:
+            reply = await call
+        except SpecDecError as err:
+            self.result.count_wire(err.wire)
+            raise
+        self.result.count_wire(reply.wire)
+        return reply

@@ -12,7 +12,7 @@ recovered/bonus token. Around that core, each in its own module:
 - edge/experimental/local_commit.py: the lossy commits without the cloud (--local-commit, and
   accept-unverified once the soft deadline passes or a full verifier's resends run out;
   the other modes stop with the error);
-- edge/round/accounting.py: the round records, the totals, the bytes on the wire.
+- edge/round/accounting.py: the round records and the totals.
 Drafting runs in a worker thread and the Verify call as a task, so the event loop stays free
 (other generations, the HTTP server, gRPC keepalives) while the draft model runs.
 """
@@ -55,18 +55,17 @@ class SpeculativeRun:
         self.shown = Provisional(cfg.timeouts, tokens, self.blocks, result, out)
         self.sessions = SessionKeeper(client, drafter, cfg, tokens, result, away=self.shown)
         self.overlap = DraftAhead(cfg.overlap, drafter, k_policy, cfg.stop_token_ids, result)
-        self.accounting = RoundAccounting(client.stats, result, k_policy)
+        self.accounting = RoundAccounting(result, k_policy)
         self.local = LocalCommit(cfg.gating, tokens, self.accounting, result, out)
 
     async def run(self) -> GenerationResult:
-        self.accounting.start()
         await self.sessions.connect(None)
         try:
             while not self.out.done():
                 await self._round()
         finally:
             await self.sessions.close()
-        return self.out.finish(self.accounting.generation_traffic())
+        return self.out.finish()
 
     def _draft(self) -> float:
         """Top the pending block up to k tokens (in a worker thread); the drafting time in ms."""
