@@ -4,7 +4,15 @@ Exit status: 0 when every prompt was answered; 1 when the run failed (one line o
 3 when a --prompts run finished but some prompts failed (their output lines carry "error").
 """
 
+# ruff: noqa: E402 (the environment is set before grpc is imported)
 from __future__ import annotations
+
+import os
+
+# gRPC's C core reads its log level once, as grpc loads, and would otherwise write lines of its
+# own on stderr (a failed TLS handshake's, at INFO) beside the edge's one-line error. Its errors
+# only, unless GRPC_VERBOSITY says otherwise.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import argparse
 import asyncio
