@@ -4,7 +4,15 @@ Exit status: 0 when every prompt was answered; 1 when the run failed (one line o
 3 when a --prompts run finished but some prompts failed (their output lines carry "error").
 """
 
+# ruff: noqa: E402 (the environment is set before grpc is imported)
 from __future__ import annotations
+
+import os
+
+# gRPC's C core reads its log level once, as grpc loads, and would otherwise write lines of its
+# own on stderr (a failed TLS handshake's, at INFO) beside the edge's one-line error. Its errors
+# only, unless GRPC_VERBOSITY says otherwise.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import argparse
 import asyncio
@@ -87,14 +95,11 @@ async def generate_one(
     if client is None:
         raise ConfigError("no verifier address")
     recorder = SessionRecorder(_trace_header(ctx, prompt_ids, cfg)) if s.record else None
-    client.tap = recorder  # sees every call of this one generation
-    try:
-        if s.mode == "cloud_only":
-            result = await cloud_only_generate(prompt_ids, client, cfg, on_commit)
-        else:
-            result = await speculative_generate(prompt_ids, ctx.draft_source(seed), client, ctx.k_policy(), cfg, on_commit)
-    finally:
-        client.tap = None
+    calls = client.with_tap(recorder) if recorder is not None else client  # the recorder sees this generation's calls
+    if s.mode == "cloud_only":
+        result = await cloud_only_generate(prompt_ids, calls, cfg, on_commit)
+    else:
+        result = await speculative_generate(prompt_ids, ctx.draft_source(seed), calls, ctx.k_policy(), cfg, on_commit)
     if recorder is not None and s.record:
         trace = recorder.finish(result.token_ids, result.finish_reason, result.rounds, result.reopens)
         write_trace(Path(s.record) / trace_file_name(label, recorder.header.started_at), trace)

@@ -4,11 +4,15 @@ edge client raises the same types back from a status code (edge/transport/client
 
 from __future__ import annotations
 
+from shared.protocol import WireBytes
+
 
 class SpecDecError(Exception):
-    """Base error; `status` is the name of a grpc.StatusCode member."""
+    """Base error; `status` is the name of a grpc.StatusCode member. `wire`: the bytes the
+    failed call put on the wire, resends included, as the edge's client counts them."""
 
     status = "INTERNAL"
+    wire = WireBytes()
 
 
 class InvalidRequest(SpecDecError):

@@ -11,6 +11,8 @@ from shared.protocol import AcceptMode, SamplingParams
 SERVER_POSITION_KEY = "specdec-server-position"
 # Trailing metadata on RESOURCE_EXHAUSTED: milliseconds after which a retry may be admitted.
 RETRY_AFTER_MS_KEY = "specdec-retry-after-ms"
+# The same hint under gRPC's own name, which a channel's service-config retryPolicy honours.
+RETRY_PUSHBACK_MS_KEY = "grpc-retry-pushback-ms"
 
 _MODE_TO_PB = {
     AcceptMode.POINT: pb.ACCEPT_MODE_POINT,

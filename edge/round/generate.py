@@ -52,13 +52,18 @@ async def speculative_generate(
 
 
 async def cloud_only_generate(
-    prompt: list[int], client: VerifierClient, cfg: GenerationConfig, observer: Observer | None = None
+    prompt: list[int],
+    client: VerifierClient,
+    cfg: GenerationConfig,
+    observer: Observer | None = None,
+    *,
+    result: GenerationResult | None = None,
 ) -> GenerationResult:
     """Target alone through the verifier's Generate stream. A stream lost to a recoverable
     error is resumed within the reconnect window on the prompt plus the tokens already
-    committed, asking only for the rest, so nothing is duplicated or lost."""
-    traffic = client.stats.traffic()
-    out = Output(cfg, GenerationResult(), observer)
+    committed, asking only for the rest, so nothing is duplicated or lost. `result`: where the
+    generation counts as it goes, for a caller that may stop it midway."""
+    out = Output(cfg, result or GenerationResult(), observer)
     outage: Reconnecting | None = None
     session_key = new_session_key()
     while not out.done():
@@ -70,16 +75,18 @@ async def cloud_only_generate(
         )
         try:
             async for chunk in client.generate(req, session_key):
+                out.result.count_wire(chunk.wire)
                 outage = None  # it answers again: a later failure starts a new window
                 out.result.target_forward_passes += 1
                 out.commit(chunk.tokens, None)
             break  # the stream ended by itself: at max_new_tokens or a stop token
         except RECOVERABLE as err:
+            out.result.count_wire(err.wire)
             outage = outage or Reconnecting(cfg.timeouts)
             await outage.wait(err)
             if out.result.token_ids:  # a stream cut midway: resumed with a fresh seed
                 out.result.reopens += 1
-    return out.finish(client.stats.traffic() - traffic)
+    return out.finish()
 
 
 def edge_only_generate(
@@ -93,4 +100,4 @@ def edge_only_generate(
         draft = drafter.propose(1)
         committed += draft.token_ids
         out.commit(draft.token_ids, None)
-    return out.finish(None)
+    return out.finish()

@@ -5,18 +5,16 @@ output cut at a stop token or max_new_tokens."""
 
 from __future__ import annotations
 
-import asyncio
-import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
 from edge.drafting.drafter import StopRule
 from edge.drafting.gating import EscalationRules, GatingThresholds
-from edge.transport.client import Traffic
-from shared.errors import CloudUnavailable, PositionMismatch, SessionNotFound, SpecDecError
-from shared.protocol import REOPEN_SEED_STRIDE, SessionConfig
+from edge.transport.backoff import Reconnecting as Reconnecting  # re-exported: the round loop reconnects with it
+from shared.errors import CloudUnavailable, PositionMismatch, SessionNotFound
+from shared.protocol import REOPEN_SEED_STRIDE, SessionConfig, WireBytes
 
 TimeoutMode = Literal["provisional", "strict", "accept-unverified"]
 # Errors after which the edge reopens a session on its committed prefix (within the window).
@@ -32,44 +30,6 @@ class TimeoutPolicy:
     reconnect_window_s: float = 300.0
     backoff_s: float = 0.1  # first reconnect delay, doubled per attempt, with jitter x0.5-1.5
     max_backoff_s: float = 2.0  # the doubling stops here: a verifier back is found within seconds
-
-
-class Reconnecting:
-    """The waits of one outage: jittered exponential delays capped at max_backoff_s, until
-    reconnect_window_s has passed since the first failure; then the last error, with how long
-    it was tried, is final. Clock, sleep and random source are injectable for tests."""
-
-    def __init__(
-        self,
-        policy: TimeoutPolicy,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.policy, self.clock, self.sleep = policy, clock, sleep
-        self.rng = rng or random.Random()
-        self.started = clock()
-        self.attempts = 0
-
-    def delay_s(self) -> float:
-        policy = self.policy
-        base = min(policy.backoff_s * 2 ** min(self.attempts, 32), policy.max_backoff_s)
-        # The spread keeps edges cut off together from all coming back in the same instant.
-        return base * self.rng.uniform(0.5, 1.5)
-
-    async def wait(self, err: SpecDecError) -> None:
-        """Sleep before the next attempt; raise CloudUnavailable once the window is spent."""
-        elapsed = self.clock() - self.started
-        left = self.policy.reconnect_window_s - elapsed
-        if left <= 0:
-            raise CloudUnavailable(
-                f"gave up reconnecting to the verifier after {elapsed:.1f} s and "
-                f"{self.attempts} attempts (reconnect window {self.policy.reconnect_window_s:g} s); "
-                f"last error: {err}"
-            ) from err
-        delay = min(self.delay_s(), left)  # one last attempt as the window closes
-        self.attempts += 1
-        await self.sleep(delay)
 
 
 @dataclass(frozen=True)
@@ -146,6 +106,12 @@ class GenerationResult:
     accepted_by: dict[str, int] = field(default_factory=dict)
     round_log: list[RoundRecord] = field(default_factory=list)
 
+    def count_wire(self, wire: WireBytes) -> None:
+        """The bytes of one call to the verifier (edge/transport/client.py sets them on its
+        replies and errors)."""
+        self.bytes_up += wire.up
+        self.bytes_down += wire.down
+
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
         del out["round_log"]
@@ -196,11 +162,9 @@ class Output:
         if self.observer:
             self.observer.provisional(tokens[: self.remaining()])
 
-    def finish(self, traffic: Traffic | None) -> GenerationResult:
-        """The result, timed, with the bytes the generation sent and received (None: no verifier)."""
+    def finish(self) -> GenerationResult:
+        """The result, timed."""
         self.result.elapsed_s = time.perf_counter() - self.start
-        if traffic is not None:
-            self.result.bytes_up, self.result.bytes_down = traffic.up, traffic.down
         return self.result
 
 

@@ -13,7 +13,7 @@ from edge.drafting.drafter import DraftSource
 from edge.transport.client import VerifierClient
 from edge.transport.replicas import new_session_key
 from shared.errors import CloudUnavailable, SessionNotFound
-from shared.protocol import OpenSessionRequest, OpenSessionResult, SessionConfig, VerifyRequest, VerifyResult
+from shared.protocol import OpenSessionRequest, OpenSessionResult, SessionConfig, VerifyRequest, VerifyResult, WireBytes
 
 
 class VerifierSession:
@@ -41,9 +41,11 @@ class VerifierSession:
     async def verify(self, req: VerifyRequest) -> VerifyResult:
         return await self.client.verify(req, session_key=self.key)
 
-    async def close(self) -> None:
-        if self.session is not None:
-            try:
-                await self.client.close_session(self.session.session_id, self.key)
-            except (CloudUnavailable, SessionNotFound):
-                pass  # the verifier drops idle sessions itself
+    async def close(self) -> WireBytes:
+        """Close the session; the bytes of the call (none when no session was opened)."""
+        if self.session is None:
+            return WireBytes()
+        try:
+            return (await self.client.close_session(self.session.session_id, self.key)).wire
+        except (CloudUnavailable, SessionNotFound) as err:
+            return err.wire  # the verifier drops idle sessions itself

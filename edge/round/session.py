@@ -47,9 +47,9 @@ from edge.round.generation import (
 from edge.round.overlap import DraftAhead
 from edge.round.provisional import SoftDeadline, shows_while_away
 from edge.round.recovery import VerifierSession
-from edge.transport.client import Traffic, VerifierClient
+from edge.transport.client import VerifierClient
 from shared.errors import CapacityExceeded, SpecDecError
-from shared.protocol import VerifyRequest, VerifyResult
+from shared.protocol import VerifyRequest, VerifyResult, WireBytes
 
 NGRAM_CONTEXT = 64  # committed tokens the feedback carries: n-gram contexts are short
 
@@ -83,7 +83,6 @@ class SentBlock:
     draft_ms: float
     hard_ratio: float
     sent_at: float  # perf_counter when the Verify call started
-    traffic_at: Traffic  # the client's byte counters then
 
 
 class SpeculativeRun:
@@ -109,19 +108,14 @@ class SpeculativeRun:
         self.local_commit = LocalCommit.when_on(cfg.gating)
         self.unverified = AcceptUnverified.when_on(cfg.timeouts)
 
-    def _wire(self) -> Traffic:
-        """The bytes the client has sent and received so far: differences give a round's and a generation's."""
-        return self.client.stats.traffic()
-
     async def run(self) -> GenerationResult:
-        start = self._wire()
         await self._connect(None)
         try:
             while not self.out.done():
                 await self._round()
         finally:
-            await self.session.close()
-        return self.out.finish(self._wire() - start)
+            self.result.count_wire(await self.session.close())
+        return self.out.finish()
 
     # ---- the verifier session -----------------------------------------------------------
 
@@ -139,10 +133,12 @@ class SpeculativeRun:
                     self.result.reopens += 1
             committed = self.tokens.committed
             try:
-                await self.session.open(committed, reopened_config(self.cfg.session, self.result.reopens))
+                opened = await self.session.open(committed, reopened_config(self.cfg.session, self.result.reopens))
             except RECOVERABLE as failed:
+                self.result.count_wire(failed.wire)
                 err = failed
                 continue
+            self.result.count_wire(opened.wire)
             self.tokens.catchup = []
             self.result.target_forward_passes += 1 if len(committed) > 1 else 0
             return
@@ -235,7 +231,7 @@ class SpeculativeRun:
             sparse_draft=tokens.pending.sparse,
             want_top_k=self.drafter.filler_top_k,
         )
-        sent = SentBlock(req, tokens.pending, draft_ms, hard_ratio, time.perf_counter(), self._wire())
+        sent = SentBlock(req, tokens.pending, draft_ms, hard_ratio, time.perf_counter())
         reply = await self._verify(req)
         if reply is not None:
             self._apply(sent, reply)
@@ -267,28 +263,35 @@ class SpeculativeRun:
     async def _reply(self, call: asyncio.Future[VerifyResult]) -> VerifyResult | None:
         """The finished call's reply, or None once its failure was dealt with."""
         try:
-            return call.result()
-        except RECOVERABLE as err:
+            reply = call.result()
+        except SpecDecError as err:
+            self.result.count_wire(err.wire)  # a failed call's bytes count too
+            await self._failed(err)
+            return None
+        self.result.count_wire(reply.wire)
+        return reply
+
+    async def _failed(self, err: SpecDecError) -> None:
+        """Deal with a failed Verify: reopen after a recoverable loss; when a full verifier still
+        refuses the block after the client's resends, accept-unverified falls back locally as on
+        a slow cloud (the block goes out again as catch-up); the other modes never make
+        unverified text final, so they give up with the verifier's answer."""
+        if isinstance(err, RECOVERABLE):
             self.overlap.drop()
             await self._connect(err)
-            return None
-        except CapacityExceeded:
-            # Still full after the client's resends: accept-unverified falls back locally as on a
-            # slow cloud (the block goes out again as catch-up); the other modes never make
-            # unverified text final, so they give up with the verifier's answer.
-            if self.unverified is None:
-                raise
-            self.overlap.drop()
-            if not self.tokens.pending.token_ids:  # a round of k = 0 (the last token): draft it here
-                self.drafter.sync(self.tokens.committed)
-                self.tokens.pending = self.drafter.propose(1)
-            self._accept_unverified(self.unverified)
-            return None
+            return
+        if not isinstance(err, CapacityExceeded) or self.unverified is None:
+            raise err
+        self.overlap.drop()
+        if not self.tokens.pending.token_ids:  # a round of k = 0 (the last token): draft it here
+            self.drafter.sync(self.tokens.committed)
+            self.tokens.pending = self.drafter.propose(1)
+        self._accept_unverified(self.unverified)
 
     def _apply(self, sent: SentBlock, reply: VerifyResult) -> None:
         """Commit the cloud's verdict (the accepted prefix and the recovered or bonus token),
         tell every learner, count the round and record it."""
-        rtt_ms, traffic = ms_since(sent.sent_at), self._wire() - sent.traffic_at
+        rtt_ms, traffic = ms_since(sent.sent_at), reply.wire
         drafts, accepted = sent.req.draft_tokens, reply.accepted_len
         shown = self.tokens.provisional  # on screen, unverified, when the reply came
         feedback = _feedback(sent, reply, rtt_ms, self.tokens.committed[-NGRAM_CONTEXT:])
@@ -304,7 +307,7 @@ class SpeculativeRun:
         self.result.round_log.append(record)
         self.out.commit(new, record)
 
-    def _count_verified(self, sent: SentBlock, accepted: int, retracted: int, traffic: Traffic, ahead: tuple[int, int]) -> None:
+    def _count_verified(self, sent: SentBlock, accepted: int, retracted: int, traffic: WireBytes, ahead: tuple[int, int]) -> None:
         result = self.result
         for i, source in enumerate(sent.draft.sources):
             result.drafted_by[source] = result.drafted_by.get(source, 0) + 1
@@ -372,7 +375,7 @@ def _verified_record(
     *,
     shown: int,
     rtt_ms: float,
-    traffic: Traffic,
+    traffic: WireBytes,
     ahead: tuple[int, int],
 ) -> RoundRecord:
     """The record of a round the cloud answered (counted already): `shown` of the block was on

@@ -8,6 +8,8 @@ cloud session, its settings the server's with the request's values over them.
   provisional tokens become previews when the request asks for them.
 - Cancelling a generation (its client went away) ends its task; the round loop closes the
   cloud session on the way out.
+- One verifier client serves every request (one gRPC channel per verifier address); each
+  reply carries its own bytes, so requests in flight together count only their own.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from edge.context import EdgeContext, verifier_client
 from edge.drafting.drafter import DraftCache, DraftLM
 from edge.round.generate import GenerationResult, RoundRecord, SpeculativeRun, cloud_only_generate
 from edge.serve.text import TextStreamer
-from edge.transport.client import VerifierClient
 from shared.errors import ConfigError, InvalidParameter, SpecDecError
 
 log = logging.getLogger("edge-agent")
@@ -88,13 +89,9 @@ class _Relay:
 
     def __init__(self, streamer: TextStreamer, queue: asyncio.Queue[Event], previews: bool) -> None:
         self.streamer, self.queue, self.previews = streamer, queue, previews
-        self.live: GenerationResult | None = None  # the round loop's result, updated as it goes
-        self.commits = 0
-        self.first_at: float | None = None
+        self.live: GenerationResult | None = None  # the generation's result, updated as it goes
 
     def committed(self, tokens: list[int], record: RoundRecord | None) -> None:
-        self.commits += 1
-        self.first_at = self.first_at or time.perf_counter()
         text = self.streamer.push(tokens)
         if text:
             self.queue.put_nowait(Event("text", text))
@@ -105,14 +102,12 @@ class _Relay:
         if self.previews:
             self.queue.put_nowait(Event("provisional", self.streamer.preview(tokens)))
 
-    def stopped_result(self, started: float, client: VerifierClient, up0: int, down0: int) -> GenerationResult:
+    def stopped_result(self, started: float) -> GenerationResult:
         """The result so far of a generation a stop string ended."""
-        result = self.live or GenerationResult(token_ids=list(self.streamer.ids), target_forward_passes=self.commits)
-        if self.live is None and self.first_at is not None:
-            result.ttft_s = self.first_at - started
+        assert self.live is not None, "the engine hands every generation its result"
+        result = self.live
         result.finish_reason = "stop"
         result.elapsed_s = time.perf_counter() - started
-        result.bytes_up, result.bytes_down = client.stats.bytes_up - up0, client.stats.bytes_down - down0
         return result
 
 
@@ -149,32 +144,12 @@ def _cancel_once(task: asyncio.Task[None]) -> bool:
     return task.cancel()
 
 
-class ClientPool:
-    """Verifier clients of finished requests, kept for the next ones (a channel is connected
-    once); one request at a time uses a client, so its byte counts are that request's."""
-
-    def __init__(self, settings: EdgeSettings, address: str) -> None:
-        self.settings, self.address = settings, address
-        self.idle: list[VerifierClient] = []
-
-    def take(self) -> VerifierClient:
-        return self.idle.pop() if self.idle else verifier_client(self.settings, self.address)
-
-    def give_back(self, client: VerifierClient) -> None:
-        self.idle.append(client)
-
-    async def close(self) -> None:
-        for client in self.idle:
-            await client.close()
-        self.idle.clear()
-
-
 class Engine:
     def __init__(self, ctx: EdgeContext, address: str) -> None:
         if ctx.draft_lm is not None and not isinstance(ctx.draft_lm, LockedDraftLM):
             ctx = dataclasses.replace(ctx, draft_lm=LockedDraftLM(ctx.draft_lm))
         self.ctx, self.address = ctx, address
-        self.pool = ClientPool(ctx.settings, address)
+        self.client = verifier_client(ctx.settings, address)
         self.running: set[asyncio.Task[None]] = set()
 
     def start(
@@ -204,11 +179,8 @@ class Engine:
             )
 
     async def _run(self, gen: Generation, ctx: EdgeContext, prompt_ids: list[int], relay: _Relay) -> None:
-        client = self.pool.take()
-        clean = False
         try:
-            result = await self._generate(ctx, client, prompt_ids, relay)
-            clean = not gen.streamer.stopped
+            result = await self._generate(ctx, prompt_ids, relay)
             tail = gen.streamer.finish()
             if tail:
                 gen.queue.put_nowait(Event("text", tail))
@@ -219,32 +191,27 @@ class Engine:
             if not isinstance(err, InvalidParameter | ConfigError):
                 log.warning("%s failed: %s: %s", gen.id, type(err).__name__, err, exc_info=not isinstance(err, SpecDecError))
             gen.queue.put_nowait(Event("error", error=err))
-        finally:
-            # A client with a call abandoned midway (a stop string, a cancel) may still count bytes.
-            if clean:
-                self.pool.give_back(client)
-            else:
-                await client.close()
 
-    async def _generate(self, ctx: EdgeContext, client: VerifierClient, prompt_ids: list[int], relay: _Relay) -> GenerationResult:
+    async def _generate(self, ctx: EdgeContext, prompt_ids: list[int], relay: _Relay) -> GenerationResult:
         s = ctx.settings
         cfg = ctx.generation_config(s.seed)
-        started, up0, down0 = time.perf_counter(), client.stats.bytes_up, client.stats.bytes_down
+        started = time.perf_counter()
         observer = ctx.observer(relay)
         try:
             if s.mode == "cloud_only":
-                return await cloud_only_generate(prompt_ids, client, cfg, observer)
+                relay.live = GenerationResult()
+                return await cloud_only_generate(prompt_ids, self.client, cfg, observer, result=relay.live)
             source = await asyncio.to_thread(ctx.draft_source, s.seed)  # a llama.cpp context: allocation
-            run = SpeculativeRun(prompt_ids, source, client, ctx.k_policy(), cfg, observer)
+            run = SpeculativeRun(prompt_ids, source, self.client, ctx.k_policy(), cfg, observer)
             relay.live = run.result
             return await run.run()
         except StopText:
-            return relay.stopped_result(started, client, up0, down0)
+            return relay.stopped_result(started)
 
     async def close(self) -> None:
-        """Cancel what still runs, let it close its sessions, then close the clients."""
+        """Cancel what still runs, let it close its sessions, then close the client."""
         for task in list(self.running):
             _cancel_once(task)
         if self.running:
             await asyncio.wait(self.running, timeout=CLOSE_WAIT_S)
-        await self.pool.close()
+        await self.client.close()

@@ -1,21 +1,30 @@
-"""gRPC client of the verifier: deadlines per call, byte counts, status codes mapped back
-to the project's error types, resends after RESOURCE_EXHAUSTED (the server's retry hint, with
-jitter), an optional tap that sees every call (edge-agent --record), TLS (mTLS with a client
+"""gRPC client of the verifier: deadlines per call, the bytes of each call, status codes mapped
+back to the project's error types, resends after RESOURCE_EXHAUSTED (the server's retry hint,
+with jitter), an optional tap that sees every call (edge-agent --record), TLS (mTLS with a client
 certificate), an API key sent with every call, and a session's routing key with each of its
-calls, over one verifier or several (edge/transport/replicas.py)."""
+calls, over one verifier or several (edge/transport/replicas.py).
+
+Bytes: every result the client returns carries `wire`, the serialized message sizes that call
+sent and received, its resends after capacity refusals included (a Generate stream: each chunk
+carries its own bytes, the first one the request's too). A failed call raises a SpecDecError
+whose `wire` holds the bytes it had put on the wire, so a caller that goes on after the failure
+(reopening a session, resending later) can count them. A call its caller cancels returns nothing
+and counts nowhere: whether its request left the process is unknown.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import random
+import copy
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 import grpc
 
+from edge.transport.backoff import Backoff
 from edge.transport.replicas import SESSION_KEY_HEADER, ReplicaSet, Resolver, replica_addresses, resolve_host
 from shared import wire
 from shared.errors import (
@@ -39,6 +48,7 @@ from shared.protocol import (
     OpenSessionResult,
     VerifyRequest,
     VerifyResult,
+    WireBytes,
 )
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -80,27 +90,12 @@ def _read_pem(path: str | None, flag: str) -> bytes | None:
         raise ConfigError(f"{flag} {path}: {err.strerror or err}") from None
 
 
-@dataclass(frozen=True)
-class Traffic:
-    """Serialized payload bytes sent and received; the difference of two readings is what
-    passed between them."""
-
-    up: int = 0
-    down: int = 0
-
-    def __sub__(self, earlier: Traffic) -> Traffic:
-        return Traffic(self.up - earlier.up, self.down - earlier.down)
-
-
 @dataclass
-class WireStats:
-    bytes_up: int = 0  # serialized request payloads
-    bytes_down: int = 0  # serialized response payloads
+class CapacityStats:
+    """How often the verifier turned this client's calls away for capacity, over all its calls."""
+
     capacity_rejections: int = 0  # RESOURCE_EXHAUSTED answers, resent or not
     capacity_wait_s: float = 0.0  # time spent waiting to resend them
-
-    def traffic(self) -> Traffic:
-        return Traffic(self.bytes_up, self.bytes_down)
 
 
 @dataclass(frozen=True)
@@ -112,11 +107,27 @@ class CapacityRetry:
     backoff_s: float = 0.05  # first wait without a hint; doubled per retry
     max_backoff_s: float = 2.0
 
-    def delay_s(self, retry: int, hint_ms: int) -> float:
-        wait = max(hint_ms / 1000.0, min(self.backoff_s * 2**retry, self.max_backoff_s))
-        # Never earlier than the hint; the spread keeps edges rejected together from all
-        # coming back in the same instant.
-        return wait * random.uniform(1.0, 1.5)
+    def backoff(self) -> Backoff:
+        """The waits of one call. Never earlier than the hint (jitter from x1)."""
+        return Backoff(self.backoff_s, self.max_backoff_s, jitter=(1.0, 1.5))
+
+
+@dataclass
+class _CallBytes:
+    """What one call has put on the wire so far (resends included), and how many of its sends
+    the verifier refused for capacity."""
+
+    up: int = 0
+    down: int = 0
+    rejections: int = 0
+
+    def wire(self) -> WireBytes:
+        return WireBytes(self.up, self.down)
+
+    def failed(self, error: SpecDecError) -> SpecDecError:
+        """`error`, carrying this call's bytes."""
+        error.wire = self.wire()
+        return error
 
 
 class CallTap(Protocol):
@@ -155,8 +166,7 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
         position = int(metadata.get(wire.SERVER_POSITION_KEY, -1))
         return PositionMismatch(details, position)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        metadata = dict(err.trailing_metadata() or ())
-        return CapacityExceeded(f"{code.name}: {details}", int(metadata.get(wire.RETRY_AFTER_MS_KEY, 0)))
+        return CapacityExceeded(f"{code.name}: {details}", _retry_hint_ms(dict(err.trailing_metadata() or ())))
     if code == grpc.StatusCode.UNAUTHENTICATED:  # not recoverable: the edge stops, saying why
         return Unauthenticated(
             f"the verifier refused the call ({code.name}): {details}; give its API key with --api-key or SPECDEC_EDGE_API_KEY"
@@ -170,10 +180,22 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
     return ERRORS_BY_STATUS.get(code.name, SpecDecError)(f"{code.name}: {details}")
 
 
+def _retry_hint_ms(metadata: dict[str, str | bytes]) -> int:
+    """The server's retry hint: the project's trailer or gRPC's pushback (the same number;
+    a negative pushback, gRPC's "do not retry", reads as no hint)."""
+    for key in (wire.RETRY_AFTER_MS_KEY, wire.RETRY_PUSHBACK_MS_KEY):
+        try:
+            return max(int(metadata[key]), 0)
+        except (KeyError, ValueError):
+            continue
+    return 0
+
+
 class VerifierClient:
     """Calls to one verifier, or to several (`target` "a:1,b:2"): then each session's calls go to
     the replica its key ranks first (rendezvous hashing) and, once that one is unreachable, to the
-    next. One channel per address."""
+    next. One channel per address, shared by every generation that uses the client; `tap`, when
+    set, sees each call (with_tap gives a generation its own)."""
 
     def __init__(
         self,
@@ -185,13 +207,14 @@ class VerifierClient:
         tls: ClientTls | None = None,
         api_key: str | None = None,
         resolve: Resolver = resolve_host,
+        tap: CallTap | None = None,
     ) -> None:
         self.target = target
         self.verify_timeout_s = verify_timeout_s
         self.open_timeout_s = open_timeout_s  # prefill of a long prompt takes longer than a round
         self.capacity_retry = capacity_retry or CapacityRetry()
-        self.stats = WireStats()
-        self.tap: CallTap | None = None
+        self.stats = CapacityStats()
+        self.tap = tap
         # Per-call metadata rather than call credentials: those need a TLS channel, and a
         # plaintext verifier on loopback (or behind --insecure) may ask for a key too.
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
@@ -199,6 +222,14 @@ class VerifierClient:
         self.replicas = ReplicaSet(list(replicas))
         self._channels = {address: _channel(address, tls, name) for address, name in replicas.items()}
         self._stubs = {address: pb_grpc.VerifierStub(channel) for address, channel in self._channels.items()}
+
+    def with_tap(self, tap: CallTap) -> VerifierClient:
+        """This client with `tap` seeing each call made through it (one generation's calls, for
+        edge-agent --record): the same channels, replicas and counters. Close the client it came
+        from, not this one."""
+        tapped = copy.copy(self)
+        tapped.tap = tap
+        return tapped
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -209,62 +240,64 @@ class VerifierClient:
         return metadata or None
 
     async def open_session(self, req: OpenSessionRequest, session_key: str | None = None) -> OpenSessionResult:
-        msg = wire.open_request_to_pb(req)
+        msg, call = wire.open_request_to_pb(req), _CallBytes()
         sent = time.perf_counter()
         try:
             reply: pb.OpenSessionResponse = await self._unary(
-                lambda stub: stub.OpenSession, msg, self.open_timeout_s, session_key, opening=True
+                lambda stub: stub.OpenSession, msg, call, timeout_s=self.open_timeout_s, session_key=session_key, opening=True
             )
         except SpecDecError as err:
             if self.tap:
                 self.tap.opened(req, None, err, sent, time.perf_counter())
             raise
-        result = wire.open_result_from_pb(reply)
+        result = replace(wire.open_result_from_pb(reply), wire=call.wire())
         if self.tap:
             self.tap.opened(req, result, None, sent, time.perf_counter())
         return result
 
     async def verify(self, req: VerifyRequest, timeout_s: float | None = None, session_key: str | None = None) -> VerifyResult:
-        msg = wire.verify_request_to_pb(req)
-        sent, rejections = time.perf_counter(), self.stats.capacity_rejections
+        msg, call = wire.verify_request_to_pb(req), _CallBytes()
+        sent = time.perf_counter()
         try:
             reply: pb.VerifyResponse = await self._unary(
-                lambda stub: stub.Verify, msg, timeout_s or self.verify_timeout_s, session_key
+                lambda stub: stub.Verify, msg, call, timeout_s=timeout_s or self.verify_timeout_s, session_key=session_key
             )
         except SpecDecError as err:
             if self.tap:
-                self.tap.verified(req, None, err, sent, time.perf_counter(), self.stats.capacity_rejections - rejections)
+                self.tap.verified(req, None, err, sent, time.perf_counter(), call.rejections)
             raise
-        result = wire.verify_result_from_pb(reply)
+        result = replace(wire.verify_result_from_pb(reply), wire=call.wire())
         if self.tap:
-            self.tap.verified(req, result, None, sent, time.perf_counter(), self.stats.capacity_rejections - rejections)
+            self.tap.verified(req, result, None, sent, time.perf_counter(), call.rejections)
         return result
 
     async def close_session(self, session_id: str, session_key: str | None = None) -> CloseSessionResult:
-        msg = pb.CloseSessionRequest(session_id=session_id)
+        msg, call = pb.CloseSessionRequest(session_id=session_id), _CallBytes()
         try:
             reply: pb.CloseSessionResponse = await self._unary(
-                lambda stub: stub.CloseSession, msg, self.verify_timeout_s, session_key
+                lambda stub: stub.CloseSession, msg, call, timeout_s=self.verify_timeout_s, session_key=session_key
             )
         finally:
             self.replicas.closed(session_key)
-        return wire.close_result_from_pb(reply)
+        return replace(wire.close_result_from_pb(reply), wire=call.wire())
 
     async def generate(self, req: GenerateRequest, session_key: str | None = None) -> AsyncIterator[GenerateChunk]:
-        """Not resent on RESOURCE_EXHAUSTED: a stream may have yielded tokens already."""
+        """Not resent on RESOURCE_EXHAUSTED: a stream may have yielded tokens already. Each
+        chunk carries the bytes not yet reported: its own, and the request's on the first."""
         msg = wire.generate_request_to_pb(req)
-        self.stats.bytes_up += msg.ByteSize()
+        unreported = _CallBytes(up=msg.ByteSize())
         sent, first, tokens = time.perf_counter(), None, list[int]()
         error: SpecDecError | None = None
         address = self.replicas.pick(session_key)
         try:
             async for chunk in self._stubs[address].Generate(msg, metadata=self._call_metadata(session_key)):
-                self.stats.bytes_down += chunk.ByteSize()
+                unreported.down += chunk.ByteSize()
                 first = first or time.perf_counter()
                 tokens += chunk.tokens
-                yield wire.generate_chunk_from_pb(chunk)
+                reported, unreported = unreported.wire(), _CallBytes()
+                yield replace(wire.generate_chunk_from_pb(chunk), wire=reported)
         except grpc.aio.AioRpcError as err:
-            error = _error_from_rpc(err)
+            error = unreported.failed(_error_from_rpc(err))
             if error.status == "RESOURCE_EXHAUSTED":
                 self.stats.capacity_rejections += 1
             if isinstance(error, CloudUnavailable):
@@ -278,17 +311,20 @@ class VerifierClient:
         self,
         method: Callable[[pb_grpc.VerifierStub], grpc.aio.UnaryUnaryMultiCallable],
         msg,  # type: ignore[no-untyped-def]
+        call: _CallBytes,
+        *,
         timeout_s: float,
         session_key: str | None,
         opening: bool = False,
     ):
-        """One call to the session's replica; a RESOURCE_EXHAUSTED answer is resent per
-        capacity_retry, all within timeout_s; an unreachable replica is skipped for a while."""
+        """One call to the session's replica, its bytes counted into `call`; a RESOURCE_EXHAUSTED
+        answer is resent per capacity_retry, all within timeout_s; an unreachable replica is
+        skipped for a while. A raised error carries the call's bytes."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        policy = self.capacity_retry
+        policy, backoff = self.capacity_retry, self.capacity_retry.backoff()
         for retry in range(policy.max_retries + 1):
-            self.stats.bytes_up += msg.ByteSize()
+            call.up += msg.ByteSize()
             address = self.replicas.pick(session_key, opening)
             try:
                 reply = await method(self._stubs[address])(
@@ -300,17 +336,19 @@ class VerifierClient:
                     self.replicas.mark_down(address)
                     # A new session: straight to the next replica (one alone is the caller's to retry).
                     if opening and len(self.replicas.addresses) > 1 and self.replicas.any_up():
-                        return await self._unary(method, msg, max(deadline - loop.time(), 0.001), session_key, opening)
+                        left = max(deadline - loop.time(), 0.001)
+                        return await self._unary(method, msg, call, timeout_s=left, session_key=session_key, opening=opening)
                 if not isinstance(error, CapacityExceeded):
-                    raise error from None
+                    raise call.failed(error) from None
                 self.stats.capacity_rejections += 1
-                wait = policy.delay_s(retry, error.retry_after_ms)
+                call.rejections += 1
+                wait = backoff.next_delay_s(error.retry_after_ms / 1000.0)
                 if retry == policy.max_retries or loop.time() + wait >= deadline:
-                    raise error from None
+                    raise call.failed(error) from None
                 self.stats.capacity_wait_s += wait
-                await asyncio.sleep(wait)
+                await backoff.sleep(wait)
                 continue
-            self.stats.bytes_down += reply.ByteSize()
+            call.down += reply.ByteSize()
             if opening:
                 self.replicas.opened(session_key, address)
             return reply

@@ -268,7 +268,13 @@ def test_edge_over_tls_with_a_key(
 
     untrusted = _edge(models, address, "--api-key", PLAIN_KEY, "--tls")  # the system's CAs: not this one
     assert untrusted.returncode == 1 and "TLS with the verifier failed" in untrusted.stderr.strip().splitlines()[-1]
-    for done in (ok, wrong, untrusted):
+    other_ca = make_pki(tmp_path / "other-pki", "another CA").ca
+    wrong_ca = _edge(models, address, "--api-key", PLAIN_KEY, "--tls-ca", str(other_ca))
+    assert wrong_ca.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in wrong_ca.stderr and "--tls-ca" in wrong_ca.stderr
+    # The edge's one line alone: no line of gRPC's own logging beside it.
+    for failed in (wrong, untrusted, wrong_ca):
+        assert len(failed.stderr.strip().splitlines()) == 1 and failed.stderr.startswith("edge-agent: error: "), failed.stderr
+    for done in (ok, wrong, untrusted, wrong_ca):
         assert PLAIN_KEY not in done.stderr + done.stdout and WRONG_KEY not in done.stderr + done.stdout
     assert not any(key in "".join(log) for key in (PLAIN_KEY, WRONG_KEY))
 

@@ -4,6 +4,7 @@ falls back locally in accept-unverified mode, and otherwise stops with a clear e
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from cloud.batch_step import ForwardStep
@@ -13,8 +14,11 @@ from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import TimeoutPolicy, cloud_only_generate, speculative_generate
 from edge.transport.client import CapacityRetry, VerifierClient
+from shared import wire
 from shared.errors import CapacityExceeded
-from shared.protocol import OpenSessionRequest, OpenSessionResult
+from shared.pb import verifier_pb2 as pb
+from shared.pb import verifier_pb2_grpc as pb_grpc
+from shared.protocol import OpenSessionRequest, OpenSessionResult, SessionConfig
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
 
 HINT_MS = 40
@@ -65,6 +69,69 @@ def test_edge_resends_after_the_retry_hint_and_output_is_unchanged(target_model,
         assert client.stats.capacity_rejections == 3
         # Each wait honours the hint (never earlier; jitter only adds), though the backoff is 1 ms.
         assert client.stats.capacity_wait_s >= 3 * HINT_MS / 1000 and elapsed >= 3 * HINT_MS / 1000
+
+    asyncio.run(run())
+
+
+class RefusesWithOneTrailer(pb_grpc.VerifierServicer):
+    """A gRPC verifier that answers its first `refusals` OpenSession calls RESOURCE_EXHAUSTED with
+    the retry hint under one trailer name only, then opens a session."""
+
+    def __init__(self, trailer: str, refusals: int) -> None:
+        self.trailer, self.refusals = trailer, refusals
+
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:  # noqa: N802
+        if self.refusals > 0:
+            self.refusals -= 1
+            context.set_trailing_metadata(((self.trailer, str(HINT_MS)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        return pb.OpenSessionResponse(session_id="s1", position=len(request.prompt_tokens), max_draft_tokens=8)
+
+
+@pytest.mark.parametrize("trailer", [wire.RETRY_AFTER_MS_KEY, wire.RETRY_PUSHBACK_MS_KEY])
+def test_the_hint_is_read_under_either_trailer_and_resends_count_in_the_calls_bytes(trailer: str) -> None:
+    """The project's trailer or gRPC's own retry pushback: either holds the resends back for the
+    hint. The reply's bytes are every send's request and the one answer."""
+    request = OpenSessionRequest(list(range(1, 9)), SessionConfig())
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_VerifierServicer_to_server(RefusesWithOneTrailer(trailer, refusals=2), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = VerifierClient(f"127.0.0.1:{port}", 10, capacity_retry=CapacityRetry(max_retries=3, backoff_s=0.001))
+        try:
+            opened = await client.open_session(request)
+        finally:
+            await client.close()
+            await server.stop(None)
+        assert opened.position == 8 and client.stats.capacity_rejections == 2
+        assert client.stats.capacity_wait_s >= 2 * HINT_MS / 1000  # a 1 ms backoff alone would wait far less
+        sent = wire.open_request_to_pb(request).ByteSize()
+        answer = pb.OpenSessionResponse(session_id="s1", position=8, max_draft_tokens=8).ByteSize()
+        assert opened.wire.up == 3 * sent and opened.wire.down == answer
+
+    asyncio.run(run())
+
+
+def test_a_refused_call_carries_its_bytes_in_the_error() -> None:
+    """Refused for good: the CapacityExceeded raised holds what every send put on the wire."""
+    request = OpenSessionRequest(list(range(1, 9)), SessionConfig())
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_VerifierServicer_to_server(RefusesWithOneTrailer(wire.RETRY_PUSHBACK_MS_KEY, refusals=5), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = VerifierClient(f"127.0.0.1:{port}", 10, capacity_retry=CapacityRetry(max_retries=1, backoff_s=0.001))
+        try:
+            with pytest.raises(CapacityExceeded) as refused:
+                await client.open_session(request)
+        finally:
+            await client.close()
+            await server.stop(None)
+        assert refused.value.retry_after_ms == HINT_MS
+        assert refused.value.wire.up == 2 * wire.open_request_to_pb(request).ByteSize() and refused.value.wire.down == 0
 
     asyncio.run(run())
 

@@ -45,9 +45,7 @@ async def _record(client, draft_model, folder: Path) -> None:
         drafter = make_drafter(draft_model, params, mode, seed=n + 1)
         header = TraceHeader("speculative", prompt, cfg.session.sampling, n, mode.value, 96, 24, [], started_at=time.time())
         recorder = SessionRecorder(header)
-        client.tap = recorder
-        result = await speculative_generate(prompt, drafter, client, FixedK(4), cfg)
-        client.tap = None
+        result = await speculative_generate(prompt, drafter, client.with_tap(recorder), FixedK(4), cfg)
         write_trace(
             folder / trace_file_name(f"s{n}", header.started_at),
             recorder.finish(result.token_ids, result.finish_reason, result.rounds, result.reopens),

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from edge.round.generate import Reconnecting, TimeoutPolicy
+from edge.transport.client import CapacityRetry
 from shared.errors import CloudUnavailable
 
 
@@ -72,3 +73,17 @@ def test_spread_differs_between_edges() -> None:
         asyncio.run(_until_given_up(_outage(TimeoutPolicy(reconnect_window_s=5), fake, seed)))
         schedules.append(fake.sleeps)
     assert schedules[0] != schedules[1]
+
+
+def test_capacity_waits_honour_the_hint_and_otherwise_double_to_the_cap() -> None:
+    """The client's resend schedule (CapacityRetry): the same Backoff, never below the server's
+    hint (its jitter starts at x1), doubling from backoff_s without one."""
+    backoff = CapacityRetry(backoff_s=0.05, max_backoff_s=2.0).backoff()
+    backoff.rng = random.Random(3)
+    hinted = [backoff.next_delay_s(floor_s=1.0) for _ in range(3)]
+    assert all(1.0 <= wait <= 1.5 for wait in hinted) and len(set(hinted)) == 3
+    unhinted = [backoff.next_delay_s() for _ in range(7)]  # attempts 3..9
+    for n, wait in enumerate(unhinted, start=3):
+        base = min(0.05 * 2**n, 2.0)
+        assert base <= wait <= 1.5 * base
+    assert backoff.attempts == 10
