@@ -18,9 +18,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from shared import lm
+from cloud.engine.kv_slots import SlotKV
+from cloud.engine.transformers import KVCache, forward_packed
 from shared.errors import SessionNotFound, SpecDecError, VerifierFault
-from shared.kv_slots import SlotKV
 
 log = logging.getLogger("cloud-verifier")
 R = TypeVar("R")
@@ -62,7 +62,7 @@ class ForwardStep(Generic[R]):
     """One sequence's share of a forward pass that may be batched with others: feed `block`
     after `cache`, keep the last `keep` rows of logits, and hand them to `work`."""
 
-    cache: lm.KVCache
+    cache: KVCache
     block: list[int]
     keep: int
     work: StepWork[R]
@@ -107,7 +107,7 @@ def run_batch(model: PreTrainedModel, steps: Batch, count: PassCount) -> list[An
     fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
     forward_start = time.perf_counter()
     try:
-        logits = lm.forward_packed(model, [s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]) if fed else []
+        logits = forward_packed(model, [s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]) if fed else []
     except BaseException:
         for step, _ in steps:
             step.work.undo()

@@ -8,12 +8,12 @@ from typing import Protocol
 import torch
 
 from cloud.batch_step import ForwardStep
+from cloud.engine.transformers import crop
+from cloud.rejection_sampler import sample_token
 from cloud.sessions import Session, SessionStore
-from shared import lm
 from shared.errors import InvalidRequest
 from shared.protocol import GenerateChunk, GenerateRequest, SessionConfig
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
-from shared.speculative import sample_token
 
 
 class SessionOpener(Protocol):
@@ -76,7 +76,7 @@ class GenerateStream:
         if self._undo_to is None:
             self.opener.sessions.discard(self.stream_id)
         elif self.session is not None:
-            lm.crop(self.session.cache, self._undo_to)
+            crop(self.session.cache, self._undo_to)
 
     def close(self) -> None:
         """Drop the stream's KV (on the model worker)."""

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cloud.engine.kv_slots import SlotKV
+from cloud.engine.transformers import KVCache
 from cloud.quotas import KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
-from shared.kv_slots import SlotKV
-from shared.lm import KVCache
 from shared.protocol import SessionConfig
 
 

@@ -18,12 +18,14 @@ from transformers import PreTrainedModel
 
 from cloud import batch_step
 from cloud.batch_step import Batch, ForwardStep, PassCount
+from cloud.engine.kv_slots import SlotKV, SlotPool
+from cloud.engine.transformers import crop
 from cloud.generate_stream import GenerateStream
+from cloud.rejection_sampler import RoundOutcome, accept, dense_draft
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
 from shared import lm
 from shared.errors import ConfigError
-from shared.kv_slots import SlotKV, SlotPool
 from shared.protocol import (
     AcceptMode,
     CloseSessionResult,
@@ -38,7 +40,6 @@ from shared.protocol import (
     VerifyResult,
 )
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
-from shared.speculative import RoundOutcome, accept, dense_draft
 
 R = TypeVar("R")
 
@@ -52,7 +53,7 @@ class VerifierLimits:
     max_new_tokens: int = 4096  # Generate
     sessions: SessionLimits = SessionLimits()
     # packed: each session its own DynamicCache, concatenated for every batched pass (the
-    # reference); slots: KV in place in a pool allocated at start (shared/kv_slots.py)
+    # reference); slots: KV in place in a pool allocated at start (cloud/engine/kv_slots.py)
     kv_layout: Literal["packed", "slots"] = "packed"
     # slots: positions per session (its context limit); the pool holds min(max_sessions,
     # max_kv_bytes / slot bytes) slots
@@ -239,7 +240,7 @@ class _Round:
         outcome, probs = self.verifier._accept(req, session, logits)
         accepted = req.draft_tokens[: outcome.accepted_len]
         session.tokens.extend([*req.committed_tokens, *accepted, outcome.next_token])
-        lm.crop(session.cache, len(session.tokens) - 1)
+        crop(session.cache, len(session.tokens) - 1)
         session.rounds += 1
         self.verifier.sessions.touch(session)
         k = len(req.draft_tokens)
@@ -255,7 +256,7 @@ class _Round:
         return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus, len(session.tokens), metrics, top_k)
 
     def undo(self) -> None:
-        lm.crop(self.session.cache, self.position - 1)
+        crop(self.session.cache, self.position - 1)
 
 
 def _top_k(probs: torch.Tensor, k: int) -> list[SparseDistribution]:

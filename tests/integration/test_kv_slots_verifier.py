@@ -9,12 +9,12 @@ import pytest
 
 from cloud.batch_step import ForwardStep
 from cloud.batcher import BatchLimits
+from cloud.engine.kv_slots import SlotKV
 from cloud.sessions import SessionLimits
 from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from shared.errors import SessionNotFound
-from shared.kv_slots import SlotKV
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
 from tests.harness import gen_config, make_drafter, random_prompt
 from tests.integration.test_batching import PROMPTS, _alone, _mean_batch, batching_verifier

@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from cloud.rejection_sampler import accept, rejection_sample, verify_greedy
 from shared.protocol import AcceptMode
-from shared.speculative import accept, rejection_sample, verify_greedy
 
 V = 6
 
