@@ -9,7 +9,7 @@ import torch
 
 from cloud.batch_step import ForwardStep
 from cloud.engine.transformers import crop
-from cloud.rejection_sampler import sample_token
+from cloud.rejection_sampler import AcceptedRound, sample_token
 from cloud.sessions import Session, SessionStore
 from shared.errors import InvalidRequest
 from shared.protocol import GenerateChunk, GenerateRequest, SessionConfig
@@ -57,7 +57,10 @@ class GenerateStream:
         self._undo_to = session.cache.get_seq_length()
         return ForwardStep(session.cache, session.tokens[-1:], 1, self)
 
-    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> GenerateChunk:
+    def round_logits(self, logits: torch.Tensor) -> None:
+        return None  # a target-only token: sampled here, not accepted
+
+    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> GenerateChunk:
         assert self.session is not None
         params = self.req.config.sampling
         penalized = penalized_logits(logits, self.session.tokens, [], params, self.vocab)  # [1, V]

@@ -21,13 +21,12 @@ from cloud.batch_step import Batch, ForwardStep, PassCount
 from cloud.engine.kv_slots import SlotKV, SlotPool
 from cloud.engine.transformers import crop
 from cloud.generate_stream import GenerateStream
-from cloud.rejection_sampler import RoundOutcome, accept, dense_draft
+from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
 from shared import lm
 from shared.errors import ConfigError
 from shared.protocol import (
-    AcceptMode,
     CloseSessionResult,
     GenerateChunk,
     GenerateRequest,
@@ -39,7 +38,6 @@ from shared.protocol import (
     VerifyRequest,
     VerifyResult,
 )
-from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 
 R = TypeVar("R")
 
@@ -66,7 +64,12 @@ def _ms_since(start: float) -> float:
 
 class Verifier:
     def __init__(
-        self, model: PreTrainedModel, model_id: str, limits: VerifierLimits | None = None, dtype_reason: str = ""
+        self,
+        model: PreTrainedModel,
+        model_id: str,
+        limits: VerifierLimits | None = None,
+        dtype_reason: str = "",
+        sampler: RejectionSampler | None = None,
     ) -> None:
         self.model = model
         self.model_id = model_id
@@ -78,6 +81,7 @@ class Verifier:
         self.sessions = SessionStore(self.limits.sessions, per_token, slot_bytes=self.pool.slot_bytes if self.pool else 0)
         self.checks = RequestChecks(self.limits, self.model_vocab)
         self.passes = PassCount()
+        self.sampler = sampler or RejectionSampler()
 
     @property
     def forward_passes(self) -> int:
@@ -116,7 +120,10 @@ class Verifier:
         start = time.perf_counter()
         session = self.new_session(session_id or self.sessions.new_id(), req.config, req.prompt_tokens, owner)
         # The cache holds the KV of tokens[:-1]: the last prompt token is the first round's first row.
-        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, _Prefill(self, session, vocab, start))
+        opened = OpenSessionResult(
+            session.session_id, len(session.tokens), self.limits.max_draft_tokens, vocab, 0.0, self.model_id
+        )
+        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, _Prefill(self.sessions, session, opened, start))
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
@@ -153,32 +160,13 @@ class Verifier:
         self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id, owner=owner)
         # Rows for the last committed token and each draft: k + 1 predictions.
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
-        return ForwardStep(
-            session.cache, block, len(req.draft_tokens) + 1, _Round(self, req, session, start, len(session.tokens))
-        )
+        work = _Round(self.sessions, req, session, self.checks.vocab(session.config), start, len(session.tokens))
+        return ForwardStep(session.cache, block, len(req.draft_tokens) + 1, work)
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
         belongs to (cloud/batch_step.py); each step's result, or the exception that ended it."""
-        return batch_step.run_batch(self.model, steps, self.passes)
-
-    def _accept(self, req: VerifyRequest, session: Session, rows: torch.Tensor) -> tuple[RoundOutcome, torch.Tensor]:
-        """The accept/reject outcome of a round and the target distributions [k + 1, V]."""
-        config = session.config
-        mode = config.accept_mode
-        vocab = self.checks.vocab(config)
-        penalized = penalized_logits(rows, session.tokens + req.committed_tokens, req.draft_tokens, config.sampling, vocab)
-        greedy = mode is AcceptMode.GREEDY
-        probs = penalized.softmax(dim=-1) if greedy else probs_from_logits(penalized, config.sampling)
-        outcome = accept(
-            mode,
-            torch.tensor(req.draft_tokens, dtype=torch.long),
-            penalized if greedy else probs,
-            session.generator,
-            draft_probs=torch.tensor(req.draft_probs, dtype=torch.float32) if mode.reads_draft_probs else None,  # [k]
-            sparse_draft=dense_draft(req.sparse_draft, vocab) if mode is AcceptMode.SPARSE else None,  # [k, V]
-        )
-        return outcome, probs
+        return batch_step.run_batch(self.model, steps, self.passes, self.sampler)
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
 
@@ -209,40 +197,56 @@ class Verifier:
 class _Prefill:
     """A new session's prefill: its result is the opened session; undone, the session goes."""
 
-    verifier: Verifier
+    sessions: SessionStore
     session: Session
-    vocab: int
+    opened: OpenSessionResult  # the result, but for the time it took
     start: float
 
-    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> OpenSessionResult:
-        v, session = self.verifier, self.session
-        return OpenSessionResult(
-            session.session_id, len(session.tokens), v.limits.max_draft_tokens, self.vocab, _ms_since(self.start), v.model_id
-        )
+    def round_logits(self, logits: torch.Tensor) -> None:
+        return None
+
+    def finish(
+        self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float
+    ) -> OpenSessionResult:
+        return replace(self.opened, prefill_ms=_ms_since(self.start))
 
     def undo(self) -> None:
-        self.verifier.sessions.discard(self.session.session_id)
+        self.sessions.discard(self.session.session_id)
 
 
 @dataclass(frozen=True)
 class _Round:
-    """One Verify round after its forward pass: accept or reject the draft, commit the
-    accepted prefix and the next token; undone, the cache drops the round's rows."""
+    """One Verify round after its forward pass: its input to the batched accept, then the
+    commit of the accepted prefix and the next token; undone, the cache drops the round's rows."""
 
-    verifier: Verifier
+    sessions: SessionStore
     req: VerifyRequest
     session: Session
+    vocab: int
     start: float
     position: int  # the session's length when the round began
 
-    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> VerifyResult:
-        req, session = self.req, self.session
-        outcome, probs = self.verifier._accept(req, session, logits)
-        accepted = req.draft_tokens[: outcome.accepted_len]
-        session.tokens.extend([*req.committed_tokens, *accepted, outcome.next_token])
+    def round_logits(self, logits: torch.Tensor) -> RoundLogits:
+        req, config = self.req, self.session.config
+        return RoundLogits(
+            config.accept_mode,
+            config.sampling,
+            self.vocab,
+            logits,
+            self.session.tokens + req.committed_tokens,
+            req.draft_tokens,
+            req.draft_probs,
+            req.sparse_draft,
+            self.session.generator,
+        )
+
+    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> VerifyResult:
+        assert accepted is not None  # a round's step always gets its accept
+        req, session, outcome = self.req, self.session, accepted.outcome
+        session.tokens.extend([*req.committed_tokens, *req.draft_tokens[: outcome.accepted_len], outcome.next_token])
         crop(session.cache, len(session.tokens) - 1)
         session.rounds += 1
-        self.verifier.sessions.touch(session)
+        self.sessions.touch(session)
         k = len(req.draft_tokens)
         metrics = RoundMetrics(
             alpha_mean=float(outcome.accept_probs.mean()) if k else 0.0,
@@ -252,7 +256,7 @@ class _Round:
             forward_ms=forward_ms,
             hard_tokens=sum(req.hard_mask),
         )
-        top_k = _top_k(probs[: outcome.accepted_len + 1], req.want_top_k)
+        top_k = _top_k(accepted.probs[: outcome.accepted_len + 1], req.want_top_k)
         return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus, len(session.tokens), metrics, top_k)
 
     def undo(self) -> None:
