@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
+from cloud.engine.transformers import TransformersEngine
 from cloud.logs import configure_logging, log_event
 from cloud.process import serve
 from cloud.verifier import Verifier
@@ -42,7 +43,7 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
         path = settings.model
     model = lm.load_model(path, dtype.name, str(device))
     # The folder's name, not its path: model ids reach callers (OpenSession, /healthz, /v1/stats).
-    return Verifier(model, Path(path).name, settings.limits(), dtype_reason=dtype.reason)
+    return Verifier(TransformersEngine(model), Path(path).name, settings.limits(), dtype_reason=dtype.reason)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
-from transformers import PreTrainedModel
 
-from cloud.engine.kv_slots import SlotKV
-from cloud.engine.transformers import KVCache, forward_packed
+from cloud.engine import Engine, SessionKV
 from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
 from shared.errors import SessionNotFound, SpecDecError, VerifierFault
 
@@ -73,7 +71,7 @@ class ForwardStep(Generic[R]):
     """One sequence's share of a forward pass that may be batched with others: feed `block`
     after `cache`, keep the last `keep` rows of logits, and hand them to `work`."""
 
-    cache: KVCache
+    cache: SessionKV
     block: list[int]
     keep: int
     work: StepWork[R]
@@ -98,36 +96,42 @@ class BatchRunner(Protocol):
     def run_batch(self, steps: Batch) -> list[Any]: ...
 
 
-@dataclass
-class PassCount:
-    """Forward passes run (a batch of one-token prompts runs none)."""
+class BatchStep:
+    """Runs batch steps on one engine with one accept; counts the forward passes (a batch of
+    one-token prompts runs none)."""
 
-    passes: int = 0
+    def __init__(self, engine: Engine, sampler: RejectionSampler) -> None:
+        self.engine = engine
+        self.sampler = sampler
+        self.passes = 0
+
+    def run(self, steps: Batch) -> list[Any]:
+        """ONE forward pass over every (step, queue_ms), ONE accept over its rounds; returns
+        each step's result, or the exception that ended it."""
+        return _run(self, steps)
 
 
-def run_batch(model: PreTrainedModel, steps: Batch, count: PassCount, sampler: RejectionSampler) -> list[Any]:
-    """ONE forward pass over every (step, queue_ms), ONE accept over its rounds; returns each
-    step's result, or the exception that ended it."""
+def _run(runner: BatchStep, steps: Batch) -> list[Any]:
     if not steps:
         return []
-    gone = [i for i, (step, _) in enumerate(steps) if isinstance(step.cache, SlotKV) and step.cache.released]
+    gone = [i for i, (step, _) in enumerate(steps) if runner.engine.freed(step.cache)]
     if gone:  # its session left between two chunks of a prefill: that step alone fails
-        kept = iter(run_batch(model, [s for i, s in enumerate(steps) if i not in gone], count, sampler))
+        kept = iter(_run(runner, [s for i, s in enumerate(steps) if i not in gone]))
         closed = SessionNotFound("the session was closed or evicted while its step waited")
         return [closed if i in gone else next(kept) for i in range(len(steps))]
     fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
     forward_start = time.perf_counter()
     try:
-        logits = forward_packed(model, [s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]) if fed else []
+        logits = runner.engine.forward([s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]) if fed else []
     except BaseException:
         for step, _ in steps:
             step.work.undo()
         raise
     forward_ms = (time.perf_counter() - forward_start) * 1000.0
-    count.passes += 1 if fed else 0
+    runner.passes += 1 if fed else 0
     rows_of = iter(logits)
     rows = [next(rows_of) if step.block else torch.empty(0) for step, _ in steps]
-    accepted = _accept_rounds(sampler, [step.work for step, _ in steps], rows)
+    accepted = _accept_rounds(runner.sampler, [step.work for step, _ in steps], rows)
     return [
         _finish(step, step_rows, outcome, forward_ms, queue_ms)
         for (step, queue_ms), step_rows, outcome in zip(steps, rows, accepted, strict=True)

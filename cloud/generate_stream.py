@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from cloud.batch_step import ForwardStep
-from cloud.engine.transformers import crop
+from cloud.engine import Engine
 from cloud.rejection_sampler import AcceptedRound, sample_token
 from cloud.sessions import Session, SessionStore
 from shared.errors import InvalidRequest
@@ -29,8 +29,11 @@ class GenerateStream:
     knows), so the session and KV caps count it like any session's; the first step stores
     it, close() drops it. A stream is the work of each of its steps."""
 
-    def __init__(self, opener: SessionOpener, req: GenerateRequest, vocab: int, stream_id: str, owner: str) -> None:
+    def __init__(
+        self, opener: SessionOpener, engine: Engine, req: GenerateRequest, vocab: int, stream_id: str, owner: str
+    ) -> None:
         self.opener = opener
+        self.engine = engine
         self.req = req
         self.vocab = vocab
         self.stream_id = stream_id
@@ -79,7 +82,7 @@ class GenerateStream:
         if self._undo_to is None:
             self.opener.sessions.discard(self.stream_id)
         elif self.session is not None:
-            crop(self.session.cache, self._undo_to)
+            self.engine.crop(self.session.cache, self._undo_to)
 
     def close(self) -> None:
         """Drop the stream's KV (on the model worker)."""

@@ -9,11 +9,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from cloud.engine.kv_slots import SlotKV
-from cloud.engine.transformers import KVCache
+from cloud.engine import SessionKV
 from cloud.quotas import KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import SessionConfig
@@ -30,13 +30,19 @@ class Session:
     session_id: str
     config: SessionConfig
     tokens: list[int]  # committed prefix: prompt + generated
-    cache: KVCache  # KV of tokens[:-1]: its own DynamicCache, or its slot of the verifier's pool
+    cache: SessionKV  # KV of tokens[:-1], held by the verifier's engine
     generator: torch.Generator  # seeded once from config.seed, never reseeded
     created: float
     last_used: float
     rounds: int = 0
     owner: str = ""  # the API key that opened it: no other key can see or drive it
     planned: int = 0  # KV positions reserved ahead (a Generate stream's whole length), counted from the start
+
+
+class KVFree(Protocol):
+    """The engine, as the store sees it: it frees a leaving session's KV."""
+
+    def free(self, kv: SessionKV) -> None: ...
 
 
 RETRY_AFTER_IN_USE_MS = 1000  # every session busy: a round ends, or an edge closes one, within about this
@@ -56,12 +62,18 @@ class SessionStore:
     the GIL), which is what keeps a session with a call in flight from being evicted."""
 
     def __init__(
-        self, limits: SessionLimits, kv_bytes_per_token: int, clock: Callable[[], float] = time.monotonic, slot_bytes: int = 0
+        self,
+        limits: SessionLimits,
+        kv_bytes_per_token: int,
+        clock: Callable[[], float] = time.monotonic,
+        slot_bytes: int = 0,
+        kv: KVFree | None = None,
     ) -> None:
         self.limits = limits
         self.kv_bytes_per_token = kv_bytes_per_token
         self.slot_bytes = slot_bytes  # > 0: each session holds one KV slot of this many bytes, whatever its length
         self.clock = clock
+        self.kv = kv  # what frees a leaving session's KV (None: it goes with the session object)
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.busy: Counter[str] = Counter()  # sessions with a step queued or running: never evicted
 
@@ -96,10 +108,9 @@ class SessionStore:
         return max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
 
     def _drop(self, session: Session) -> None:
-        """Free what a session leaving the store holds: its slot goes back to the pool (its
-        own DynamicCache goes with the session object)."""
-        if isinstance(session.cache, SlotKV):
-            session.cache.release()
+        """Free the KV of a session leaving the store."""
+        if self.kv is not None:
+            self.kv.free(session.cache)
 
     def expire(self) -> None:
         now = self.clock()

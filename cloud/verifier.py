@@ -14,18 +14,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import torch
-from transformers import PreTrainedModel
 
-from cloud import batch_step
-from cloud.batch_step import Batch, ForwardStep, PassCount
-from cloud.engine.kv_slots import SlotKV, SlotPool
-from cloud.engine.transformers import crop
+from cloud.batch_step import Batch, BatchStep, ForwardStep
+from cloud.engine import Engine, KVPlan, KVRequest
 from cloud.generate_stream import GenerateStream
 from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
-from shared import lm
-from shared.errors import ConfigError
 from shared.protocol import (
     CloseSessionResult,
     GenerateChunk,
@@ -58,6 +53,19 @@ class VerifierLimits:
     kv_slot_tokens: int = 4096
 
 
+def _kv_request(limits: VerifierLimits) -> KVRequest:
+    sessions = limits.sessions
+    return KVRequest(
+        limits.kv_layout, sessions.max_sessions, sessions.max_kv_bytes, limits.max_context_tokens, limits.kv_slot_tokens
+    )
+
+
+def _fitted(limits: VerifierLimits, plan: KVPlan) -> VerifierLimits:
+    """The limits with the context and KV caps of the KV the engine holds."""
+    sessions = replace(limits.sessions, max_kv_bytes=plan.max_kv_bytes)
+    return replace(limits, max_context_tokens=plan.max_context_tokens, sessions=sessions)
+
+
 def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0
 
@@ -65,42 +73,28 @@ def _ms_since(start: float) -> float:
 class Verifier:
     def __init__(
         self,
-        model: PreTrainedModel,
+        engine: Engine,
         model_id: str,
         limits: VerifierLimits | None = None,
         dtype_reason: str = "",
         sampler: RejectionSampler | None = None,
     ) -> None:
-        self.model = model
+        self.engine = engine
         self.model_id = model_id
         self.dtype_reason = dtype_reason  # why the model runs in its dtype (`--dtype auto`), for /healthz
-        self.limits = limits or VerifierLimits()
-        self.model_vocab = lm.logits_width(model)
-        per_token = lm.kv_bytes_per_token(model)
-        self.pool = self._slot_pool(per_token) if self.limits.kv_layout == "slots" else None
-        self.sessions = SessionStore(self.limits.sessions, per_token, slot_bytes=self.pool.slot_bytes if self.pool else 0)
+        limits = limits or VerifierLimits()
+        self.kv_plan = engine.plan_kv(_kv_request(limits))
+        self.limits = _fitted(limits, self.kv_plan)
+        self.model_vocab = engine.logits_width
+        self.sessions = SessionStore(
+            self.limits.sessions, engine.kv_bytes_per_token, kv=engine, slot_bytes=self.kv_plan.session_bytes
+        )
         self.checks = RequestChecks(self.limits, self.model_vocab)
-        self.passes = PassCount()
-        self.sampler = sampler or RejectionSampler()
+        self.step = BatchStep(engine, sampler or RejectionSampler())
 
     @property
     def forward_passes(self) -> int:
-        return self.passes.passes
-
-    def _slot_pool(self, kv_bytes_per_token: int) -> SlotPool:
-        """The slot pool, and limits that match it: a session's context fits its slot, and the
-        KV cap is the pool's size, so a free slot exists whenever the store admits a session."""
-        slot_tokens = min(self.limits.kv_slot_tokens, self.limits.max_context_tokens)
-        sessions = self.limits.sessions
-        slots = min(sessions.max_sessions, sessions.max_kv_bytes // (slot_tokens * kv_bytes_per_token))
-        if slots < 1:
-            raise ConfigError(
-                f"a KV slot of {slot_tokens} tokens needs {slot_tokens * kv_bytes_per_token} bytes, "
-                f"over --max-kv-bytes {sessions.max_kv_bytes}"
-            )
-        pool = SlotPool(self.model, slots, slot_tokens)
-        self.limits = replace(self.limits, max_context_tokens=slot_tokens, sessions=replace(sessions, max_kv_bytes=pool.nbytes))
-        return pool
+        return self.step.passes
 
     # ---- sessions ---------------------------------------------------------------------
 
@@ -131,13 +125,12 @@ class Verifier:
         self.sessions.reserve(max(len(prompt), planned), owner=owner)
         now = self.sessions.clock()
         generator = torch.Generator().manual_seed(config.seed)
-        cache = self.pool.acquire() if self.pool else lm.new_cache(self.model)
-        session = Session(session_id, config, list(prompt), cache, generator, now, now, owner=owner, planned=planned)
+        kv = self.engine.new_kv()
+        session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
         try:
             self.sessions.add(session)
         except BaseException:
-            if isinstance(cache, SlotKV):
-                cache.release()  # never stored: the store cannot free it
+            self.engine.free(kv)  # never stored: the store cannot free it
             raise
         return session
 
@@ -160,13 +153,13 @@ class Verifier:
         self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id, owner=owner)
         # Rows for the last committed token and each draft: k + 1 predictions.
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
-        work = _Round(self.sessions, req, session, self.checks.vocab(session.config), start, len(session.tokens))
+        work = _Round(self.sessions, self.engine, req, session, self.checks.vocab(session.config), start, len(session.tokens))
         return ForwardStep(session.cache, block, len(req.draft_tokens) + 1, work)
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
         belongs to (cloud/batch_step.py); each step's result, or the exception that ended it."""
-        return batch_step.run_batch(self.model, steps, self.passes, self.sampler)
+        return self.step.run(steps)
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
 
@@ -175,7 +168,7 @@ class Verifier:
         stream lives in the session store as a session nobody else can name, so it counts
         against the same session and KV caps; the first step stores it, close() drops it."""
         vocab = self.checks.generate(req)
-        return GenerateStream(self, req, vocab, stream_id or self.sessions.new_id(), owner)
+        return GenerateStream(self, self.engine, req, vocab, stream_id or self.sessions.new_id(), owner)
 
     def generate(self, req: GenerateRequest) -> Iterator[GenerateChunk]:
         """Target-only decoding, one forward pass per token, unbatched."""
@@ -220,6 +213,7 @@ class _Round:
     commit of the accepted prefix and the next token; undone, the cache drops the round's rows."""
 
     sessions: SessionStore
+    engine: Engine
     req: VerifyRequest
     session: Session
     vocab: int
@@ -244,7 +238,7 @@ class _Round:
         assert accepted is not None  # a round's step always gets its accept
         req, session, outcome = self.req, self.session, accepted.outcome
         session.tokens.extend([*req.committed_tokens, *req.draft_tokens[: outcome.accepted_len], outcome.next_token])
-        crop(session.cache, len(session.tokens) - 1)
+        self.engine.crop(session.cache, len(session.tokens) - 1)
         session.rounds += 1
         self.sessions.touch(session)
         k = len(req.draft_tokens)
@@ -260,7 +254,7 @@ class _Round:
         return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus, len(session.tokens), metrics, top_k)
 
     def undo(self) -> None:
-        crop(self.session.cache, self.position - 1)
+        self.engine.crop(self.session.cache, self.position - 1)
 
 
 def _top_k(probs: torch.Tensor, k: int) -> list[SparseDistribution]:

@@ -1,5 +1,6 @@
-"""The transformers engine's passes: one forward over several sessions' new tokens, each
-after its own KV (a DynamicCache per session, packed for the pass, or its slot of a pool)."""
+"""The transformers engine: the target as a transformers model; one forward over several
+sessions' new tokens, each after its own KV (a DynamicCache per session, packed for the pass,
+or its slot of a pool allocated at start: cloud/engine/kv_slots.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,65 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from cloud.engine.kv_slots import SlotKV, forward_slots
+from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV
+from cloud.engine.kv_slots import SlotKV, SlotPool, forward_slots
 from shared import lm
+from shared.errors import ConfigError
 
 KVCache = DynamicCache | SlotKV  # a session's own cache, or its slot of a pool (cloud/engine/kv_slots.py)
+
+
+class TransformersEngine:
+    """A transformers causal LM (full attention) and its sessions' KV, packed or in slots."""
+
+    name: EngineName = "transformers"
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.logits_width = lm.logits_width(model)
+        self.kv_bytes_per_token = lm.kv_bytes_per_token(model)
+        self.pool: SlotPool | None = None  # slots: allocated by plan_kv
+
+    def plan_kv(self, request: KVRequest) -> KVPlan:
+        """packed: the limits as asked. slots: the pool, and limits that match it: a session's
+        context fits its slot, and the KV cap is the pool's size, so a free slot exists whenever
+        the store admits a session."""
+        if request.layout == "packed":
+            return KVPlan(request.max_context_tokens, request.max_kv_bytes)
+        slot_tokens = min(request.slot_tokens, request.max_context_tokens)
+        slots = min(request.max_sessions, request.max_kv_bytes // (slot_tokens * self.kv_bytes_per_token))
+        if slots < 1:
+            raise ConfigError(
+                f"a KV slot of {slot_tokens} tokens needs {slot_tokens * self.kv_bytes_per_token} bytes, "
+                f"over --max-kv-bytes {request.max_kv_bytes}"
+            )
+        self.pool = SlotPool(self.model, slots, slot_tokens)
+        return KVPlan(slot_tokens, self.pool.nbytes, self.pool.slot_bytes)
+
+    def new_kv(self) -> KVCache:
+        return self.pool.acquire() if self.pool else lm.new_cache(self.model)
+
+    def free(self, kv: SessionKV) -> None:
+        if isinstance(kv, SlotKV):
+            kv.release()  # back to the pool; a DynamicCache goes with its session
+
+    def freed(self, kv: SessionKV) -> bool:
+        return isinstance(kv, SlotKV) and kv.released
+
+    def crop(self, kv: SessionKV, length: int) -> None:
+        crop(_own(kv), length)
+
+    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
+        return forward_packed(self.model, [_own(kv) for kv in kvs], blocks, keeps)
+
+    def describe(self) -> dict[str, str]:
+        return {"engine": self.name, "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device)}
+
+
+def _own(kv: SessionKV) -> KVCache:
+    if not isinstance(kv, DynamicCache | SlotKV):
+        raise TypeError(f"the transformers engine holds no {type(kv).__name__}")
+    return kv
 
 
 @torch.inference_mode()

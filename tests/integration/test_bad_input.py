@@ -7,6 +7,7 @@ import grpc
 import pytest
 import torch
 
+from cloud.engine.transformers import TransformersEngine
 from cloud.sessions import SessionLimits
 from cloud.verifier import VerifierLimits
 from shared import wire
@@ -166,7 +167,7 @@ def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
 
     async def run() -> None:
         sampler = BrokenForOne()
-        verifier = sampler.verifier = Verifier(target_model, "tiny", sampler=sampler)
+        verifier = sampler.verifier = Verifier(TransformersEngine(target_model), "tiny", sampler=sampler)
         server, port = create_server(ServerState.for_verifier(verifier), "127.0.0.1:0")
         await server.start()
         stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
