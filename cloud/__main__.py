@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
+from cloud.engine.transformers import TransformersEngine
 from cloud.logs import configure_logging, log_event
 from cloud.process import serve
 from cloud.verifier import Verifier
@@ -39,7 +40,7 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
     model = lm.load_model(path, dtype.name, str(device))
     # A name, not a path, reaches callers (OpenSession, /healthz, /v1/stats): the folder's name,
     # or `org/name@commit` for a Hub model, so the revision that ran is pinned.
-    return Verifier(model, describe_model(path), settings.limits(), dtype_reason=dtype.reason)
+    return Verifier(TransformersEngine(model), describe_model(path), settings.limits(), dtype_reason=dtype.reason)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,11 +1,12 @@
-"""One batch step: ONE forward pass of the target over the steps of several sessions and
-streams (a round, a prefill or a chunk of it, a Generate token), each turned into its own
-result afterwards.
+"""One batch step, a straight line: the steps of several sessions and streams (a round, a
+prefill or a chunk of it, a Generate token) -> ONE forward pass of the target -> ONE batched
+accept over every round of the pass (cloud/rejection_sampler.py) -> each step commits its
+own result.
 
 A step is one sequence's share of the pass (ForwardStep); what it does with its rows and
 how it is put back after a failure is its StepWork. A failed pass leaves every cache as it
-was; a step that fails after the pass is undone alone, so it never fails or corrupts the
-others of its pass.
+was; a step that fails after the pass (in the accept or its commit) is undone alone, so it
+never fails or corrupts the others of its pass.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
-from transformers import PreTrainedModel
 
-from shared import lm
+from cloud.engine import Engine, SessionKV
+from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
 from shared.errors import SessionNotFound, SpecDecError, VerifierFault
-from shared.kv_slots import SlotKV
 
 log = logging.getLogger("cloud-verifier")
 R = TypeVar("R")
@@ -31,7 +31,13 @@ class StepWork(Protocol[R_co]):
     """What a step does once its forward pass ran, and how it is undone when the pass or its
     own finish fails."""
 
-    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> R_co: ...
+    def round_logits(self, logits: torch.Tensor) -> RoundLogits | None:
+        """A Verify round's input to the batched accept; None for a step that accepts nothing."""
+        ...
+
+    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> R_co:
+        """The step's result, from its rows and (a round) its accepted outcome."""
+        ...
 
     def undo(self) -> None: ...
 
@@ -50,7 +56,10 @@ class _Head:
 
     whole: StepWork[Any]
 
-    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> Partial:
+    def round_logits(self, logits: torch.Tensor) -> None:
+        return None
+
+    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> Partial:
         return PARTIAL
 
     def undo(self) -> None:
@@ -62,7 +71,7 @@ class ForwardStep(Generic[R]):
     """One sequence's share of a forward pass that may be batched with others: feed `block`
     after `cache`, keep the last `keep` rows of logits, and hand them to `work`."""
 
-    cache: lm.KVCache
+    cache: SessionKV
     block: list[int]
     keep: int
     work: StepWork[R]
@@ -87,40 +96,76 @@ class BatchRunner(Protocol):
     def run_batch(self, steps: Batch) -> list[Any]: ...
 
 
-@dataclass
-class PassCount:
-    """Forward passes run (a batch of one-token prompts runs none)."""
+class BatchStep:
+    """Runs batch steps on one engine with one accept; counts the forward passes (a batch of
+    one-token prompts runs none)."""
 
-    passes: int = 0
+    def __init__(self, engine: Engine, sampler: RejectionSampler) -> None:
+        self.engine = engine
+        self.sampler = sampler
+        self.passes = 0
+
+    def run(self, steps: Batch) -> list[Any]:
+        """ONE forward pass over every (step, queue_ms), ONE accept over its rounds; returns
+        each step's result, or the exception that ended it."""
+        return _run(self, steps)
 
 
-def run_batch(model: PreTrainedModel, steps: Batch, count: PassCount) -> list[Any]:
-    """ONE forward pass over every (step, queue_ms); returns each step's result, or the
-    exception that ended it."""
+def _run(runner: BatchStep, steps: Batch) -> list[Any]:
     if not steps:
         return []
-    gone = [i for i, (step, _) in enumerate(steps) if isinstance(step.cache, SlotKV) and step.cache.released]
+    gone = [i for i, (step, _) in enumerate(steps) if runner.engine.freed(step.cache)]
     if gone:  # its session left between two chunks of a prefill: that step alone fails
-        kept = iter(run_batch(model, [s for i, s in enumerate(steps) if i not in gone], count))
+        kept = iter(_run(runner, [s for i, s in enumerate(steps) if i not in gone]))
         closed = SessionNotFound("the session was closed or evicted while its step waited")
         return [closed if i in gone else next(kept) for i in range(len(steps))]
     fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
     forward_start = time.perf_counter()
     try:
-        logits = lm.forward_packed(model, [s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]) if fed else []
+        logits = runner.engine.forward([s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]) if fed else []
     except BaseException:
         for step, _ in steps:
             step.work.undo()
         raise
     forward_ms = (time.perf_counter() - forward_start) * 1000.0
-    count.passes += 1 if fed else 0
+    runner.passes += 1 if fed else 0
     rows_of = iter(logits)
-    return [_finish(step, next(rows_of) if step.block else torch.empty(0), forward_ms, queue_ms) for step, queue_ms in steps]
+    rows = [next(rows_of) if step.block else torch.empty(0) for step, _ in steps]
+    accepted = _accept_rounds(runner.sampler, [step.work for step, _ in steps], rows)
+    return [
+        _finish(step, step_rows, outcome, forward_ms, queue_ms)
+        for (step, queue_ms), step_rows, outcome in zip(steps, rows, accepted, strict=True)
+    ]
 
 
-def _finish(step: ForwardStep[Any], rows: torch.Tensor, forward_ms: float, queue_ms: float) -> Any:
+def _accept_rounds(
+    sampler: RejectionSampler, works: list[StepWork[Any]], rows: list[torch.Tensor]
+) -> list[AcceptedRound | BaseException | None]:
+    """Per step its accepted round (None for a step that is no round), or what failed it."""
+    inputs: list[RoundLogits | BaseException | None] = []
+    for work, step_rows in zip(works, rows, strict=True):
+        try:
+            inputs.append(work.round_logits(step_rows))
+        except Exception as err:  # this step alone fails (undone in _finish)
+            inputs.append(err)
+    rounds = [i for i, r in enumerate(inputs) if isinstance(r, RoundLogits)]
     try:
-        return step.work.finish(rows, forward_ms, queue_ms)
+        outcomes: list[AcceptedRound | Exception] = sampler.accept_rounds([inputs[i] for i in rounds])  # type: ignore[misc]
+    except Exception as err:  # a failure of the accept as a whole: each of its rounds fails
+        outcomes = [err] * len(rounds)
+    out: list[AcceptedRound | BaseException | None] = [r if isinstance(r, BaseException) else None for r in inputs]
+    for i, outcome in zip(rounds, outcomes, strict=True):
+        out[i] = outcome
+    return out
+
+
+def _finish(
+    step: ForwardStep[Any], rows: torch.Tensor, accepted: AcceptedRound | BaseException | None, forward_ms: float, queue_ms: float
+) -> Any:
+    try:
+        if isinstance(accepted, BaseException):
+            raise accepted
+        return step.work.finish(rows, accepted, forward_ms, queue_ms)
     except SpecDecError as err:
         step.work.undo()
         return err

@@ -8,12 +8,12 @@ from typing import Protocol
 import torch
 
 from cloud.batch_step import ForwardStep
+from cloud.engine import Engine
+from cloud.rejection_sampler import AcceptedRound, sample_token
 from cloud.sessions import Session, SessionStore
-from shared import lm
 from shared.errors import InvalidRequest
 from shared.protocol import GenerateChunk, GenerateRequest, SessionConfig
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
-from shared.speculative import sample_token
 
 
 class SessionOpener(Protocol):
@@ -29,8 +29,11 @@ class GenerateStream:
     knows), so the session and KV caps count it like any session's; the first step stores
     it, close() drops it. A stream is the work of each of its steps."""
 
-    def __init__(self, opener: SessionOpener, req: GenerateRequest, vocab: int, stream_id: str, owner: str) -> None:
+    def __init__(
+        self, opener: SessionOpener, engine: Engine, req: GenerateRequest, vocab: int, stream_id: str, owner: str
+    ) -> None:
         self.opener = opener
+        self.engine = engine
         self.req = req
         self.vocab = vocab
         self.stream_id = stream_id
@@ -57,7 +60,10 @@ class GenerateStream:
         self._undo_to = session.cache.get_seq_length()
         return ForwardStep(session.cache, session.tokens[-1:], 1, self)
 
-    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> GenerateChunk:
+    def round_logits(self, logits: torch.Tensor) -> None:
+        return None  # a target-only token: sampled here, not accepted
+
+    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> GenerateChunk:
         assert self.session is not None
         params = self.req.config.sampling
         penalized = penalized_logits(logits, self.session.tokens, [], params, self.vocab)  # [1, V]
@@ -76,7 +82,7 @@ class GenerateStream:
         if self._undo_to is None:
             self.opener.sessions.discard(self.stream_id)
         elif self.session is not None:
-            lm.crop(self.session.cache, self._undo_to)
+            self.engine.crop(self.session.cache, self._undo_to)
 
     def close(self) -> None:
         """Drop the stream's KV (on the model worker)."""

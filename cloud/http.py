@@ -20,13 +20,14 @@ from shared.http_server import HttpServer
 
 def _model_info(state: ServerState) -> dict[str, Any]:
     if state.verifier is None:
-        return {"model_ids": [], "dtype": None, "dtype_reason": None, "device": None}
-    model = state.verifier.model
+        return {"model_ids": [], "engine": None, "dtype": None, "dtype_reason": None, "device": None}
+    engine = state.verifier.engine.describe()
     return {
         "model_ids": [state.verifier.model_id],
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "engine": engine["engine"],
+        "dtype": engine["dtype"],
         "dtype_reason": state.verifier.dtype_reason,
-        "device": str(model.device),
+        "device": engine["device"],
     }
 
 

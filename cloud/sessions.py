@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from cloud.engine import SessionKV
 from cloud.quotas import KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
-from shared.kv_slots import SlotKV
-from shared.lm import KVCache
 from shared.protocol import SessionConfig
 
 
@@ -30,13 +31,19 @@ class Session:
     session_id: str
     config: SessionConfig
     tokens: list[int]  # committed prefix: prompt + generated
-    cache: KVCache  # KV of tokens[:-1]: its own DynamicCache, or its slot of the verifier's pool
+    cache: SessionKV  # KV of tokens[:-1], held by the verifier's engine
     generator: torch.Generator  # seeded once from config.seed, never reseeded
     created: float
     last_used: float
     rounds: int = 0
     owner: str = ""  # the API key that opened it: no other key can see or drive it
     planned: int = 0  # KV positions reserved ahead (a Generate stream's whole length), counted from the start
+
+
+class KVFree(Protocol):
+    """The engine, as the store sees it: it frees a leaving session's KV."""
+
+    def free(self, kv: SessionKV) -> None: ...
 
 
 RETRY_AFTER_IN_USE_MS = 1000  # every session busy: a round ends, or an edge closes one, within about this
@@ -51,18 +58,26 @@ class SessionLimits:
 
 
 class SessionStore:
-    """Sessions in least-recently-used order. Not thread-safe: the verifier calls it from
-    its single model worker; only `holding` runs on the event loop (one counter update under
-    the GIL), which is what keeps a session with a call in flight from being evicted."""
+    """Sessions in least-recently-used order. The verifier changes it from its single model
+    worker; the event loop runs only `holding` (one counter update under the GIL, which is
+    what keeps a session with a call in flight from being evicted) and `snapshot`, which reads
+    under the lock every change of the order takes."""
 
     def __init__(
-        self, limits: SessionLimits, kv_bytes_per_token: int, clock: Callable[[], float] = time.monotonic, slot_bytes: int = 0
+        self,
+        limits: SessionLimits,
+        kv_bytes_per_token: int,
+        clock: Callable[[], float] = time.monotonic,
+        slot_bytes: int = 0,
+        kv: KVFree | None = None,
     ) -> None:
         self.limits = limits
         self.kv_bytes_per_token = kv_bytes_per_token
         self.slot_bytes = slot_bytes  # > 0: each session holds one KV slot of this many bytes, whatever its length
         self.clock = clock
+        self.kv = kv  # what frees a leaving session's KV (None: it goes with the session object)
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.RLock()  # held by every change of _sessions and by snapshot()
         self.busy: Counter[str] = Counter()  # sessions with a step queued or running: never evicted
 
     @contextmanager
@@ -80,7 +95,12 @@ class SessionStore:
         return len(self._sessions)
 
     def __iter__(self) -> Iterator[Session]:
-        return iter(list(self._sessions.values()))
+        return iter(self.snapshot())
+
+    def snapshot(self) -> list[Session]:
+        """The sessions now, safe to read from another thread than the model worker's."""
+        with self._lock:
+            return list(self._sessions.values())
 
     def new_id(self) -> str:
         # 72 random bits in 12 characters: unguessable, and short because it rides in every Verify.
@@ -96,10 +116,9 @@ class SessionStore:
         return max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
 
     def _drop(self, session: Session) -> None:
-        """Free what a session leaving the store holds: its slot goes back to the pool (its
-        own DynamicCache goes with the session object)."""
-        if isinstance(session.cache, SlotKV):
-            session.cache.release()
+        """Free the KV of a session leaving the store."""
+        if self.kv is not None:
+            self.kv.free(session.cache)
 
     def expire(self) -> None:
         now = self.clock()
@@ -107,7 +126,9 @@ class SessionStore:
             oldest = next(iter(self._sessions.values()))
             if now - oldest.last_used < self.limits.ttl_s or self.busy.get(oldest.session_id):
                 break
-            self._drop(self._sessions.popitem(last=False)[1])
+            with self._lock:
+                oldest = self._sessions.popitem(last=False)[1]
+            self._drop(oldest)
 
     def get(self, session_id: str, owner: str = "") -> Session:
         """The session, if `owner` opened it: to any other key it does not exist."""
@@ -120,7 +141,8 @@ class SessionStore:
 
     def touch(self, session: Session) -> None:
         session.last_used = self.clock()
-        self._sessions.move_to_end(session.session_id)
+        with self._lock:
+            self._sessions.move_to_end(session.session_id)
 
     def reserve(self, new_tokens: int, keep: str | None = None, owner: str = "") -> None:
         """Make room for new_tokens more KV positions of one of `owner`'s sessions: within the
@@ -157,20 +179,23 @@ class SessionStore:
             pass
         if len(self._sessions) >= self.limits.max_sessions:
             raise CapacityExceeded(f"all {self.limits.max_sessions} sessions are in use", RETRY_AFTER_IN_USE_MS)
-        self._sessions[session.session_id] = session
+        with self._lock:
+            self._sessions[session.session_id] = session
 
     def _count(self, owner: str) -> int:
         return sum(1 for s in self._sessions.values() if s.owner == owner)
 
     def remove(self, session_id: str, owner: str = "") -> Session:
         session = self.get(session_id, owner)
-        del self._sessions[session_id]
+        with self._lock:
+            del self._sessions[session_id]
         self._drop(session)
         return session
 
     def discard(self, session_id: str) -> None:
         """Drop a session if it is still here (a prefill that failed, or one evicted meanwhile)."""
-        session = self._sessions.pop(session_id, None)
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
         if session is not None:
             self._drop(session)
 
@@ -179,7 +204,8 @@ class SessionStore:
         and has no call in flight."""
         for sid, session in self._sessions.items():
             if sid != keep and not self.busy.get(sid) and (owner is None or session.owner == owner):
-                del self._sessions[sid]
+                with self._lock:
+                    del self._sessions[sid]
                 self._drop(session)
                 return True
         return False

@@ -12,7 +12,7 @@ from cloud.auth import ApiKeys
 from cloud.batcher import BatchLimits, ForwardBatcher
 from cloud.live import LiveStats
 from cloud.metrics import VerifierMetrics
-from cloud.sessions import Session, SessionStore, session_tag
+from cloud.sessions import session_tag
 from cloud.verifier import Verifier
 from cloud.worker import ModelWorker
 from shared.errors import ServerDraining, SpecDecError
@@ -42,18 +42,6 @@ def package_version() -> str:
         return metadata.version("specedge")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _read_sessions(store: SessionStore) -> list[Session]:
-    """Read from the event loop while the model worker may change the store. Copying the
-    dict's values is one C call under the GIL; should a change slip in anyway (RuntimeError),
-    read again. Reading here rather than on the worker keeps a scrape from queueing behind rounds."""
-    for _ in range(10):
-        try:
-            return list(store)
-        except RuntimeError:
-            continue
-    return []
 
 
 class ServerState:
@@ -143,7 +131,7 @@ class ServerState:
             SessionRow(
                 session_tag(s.session_id), now - s.created, now - s.last_used, len(s.tokens), s.rounds, store.session_bytes(s)
             )
-            for s in _read_sessions(store)
+            for s in store.snapshot()  # read from the event loop: a scrape never queues behind rounds
             if now - s.last_used < store.limits.ttl_s
         ]
         self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))

@@ -14,18 +14,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import torch
-from transformers import PreTrainedModel
 
-from cloud import batch_step
-from cloud.batch_step import Batch, ForwardStep, PassCount
+from cloud.batch_step import Batch, BatchStep, ForwardStep
+from cloud.engine import Engine, KVPlan, KVRequest
 from cloud.generate_stream import GenerateStream
+from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
-from shared import lm
-from shared.errors import ConfigError
-from shared.kv_slots import SlotKV, SlotPool
 from shared.protocol import (
-    AcceptMode,
     CloseSessionResult,
     GenerateChunk,
     GenerateRequest,
@@ -37,8 +33,6 @@ from shared.protocol import (
     VerifyRequest,
     VerifyResult,
 )
-from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
-from shared.speculative import RoundOutcome, accept, dense_draft
 
 R = TypeVar("R")
 
@@ -52,11 +46,24 @@ class VerifierLimits:
     max_new_tokens: int = 4096  # Generate
     sessions: SessionLimits = SessionLimits()
     # packed: each session its own DynamicCache, concatenated for every batched pass (the
-    # reference); slots: KV in place in a pool allocated at start (shared/kv_slots.py)
+    # reference); slots: KV in place in a pool allocated at start (cloud/engine/kv_slots.py)
     kv_layout: Literal["packed", "slots"] = "packed"
     # slots: positions per session (its context limit); the pool holds min(max_sessions,
     # max_kv_bytes / slot bytes) slots
     kv_slot_tokens: int = 4096
+
+
+def _kv_request(limits: VerifierLimits) -> KVRequest:
+    sessions = limits.sessions
+    return KVRequest(
+        limits.kv_layout, sessions.max_sessions, sessions.max_kv_bytes, limits.max_context_tokens, limits.kv_slot_tokens
+    )
+
+
+def _fitted(limits: VerifierLimits, plan: KVPlan) -> VerifierLimits:
+    """The limits with the context and KV caps of the KV the engine holds."""
+    sessions = replace(limits.sessions, max_kv_bytes=plan.max_kv_bytes)
+    return replace(limits, max_context_tokens=plan.max_context_tokens, sessions=sessions)
 
 
 def _ms_since(start: float) -> float:
@@ -65,37 +72,29 @@ def _ms_since(start: float) -> float:
 
 class Verifier:
     def __init__(
-        self, model: PreTrainedModel, model_id: str, limits: VerifierLimits | None = None, dtype_reason: str = ""
+        self,
+        engine: Engine,
+        model_id: str,
+        limits: VerifierLimits | None = None,
+        dtype_reason: str = "",
+        sampler: RejectionSampler | None = None,
     ) -> None:
-        self.model = model
+        self.engine = engine
         self.model_id = model_id
         self.dtype_reason = dtype_reason  # why the model runs in its dtype (`--dtype auto`), for /healthz
-        self.limits = limits or VerifierLimits()
-        self.model_vocab = lm.logits_width(model)
-        per_token = lm.kv_bytes_per_token(model)
-        self.pool = self._slot_pool(per_token) if self.limits.kv_layout == "slots" else None
-        self.sessions = SessionStore(self.limits.sessions, per_token, slot_bytes=self.pool.slot_bytes if self.pool else 0)
+        limits = limits or VerifierLimits()
+        self.kv_plan = engine.plan_kv(_kv_request(limits))
+        self.limits = _fitted(limits, self.kv_plan)
+        self.model_vocab = engine.logits_width
+        self.sessions = SessionStore(
+            self.limits.sessions, engine.kv_bytes_per_token, kv=engine, slot_bytes=self.kv_plan.session_bytes
+        )
         self.checks = RequestChecks(self.limits, self.model_vocab)
-        self.passes = PassCount()
+        self.step = BatchStep(engine, sampler or RejectionSampler())
 
     @property
     def forward_passes(self) -> int:
-        return self.passes.passes
-
-    def _slot_pool(self, kv_bytes_per_token: int) -> SlotPool:
-        """The slot pool, and limits that match it: a session's context fits its slot, and the
-        KV cap is the pool's size, so a free slot exists whenever the store admits a session."""
-        slot_tokens = min(self.limits.kv_slot_tokens, self.limits.max_context_tokens)
-        sessions = self.limits.sessions
-        slots = min(sessions.max_sessions, sessions.max_kv_bytes // (slot_tokens * kv_bytes_per_token))
-        if slots < 1:
-            raise ConfigError(
-                f"a KV slot of {slot_tokens} tokens needs {slot_tokens * kv_bytes_per_token} bytes, "
-                f"over --max-kv-bytes {sessions.max_kv_bytes}"
-            )
-        pool = SlotPool(self.model, slots, slot_tokens)
-        self.limits = replace(self.limits, max_context_tokens=slot_tokens, sessions=replace(sessions, max_kv_bytes=pool.nbytes))
-        return pool
+        return self.step.passes
 
     # ---- sessions ---------------------------------------------------------------------
 
@@ -115,7 +114,10 @@ class Verifier:
         start = time.perf_counter()
         session = self.new_session(session_id or self.sessions.new_id(), req.config, req.prompt_tokens, owner)
         # The cache holds the KV of tokens[:-1]: the last prompt token is the first round's first row.
-        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, _Prefill(self, session, vocab, start))
+        opened = OpenSessionResult(
+            session.session_id, len(session.tokens), self.limits.max_draft_tokens, vocab, 0.0, self.model_id
+        )
+        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, _Prefill(self.sessions, session, opened, start))
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
@@ -123,13 +125,12 @@ class Verifier:
         self.sessions.reserve(max(len(prompt), planned), owner=owner)
         now = self.sessions.clock()
         generator = torch.Generator().manual_seed(config.seed)
-        cache = self.pool.acquire() if self.pool else lm.new_cache(self.model)
-        session = Session(session_id, config, list(prompt), cache, generator, now, now, owner=owner, planned=planned)
+        kv = self.engine.new_kv()
+        session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
         try:
             self.sessions.add(session)
         except BaseException:
-            if isinstance(cache, SlotKV):
-                cache.release()  # never stored: the store cannot free it
+            self.engine.free(kv)  # never stored: the store cannot free it
             raise
         return session
 
@@ -152,32 +153,13 @@ class Verifier:
         self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id, owner=owner)
         # Rows for the last committed token and each draft: k + 1 predictions.
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
-        return ForwardStep(
-            session.cache, block, len(req.draft_tokens) + 1, _Round(self, req, session, start, len(session.tokens))
-        )
+        work = _Round(self.sessions, self.engine, req, session, self.checks.vocab(session.config), start, len(session.tokens))
+        return ForwardStep(session.cache, block, len(req.draft_tokens) + 1, work)
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
         belongs to (cloud/batch_step.py); each step's result, or the exception that ended it."""
-        return batch_step.run_batch(self.model, steps, self.passes)
-
-    def _accept(self, req: VerifyRequest, session: Session, rows: torch.Tensor) -> tuple[RoundOutcome, torch.Tensor]:
-        """The accept/reject outcome of a round and the target distributions [k + 1, V]."""
-        config = session.config
-        mode = config.accept_mode
-        vocab = self.checks.vocab(config)
-        penalized = penalized_logits(rows, session.tokens + req.committed_tokens, req.draft_tokens, config.sampling, vocab)
-        greedy = mode is AcceptMode.GREEDY
-        probs = penalized.softmax(dim=-1) if greedy else probs_from_logits(penalized, config.sampling)
-        outcome = accept(
-            mode,
-            torch.tensor(req.draft_tokens, dtype=torch.long),
-            penalized if greedy else probs,
-            session.generator,
-            draft_probs=torch.tensor(req.draft_probs, dtype=torch.float32) if mode.reads_draft_probs else None,  # [k]
-            sparse_draft=dense_draft(req.sparse_draft, vocab) if mode is AcceptMode.SPARSE else None,  # [k, V]
-        )
-        return outcome, probs
+        return self.step.run(steps)
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
 
@@ -186,7 +168,7 @@ class Verifier:
         stream lives in the session store as a session nobody else can name, so it counts
         against the same session and KV caps; the first step stores it, close() drops it."""
         vocab = self.checks.generate(req)
-        return GenerateStream(self, req, vocab, stream_id or self.sessions.new_id(), owner)
+        return GenerateStream(self, self.engine, req, vocab, stream_id or self.sessions.new_id(), owner)
 
     def generate(self, req: GenerateRequest) -> Iterator[GenerateChunk]:
         """Target-only decoding, one forward pass per token, unbatched."""
@@ -208,40 +190,57 @@ class Verifier:
 class _Prefill:
     """A new session's prefill: its result is the opened session; undone, the session goes."""
 
-    verifier: Verifier
+    sessions: SessionStore
     session: Session
-    vocab: int
+    opened: OpenSessionResult  # the result, but for the time it took
     start: float
 
-    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> OpenSessionResult:
-        v, session = self.verifier, self.session
-        return OpenSessionResult(
-            session.session_id, len(session.tokens), v.limits.max_draft_tokens, self.vocab, _ms_since(self.start), v.model_id
-        )
+    def round_logits(self, logits: torch.Tensor) -> None:
+        return None
+
+    def finish(
+        self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float
+    ) -> OpenSessionResult:
+        return replace(self.opened, prefill_ms=_ms_since(self.start))
 
     def undo(self) -> None:
-        self.verifier.sessions.discard(self.session.session_id)
+        self.sessions.discard(self.session.session_id)
 
 
 @dataclass(frozen=True)
 class _Round:
-    """One Verify round after its forward pass: accept or reject the draft, commit the
-    accepted prefix and the next token; undone, the cache drops the round's rows."""
+    """One Verify round after its forward pass: its input to the batched accept, then the
+    commit of the accepted prefix and the next token; undone, the cache drops the round's rows."""
 
-    verifier: Verifier
+    sessions: SessionStore
+    engine: Engine
     req: VerifyRequest
     session: Session
+    vocab: int
     start: float
     position: int  # the session's length when the round began
 
-    def finish(self, logits: torch.Tensor, forward_ms: float, queue_ms: float) -> VerifyResult:
-        req, session = self.req, self.session
-        outcome, probs = self.verifier._accept(req, session, logits)
-        accepted = req.draft_tokens[: outcome.accepted_len]
-        session.tokens.extend([*req.committed_tokens, *accepted, outcome.next_token])
-        lm.crop(session.cache, len(session.tokens) - 1)
+    def round_logits(self, logits: torch.Tensor) -> RoundLogits:
+        req, config = self.req, self.session.config
+        return RoundLogits(
+            config.accept_mode,
+            config.sampling,
+            self.vocab,
+            logits,
+            self.session.tokens + req.committed_tokens,
+            req.draft_tokens,
+            req.draft_probs,
+            req.sparse_draft,
+            self.session.generator,
+        )
+
+    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> VerifyResult:
+        assert accepted is not None  # a round's step always gets its accept
+        req, session, outcome = self.req, self.session, accepted.outcome
+        session.tokens.extend([*req.committed_tokens, *req.draft_tokens[: outcome.accepted_len], outcome.next_token])
+        self.engine.crop(session.cache, len(session.tokens) - 1)
         session.rounds += 1
-        self.verifier.sessions.touch(session)
+        self.sessions.touch(session)
         k = len(req.draft_tokens)
         metrics = RoundMetrics(
             alpha_mean=float(outcome.accept_probs.mean()) if k else 0.0,
@@ -251,11 +250,11 @@ class _Round:
             forward_ms=forward_ms,
             hard_tokens=sum(req.hard_mask),
         )
-        top_k = _top_k(probs[: outcome.accepted_len + 1], req.want_top_k)
+        top_k = _top_k(accepted.probs[: outcome.accepted_len + 1], req.want_top_k)
         return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus, len(session.tokens), metrics, top_k)
 
     def undo(self) -> None:
-        lm.crop(self.session.cache, self.position - 1)
+        self.engine.crop(self.session.cache, self.position - 1)
 
 
 def _top_k(probs: torch.Tensor, k: int) -> list[SparseDistribution]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 
 class AcceptMode(enum.Enum):
-    """How the verifier accepts drafts; shared/speculative.py says what each mode does."""
+    """How the verifier accepts drafts; cloud/rejection_sampler.py says what each mode does."""
 
     GREEDY = "greedy"
     POINT = "point"

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
@@ -42,7 +43,7 @@ async def running_verifier(
     model: PreTrainedModel,
     limits: VerifierLimits | None = None,
 ) -> AsyncIterator[tuple[VerifierClient, Verifier]]:
-    verifier = Verifier(model, "tiny-target", limits)
+    verifier = Verifier(TransformersEngine(model), "tiny-target", limits)
     async with serving(ServerState.for_verifier(verifier)) as client:
         yield client, verifier
 

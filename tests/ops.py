@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedModel
 
 from cloud.config import VerifierSettings
+from cloud.engine.transformers import TransformersEngine
 from cloud.process import Servers, load_model, shutdown, start_servers
 from cloud.verifier import Verifier, VerifierLimits
 from shared import lm
@@ -36,7 +37,7 @@ async def running_servers(
     def load(s: VerifierSettings) -> Verifier:
         if gate is not None:
             gate.wait(30)
-        return Verifier(model, "tiny-target", VerifierLimits(max_draft_tokens=s.max_draft_tokens))
+        return Verifier(TransformersEngine(model), "tiny-target", VerifierLimits(max_draft_tokens=s.max_draft_tokens))
 
     servers = await start_servers(settings)
     loading = asyncio.create_task(load_model(servers, settings, load))

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.tiny_models import tiny_draft, tiny_target
+from cloud.engine.transformers import TransformersEngine
 from cloud.verifier import Verifier
 from edge.drafting.drafter import Drafter, DrafterConfig
 from edge.drafting.runtime_transformers import TransformersDraftLM
@@ -45,7 +46,7 @@ def greedy_equality(prompts: int = 20) -> dict[str, int]:
     cpu_target = tiny_target()
     draft = tiny_draft(cpu_target, noise=0.2).to("cuda")  # type: ignore[call-arg,arg-type]  # transformers stub types .to oddly
     target = cpu_target.to("cuda")  # type: ignore[call-arg,arg-type]  # transformers stub types .to oddly
-    verifier = Verifier(target, "tiny")
+    verifier = Verifier(TransformersEngine(target), "tiny")
     checked = equal = 0
     for k in (1, 3, 8):
         for seed in range(prompts):

@@ -1,4 +1,4 @@
-"""Per-round time of one batched verify pass, packed KV against slot KV (shared/kv_slots.py).
+"""Per-round time of one batched verify pass, packed KV against slot KV (cloud/engine/kv_slots.py).
 
     python -m bench.studies.kv_layout_timing --model tiny|small|MODEL_DIR [--sessions 1,4,8,16]
         [--contexts 1024,4096] [--block 5] [--rounds 20] [--slot-tokens N] [--device auto]
@@ -8,7 +8,7 @@ Every session holds `context` positions of KV; a round feeds each a block of `bl
 (k drafts + 1) in one pass, then crops it back (a round whose drafts were all rejected), so
 every round sees the same context. Packed concatenates all caches and copies the new KV back
 each pass; slots write only the new KV and attend over each slot's filled positions in place
-(shared/kv_slots.py). `--slot-tokens` (the verifier's --kv-slot-tokens; default context +
+(cloud/engine/kv_slots.py). `--slot-tokens` (the verifier's --kv-slot-tokens; default context +
 block) sets slots longer than the contexts in them, as a verifier sized for long sessions has.
 The KV is one real prefill copied to every session:
 the values do not change the time. `small` is a random Llama of about 0.1B parameters; a
@@ -32,8 +32,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from bench.tiny_models import random_llama, tiny_target
+from cloud.engine.kv_slots import SlotKV, SlotPool, forward_slots
+from cloud.engine.transformers import KVCache, crop, forward_packed
 from shared import lm
-from shared.kv_slots import SlotKV, SlotPool, forward_slots
 
 log = logging.getLogger("kv-layout-timing")
 
@@ -78,7 +79,7 @@ def slot_sessions(model: PreTrainedModel, sessions: int, context: int, slot_toke
 LAYOUTS = ("packed", "slots", "slots-packed")  # slots-packed: slots fed in one packed row, over the gaps
 
 
-def time_rounds(model: PreTrainedModel, caches: Sequence[lm.KVCache], block: int, rounds: int, layout: str) -> list[float]:
+def time_rounds(model: PreTrainedModel, caches: Sequence[KVCache], block: int, rounds: int, layout: str) -> list[float]:
     """ms per pass: every session feeds `block` tokens, then is cropped back to where it was."""
     lengths = [c.get_seq_length() for c in caches]
     blocks = [_prompt(model, block)] * len(caches)
@@ -89,9 +90,9 @@ def time_rounds(model: PreTrainedModel, caches: Sequence[lm.KVCache], block: int
         if layout == "slots-packed":
             forward_slots(model, [c for c in caches if isinstance(c, SlotKV)], blocks, keeps, shape="packed")
         else:
-            lm.forward_packed(model, caches, blocks, keeps)  # logits come to the CPU: the pass is done
+            forward_packed(model, caches, blocks, keeps)  # logits come to the CPU: the pass is done
         for cache, length in zip(caches, lengths, strict=True):
-            lm.crop(cache, length)
+            crop(cache, length)
         times.append((time.perf_counter() - start) * 1000.0)
     return times[1:]
 
@@ -100,7 +101,7 @@ def measure(
     model: PreTrainedModel, layout: str, sessions: int, context: int, block: int, rounds: int, slot_tokens: int = 0
 ) -> dict[str, Any]:
     slot_tokens = max(slot_tokens, context + block)
-    caches: Sequence[lm.KVCache] = (
+    caches: Sequence[KVCache] = (
         packed_sessions(model, sessions, context) if layout == "packed" else slot_sessions(model, sessions, context, slot_tokens)
     )
     times = time_rounds(model, caches, block, rounds, layout)

@@ -24,6 +24,7 @@ import torch
 
 from bench.environment import load_measured_model, measurement_parser, provenance, write_result
 from cloud.batcher import BatchLimits
+from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.verifier import Verifier
@@ -109,7 +110,7 @@ def _report(result: dict[str, Any]) -> str:
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     model = load_measured_model(args)
-    verifier = Verifier(model, Path(args.model).name)
+    verifier = Verifier(TransformersEngine(model), Path(args.model).name)
     vocab = min(lm.logits_width(model), 30000)
     prompt = torch.randint(vocab // 10, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     chunks = [int(c) for c in args.chunks.split(",")]

@@ -28,6 +28,7 @@ import torch
 from bench.environment import load_measured_model, measurement_parser, provenance, write_result
 from cloud.auth import ApiKeys
 from cloud.batcher import BatchLimits
+from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.quotas import KeyLimits
 from cloud.state import ServerState
@@ -80,7 +81,9 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 async def phase(model: Any, args: argparse.Namespace, key_limits: KeyLimits | None, flood: bool) -> dict[str, Any]:
     vocab = min(lm.logits_width(model), 32000)
     limits = key_limits or KeyLimits()
-    verifier = Verifier(model, "target", VerifierLimits(sessions=replace(VerifierLimits().sessions, per_key=limits)))
+    verifier = Verifier(
+        TransformersEngine(model), "target", VerifierLimits(sessions=replace(VerifierLimits().sessions, per_key=limits))
+    )
     api_keys = ApiKeys.parse("\n".join(f"{name} {key}" for name, key in KEYS.items()))
     state = ServerState(verifier.limits.max_draft_tokens, verifier, batch_limits=BatchLimits(per_key=limits), api_keys=api_keys)
     server, port = create_server(state, "127.0.0.1:0", reflect=False)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from cloud.batch_step import ForwardStep
+from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.verifier import Verifier
@@ -59,7 +60,7 @@ def test_sessions_opened_at_once_are_admitted_or_refused_in_time(target_model, d
     prompts = [random_prompt(100 + i, length=48) for i in range(SESSIONS)]
 
     async def run() -> None:
-        server, state, address = await _serve(SlowVerifier(target_model, "tiny"))
+        server, state, address = await _serve(SlowVerifier(TransformersEngine(target_model), "tiny"))
         try:
             first = await asyncio.gather(*(_one_session(address, draft_model, p) for p in prompts))
             # Once the verifier knows its prefill speed, a second wave is refused at the door.
@@ -88,7 +89,7 @@ def test_sessions_opened_at_once_are_admitted_or_refused_in_time(target_model, d
 
 def test_a_call_past_its_deadline_is_deadline_exceeded_not_unavailable(target_model) -> None:
     async def run() -> None:
-        server, _, address = await _serve(SlowVerifier(target_model, "tiny"))
+        server, _, address = await _serve(SlowVerifier(TransformersEngine(target_model), "tiny"))
         client = VerifierClient(address, verify_timeout_s=30)
         try:
             opened = await client.open_session(OpenSessionRequest(random_prompt(5), SessionConfig(vocab_size=96)))

@@ -5,7 +5,9 @@ import math
 
 import grpc
 import pytest
+import torch
 
+from cloud.engine.transformers import TransformersEngine
 from cloud.sessions import SessionLimits
 from cloud.verifier import VerifierLimits
 from shared import wire
@@ -145,23 +147,27 @@ def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
     (first, in the middle, last): that session gets INTERNAL with no exception class in the
     message and its KV undone; the others' rounds equal the same rounds run alone."""
     from cloud.grpc_server import create_server
-    from cloud.sessions import Session
+    from cloud.rejection_sampler import RejectionSampler, RoundDraft, RoundLogits
     from cloud.state import ServerState
     from cloud.verifier import Verifier
 
-    class BrokenForOne(Verifier):
+    class BrokenForOne(RejectionSampler):
+        """The batched accept, failing inside for the rounds of one session."""
+
+        verifier: Verifier
         broken = ""
 
-        def _accept(self, req, session: Session, rows):  # type: ignore[no-untyped-def]
-            if session.session_id == self.broken:
+        def prepare(self, r: RoundLogits, target: tuple[torch.Tensor, torch.Tensor]) -> RoundDraft:
+            if self.broken and r.generator is self.verifier.sessions.get(self.broken).generator:
                 raise RuntimeError("probability tensor contains inf, nan or element < 0")
-            return super()._accept(req, session, rows)
+            return super().prepare(r, target)
 
     def outcome(reply: pb.VerifyResponse) -> tuple[int, int, int]:
         return reply.accepted_len, reply.next_token, reply.new_base_position
 
     async def run() -> None:
-        verifier = BrokenForOne(target_model, "tiny")
+        sampler = BrokenForOne()
+        verifier = sampler.verifier = Verifier(TransformersEngine(target_model), "tiny", sampler=sampler)
         server, port = create_server(ServerState.for_verifier(verifier), "127.0.0.1:0")
         await server.start()
         stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
@@ -171,7 +177,7 @@ def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
             ]
             served: dict[str, list[tuple[int, int, int]]] = {sid: [] for sid in ids}
             for bad in (0, 1, 3):
-                verifier.broken = ids[bad]
+                sampler.broken = ids[bad]
                 before = {sid: list(verifier.sessions.get(sid).tokens) for sid in ids}
                 replies = await asyncio.gather(
                     *(stub.Verify(_valid_verify(sid, base_position=len(before[sid]))) for sid in ids), return_exceptions=True
@@ -179,14 +185,14 @@ def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
                 for sid, reply in zip(ids, replies, strict=True):
                     stored = verifier.sessions.get(sid)
                     assert stored.cache.get_seq_length() == len(stored.tokens) - 1  # KV holds the committed prefix
-                    if sid == verifier.broken:
+                    if sid == sampler.broken:
                         assert isinstance(reply, grpc.aio.AioRpcError) and reply.code() == grpc.StatusCode.INTERNAL
                         assert "RuntimeError" not in reply.details() and "request_id" in reply.details()
                         assert stored.tokens == before[sid]
                     else:
                         assert isinstance(reply, pb.VerifyResponse), reply
                         served[sid].append(outcome(reply))
-            verifier.broken = ""
+            sampler.broken = ""
             for sid in ids:  # the same rounds, alone, on a fresh session
                 alone = await stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96))
                 position, replay = len(PROMPT), []

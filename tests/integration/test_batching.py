@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from cloud.batcher import BatchLimits
+from cloud.engine.transformers import TransformersEngine
 from cloud.sessions import SessionLimits
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
@@ -31,14 +32,14 @@ async def batching_verifier(
     batch: BatchLimits,
     limits: VerifierLimits | None = None,  # type: ignore[no-untyped-def]
 ) -> AsyncIterator[tuple[VerifierClient, ServerState]]:
-    state = ServerState.for_verifier(Verifier(model, "tiny-target", limits), batch)
+    state = ServerState.for_verifier(Verifier(TransformersEngine(model), "tiny-target", limits), batch)
     async with serving(state, verify_timeout_s=30) as client:
         yield client, state
 
 
 def _alone(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:  # type: ignore[no-untyped-def]
     """Target-only greedy on a verifier of its own: one sequence per forward pass."""
-    chunks = Verifier(model, "reference").generate(GenerateRequest(prompt, SessionConfig(vocab_size=96), n))
+    chunks = Verifier(TransformersEngine(model), "reference").generate(GenerateRequest(prompt, SessionConfig(vocab_size=96), n))
     return [t for chunk in chunks for t in chunk.tokens]
 
 

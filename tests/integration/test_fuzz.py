@@ -46,6 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import SERVICE_NAME, start_server
 from cloud.sessions import SessionLimits
 from cloud.state import ServerState
@@ -617,7 +618,7 @@ class Reference:
 
 
 def _reference(model: Any) -> Reference:
-    verifier = Verifier(model, "reference", LIMITS)
+    verifier = Verifier(TransformersEngine(model), "reference", LIMITS)
     prompt = random_prompt(4242, length=10)
     config = protocol.SessionConfig(vocab_size=VOCAB)
     opened = verifier.open_session(protocol.OpenSessionRequest(prompt, config))
@@ -949,7 +950,7 @@ def fuzz(target_model: Any, request: pytest.FixtureRequest) -> Iterator[Fuzz]:
     logger = logging.getLogger("cloud-verifier")
     level = logger.level
     logger.setLevel(logging.ERROR)  # a WARNING per refused call is thousands of lines; bugs log at ERROR
-    server = ServerThread(Verifier(target_model, "tiny-target", LIMITS))
+    server = ServerThread(Verifier(TransformersEngine(target_model), "tiny-target", LIMITS))
     state = Fuzz(server, reference)
     try:
         state.alive()

@@ -54,6 +54,7 @@ def test_probes_go_503_to_200_across_model_loading(target_model) -> None:
             assert await _health(servers.grpc_port, "specdec.v1.Verifier") == SERVING
             health = (await http_json(http, "/healthz"))[1]
             assert health["model_ids"] == ["tiny-target"] and health["dtype"] == "float32"
+            assert health["engine"] == "transformers"
             assert health["device"] == "cpu" and health["sessions"] == 0 and health["uptime_s"] > 0
             assert re.fullmatch(r"\d+\.\d+\.\d+.*|unknown", health["version"])
 

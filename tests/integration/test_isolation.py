@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from cloud.batcher import BatchLimits, ForwardBatcher
+from cloud.engine.transformers import TransformersEngine
 from cloud.quotas import KeyLimits
 from cloud.sessions import SessionLimits
 from cloud.state import ServerState
@@ -22,12 +23,12 @@ CONFIG = SessionConfig(vocab_size=96)
 
 
 def _alone(model, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
-    chunks = Verifier(model, "reference").generate(GenerateRequest(prompt, CONFIG, n))
+    chunks = Verifier(TransformersEngine(model), "reference").generate(GenerateRequest(prompt, CONFIG, n))
     return [t for chunk in chunks for t in chunk.tokens]
 
 
 def _state(model, batch: BatchLimits | None = None, limits: VerifierLimits | None = None) -> ServerState:  # type: ignore[no-untyped-def]
-    return ServerState.for_verifier(Verifier(model, "tiny-target", limits), batch or BatchLimits())
+    return ServerState.for_verifier(Verifier(TransformersEngine(model), "tiny-target", limits), batch or BatchLimits())
 
 
 async def _generate(stub: pb_grpc.VerifierStub, prompt: list[int], n: int) -> list[int]:
@@ -137,7 +138,7 @@ def test_a_prefill_cut_off_between_chunks_leaves_no_session(target_model) -> Non
 
 
 def test_a_session_is_invisible_to_other_keys(target_model) -> None:
-    verifier = Verifier(target_model, "tiny-target")
+    verifier = Verifier(TransformersEngine(target_model), "tiny-target")
     opened = verifier.begin_open(OpenSessionRequest(random_prompt(7), CONFIG), owner="alice")
     verifier._run_alone(opened, 0.0)
     session_id = next(iter(verifier.sessions)).session_id
@@ -152,7 +153,7 @@ def test_a_session_is_invisible_to_other_keys(target_model) -> None:
 
 def test_a_key_at_its_session_cap_is_refused_and_others_are_not(target_model) -> None:
     limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_sessions=2)))
-    verifier = Verifier(target_model, "tiny-target", limits)
+    verifier = Verifier(TransformersEngine(target_model), "tiny-target", limits)
 
     def open_for(key: str) -> str:
         verifier._run_alone(verifier.begin_open(OpenSessionRequest(random_prompt(8), CONFIG), owner=key), 0.0)
@@ -169,9 +170,9 @@ def test_a_key_at_its_session_cap_is_refused_and_others_are_not(target_model) ->
 
 
 def test_a_key_over_its_kv_cap_loses_its_own_idle_session_only(target_model) -> None:
-    per_token = Verifier(target_model, "x").sessions.kv_bytes_per_token
+    per_token = Verifier(TransformersEngine(target_model), "x").sessions.kv_bytes_per_token
     limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_kv_bytes=per_token * 20)))
-    verifier = Verifier(target_model, "tiny-target", limits)
+    verifier = Verifier(TransformersEngine(target_model), "tiny-target", limits)
 
     def open_for(key: str) -> str:
         verifier._run_alone(verifier.begin_open(OpenSessionRequest(random_prompt(8), CONFIG), owner=key), 0.0)
@@ -186,9 +187,9 @@ def test_a_key_over_its_kv_cap_loses_its_own_idle_session_only(target_model) -> 
 
 
 def test_a_key_over_its_kv_cap_is_refused_while_others_are_served(target_model) -> None:
-    per_token = Verifier(target_model, "x").sessions.kv_bytes_per_token
+    per_token = Verifier(TransformersEngine(target_model), "x").sessions.kv_bytes_per_token
     limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_kv_bytes=per_token * 30)))
-    verifier = Verifier(target_model, "tiny-target", limits)
+    verifier = Verifier(TransformersEngine(target_model), "tiny-target", limits)
     with pytest.raises(CapacityExceeded):
         verifier.begin_open(OpenSessionRequest(random_prompt(9, length=40), CONFIG), owner="alice")
     for key in ("alice", "bob"):

@@ -9,12 +9,13 @@ import pytest
 
 from cloud.batch_step import ForwardStep
 from cloud.batcher import BatchLimits
+from cloud.engine.kv_slots import SlotKV
+from cloud.engine.transformers import TransformersEngine
 from cloud.sessions import SessionLimits
 from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from shared.errors import SessionNotFound
-from shared.kv_slots import SlotKV
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
 from tests.harness import gen_config, make_drafter, random_prompt
 from tests.integration.test_batching import PROMPTS, _alone, _mean_batch, batching_verifier
@@ -24,14 +25,15 @@ CONFIG = SessionConfig(vocab_size=96)
 
 def _slots(model, max_sessions: int = 8, slot_tokens: int = 128) -> Verifier:  # type: ignore[no-untyped-def]
     return Verifier(
-        model,
+        TransformersEngine(model),
         "tiny-target",
         VerifierLimits(kv_layout="slots", kv_slot_tokens=slot_tokens, sessions=SessionLimits(max_sessions=max_sessions)),
     )
 
 
 def _check_accounting(verifier: Verifier) -> None:
-    pool = verifier.pool
+    assert isinstance(verifier.engine, TransformersEngine)
+    pool = verifier.engine.pool
     assert pool is not None
     assert pool.nbytes == sum(t.numel() * t.element_size() for t in (*pool.keys, *pool.values))
     assert verifier.limits.sessions.max_kv_bytes == pool.nbytes  # the cap is what was allocated
@@ -71,7 +73,7 @@ def test_rounds_over_joins_leaves_and_evictions_equal_each_alone(target_model) -
     """Random batched rounds on a 3-slot verifier; a 4th session evicts the least recent, whose
     slot the newcomer takes. Each round's reply equals a packed verifier's round run alone."""
     rng = random.Random(3)
-    slots, alone = _slots(target_model, max_sessions=3), Verifier(target_model, "reference")
+    slots, alone = _slots(target_model, max_sessions=3), Verifier(TransformersEngine(target_model), "reference")
     live: dict[str, tuple[str, list[int]]] = {}  # slots id -> (reference id, committed tokens)
     evicted = 0
     for step in range(40):
@@ -107,6 +109,9 @@ def test_rounds_over_joins_leaves_and_evictions_equal_each_alone(target_model) -
 
 
 class _NoWork:
+    def round_logits(self, *_: object) -> None:
+        return None
+
     def finish(self, *_: object) -> None:
         return None
 
@@ -115,7 +120,7 @@ class _NoWork:
 
 
 def test_a_failed_pass_touches_no_session(target_model) -> None:
-    slots, alone = _slots(target_model, max_sessions=4), Verifier(target_model, "reference")
+    slots, alone = _slots(target_model, max_sessions=4), Verifier(TransformersEngine(target_model), "reference")
     prompts = [random_prompt(seed, length=5 + seed) for seed in range(3)]
     ids = [slots.open_session(OpenSessionRequest(p, CONFIG)).session_id for p in prompts]
     refs = [alone.open_session(OpenSessionRequest(p, CONFIG)).session_id for p in prompts]

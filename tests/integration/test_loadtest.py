@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bench.loadtest import LoadtestSettings, run_capacity, run_loadtest
 from bench.loadtest_capacity import write_capacity_report
+from cloud.engine.transformers import TransformersEngine
 from cloud.http import create_app, start_http
 from cloud.state import ServerState
 from cloud.verifier import Verifier
@@ -168,7 +169,7 @@ def test_capacity_search_finds_sessions_for_a_generous_target_and_none_for_an_im
 ) -> None:
     """--find-capacity end to end on tiny models: both modes, the verifier's /metrics read
     for its busy fraction, the report written."""
-    state = ServerState.for_verifier(Verifier(target_model, "tiny-target"))
+    state = ServerState.for_verifier(Verifier(TransformersEngine(target_model), "tiny-target"))
 
     async def run() -> tuple[dict, dict]:
         async with serving(state) as client:

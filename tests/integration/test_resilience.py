@@ -7,6 +7,7 @@ import threading
 import pytest
 from grpc import aio
 
+from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.verifier import Verifier
 from edge.drafting.gating import EscalationRules, GatingThresholds
@@ -178,7 +179,7 @@ class Restartable:
         return VerifierClient(self.proxy.address, verify_timeout_s=5)
 
     async def _new_server(self) -> int:
-        server, port = create_server(Verifier(self.model, "tiny"), "127.0.0.1:0")
+        server, port = create_server(Verifier(TransformersEngine(self.model), "tiny"), "127.0.0.1:0")
         await server.start()
         self.servers.append(server)
         return port

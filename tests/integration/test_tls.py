@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.tls import ServerTls, check_exposure
@@ -55,7 +56,7 @@ def _client_tls(trusted: Pki, identity: Pki | None = None) -> ClientTls:
 
 @asynccontextmanager
 async def tls_verifier(model, tls: ServerTls) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
-    state = ServerState.for_verifier(Verifier(model, "tiny-target"))
+    state = ServerState.for_verifier(Verifier(TransformersEngine(model), "tiny-target"))
     server, port = create_server(state, "127.0.0.1:0", credentials=tls.grpc_credentials())
     await server.start()
     try:

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from cloud.__main__ import main
 from cloud.config import VerifierSettings, load_settings
@@ -65,3 +66,10 @@ def test_help_documents_every_setting_and_the_precedence(capsys: pytest.CaptureF
     for name in VerifierSettings.model_fields:
         assert f"--{name.replace('_', '-')}" in text and f"SPECDEC_CLOUD_{name.upper()}" in text
     assert "Precedence, highest first: flags, SPECDEC_CLOUD_* environment variables, the --config file, defaults" in text
+
+
+def test_the_engine_is_a_setting_with_one_choice() -> None:
+    assert load_settings({}).engine == "transformers"
+    assert load_settings({"engine": "transformers"}).engine == "transformers"
+    with pytest.raises(ValidationError):
+        load_settings({"engine": "vllm"})

@@ -1,4 +1,4 @@
-"""shared/kv_slots.py: sessions' KV in place in a slot pool, each pass equal to every sequence
+"""cloud/engine/kv_slots.py: sessions' KV in place in a slot pool, each pass equal to every sequence
 run alone over its own DynamicCache (greedy fp32, tiny model)."""
 
 import json
@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
+from cloud.engine.kv_slots import SlotKV, SlotPool, choose_shape, forward_slots
+from cloud.engine.transformers import crop, forward_packed
 from shared import lm
 from shared.errors import InvalidRequest, SessionNotFound
-from shared.kv_slots import SlotKV, SlotPool, choose_shape, forward_slots
 
 
 def _slot_keys(kv: SlotKV, layer: int) -> torch.Tensor:
@@ -73,8 +74,8 @@ def test_many_rounds_with_crops_joins_and_leaves_decode_like_alone(target_model,
             fed += block
             keep = rng.randint(len(fed) - len(block), len(fed))  # a rejected tail is cropped away
             del fed[keep:]
-            lm.crop(kv, keep)
-            lm.crop(cache, keep)  # type: ignore[arg-type]
+            crop(kv, keep)
+            crop(cache, keep)
             _assert_same_kv(kv, cache)
         if rng.random() < 0.3:
             leaving = live.pop(rng.randrange(len(live)))
@@ -129,8 +130,8 @@ def test_slots_on_cuda_bf16_match_packed(target_model) -> None:
     assert pool.keys[0].device.type == "cuda" and pool.keys[0].dtype == torch.bfloat16
     kvs, caches = [pool.acquire() for _ in range(3)], [lm.new_cache(model) for _ in range(3)]
     blocks = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    got = lm.forward_packed(model, kvs, blocks, [0, 0, 0])
-    want = lm.forward_packed(model, caches, blocks, [0, 0, 0])
+    got = forward_packed(model, kvs, blocks, [0, 0, 0])
+    want = forward_packed(model, caches, blocks, [0, 0, 0])
     for have, expected in zip(got, want, strict=True):
         torch.testing.assert_close(have, expected, atol=5e-2, rtol=5e-2)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from cloud.engine.transformers import TransformersEngine
 from cloud.verifier import Verifier
 from edge.drafting.drafter import Drafter, DrafterConfig
 from edge.drafting.ngram import NGramDrafter, NGramStore
@@ -42,7 +43,7 @@ def _two_token_reference(target) -> torch.Tensor:  # type: ignore[no-untyped-def
 
 def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
     target, draft = pair
-    verifier = Verifier(target, "tiny")
+    verifier = Verifier(TransformersEngine(target), "tiny")
     drafter_mode = AcceptMode.POINT if mode is AcceptMode.TOP1 else mode
     drafter = drafter or Drafter(TransformersDraftLM(draft), DrafterConfig(PARAMS, drafter_mode, V, draft_top_k=4), seed=123)
     counts = torch.zeros(V * V)

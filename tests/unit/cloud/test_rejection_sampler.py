@@ -5,10 +5,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from cloud.rejection_sampler import RoundDraft, accept, accept_batch
 from shared.protocol import AcceptMode
-from shared.speculative import accept, rejection_sample, verify_greedy
 
 V = 6
+
+
+def verify_greedy(drafts: torch.Tensor, logits: torch.Tensor):  # type: ignore[no-untyped-def]
+    return accept(AcceptMode.GREEDY, drafts, logits, torch.Generator())
 
 
 def _logits_with_argmax(argmaxes: list[int]) -> torch.Tensor:
@@ -108,7 +112,7 @@ def test_bonus_token_follows_last_position() -> None:
     target = torch.stack([torch.eye(V)[2], _dist(7)])  # draft token 2 is always accepted
     counts = torch.zeros(V)
     for _ in range(trials):
-        out = rejection_sample(torch.tensor([2]), torch.tensor([1.0]), torch.zeros(1, V), target, gen)
+        out = accept(AcceptMode.SCALAR, torch.tensor([2]), target, gen, draft_probs=torch.tensor([1.0]))
         assert out.bonus and out.accepted_len == 1
         counts[out.next_token] += 1
     assert chisquare(counts.numpy(), (target[1] * trials).numpy()).pvalue > 1e-3
@@ -121,5 +125,44 @@ def test_seeded_generator_repeats_exactly() -> None:
 
 
 def test_zero_draft_prob_does_not_divide_by_zero() -> None:
-    out = rejection_sample(torch.tensor([1]), torch.tensor([0.0]), torch.zeros(1, V), TARGET, torch.Generator().manual_seed(0))
+    out = accept(AcceptMode.SCALAR, torch.tensor([1]), TARGET, torch.Generator().manual_seed(0), draft_probs=torch.tensor([0.0]))
     assert torch.isfinite(out.accept_probs).all()
+
+
+# ---------------------------------------------------------------- batched
+def _random_round(seed: int, width: int = V) -> RoundDraft:
+    g = torch.Generator().manual_seed(seed)
+    mode = list(AcceptMode)[seed % len(AcceptMode)]
+    k = seed % 5
+    drafts = torch.randint(0, width, (k,), generator=g)
+    probs = torch.softmax(torch.randn(k + 1, width, generator=g) * 2, dim=-1)
+    target = torch.randn(k + 1, width, generator=g) if mode is AcceptMode.GREEDY else probs
+    sparse = torch.softmax(torch.randn(k, width, generator=g), dim=-1)
+    q = sparse[torch.arange(k), drafts]
+    return RoundDraft(mode, drafts, target, torch.Generator().manual_seed(100 + seed), q, sparse)
+
+
+def test_a_batch_of_rounds_gives_each_round_its_outcome_alone() -> None:
+    """Every mode, k from 0 to 4, two vocabulary widths, batched together: each round's outcome
+    and its session's generator afterwards equal the same round accepted on its own."""
+    for trial in range(20):
+        seeds = [trial * 31 + i for i in range(12)]
+        singles = [_random_round(s, V + s % 2) for s in seeds]
+        alone = [accept_batch([r])[0] for r in singles]
+        batch = [_random_round(s, V + s % 2) for s in seeds]
+        together = accept_batch(batch)
+        for one, many, single, batched in zip(alone, together, singles, batch, strict=True):
+            assert not isinstance(one, Exception) and not isinstance(many, Exception)
+            assert (one.accepted_len, one.next_token, one.bonus) == (many.accepted_len, many.next_token, many.bonus)
+            assert torch.equal(one.accept_probs, many.accept_probs)
+            assert torch.equal(single.generator.get_state(), batched.generator.get_state())
+
+
+def test_a_round_missing_its_inputs_fails_alone() -> None:
+    good = _random_round(2)
+    bad = RoundDraft(AcceptMode.SCALAR, torch.tensor([1]), TARGET, torch.Generator())  # no q(y)
+    ok_alone = accept_batch([_random_round(2)])[0]
+    out = accept_batch([bad, good])
+    assert isinstance(out[0], ValueError)
+    assert not isinstance(out[1], Exception) and not isinstance(ok_alone, Exception)
+    assert (out[1].accepted_len, out[1].next_token) == (ok_alone.accepted_len, ok_alone.next_token)

@@ -1,10 +1,11 @@
-"""lm.forward_packed: several sequences in one forward pass, each as if it ran alone."""
+"""forward_packed: several sequences in one forward pass, each as if it ran alone."""
 
 import random
 
 import pytest
 import torch
 
+from cloud.engine.transformers import forward_packed
 from shared import lm
 
 
@@ -26,7 +27,7 @@ def test_packed_forward_equals_each_sequence_alone(target_model, seed: int) -> N
     alone = [_prefilled(target_model, p) for p in prompts]
     packed = [_prefilled(target_model, p) for p in prompts]
     expected = [lm.forward(target_model, cache, block, keep) for cache, block, keep in zip(alone, blocks, keeps, strict=True)]
-    got = lm.forward_packed(target_model, packed, blocks, keeps)
+    got = forward_packed(target_model, packed, blocks, keeps)
     for want, have, cache_a, cache_b in zip(expected, got, alone, packed, strict=True):
         assert have.shape == want.shape
         torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
@@ -44,7 +45,7 @@ def test_packed_caches_keep_decoding_like_unpacked_ones(target_model) -> None:
     packed = [_prefilled(target_model, p) for p in prompts]
     for step in range(5):
         blocks = [[20 + step + i] for i in range(len(prompts))]
-        lm.forward_packed(target_model, packed, blocks, [1] * len(prompts))
+        forward_packed(target_model, packed, blocks, [1] * len(prompts))
         for cache, block in zip(alone, blocks, strict=True):
             lm.forward(target_model, cache, block, 1)
     for cache_a, cache_b in zip(alone, packed, strict=True):

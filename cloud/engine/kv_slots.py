@@ -14,12 +14,12 @@ A pass takes one of two shapes (forward_slots picks):
   longest; each row attends over its own slot's first positions up to the longest filled
   length (a strided view of the pool). Attention costs rows x block x filled length: the
   shape of rounds and decode steps, whose blocks are all short.
-- packed: the new tokens of every session in one row, as lm.forward_packed does, attending
+- packed: the new tokens of every session in one row, as forward_packed does, attending
   over the pool window spanning the slots of the pass, gaps included (slots of sessions not
   in the pass, positions past a session's length). No padding: the shape of a pass that
   carries a long prefill chunk beside short rounds.
 Slots are handed out lowest first to keep the range tight. Full-attention models only, like
-lm.forward_packed.
+forward_packed.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def forward_slots(
     keeps: Sequence[int],
     shape: str = "auto",
 ) -> list[torch.Tensor]:
-    """lm.forward_packed over slots: per sequence, the last keeps[i] rows of float32 logits
+    """forward_packed over slots: per sequence, the last keeps[i] rows of float32 logits
     (all rows when 0), on the CPU; each slot gains its block's KV. `shape`: auto, batch or
     packed (see the module's docstring; the results are the same)."""
     lengths = [len(block) for block in blocks]

@@ -1,0 +1,77 @@
+"""The verifier's model step behind one interface: a forward pass over several sessions' new
+tokens, each after its own KV, and that KV's life (new, crop, free). Sessions, admission, the
+batcher, the wire and the accept rule see only this Protocol; transformers.py is the one
+engine (`--engine transformers`, the default). Another (llama.cpp, vLLM) is one more module
+that implements Engine, and one more entry in ENGINES."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+EngineName = Literal["transformers"]
+ENGINES: tuple[EngineName, ...] = ("transformers",)
+
+
+class SessionKV(Protocol):
+    """One session's KV as an engine holds it: its length is the position of the next token."""
+
+    def get_seq_length(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class KVRequest:
+    """The KV the verifier's limits ask for."""
+
+    layout: Literal["packed", "slots"]  # packed: each session its own, grown as it goes; slots: a pool allocated at start
+    max_sessions: int
+    max_kv_bytes: int
+    max_context_tokens: int
+    slot_tokens: int  # slots: positions per session
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV an engine holds for those limits: the context and byte caps admission enforces."""
+
+    max_context_tokens: int
+    max_kv_bytes: int
+    session_bytes: int = 0  # > 0: each session holds this many bytes whatever its length (a slot)
+
+
+class Engine(Protocol):
+    """The target model as the verifier drives it. Logits come back as float32 on the CPU."""
+
+    name: EngineName
+    logits_width: int  # rows of the output layer (may exceed the tokenizer's vocabulary)
+    kv_bytes_per_token: int
+
+    def plan_kv(self, request: KVRequest) -> KVPlan:
+        """Hold the KV for these limits (a pool, when the layout has one); called once, first."""
+        ...
+
+    def new_kv(self) -> SessionKV: ...
+
+    def free(self, kv: SessionKV) -> None: ...
+
+    def freed(self, kv: SessionKV) -> bool:
+        """Whether kv was freed (its session left while a step for it waited)."""
+        ...
+
+    def crop(self, kv: SessionKV, length: int) -> None:
+        """Keep the first `length` positions (no-op when already shorter)."""
+        ...
+
+    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
+        """ONE pass: each block after its KV (which gains the block's KV); per block its last
+        keeps[i] rows of logits [keep, logits_width] (all rows when 0). A pass that raises leaves
+        every KV as it was. A long prompt comes in several calls (chunked prefill), each block
+        after the KV the previous calls left."""
+        ...
+
+    def describe(self) -> dict[str, str]:
+        """What /healthz reports of it: the engine, its dtype and device."""
+        ...

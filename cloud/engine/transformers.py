@@ -1,0 +1,169 @@
+"""The transformers engine: the target as a transformers model; one forward over several
+sessions' new tokens, each after its own KV (a DynamicCache per session, packed for the pass,
+or its slot of a pool allocated at start: cloud/engine/kv_slots.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV
+from cloud.engine.kv_slots import SlotKV, SlotPool, forward_slots
+from shared import lm
+from shared.errors import ConfigError
+
+KVCache = DynamicCache | SlotKV  # a session's own cache, or its slot of a pool (cloud/engine/kv_slots.py)
+
+
+class TransformersEngine:
+    """A transformers causal LM (full attention) and its sessions' KV, packed or in slots."""
+
+    name: EngineName = "transformers"
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.logits_width = lm.logits_width(model)
+        self.kv_bytes_per_token = lm.kv_bytes_per_token(model)
+        self.pool: SlotPool | None = None  # slots: allocated by plan_kv
+
+    def plan_kv(self, request: KVRequest) -> KVPlan:
+        """packed: the limits as asked. slots: the pool, and limits that match it: a session's
+        context fits its slot, and the KV cap is the pool's size, so a free slot exists whenever
+        the store admits a session."""
+        if request.layout == "packed":
+            return KVPlan(request.max_context_tokens, request.max_kv_bytes)
+        slot_tokens = min(request.slot_tokens, request.max_context_tokens)
+        slots = min(request.max_sessions, request.max_kv_bytes // (slot_tokens * self.kv_bytes_per_token))
+        if slots < 1:
+            raise ConfigError(
+                f"a KV slot of {slot_tokens} tokens needs {slot_tokens * self.kv_bytes_per_token} bytes, "
+                f"over --max-kv-bytes {request.max_kv_bytes}"
+            )
+        self.pool = SlotPool(self.model, slots, slot_tokens)
+        return KVPlan(slot_tokens, self.pool.nbytes, self.pool.slot_bytes)
+
+    def new_kv(self) -> KVCache:
+        return self.pool.acquire() if self.pool else lm.new_cache(self.model)
+
+    def free(self, kv: SessionKV) -> None:
+        if isinstance(kv, SlotKV):
+            kv.release()  # back to the pool; a DynamicCache goes with its session
+
+    def freed(self, kv: SessionKV) -> bool:
+        return isinstance(kv, SlotKV) and kv.released
+
+    def crop(self, kv: SessionKV, length: int) -> None:
+        crop(_own(kv), length)
+
+    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
+        return forward_packed(self.model, [_own(kv) for kv in kvs], blocks, keeps)
+
+    def describe(self) -> dict[str, str]:
+        return {"engine": self.name, "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device)}
+
+
+def _own(kv: SessionKV) -> KVCache:
+    if not isinstance(kv, DynamicCache | SlotKV):
+        raise TypeError(f"the transformers engine holds no {type(kv).__name__}")
+    return kv
+
+
+@torch.inference_mode()
+def forward_packed(
+    model: PreTrainedModel, caches: Sequence[KVCache], blocks: Sequence[Sequence[int]], keeps: Sequence[int]
+) -> list[torch.Tensor]:
+    """One forward pass over several sequences, each fed after its own cache: like `forward`
+    per sequence, but the weights are read once for all of them.
+
+    The new tokens of every sequence are packed into one row (as vLLM flattens a batch, so
+    no padding rows run through the MLPs) after the concatenation of all caches; a
+    block-diagonal causal mask keeps each sequence to its own past and its own block, and
+    per-token position ids restart at each cache's length. Each cache then gains its
+    sequence's new KV. Full-attention models only (every layer keeps all positions).
+    Returns, per sequence, the last keeps[i] rows of float32 logits (all rows when 0).
+    Slots (cloud/engine/kv_slots.py) take the same pass without the copies.
+    """
+    slots = [c for c in caches if isinstance(c, SlotKV)]
+    dynamic = [c for c in caches if isinstance(c, DynamicCache)]
+    if slots and dynamic:
+        raise TypeError("one pass takes slots or dynamic caches, not both")
+    if slots:
+        return forward_slots(model, slots, blocks, keeps)
+    if len(dynamic) == 1:
+        return [lm.forward(model, dynamic[0], blocks[0], keeps[0])]
+    caches = dynamic
+    pasts = [cache.get_seq_length() for cache in caches]
+    lengths = [len(block) for block in blocks]
+    total_past = sum(pasts)
+    mask, positions, rows = _packed_mask(pasts, lengths, keeps, model.dtype)
+    device = model.device
+    packed = _packed_past(model, caches, pasts)
+    out = model(
+        input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
+        attention_mask=mask[None, None].to(device),
+        position_ids=positions[None].to(device),
+        past_key_values=packed,
+        use_cache=True,
+        logits_to_keep=torch.cat(rows).to(device),
+    )
+    new_start = 0
+    for cache, length in zip(caches, lengths, strict=True):
+        block = slice(total_past + new_start, total_past + new_start + length)
+        for index, layer in enumerate(packed.layers):
+            keys, values = _keys_values(layer)
+            cache.update(keys[..., block, :].clone(), values[..., block, :].clone(), index)
+        new_start += length
+    logits = out.logits[0].float().cpu()
+    return list(logits.split([len(r) for r in rows]))
+
+
+def _packed_past(model: PreTrainedModel, caches: Sequence[DynamicCache], pasts: Sequence[int]) -> DynamicCache:
+    """One cache holding every sequence's past, concatenated in order."""
+    packed = lm.new_cache(model)
+    if sum(pasts):
+        for index in range(len(caches[0].layers)):
+            filled = [_keys_values(cache.layers[index]) for cache, past in zip(caches, pasts, strict=True) if past]
+            packed.update(
+                torch.cat([keys for keys, _ in filled], dim=-2), torch.cat([values for _, values in filled], dim=-2), index
+            )
+    return packed
+
+
+def _packed_mask(
+    pasts: Sequence[int], lengths: Sequence[int], keeps: Sequence[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The packed pass's mask [total_new, total_past + total_new] (0 where a query may look,
+    the dtype's min elsewhere), its position ids [total_new], and each sequence's kept rows."""
+    total_past, total_new = sum(pasts), sum(lengths)
+    allowed = torch.zeros(total_new, total_past + total_new, dtype=torch.bool)
+    positions, rows = [], []
+    past_start = new_start = 0
+    for past, length, keep in zip(pasts, lengths, keeps, strict=True):
+        block = slice(new_start, new_start + length)
+        allowed[block, past_start : past_start + past] = True
+        allowed[block, total_past + new_start : total_past + new_start + length] = torch.ones(
+            length, length, dtype=torch.bool
+        ).tril()
+        positions.append(torch.arange(past, past + length))
+        first_kept = new_start + length - (keep or length)
+        rows.append(torch.arange(first_kept, new_start + length))
+        past_start += past
+        new_start += length
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask, torch.cat(positions), rows
+
+
+def _keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [1, kv_heads, positions, head_dim] of one attention layer of a cache."""
+    return layer.keys, layer.values
+
+
+def crop(cache: KVCache, length: int) -> None:
+    """Shrink the cache to its first `length` positions (no-op when already shorter)."""
+    if isinstance(cache, SlotKV):
+        cache.crop(length)  # a length update: the positions past it are masked, then overwritten
+    else:
+        lm.crop(cache, length)

@@ -1,0 +1,321 @@
+"""Accept/reject math of speculative decoding: the rounds of one forward pass accepted at once.
+
+One batched accept (as vLLM's rejection sampler): the drafts of every round are flattened
+into one row with per-round offsets (`cu_num_draft_tokens`), the target distributions into
+[num_rows, V], and the accept decision of every position of every round is taken in a few
+tensor operations. What stays per round is what belongs to its session: the uniforms and the
+recovered or bonus draw come from the session's own torch.Generator, in the order a round
+alone draws them (k uniforms, then one token), so a round's outcome does not depend on what
+it was batched with. A round whose inputs fail fails alone.
+
+Vocabulary (as in vLLM's rejection sampler):
+- *accepted* tokens: the prefix of the draft that the target keeps;
+- the *recovered* token: drawn from the residual distribution at the first rejection;
+- the *bonus* token: drawn from the target at position k+1 when all k drafts pass.
+A round emits the accepted tokens plus exactly one recovered or bonus token.
+
+Modes (temperature > 0) and what the edge must send:
+- POINT: deterministic drafts (greedy draft model, n-gram), q = 1. Exact.
+- SPARSE: the draft's (truncated) distribution per position. Exact: residual max(p - q, 0).
+- SCALAR: only q(y); residual p - 1[v=y] q(y). APPROXIMATE: q off the drafted token is unknown.
+- SHORTCUT: only q(y); resample from p on rejection. APPROXIMATE.
+- TOP1: accept while the draft is the target's argmax, then sample from p. APPROXIMATE
+  (exact only at temperature 0); offered for n-gram drafts as in the NASD design.
+Temperature 0 is GREEDY: accept while the draft equals the target argmax. Exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import groupby
+from typing import TypeVar
+
+import torch
+
+from shared.protocol import AcceptMode, SamplingParams, SparseDistribution
+from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+# q values come from the wire; the server validates q > 0, this guard keeps the
+# ratio finite even if a caller skips validation.
+MIN_DRAFT_PROB = 1e-12
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    accepted_len: int
+    next_token: int  # recovered token, or bonus token when bonus is True
+    bonus: bool
+    accept_probs: torch.Tensor  # [k] min(1, p(y)/q(y)) per draft position (greedy and top1: 0 or 1)
+
+
+@dataclass(frozen=True)
+class RoundDraft:
+    """One round's input to the accept: its drafts and the target's distributions after them."""
+
+    mode: AcceptMode
+    draft_token_ids: torch.Tensor  # [k] long
+    target: torch.Tensor  # [k + 1, V]: GREEDY: penalised logits; other modes: processed probabilities p
+    generator: torch.Generator
+    draft_probs: torch.Tensor | None = None  # [k] q(y) of each drafted token: SCALAR and SHORTCUT
+    sparse_draft: torch.Tensor | None = None  # [k, V] the draft's distributions q: SPARSE
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    """What a round reads and draws before the batched decision: q(y) per position [k] and
+    the session's uniforms [k] (ones and zeros where the mode reads neither)."""
+
+    q: torch.Tensor
+    uniforms: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Decision:
+    accepted_len: int
+    accept_probs: torch.Tensor  # [k]
+    argmax_next: int  # the target's argmax at the first rejected (or bonus) row
+
+
+_NOT_DECIDED = LookupError("the round was not decided")  # replaced by each ready round's outcome
+
+
+def accept(
+    mode: AcceptMode,
+    draft_token_ids: torch.Tensor,  # [k] long
+    target: torch.Tensor,  # [k + 1, V]: GREEDY: penalised logits; other modes: processed probabilities p
+    generator: torch.Generator,
+    draft_probs: torch.Tensor | None = None,  # [k] q(y) of each drafted token: SCALAR and SHORTCUT
+    sparse_draft: torch.Tensor | None = None,  # [k, V] the draft's distributions q: SPARSE
+) -> RoundOutcome:
+    """One round on its own: the accepted prefix of a draft block and the recovered or bonus
+    token, by the session's mode (accept_batch with one round)."""
+    outcome = accept_batch([RoundDraft(mode, draft_token_ids, target, generator, draft_probs, sparse_draft)])[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def accept_batch(rounds: Sequence[RoundDraft]) -> list[RoundOutcome | Exception]:
+    """Every round of a forward pass at once: per round its outcome, or the exception that
+    ended it (the others go on). GREEDY accepts while the draft is the target's argmax of the
+    logits (as target-only decoding picks, so no softmax rounding splits a tie differently);
+    TOP1 the same on p, then samples p; the sampling modes accept position i with probability
+    min(1, p(y_i) / q(y_i)) and draw from max(p - q, 0) at the first rejection, or the bonus
+    from p[k] when all pass (POINT: q = 1; SPARSE reads q(y) off its distributions)."""
+    drawn = [_guarded(_draw, r) for r in rounds]
+    ready = [i for i, d in enumerate(drawn) if isinstance(d, _Drawn)]
+    pairs = [(r, d) for r, d in zip(rounds, drawn, strict=True) if isinstance(d, _Drawn)]
+    decisions = _each_or_alone(_decide, pairs)
+    outcomes: list[RoundOutcome | Exception] = [d if isinstance(d, Exception) else _NOT_DECIDED for d in drawn]
+    for i, decision in zip(ready, decisions, strict=True):
+        outcomes[i] = decision if isinstance(decision, Exception) else _guarded(_next_token, (rounds[i], decision))
+    return outcomes
+
+
+def _guarded(step: Callable[[T], U], item: T) -> U | Exception:
+    try:
+        return step(item)
+    except Exception as err:  # this round alone fails; the caller undoes it
+        return err
+
+
+def _each_or_alone(step: Callable[[Sequence[T]], list[U]], items: Sequence[T]) -> list[U | Exception]:
+    """step over all items at once; should it fail, over each item alone, so that only the
+    items that fail by themselves fail."""
+    if not items:
+        return []
+    try:
+        return list(step(items))
+    except Exception:
+        return [_guarded(lambda item: step([item])[0], item) for item in items]
+
+
+def _draw(r: RoundDraft) -> _Drawn:
+    """q(y) of each draft and the round's uniforms, drawn from its session's generator."""
+    k = r.draft_token_ids.shape[0]
+    if r.mode in (AcceptMode.GREEDY, AcceptMode.TOP1):
+        return _Drawn(torch.ones(k), torch.zeros(k))  # argmax modes: no draws here
+    if r.mode is AcceptMode.SPARSE:
+        if r.sparse_draft is None:
+            raise ValueError("SPARSE mode needs the draft distributions")
+        q = r.sparse_draft[torch.arange(k), r.draft_token_ids]
+    elif r.mode is AcceptMode.POINT:
+        q = torch.ones(k)
+    elif r.draft_probs is None:
+        raise ValueError(f"{r.mode.value} mode needs q(y) of every draft token")
+    else:
+        q = r.draft_probs
+    return _Drawn(q, torch.rand(k, generator=r.generator))
+
+
+def _decide(batch: Sequence[tuple[RoundDraft, _Drawn]]) -> list[_Decision]:
+    """The batched decision over rounds whose targets have one width (rounds of another width
+    are decided in their own group)."""
+    decisions: dict[int, _Decision] = {}
+    indexed = sorted(enumerate(batch), key=lambda item: item[1][0].target.shape[-1])
+    for _, group in groupby(indexed, key=lambda item: item[1][0].target.shape[-1]):
+        members = list(group)
+        for (index, _), decision in zip(members, _decide_one_width([pair for _, pair in members]), strict=True):
+            decisions[index] = decision
+    return [decisions[i] for i in range(len(batch))]
+
+
+def _decide_one_width(batch: Sequence[tuple[RoundDraft, _Drawn]]) -> list[_Decision]:
+    rounds = [r for r, _ in batch]
+    num_draft = torch.tensor([r.draft_token_ids.shape[0] for r in rounds])  # [B]
+    cu_num_draft_tokens = num_draft.cumsum(0)  # [B]
+    first_draft = cu_num_draft_tokens - num_draft  # [B] offset of each round's drafts
+    first_row = first_draft + torch.arange(len(rounds))  # [B] each round's first target row (k + 1 rows each)
+    round_of = torch.repeat_interleave(torch.arange(len(rounds)), num_draft)  # [T]
+    position = torch.arange(int(num_draft.sum())) - first_draft[round_of]  # [T] index within its round
+    draft_ids = torch.cat([r.draft_token_ids for r in rounds])  # [T]
+    target = torch.cat([r.target for r in rounds])  # [T + B, V]
+    draft_rows = first_row[round_of] + position  # [T]
+    argmax = target.argmax(dim=-1)  # [T + B]
+    matches = (draft_ids == argmax[draft_rows]).float()  # [T]
+    q = torch.cat([d.q for _, d in batch])
+    ratio = (target[draft_rows, draft_ids] / q.clamp_min(MIN_DRAFT_PROB)).clamp(max=1.0)  # [T]
+    by_argmax = torch.tensor([r.mode in (AcceptMode.GREEDY, AcceptMode.TOP1) for r in rounds])[round_of]  # [T]
+    accept_probs = torch.where(by_argmax, matches, ratio)
+    rejected = torch.where(by_argmax, matches == 0, torch.cat([d.uniforms for _, d in batch]) >= ratio)
+    first_rejected = num_draft.scatter_reduce(0, round_of, torch.where(rejected, position, num_draft[round_of]), "amin")
+    next_rows = argmax[first_row + first_rejected]  # [B]
+    probs_of = accept_probs.split(num_draft.tolist())
+    return [
+        _Decision(int(n), probs, int(token))
+        for n, probs, token in zip(first_rejected.tolist(), probs_of, next_rows.tolist(), strict=True)
+    ]
+
+
+def _next_token(decided: tuple[RoundDraft, _Decision]) -> RoundOutcome:
+    """The recovered or bonus token of a decided round, drawn from its session's generator."""
+    r, decision = decided
+    k, first = r.draft_token_ids.shape[0], decision.accepted_len
+    bonus = first == k
+    if r.mode is AcceptMode.GREEDY:
+        token = decision.argmax_next
+    elif r.mode is AcceptMode.TOP1 or bonus:
+        token = sample_token(r.target[first], r.generator)
+    else:
+        token = sample_token(_residual(r, first), r.generator)
+    return RoundOutcome(first, token, bonus, decision.accept_probs)
+
+
+def _residual(r: RoundDraft, first: int) -> torch.Tensor:  # [V]
+    """max(p - q, 0) at the first rejected position, q being what the mode knows of the draft:
+    POINT the drafted token alone, SCALAR q(y) at it, SHORTCUT nothing, SPARSE its distribution."""
+    p = r.target[first]
+    if r.mode is AcceptMode.SPARSE:
+        assert r.sparse_draft is not None  # _draw refused a SPARSE round without it
+        weights = r.sparse_draft[first]
+    else:
+        weights = torch.zeros(p.shape[-1])
+        drafted = int(r.draft_token_ids[first])
+        if r.mode is AcceptMode.POINT:
+            weights[drafted] = 1.0
+        elif r.mode is AcceptMode.SCALAR:
+            assert r.draft_probs is not None  # _draw refused a SCALAR round without it
+            weights[drafted] = r.draft_probs[first]
+    residual = (p - weights).clamp_min(0.0)
+    if float(residual.sum()) <= 0.0:
+        # Only reachable through float error (p <= q everywhere yet a rejection): fall back to p.
+        return p
+    return residual
+
+
+def dense_draft(sparse: Sequence[SparseDistribution], vocab_size: int) -> torch.Tensor:  # [k, V]
+    """The wire's sparse draft distributions (top ids and their probabilities) as dense rows."""
+    dense = torch.zeros(len(sparse), vocab_size)
+    for i, dist in enumerate(sparse):
+        dense[i, torch.tensor(dist.token_ids, dtype=torch.long)] = torch.tensor(dist.probs)
+    return dense
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+@dataclass(frozen=True)
+class RoundLogits:
+    """One Verify round as its forward pass left it: the target's logits after the last
+    committed token and each draft, and what its session's settings make of them."""
+
+    mode: AcceptMode
+    sampling: SamplingParams
+    vocab: int  # the session's vocabulary (the logits may be wider: padded embeddings)
+    logits: torch.Tensor  # [k + 1, V_model]
+    context: Sequence[int]  # tokens before row 0's prediction (prompt + committed)
+    draft_token_ids: Sequence[int]
+    draft_probs: Sequence[float]  # q(y) per draft: SCALAR and SHORTCUT
+    sparse_draft: Sequence[SparseDistribution]  # the draft's distributions: SPARSE
+    generator: torch.Generator  # the session's own
+
+
+@dataclass(frozen=True)
+class AcceptedRound:
+    outcome: RoundOutcome
+    probs: torch.Tensor  # [k + 1, V] the target's processed distributions (want_top_k reads them)
+
+
+class RejectionSampler:
+    """The accept of every round of a forward pass: the logits processors once over the rows of
+    the rounds that share settings (the repetition penalty per round: it reads the round's own
+    context), then one batched accept (accept_batch). Each round's result, or the exception
+    that ended it: a round never fails another."""
+
+    def accept_rounds(self, rounds: Sequence[RoundLogits]) -> list[AcceptedRound | Exception]:
+        targets = _target_distributions(rounds)
+        drafts = [
+            t if isinstance(t, Exception) else _guarded(lambda pair: self.prepare(*pair), (r, t))
+            for r, t in zip(rounds, targets, strict=True)
+        ]
+        ready = [i for i, d in enumerate(drafts) if isinstance(d, RoundDraft)]
+        outcomes = accept_batch([drafts[i] for i in ready])  # type: ignore[misc]  # ready: RoundDrafts only
+        accepted: list[AcceptedRound | Exception] = [d if isinstance(d, Exception) else _NOT_DECIDED for d in drafts]
+        for i, outcome in zip(ready, outcomes, strict=True):
+            target = targets[i]
+            assert not isinstance(target, Exception)  # ready rounds have their targets
+            accepted[i] = outcome if isinstance(outcome, Exception) else AcceptedRound(outcome, target[1])
+        return accepted
+
+    def prepare(self, r: RoundLogits, target: tuple[torch.Tensor, torch.Tensor]) -> RoundDraft:
+        """A round's accept input from its penalised logits and its probabilities [k + 1, V]."""
+        penalized, probs = target
+        greedy = r.mode is AcceptMode.GREEDY
+        return RoundDraft(
+            r.mode,
+            torch.tensor(list(r.draft_token_ids), dtype=torch.long),
+            penalized if greedy else probs,
+            r.generator,
+            draft_probs=torch.tensor(list(r.draft_probs), dtype=torch.float32) if r.mode.reads_draft_probs else None,
+            sparse_draft=dense_draft(r.sparse_draft, r.vocab) if r.mode is AcceptMode.SPARSE else None,
+        )
+
+
+def _target_distributions(rounds: Sequence[RoundLogits]) -> list[tuple[torch.Tensor, torch.Tensor] | Exception]:
+    """Per round its penalised logits and probabilities [k + 1, V]; the processors run once
+    over the stacked rows of each group of rounds with the same settings."""
+    groups: dict[tuple[SamplingParams, int, bool], list[int]] = {}
+    for i, r in enumerate(rounds):
+        groups.setdefault((r.sampling, r.vocab, r.mode is AcceptMode.GREEDY), []).append(i)
+    out: list[tuple[torch.Tensor, torch.Tensor] | Exception] = [_NOT_DECIDED] * len(rounds)
+    for members in groups.values():
+        processed = _each_or_alone(_process_group, [rounds[i] for i in members])
+        for i, target in zip(members, processed, strict=True):
+            out[i] = target
+    return out
+
+
+def _process_group(rounds: Sequence[RoundLogits]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rounds with the same settings: softmax (greedy) or temperature, top-k, top-p over all
+    their rows at once (row-wise operations: each row as it would be alone)."""
+    params, vocab, greedy = rounds[0].sampling, rounds[0].vocab, rounds[0].mode is AcceptMode.GREEDY
+    penalized = torch.cat([penalized_logits(r.logits, r.context, r.draft_token_ids, params, vocab) for r in rounds])
+    probs = penalized.softmax(dim=-1) if greedy else probs_from_logits(penalized, params)
+    sizes = [r.logits.shape[0] for r in rounds]
+    return list(zip(penalized.split(sizes), probs.split(sizes), strict=True))
