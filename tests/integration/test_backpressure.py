@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from cloud.batch_step import ForwardStep
+from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.sessions import SessionLimits
 from cloud.verifier import Verifier, VerifierLimits
@@ -49,7 +50,7 @@ def test_edge_resends_after_the_retry_hint_and_output_is_unchanged(target_model,
     async def run() -> None:
         async with running_verifier(target_model) as (direct, _):
             reference = (await cloud_only_generate(prompt, direct, gen_config(max_new_tokens=20))).token_ids
-        server, port = create_server(AdmitsAfterRejections(target_model, "tiny", rejections=3), "127.0.0.1:0")
+        server, port = create_server(AdmitsAfterRejections(TransformersEngine(target_model), "tiny", rejections=3), "127.0.0.1:0")
         await server.start()
         client = VerifierClient(f"127.0.0.1:{port}", 10, capacity_retry=CapacityRetry(max_retries=3, backoff_s=0.001))
         try:
