@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
 from cloud.engine.transformers import TransformersEngine
@@ -16,15 +17,17 @@ from cloud.process import serve
 from cloud.verifier import Verifier
 from shared import lm
 from shared.cli import add_settings_flags, run_cli
-from shared.hardware import choose_dtype
+from shared.hardware import choose_dtype, usable_cores
 from shared.models import TARGET_MODEL
 from shared.models.hub import describe as describe_model
-from shared.models.store import model_folder
+from shared.models.store import ensure_model, model_folder
 
 log = logging.getLogger("cloud-verifier")
 
 
 def build_verifier(settings: VerifierSettings) -> Verifier:
+    if settings.engine == "llama.cpp":
+        return _llamacpp_verifier(settings)
     device = lm.resolve_device(settings.device)
     dtype = choose_dtype(settings.dtype, device.type)
     threads = lm.configure_cpu(device, settings.threads)
@@ -41,6 +44,22 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
     # A name, not a path, reaches callers (OpenSession, /healthz, /v1/stats): the folder's name,
     # or `org/name@commit` for a Hub model, so the revision that ran is pinned.
     return Verifier(TransformersEngine(model), describe_model(path), settings.limits(), dtype_reason=dtype.reason)
+
+
+def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
+    """The target's GGUF in llama.cpp: --model names the file or a folder holding one (the
+    packaged target keeps its GGUF for this)."""
+    from cloud.engine.llamacpp import LlamaCppEngine, find_target_gguf
+
+    if settings.model is None:
+        folder = str(ensure_model(TARGET_MODEL, keep_gguf=True))
+    else:
+        folder = settings.model if Path(settings.model).expanduser().is_file() else model_folder(settings.model, TARGET_MODEL)
+    gguf = find_target_gguf(folder)
+    threads = settings.threads or usable_cores()
+    engine = LlamaCppEngine(gguf, threads=threads, batch_tokens=settings.max_batch_tokens)
+    log_event(log, logging.INFO, f"llama.cpp on {gguf.name}, {threads} CPU threads", engine="llama.cpp", threads=threads)
+    return Verifier(engine, describe_model(folder), settings.limits(), dtype_reason="the GGUF's own types")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

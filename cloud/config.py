@@ -42,7 +42,11 @@ class VerifierSettings(BaseSettings):
         "avx512_bf16/amx_bf16, else fp32 (greedy equality checks need float32)",
     )
     device: str = Field("auto", description="auto | cpu | cuda[:N]")
-    engine: EngineName = Field("transformers", description="what runs the target model: transformers (the only engine)")
+    engine: EngineName = Field(
+        "transformers",
+        description="what runs the target model: transformers (the reference; --dtype and --device apply) or "
+        "llama.cpp (the target's GGUF: --model names the file or a folder holding one; CPU, --threads)",
+    )
     host: str = Field("127.0.0.1", description="address to bind (gRPC and HTTP); 0.0.0.0 to serve other machines")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
     http_port: int = Field(8080, ge=0, le=65535, description="HTTP port: probes, /metrics, the live page (0 = any free port)")

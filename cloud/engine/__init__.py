@@ -1,8 +1,9 @@
 """The verifier's model step behind one interface: a forward pass over several sessions' new
 tokens, each after its own KV, and that KV's life (new, crop, free). Sessions, admission, the
-batcher, the wire and the accept rule see only this Protocol; transformers.py is the one
-engine (`--engine transformers`, the default). Another (llama.cpp, vLLM) is one more module
-that implements Engine, and one more entry in ENGINES."""
+batcher, the wire and the accept rule see only this Protocol. transformers.py runs a
+transformers model (`--engine transformers`, the default: the reference); llamacpp.py runs the
+target's GGUF in llama.cpp (`--engine llama.cpp`). Another engine is one more module that
+implements Engine, and one more entry in ENGINES."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Literal, Protocol
 
 import torch
 
-EngineName = Literal["transformers"]
-ENGINES: tuple[EngineName, ...] = ("transformers",)
+EngineName = Literal["transformers", "llama.cpp"]
+ENGINES: tuple[EngineName, ...] = ("transformers", "llama.cpp")
 
 
 class SessionKV(Protocol):

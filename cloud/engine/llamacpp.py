@@ -11,6 +11,7 @@ engine. A pass that fails leaves every sequence as it was.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV
 from shared import llamacpp
 from shared.errors import CapacityExceeded, ConfigError, VerifierFault
 
@@ -39,38 +41,51 @@ class LlamaCppKV:
 
 
 class LlamaCppEngine:
-    """A GGUF target served to `max_sessions` sequences of at most `context_tokens` each."""
+    """A GGUF target; its context (one sequence per session) is made by plan_kv for the
+    verifier's limits."""
 
-    name = "llama.cpp"
+    name: EngineName = "llama.cpp"
 
-    def __init__(
-        self, gguf: str | Path, *, max_sessions: int, context_tokens: int, batch_tokens: int = 2048, threads: int = 0
-    ) -> None:
-        if not 1 <= max_sessions <= MAX_SEQUENCES:
-            raise ConfigError(f"--engine llama.cpp serves 1 to {MAX_SEQUENCES} sessions, not {max_sessions}")
+    def __init__(self, gguf: str | Path, *, threads: int = 0, batch_tokens: int = 2048) -> None:
         self.api = llama = llamacpp.api("--engine llama.cpp")
         self.path = Path(gguf)
         self.model = llamacpp.load_model(llama, gguf)
         llamacpp.free_with(self, llama, self.model)
         self.logits_width = llamacpp.logits_width(llama, self.model)
         self.kv_bytes_per_token = self._kv_bytes_per_token()
-        self.batch_tokens = batch_tokens
-        self.ctx = self._context(max_sessions * context_tokens, max_sessions, batch_tokens, threads)
-        self.memory = llama.llama_get_memory(self.ctx)
-        self.batch = llama.llama_batch_init(batch_tokens, 0, 1)
-        self.free_ids = list(range(max_sessions - 1, -1, -1))  # pop() hands out 0 first
+        self.threads, self.batch_tokens = threads, batch_tokens
+        self.ctx: Any = None
+        self.free_ids: list[int] = []
 
-    def _context(self, n_ctx: int, sequences: int, batch_tokens: int, threads: int) -> Any:
+    def plan_kv(self, request: KVRequest) -> KVPlan:
+        """One context for every session: `max_sessions` sequences over one unified pool of KV
+        cells, as many as --max-kv-bytes holds (at most every session at its context limit)."""
+        if request.layout != "packed":
+            raise ConfigError("--engine llama.cpp keeps its own KV: --kv-layout slots is for the transformers engine")
+        sessions = request.max_sessions
+        if not 1 <= sessions <= MAX_SEQUENCES:
+            raise ConfigError(f"--engine llama.cpp serves 1 to {MAX_SEQUENCES} sessions (--max-sessions), not {sessions}")
+        cells = min(request.max_kv_bytes // self.kv_bytes_per_token, sessions * request.max_context_tokens)
+        if cells < request.max_context_tokens:
+            raise ConfigError(f"--max-kv-bytes {request.max_kv_bytes} holds {cells} tokens of KV, under one context")
+        self.ctx = self._context(cells, sessions)
+        self.memory = self.api.llama_get_memory(self.ctx)
+        self.batch = self.api.llama_batch_init(self.batch_tokens, 0, 1)
+        weakref.finalize(self, _free_context, self.api, self.ctx, self.batch)
+        self.free_ids = list(range(sessions - 1, -1, -1))  # pop() hands out 0 first
+        return KVPlan(request.max_context_tokens, cells * self.kv_bytes_per_token)
+
+    def _context(self, n_ctx: int, sequences: int) -> Any:
         llama = self.api
         params = llama.llama_context_default_params()
         params.n_ctx = n_ctx
-        params.n_batch = batch_tokens
-        params.n_ubatch = min(batch_tokens, 512)
+        params.n_batch = self.batch_tokens
+        params.n_ubatch = min(self.batch_tokens, 512)
         params.n_seq_max = sequences
-        params.kv_unified = True  # one pool of cells for every sequence, as the session caps assume
+        params.kv_unified = True  # one pool of cells for every sequence, as the KV cap counts it
         params.no_perf = True
-        if threads:
-            params.n_threads = params.n_threads_batch = threads
+        if self.threads:
+            params.n_threads = params.n_threads_batch = self.threads
         ctx = llama.llama_init_from_model(self.model, params)
         if not ctx:
             raise ConfigError(f"llama.cpp could not create a context of {n_ctx} tokens for {sequences} sessions")
@@ -82,35 +97,38 @@ class LlamaCppEngine:
         heads, kv_heads = llama.llama_model_n_head(model), llama.llama_model_n_head_kv(model)
         return int(layers * 2 * (embd // heads) * kv_heads * _F16_BYTES)
 
-    def close(self) -> None:
-        if self.ctx:
-            self.api.llama_batch_free(self.batch)
-            self.api.llama_free(self.ctx)
-            self.ctx = None
+    def describe(self) -> dict[str, str]:
+        return {"engine": self.name, "dtype": "gguf", "device": "cpu", "gguf": self.path.name}
 
     # ---- a session's KV -----------------------------------------------------------------
 
-    def new_cache(self) -> LlamaCppKV:
+    def new_kv(self) -> LlamaCppKV:
         if not self.free_ids:
             raise CapacityExceeded("every llama.cpp sequence is in use (raise --max-sessions)")
         return LlamaCppKV(self.free_ids.pop())
 
-    def release(self, kv: LlamaCppKV) -> None:
+    def free(self, kv: SessionKV) -> None:
+        kv = _own(kv)
         if not kv.released:
             self.api.llama_memory_seq_rm(self.memory, kv.seq_id, 0, -1)
             kv.released = True
             self.free_ids.append(kv.seq_id)
 
-    def crop(self, kv: LlamaCppKV, length: int) -> None:
+    def freed(self, kv: SessionKV) -> bool:
+        return _own(kv).released
+
+    def crop(self, kv: SessionKV, length: int) -> None:
+        kv = _own(kv)
         if length < kv.length:
             self.api.llama_memory_seq_rm(self.memory, kv.seq_id, length, -1)
             kv.length = length
 
     # ---- one batched pass -----------------------------------------------------------------
 
-    def forward(self, caches: Sequence[LlamaCppKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
-        """Feed each block after its cache in one pass; per block, the last keeps[i] rows of
-        float32 logits [keep, V] (all rows when 0). On failure every cache is as it was."""
+    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
+        """Feed each block after its KV in one pass; per block, the last keeps[i] rows of
+        float32 logits [keep, V] (all rows when 0). On failure every KV is as it was."""
+        caches = [_own(kv) for kv in kvs]
         entries = _entries(caches, blocks, keeps)
         rows: list[list[np.ndarray]] = [[] for _ in caches]
         try:
@@ -167,3 +185,26 @@ def _entries(caches: Sequence[LlamaCppKV], blocks: Sequence[Sequence[int]], keep
         for i, token in enumerate(block):
             entries.append(_Entry(step, kv.seq_id, token, kv.length + i, i >= first_kept))
     return entries
+
+
+def _own(kv: SessionKV) -> LlamaCppKV:
+    if not isinstance(kv, LlamaCppKV):
+        raise TypeError(f"the llama.cpp engine holds no {type(kv).__name__}")
+    return kv
+
+
+def _free_context(llama: Any, ctx: Any, batch: Any) -> None:
+    llama.llama_batch_free(batch)
+    llama.llama_free(ctx)
+
+
+def find_target_gguf(path: str | Path) -> Path:
+    """The GGUF to serve: the path itself when it is a file, else the folder's one .gguf."""
+    where = Path(path).expanduser()
+    if where.is_file():
+        return where
+    found = sorted(where.glob("*.gguf"))
+    if len(found) != 1:
+        what = "no .gguf" if not found else f"{len(found)} .gguf files"
+        raise ConfigError(f"--engine llama.cpp: {where} holds {what}; give --model the GGUF file")
+    return found[0]

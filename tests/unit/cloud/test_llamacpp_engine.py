@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from cloud.engine import KVRequest
 from cloud.engine.llamacpp import LlamaCppEngine
 from shared import lm
 from shared.errors import CapacityExceeded, ConfigError
@@ -26,7 +27,10 @@ def target():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def engine(target, tmp_path_factory: pytest.TempPathFactory) -> LlamaCppEngine:  # type: ignore[no-untyped-def]
     path = save_gguf(target, tmp_path_factory.mktemp("gguf") / "target.gguf")
-    return LlamaCppEngine(path, max_sessions=4, context_tokens=128, batch_tokens=32, threads=1)
+    engine = LlamaCppEngine(path, threads=1, batch_tokens=32)
+    plan = engine.plan_kv(KVRequest("packed", max_sessions=4, max_kv_bytes=1 << 30, max_context_tokens=128, slot_tokens=0))
+    assert plan.max_kv_bytes == 4 * 128 * engine.kv_bytes_per_token  # every session at its limit, under the byte cap
+    return engine
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -35,7 +39,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 def test_one_pass_over_several_sessions_equals_transformers(engine: LlamaCppEngine, target) -> None:  # type: ignore[no-untyped-def]
     prompts = [_tokens(1, 10), _tokens(2, 40), _tokens(3, 3)]  # 53 tokens: two llama_decode calls of 32
-    caches = [engine.new_cache() for _ in prompts]
+    caches = [engine.new_kv() for _ in prompts]
     refs = [lm.new_cache(target) for _ in prompts]
     try:
         got = engine.forward(caches, prompts, [1, 0, 2])
@@ -53,11 +57,11 @@ def test_one_pass_over_several_sessions_equals_transformers(engine: LlamaCppEngi
         )
     finally:
         for cache in caches:
-            engine.release(cache)
+            engine.free(cache)
 
 
 def test_a_sessions_rows_do_not_depend_on_the_others_in_its_pass(engine: LlamaCppEngine) -> None:
-    caches = [engine.new_cache() for _ in range(3)]
+    caches = [engine.new_kv() for _ in range(3)]
     try:
         engine.forward(caches, [_tokens(7, 12), _tokens(8, 30), _tokens(9, 5)], [1, 1, 1])
         rounds = [_tokens(10, 5), _tokens(11, 5), _tokens(12, 2)]
@@ -68,11 +72,11 @@ def test_a_sessions_rows_do_not_depend_on_the_others_in_its_pass(engine: LlamaCp
             assert torch.equal(engine.forward([cache], [block], [len(block)])[0], rows)
     finally:
         for cache in caches:
-            engine.release(cache)
+            engine.free(cache)
 
 
 def test_a_failed_pass_changes_nothing(engine: LlamaCppEngine) -> None:
-    cache, other = engine.new_cache(), engine.new_cache()
+    cache, other = engine.new_kv(), engine.new_kv()
     try:
         engine.forward([cache], [_tokens(13, 8)], [1])
         expected = engine.forward([cache], [[5]], [1])[0]
@@ -82,25 +86,32 @@ def test_a_failed_pass_changes_nothing(engine: LlamaCppEngine) -> None:
         assert cache.length == 8 and other.length == 0
         assert torch.equal(engine.forward([cache], [[5]], [1])[0], expected)
     finally:
-        engine.release(cache)
-        engine.release(other)
+        engine.free(cache)
+        engine.free(other)
 
 
 def test_sequences_are_handed_back(engine: LlamaCppEngine) -> None:
-    taken = [engine.new_cache() for _ in range(4)]
+    taken = [engine.new_kv() for _ in range(4)]
     with pytest.raises(CapacityExceeded):
-        engine.new_cache()
-    engine.release(taken[2])
-    again = engine.new_cache()
+        engine.new_kv()
+    engine.free(taken[2])
+    again = engine.new_kv()
     assert again.seq_id == taken[2].seq_id and again.length == 0
     for cache in (*taken[:2], taken[3], again):
-        engine.release(cache)
+        engine.free(cache)
 
 
 def test_a_file_that_is_no_gguf_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a model")
     with pytest.raises(ConfigError, match="could not load"):
-        LlamaCppEngine(bad, max_sessions=1, context_tokens=64)
+        LlamaCppEngine(bad)
     with pytest.raises(ConfigError, match="does not exist"):
-        LlamaCppEngine(tmp_path / "missing.gguf", max_sessions=1, context_tokens=64)
+        LlamaCppEngine(tmp_path / "missing.gguf")
+
+
+def test_limits_it_cannot_serve_are_one_line(engine: LlamaCppEngine) -> None:
+    with pytest.raises(ConfigError, match="kv-layout slots"):
+        engine.plan_kv(KVRequest("slots", max_sessions=2, max_kv_bytes=1 << 30, max_context_tokens=64, slot_tokens=64))
+    with pytest.raises(ConfigError, match="1 to 256 sessions"):
+        engine.plan_kv(KVRequest("packed", max_sessions=300, max_kv_bytes=1 << 30, max_context_tokens=64, slot_tokens=0))
