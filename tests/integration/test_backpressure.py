@@ -10,7 +10,8 @@ import pytest
 from cloud.batch_step import ForwardStep
 from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
-from cloud.sessions import SessionLimits
+from cloud.quotas import KeyLimits
+from cloud.sessions import RETRY_AFTER_IN_USE_MS, SessionLimits
 from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import TimeoutPolicy, cloud_only_generate, speculative_generate
@@ -133,6 +134,28 @@ def test_a_refused_call_carries_its_bytes_in_the_error() -> None:
             await server.stop(None)
         assert refused.value.retry_after_ms == HINT_MS
         assert refused.value.wire.up == 2 * wire.open_request_to_pb(request).ByteSize() and refused.value.wire.down == 0
+
+    asyncio.run(run())
+
+
+def test_a_capacity_refusal_carries_the_hint_under_both_trailers(target_model) -> None:
+    """A real cap (one session per key, the one already open): a plain gRPC client reads
+    RESOURCE_EXHAUSTED with the retry hint under the project's trailer and under gRPC's own
+    retry pushback, the same number in both."""
+    limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_sessions=1)))
+    request = pb.OpenSessionRequest(prompt_tokens=random_prompt(2, length=4), vocab_size=96)
+
+    async def run() -> None:
+        async with running_verifier(target_model, limits) as (client, _):
+            async with grpc.aio.insecure_channel(client.target) as channel:
+                stub = pb_grpc.VerifierStub(channel)
+                await stub.OpenSession(request)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.OpenSession(request)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+        trailers = dict(refused.value.trailing_metadata())
+        assert int(trailers[wire.RETRY_AFTER_MS_KEY]) == RETRY_AFTER_IN_USE_MS
+        assert trailers[wire.RETRY_PUSHBACK_MS_KEY] == trailers[wire.RETRY_AFTER_MS_KEY]
 
     asyncio.run(run())
 

@@ -763,6 +763,7 @@ class Fuzz:
             assert int(result.trailing[wire.SERVER_POSITION_KEY]) >= 0, where
         if wire.RETRY_AFTER_MS_KEY in result.trailing:
             assert result.code == "RESOURCE_EXHAUSTED" and int(result.trailing[wire.RETRY_AFTER_MS_KEY]) >= 0, where
+            assert result.trailing.get(wire.RETRY_PUSHBACK_MS_KEY) == result.trailing[wire.RETRY_AFTER_MS_KEY], where
         if result.code == "NOT_FOUND" and isinstance(request, Message):
             sid = getattr(request, "session_id", "")
             assert len(sid) < 8 or sid not in result.details, f"NOT_FOUND echoes the session id: {where}"

@@ -1,0 +1,236 @@
+"""The verifier's gRPC interceptors, around every call of the Verifier service:
+
+- StatusInterceptor (outermost) answers each call: project errors (shared/errors.py) become
+  their documented status codes and trailers, an unexpected exception INTERNAL with the
+  request id only, never UNKNOWN; and it counts every call by method and code and logs it once.
+- ApiKeyInterceptor (inside it) lets a call run only with a known API key (cloud/auth.py) and
+  makes the key's name the call's principal(), which the servicer and the log line read.
+
+The health and reflection services pass through both untouched: probes call them without a key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from abc import abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from cloud.auth import ApiKeys
+from cloud.logs import log_event
+from cloud.sessions import session_tag
+from cloud.state import ServerState
+from shared import wire
+from shared.errors import CapacityExceeded, PositionMismatch, SpecDecError
+
+__all__ = ["MAX_REQUEST_ID", "ApiKeyInterceptor", "StatusInterceptor", "Undecodable", "principal"]
+
+MAX_REQUEST_ID = 64  # the edge's ids are 16 characters; a longer one is cut before it is logged or echoed
+log = logging.getLogger("cloud-verifier")
+
+UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]]
+
+# Set by ApiKeyInterceptor for the call it lets in. grpc.aio runs each call in a task of its
+# own, and a task starts from a copy of the context: one call's principal never reaches another.
+_PRINCIPAL: ContextVar[str] = ContextVar("specdec_principal", default="")
+
+
+def principal() -> str:
+    """The API key name of the call running in this task: "" when no keys are configured,
+    or before the call is authenticated."""
+    return _PRINCIPAL.get()
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What a request that does not parse as its message type (truncated, invalid UTF-8 in a
+    string field) becomes, so the call can answer INVALID_ARGUMENT rather than UNKNOWN."""
+
+    size: int
+
+
+class _ServiceInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps the behaviour of one service's unary-request methods; other services pass through."""
+
+    def __init__(self, service: str) -> None:
+        self._prefix = f"/{service}/"
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self._prefix):
+            return handler
+        method = details.method.removeprefix(self._prefix)
+        serializers = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(self.unary(method, handler.unary_unary), **serializers)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(self.stream(method, handler.unary_stream), **serializers)
+        raise TypeError(f"{details.method}: only unary-request methods are intercepted")
+
+    @abstractmethod
+    def unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        """`behavior` of a unary-unary method, wrapped."""
+
+    @abstractmethod
+    def stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        """`behavior` of a unary-stream method (an async generator), wrapped."""
+
+
+class ApiKeyInterceptor(_ServiceInterceptor):
+    """A call runs only with `authorization: Bearer KEY` of a known key; otherwise it raises
+    Unauthenticated (the StatusInterceptor around it answers UNAUTHENTICATED and counts it)."""
+
+    def __init__(self, keys: ApiKeys, service: str) -> None:
+        super().__init__(service)
+        self.keys = keys
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        _PRINCIPAL.set(self.keys.principal(_authorization(context)))
+
+    def unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            self._authenticate(context)
+            return await behavior(request, context)
+
+        return authenticated
+
+    def stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
+            self._authenticate(context)
+            async with aclosing(behavior(request, context)) as replies:
+                async for reply in replies:
+                    yield reply
+
+        return authenticated
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return str(value)
+    return None
+
+
+class StatusInterceptor(_ServiceInterceptor):
+    """Every call's answer and bookkeeping: its status code (and trailers), one sample of the
+    request metrics by method and code, and one log line."""
+
+    def __init__(self, state: ServerState, service: str) -> None:
+        super().__init__(service)
+        self.state = state
+
+    async def _refuse_undecodable(self, method: str, request: Undecodable, context: grpc.aio.ServicerContext) -> None:
+        self.state.metrics.record_rpc(method, "INVALID_ARGUMENT", request.size, 0)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {method} message")
+
+    def unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        async def answered(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, Undecodable):
+                await self._refuse_undecodable(method, request, context)
+            call = _Call(self.state, method, request)
+            async with _answering(context, call):
+                reply = await behavior(request, context)
+                call.replied(reply)
+            return reply
+
+        return answered
+
+    def stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        async def answered(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
+            if isinstance(request, Undecodable):
+                await self._refuse_undecodable(method, request, context)
+            call = _Call(self.state, method, request)
+            # The replies are closed before the call is answered: a stream's finally blocks
+            # (freeing its KV) run however it ended.
+            async with _answering(context, call), aclosing(behavior(request, context)) as replies:
+                async for reply in replies:
+                    call.replied(reply)
+                    yield reply
+
+        return answered
+
+
+@dataclass
+class _Call:
+    """One RPC's bookkeeping: counted by status code and logged once, on the way out."""
+
+    state: ServerState
+    method: str
+    request: Message
+    request_id: str = field(init=False)
+    started: float = field(default_factory=time.perf_counter)
+    sent: int = 0
+    session: str = ""  # the reply's session id, for calls whose request has none (OpenSession)
+
+    def __post_init__(self) -> None:
+        # VerifyRequest carries the edge's request id; other calls (and an empty one) get a fresh id.
+        self.request_id = getattr(self.request, "request_id", "")[:MAX_REQUEST_ID] or uuid.uuid4().hex[:16]
+
+    def replied(self, reply: Message) -> None:
+        self.sent += reply.ByteSize()
+        self.session = self.session or getattr(reply, "session_id", "")
+
+    def finish(self, code: str, detail: str = "") -> None:
+        self.state.metrics.record_rpc(self.method, code, self.request.ByteSize(), self.sent)
+        fields: dict[str, Any] = {
+            "method": self.method,
+            "code": code,
+            "request_id": self.request_id,
+            "ms": round((time.perf_counter() - self.started) * 1000.0, 2),
+        }
+        if session := getattr(self.request, "session_id", "") or self.session:
+            fields["session"] = session_tag(session)
+        if caller := principal():
+            fields["principal"] = caller
+        if prompt := getattr(self.request, "prompt_tokens", None):
+            fields["prompt_tokens"] = list(prompt) if self.state.log_prompts else len(prompt)
+        if code != "OK":
+            log_event(log, logging.WARNING, f"{self.method} failed: {detail}", **fields)
+        else:
+            log_event(log, logging.DEBUG if self.method == "Verify" else logging.INFO, self.method, **fields)
+
+
+def _trailers(err: SpecDecError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a refusal carries: the server's position for a base_position
+    mismatch; a retry hint under the project's name and under gRPC's own retry pushback."""
+    if isinstance(err, PositionMismatch):
+        return ((wire.SERVER_POSITION_KEY, str(err.server_position)),)
+    if isinstance(err, CapacityExceeded) and err.retry_after_ms > 0:
+        hint = str(err.retry_after_ms)
+        return ((wire.RETRY_AFTER_MS_KEY, hint), (wire.RETRY_PUSHBACK_MS_KEY, hint))
+    return ()
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: SpecDecError, request_id: str) -> None:
+    if trailers := _trailers(err):
+        context.set_trailing_metadata(trailers)
+    detail = f"{err} (request_id {request_id})" if err.status == "INTERNAL" else str(err)
+    await context.abort(grpc.StatusCode[err.status], detail)
+
+
+@asynccontextmanager
+async def _answering(context: grpc.aio.ServicerContext, call: _Call) -> AsyncIterator[None]:
+    """The one place that maps project errors to gRPC status codes, and counts every call's code."""
+    try:
+        yield
+    except SpecDecError as err:
+        call.finish(err.status, str(err))
+        await _abort(context, err, call.request_id)
+    except Exception:  # a bug: logged in full here, the caller gets a status and the request id only
+        log.exception("%s failed unexpectedly (request_id=%s)", call.method, call.request_id)
+        call.finish("INTERNAL", "unexpected error")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request_id {call.request_id})")
+    except BaseException:  # cancelled: the client went away, its deadline passed, or the server stops
+        call.finish("CANCELLED", "cancelled")
+        raise
+    else:
+        call.finish("OK")
