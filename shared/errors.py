@@ -1,5 +1,5 @@
 """Error types shared by both sides. Each names the gRPC status code it maps to,
-so the server has one place that translates them (cloud/grpc_server.py) and the
+so the server has one place that translates them (cloud/interceptors.py) and the
 edge client raises the same types back from a status code (edge/transport/client.py)."""
 
 from __future__ import annotations

@@ -232,6 +232,8 @@ def model_folder(path: str | None, default: str) -> str:
         return str(ensure_model(path))
     if hub.parse_hub_id(path) is not None:
         return str(hub.resolve(path))
+    if path.startswith((".", "/", "~")):
+        raise ModelFetchError(f"model folder {path} does not exist")
     raise ModelFetchError(f"{path}: no such folder, packaged model or Hub id (org/name[@revision])")
 
 

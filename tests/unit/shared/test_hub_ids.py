@@ -114,3 +114,8 @@ def test_describe_names_a_snapshot_by_repo_and_commit(tmp_path: Path) -> None:
     snapshot.mkdir(parents=True)
     assert hub.describe(snapshot) == "org/name@" + "ab" * 6
     assert hub.describe(tmp_path / "plain-folder") == "plain-folder"
+
+
+def test_a_missing_path_is_named_as_a_folder(tmp_path: Path) -> None:
+    with pytest.raises(ModelFetchError, match=r"^model folder .*/missing does not exist$"):
+        model_folder(str(tmp_path / "missing"), "unused")
