@@ -8,8 +8,6 @@ one llama.cpp context whose sequence 0 is cropped with `llama_memory_seq_rm`.
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,46 +15,14 @@ from typing import Any
 
 import numpy as np
 
+from shared import llamacpp
 from shared.errors import ConfigError, DraftFailed
 from shared.hardware import usable_cores
-
-log = logging.getLogger("edge-agent")
-_GGML_LOG_LEVEL_ERROR = 4
 
 
 def available() -> bool:
     """True when llama-cpp-python imports (it is an optional part of the edge install)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
-
-
-def _api() -> Any:
-    try:
-        import llama_cpp
-    except (ImportError, OSError) as err:
-        raise ConfigError(f"--draft-runtime llama.cpp: llama-cpp-python is not importable ({err})") from None
-    return llama_cpp
-
-
-class _Logs:
-    """llama.cpp logs every load in detail; keep its errors only (the callback must stay alive)."""
-
-    callback: Any = None
-
-    @classmethod
-    def quiet(cls, api: Any) -> None:
-        if cls.callback is None:
-
-            def forward(level: int, text: bytes, _user: Any) -> None:
-                if level == _GGML_LOG_LEVEL_ERROR:
-                    log.error("llama.cpp: %s", text.decode(errors="replace").rstrip())
-
-            cls.callback = api.llama_log_callback(forward)
-            api.llama_log_set(cls.callback, ctypes.c_void_p(0))
-            api.llama_backend_init()
+    return llamacpp.available()
 
 
 class LlamaCppCache:
@@ -127,21 +93,13 @@ class LlamaCppDraftLM:
     runtime = "llama.cpp"
 
     def __init__(self, gguf: str | Path, threads: int = 0, context_size: int = 4096, batch_size: int = 64) -> None:
-        path = Path(gguf).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"draft GGUF {path} does not exist")
-        self.api = _api()
-        _Logs.quiet(self.api)
-        params = self.api.llama_model_default_params()
-        self.model = self.api.llama_model_load_from_file(str(path).encode(), params)
-        if not self.model:
-            raise ConfigError(f"llama.cpp could not load {path} (not a GGUF model it knows?)")
-        weakref.finalize(self, self.api.llama_model_free, self.model)
-        vocab = self.api.llama_model_get_vocab(self.model)
-        self.logits_width = int(self.api.llama_vocab_n_tokens(vocab))
+        self.api = llamacpp.api("--draft-runtime llama.cpp")
+        self.path = Path(gguf).expanduser()
+        self.model = llamacpp.load_model(self.api, self.path)
+        llamacpp.free_with(self, self.api, self.model)
+        self.logits_width = llamacpp.logits_width(self.api, self.model)
         self.threads = threads or usable_cores()  # affinity, capped by a container's CPU quota
         self.context_size, self.batch_size = context_size, batch_size
-        self.path = path
 
     def new_cache(self, seed: int) -> LlamaCppCache:
         return LlamaCppCache(self)
