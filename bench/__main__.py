@@ -33,14 +33,14 @@ from bench.result import build, validate
 from bench.runner import BenchRunner
 from bench.systems import resolve_systems
 from bench.tasks import TASKS, select_per_task, spec_bench_path, write_prompts
-from bench.tiny_models import save_pair
+from bench.tiny_models import save_gguf, save_pair
 from edge.prompts import Prompt, read_prompts
 from shared import lm
 from shared.cli import run_cli, settings_from_args
 from shared.errors import ConfigError
 from shared.hardware import choose_dtype
 from shared.models import DRAFT_MODEL, TARGET_MODEL
-from shared.models.store import model_folder
+from shared.models.store import ensure_model, model_folder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -111,6 +111,12 @@ def settings_from(args: BenchFlags) -> BenchSettings:
     if args.quick and (draft is None or target is None):
         # Tiny random models, rebuilt per run: seconds, and no download.
         draft, target = save_pair(files / "tiny_models")
+        if args.engine == "llama.cpp":
+            from transformers import AutoModelForCausalLM
+
+            save_gguf(AutoModelForCausalLM.from_pretrained(target), target / "target.gguf")
+    elif target is None and args.engine == "llama.cpp":
+        target = ensure_model(TARGET_MODEL, keep_gguf=True)
     return BenchSettings(
         systems=systems,
         rtts_ms=rtts_ms,
@@ -129,6 +135,7 @@ def settings_from(args: BenchFlags) -> BenchSettings:
         seed=args.seed,
         bandwidth_kbps=args.bandwidth_kbps,
         quick=args.quick,
+        engine=args.engine,
     )
 
 

@@ -51,11 +51,15 @@ class BenchFlags(BaseSettings):
     placement: Literal["unpinned", "pinned", "both"] | None = Field(
         None, description="pinned: verifier on core 0, edge on core 1, one thread each (taskset); default unpinned"
     )
+    engine: Literal["transformers", "llama.cpp"] = Field(
+        "transformers",
+        description="the verifier's engine; llama.cpp serves the target folder's GGUF (the packaged target keeps one)",
+    )
     draft_model: Path | None = Field(None, description="draft model folder (default: the packaged Qwen 0.5B)")
     target_model: Path | None = Field(None, description="target model folder (default: the packaged Qwen 1.5B)")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "what to run": ("systems", "variant", "quick", "draft_model", "target_model", "dtype"),
+        "what to run": ("systems", "variant", "quick", "draft_model", "target_model", "dtype", "engine"),
         "prompts and sampling": ("prompts", "per_task", "max_new_tokens", "k", "temperature", "seed"),
         "links and placement": ("rtt_ms", "bandwidth_kbps", "pin", "placement"),
         "results": ("output", "report"),
@@ -81,6 +85,7 @@ class BenchSettings:
     seed: int
     bandwidth_kbps: float  # 0 = unlimited
     quick: bool
+    engine: str = "transformers"  # the verifier's (cloud-verifier --engine)
 
     @property
     def greedy(self) -> bool:
@@ -116,4 +121,5 @@ class BenchSettings:
             "seed": self.seed,
             "bandwidth_kbps": self.bandwidth_kbps,
             "quick": self.quick,
+            "engine": self.engine,
         }

@@ -199,6 +199,8 @@ class BenchRunner:
             str(s.target_model),
             "--dtype",
             s.dtype,
+            "--engine",
+            s.engine,
             *placement.thread_flags(),
         ]
         with running(cmd, self.files / f"verifier.{placement.name}.log", r"serving .* on (\S+:\d+)", "cloud-verifier") as started:
