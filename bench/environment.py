@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -83,10 +84,14 @@ class MeasurementSettings(BaseSettings):
         raise NotImplementedError
 
     @classmethod
+    def parser(cls, doc: str | None) -> argparse.ArgumentParser:
+        return settings_parser(cls.prog(), doc, cls)
+
+    @classmethod
     def main(cls, doc: str | None, argv: Sequence[str] | None) -> int:
         """Run the study the command line describes; write OUT/STUDY.json and OUT/report.md."""
         given = list(sys.argv[1:] if argv is None else argv)
-        args = settings_parser(cls.prog(), doc, cls).parse_args(given)
+        args = cls.parser(doc).parse_args(given)
 
         def run() -> int:
             settings = settings_from_args(cls, args)
