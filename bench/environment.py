@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
 import subprocess
+import sys
 import time
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from bench.cli import settings_parser
+from shared.cli import run_cli, settings_from_args
 from shared.hardware import MATMUL_FLAGS, matmul_flags, proc_field
 
 
@@ -36,29 +44,73 @@ def machine() -> dict[str, Any]:
     }
 
 
-def measurement_parser(name: str, doc: str | None, prompt_tokens: int) -> argparse.ArgumentParser:
-    """The flags of an in-process measurement `python -m bench.NAME` on a target model: the
-    model, its dtype, the prompt length, torch threads, the output folder; it adds its own."""
-    parser = argparse.ArgumentParser(
-        prog=f"python -m bench.{name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", required=True, help="target model folder (HF format)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = usable cores)")
-    parser.add_argument("--out", type=Path, required=True)
-    return parser
+class MeasurementSettings(BaseSettings):
+    """The flags of an in-process measurement `python -m bench.studies.NAME` on a target model:
+    the model, its dtype, the prompt length, torch threads, the output folder. A study derives
+    its own settings from this class: it names itself in `study`, sets its `prompt_tokens`
+    default, adds its own fields (and their help groups), and says how it measures and reports
+    (`measure`, `report`); `main` runs it from the command line."""
+
+    study: ClassVar[str]
+
+    model: str = Field(description="target model folder (HF format)")
+    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
+    prompt_tokens: int = Field(ge=1, description="tokens of each measured prompt")
+    threads: int = Field(0, ge=0, description="torch threads (0 = usable cores)")
+    out: Path = Field(description="folder for the study's JSON result and report.md")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the model": ("model", "dtype", "threads"),
+        "the measurement": ("prompt_tokens",),  # a study lists its own fields here too
+        "output": ("out",),
+    }
+
+    @classmethod
+    def prog(cls) -> str:
+        return f"python -m bench.studies.{cls.study}"
+
+    def described(self, model: Any, command: str) -> dict[str, Any]:
+        """What every study's result opens with: the model, its dtype, the prompt length, and
+        where, with what and how it ran."""
+        dtype = str(model.dtype).removeprefix("torch.")
+        return {"model": Path(self.model).name, "dtype": dtype, "prompt_tokens": self.prompt_tokens, **provenance(command)}
+
+    async def measure(self, command: str) -> dict[str, Any]:
+        """The study's result; `command` is its command line, for the result's provenance."""
+        raise NotImplementedError
+
+    def report(self, result: dict[str, Any]) -> str:
+        """The readable report of a result `measure` gave."""
+        raise NotImplementedError
+
+    @classmethod
+    def parser(cls, doc: str | None) -> argparse.ArgumentParser:
+        return settings_parser(cls.prog(), doc, cls)
+
+    @classmethod
+    def main(cls, doc: str | None, argv: Sequence[str] | None) -> int:
+        """Run the study the command line describes; write OUT/STUDY.json and OUT/report.md."""
+        given = list(sys.argv[1:] if argv is None else argv)
+        args = cls.parser(doc).parse_args(given)
+
+        def run() -> int:
+            settings = settings_from_args(cls, args)
+            result = asyncio.run(settings.measure(" ".join([cls.prog(), *given])))
+            write_result(settings.out, cls.study, result, settings.report(result))
+            return 0
+
+        return run_cli(cls.prog(), run)
 
 
-def load_measured_model(args: argparse.Namespace) -> Any:
-    """The target model of a `measurement_parser` run, on the CPU with --threads torch threads
-    (0: the cores this process may use)."""
+def load_measured_model(settings: MeasurementSettings) -> Any:
+    """The target model of a measurement, on the CPU with --threads torch threads (0: the cores
+    this process may use)."""
     import torch  # here, not at the top: the load tester and the fleet run import this module without a model
 
     from shared import lm
 
-    torch.set_num_threads(args.threads or lm.configure_cpu(torch.device("cpu"), 0))
-    return lm.load_model(args.model, args.dtype, "cpu")
+    torch.set_num_threads(settings.threads or lm.configure_cpu(torch.device("cpu"), 0))
+    return lm.load_model(settings.model, settings.dtype, "cpu")
 
 
 def provenance(command: str) -> dict[str, Any]:

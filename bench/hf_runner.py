@@ -16,19 +16,46 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
+from bench.cli import settings_parser
 from edge.prompts import encode_prompt, read_prompts
 from edge.tokenizer import EdgeTokenizer
 from shared import lm
-from shared.cli import run_cli
-from shared.errors import ConfigError
+from shared.cli import run_cli, settings_from_args
 
-SYSTEMS = ("target-only", "hf-assisted")
+
+class HfRunnerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_HF_RUNNER_")
+
+    system: Literal["target-only", "hf-assisted"] = Field(description="the target alone, or assisted by the draft")
+    target: str = Field(description="target model folder")
+    draft: str = Field(description="draft model folder (its tokenizer and stop ids are the edge's)")
+    prompts: str = Field(description="JSONL of prompts (edge-agent's --prompts format)")
+    max_new_tokens: int = Field(128, ge=1, description="tokens generated per prompt at most")
+    temperature: float = Field(0.0, ge=0, description="0: greedy")
+    seed: int = Field(0, description="torch seed, set before each prompt")
+    chat: bool = Field(True, description="wrap each prompt in the tokenizer's chat template")
+    output: str = Field(description="per-prompt records (JSONL, edge-agent's record shape)")
+    log_rounds: str = Field(description="per-round k and accepted length (JSONL, as edge-agent --log-rounds)")
+    meta: str = Field(description="JSON: KV bytes per token, generation settings")
+    kv_only: bool = Field(False, description="write --meta (KV bytes per token) and stop")
+    dtype: str = Field("bfloat16", description="float32 | bfloat16 | float16")
+    device: str = Field("auto", description="auto | cpu | cuda")
+    threads: int = Field(0, ge=0, description="torch threads (0 = torch's default)")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the models": ("system", "target", "draft"),
+        "what to generate": ("prompts", "max_new_tokens", "temperature", "seed", "chat"),
+        "output": ("output", "log_rounds", "meta", "kv_only"),
+        "runtime": ("dtype", "device", "threads"),
+    }
 
 
 class FirstTokenClock(BaseStreamer):
@@ -94,7 +121,7 @@ class MaskBeyondVocab(LogitsProcessor):
         return scores
 
 
-def generation_config(args: argparse.Namespace, stops: list[int]) -> GenerationConfig:
+def generation_config(args: HfRunnerSettings, stops: list[int]) -> GenerationConfig:
     sampling: dict[str, Any] = (
         {"do_sample": True, "temperature": args.temperature, "top_k": None, "top_p": None}
         if args.temperature > 0
@@ -116,7 +143,7 @@ def round_log(prompt_id: str, target_inputs: list[int], pushes: list[int], promp
     return rounds
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: HfRunnerSettings) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target_folder, draft_folder = Path(args.target), Path(args.draft)
@@ -161,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def generate_one(
-    args: argparse.Namespace,
+    args: HfRunnerSettings,
     target: PreTrainedModel,
     draft: PreTrainedModel | None,
     ids: list[int],
@@ -225,33 +252,13 @@ def _generate(
     return output, clock
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.hf_runner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--system", choices=SYSTEMS, required=True)
-    parser.add_argument("--target", required=True, help="target model folder")
-    parser.add_argument("--draft", required=True, help="draft model folder (its tokenizer and stop ids are the edge's)")
-    parser.add_argument("--prompts", required=True)
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--log-rounds", required=True)
-    parser.add_argument("--meta", required=True, help="JSON: KV bytes per token, generation settings")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-only", action="store_true", help="write --meta (KV bytes per token) and stop")
-    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens must be at least 1")
-    return args
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.hf_runner", __doc__, HfRunnerSettings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli("bench.hf_runner", lambda: run(parse_args(argv)))
+    args = parser().parse_args(argv)
+    return run_cli("bench.hf_runner", lambda: run(settings_from_args(HfRunnerSettings, args)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A model folder with a real model's architecture and random weights.
 
-    python -m bench.random_weights CONFIG_DIR OUT_DIR [--seed 0] [--dtype bfloat16] [--device auto]
+    python -m bench.random_weights --config-dir CONFIG_DIR --out OUT_DIR [--seed 0] [--dtype bfloat16] [--device auto]
 
 CONFIG_DIR holds the real model's config.json (and, optionally, its tokenizer files, which are
 copied so the folder serves like the real one). The weights are transformers' own random
@@ -17,11 +17,17 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bench.cli import settings_parser
 from shared import lm
+from shared.cli import run_cli, settings_from_args
+from shared.errors import ConfigError
 
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -38,21 +44,36 @@ def write_random_model(config_dir: Path, out: Path, seed: int, dtype: str, devic
     model.save_pretrained(out)
 
 
+class RandomWeightsSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_RANDOM_WEIGHTS_")
+
+    config_dir: Path = Field(description="folder with the real model's config.json (and its tokenizer files)")
+    out: Path = Field(description="model folder to write")
+    seed: int = Field(0, description="torch seed of the random initialisation")
+    dtype: str = Field("bfloat16", description="dtype of the saved weights")
+    device: str = Field("auto", description="where the weights are initialised (auto: CUDA when there is one)")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "folders": ("config_dir", "out"),
+        "the weights": ("seed", "dtype", "device"),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.random_weights", __doc__, RandomWeightsSettings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="random_weights", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("config_dir", type=Path, help="folder with the real model's config.json")
-    parser.add_argument("out", type=Path, help="model folder to write")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="auto")
-    args = parser.parse_args(argv)
-    if not (args.config_dir / "config.json").is_file():
-        sys.stderr.write(f"random_weights: {args.config_dir} has no config.json\n")
-        return 2
-    write_random_model(args.config_dir, args.out, args.seed, args.dtype, args.device)
-    return 0
+    args = parser().parse_args(argv)
+
+    def run() -> int:
+        s = settings_from_args(RandomWeightsSettings, args)
+        if not (s.config_dir / "config.json").is_file():
+            raise ConfigError(f"{s.config_dir} has no config.json")
+        write_random_model(s.config_dir, s.out, s.seed, s.dtype, s.device)
+        return 0
+
+    return run_cli("python -m bench.random_weights", run)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Recorded greedy sessions made to fit another target model, round for round.
 
-    python -m bench.retarget_traces TRACE_DIR MODEL_DIR OUT_DIR [--device auto] [--dtype bfloat16]
+    python -m bench.retarget_traces --traces TRACE_DIR --model MODEL_DIR --out OUT_DIR [--device auto] [--dtype bfloat16]
 
 Each recorded round keeps its timing (the edge's think-time), its k and its accepted length;
 its draft tokens are rewritten so that MODEL_DIR, greedy, accepts exactly as many as the
@@ -24,13 +24,17 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from transformers import PreTrainedModel
 
+from bench.cli import settings_parser
 from edge.trace import Event, OpenEvent, SessionTrace, TraceEnd, TraceError, VerifyEvent, read_traces, write_trace
 from shared import lm
-from shared.errors import ConfigError
+from shared.cli import run_cli, settings_from_args
 
 log = logging.getLogger("retarget-traces")
 
@@ -88,27 +92,39 @@ def retarget(trace: SessionTrace, model: PreTrainedModel, model_name: str) -> Se
     return SessionTrace(header, events, end, trace.name)
 
 
+class RetargetSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_RETARGET_")
+
+    traces: Path = Field(description="folder of recorded *.jsonl session traces")
+    model: Path = Field(description="the target model folder the traces are rewritten for")
+    out: Path = Field(description="folder for the rewritten traces (same file names)")
+    device: str = Field("auto", description="where the model runs (auto: CUDA when there is one)")
+    dtype: str = Field("bfloat16", description="the dtype the verifier will serve the model in")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "folders": ("traces", "model", "out"),
+        "the model": ("device", "dtype"),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.retarget_traces", __doc__, RetargetSettings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="retarget_traces", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("traces", type=Path, help="folder of recorded *.jsonl session traces")
-    parser.add_argument("model", type=Path, help="the target model folder the traces are rewritten for")
-    parser.add_argument("out", type=Path, help="folder for the rewritten traces (same file names)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="bfloat16", help="the dtype the verifier will serve the model in")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    try:
-        traces = read_traces(args.traces)
-        model = lm.load_model(args.model, args.dtype, args.device)
+
+    def run() -> int:
+        s = settings_from_args(RetargetSettings, args)
+        traces = read_traces(s.traces)
+        model = lm.load_model(s.model, s.dtype, s.device)
         for trace in traces:
-            write_trace(args.out / f"{trace.name}.jsonl", retarget(trace, model, args.model.name))
-    except (TraceError, ConfigError) as err:
-        sys.stderr.write(f"retarget_traces: {err}\n")
-        return 2
-    log.info("%d traces rewritten into %s", len(traces), args.out)
-    return 0
+            write_trace(s.out / f"{trace.name}.jsonl", retarget(trace, model, s.model.name))
+        log.info("%d traces rewritten into %s", len(traces), s.out)
+        return 0
+
+    return run_cli("python -m bench.retarget_traces", run)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Records are edge-agent's `--prompts` output lines (or bench.hf_runner's, same sh
 logs are `--log-rounds` lines (k and accepted_len per round). The CLI writes one table from
 several JSONL files, one per mode.
 
-    python -m bench.summarize --output result.json speculative=spec.jsonl cloud_only=cloud.jsonl ...
+    python -m bench.summarize --output result.json --run speculative=spec.jsonl --run cloud_only=cloud.jsonl ...
 """
 
 from __future__ import annotations
@@ -16,9 +16,13 @@ import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from shared.cli import run_cli
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bench.cli import settings_parser
+from shared.cli import run_cli, settings_from_args
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -119,12 +123,29 @@ def load_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+class SummarizeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_SUMMARIZE_")
+
+    run: list[str] = Field(min_length=1, description="MODE=FILE.jsonl, one per mode (repeat the flag)")
+    reference: str = Field("cloud_only", description="mode whose tokens the others are compared to")
+    output: Path = Field(description="the table as JSON")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the runs": ("run", "reference"),
+        "output": ("output",),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.summarize", __doc__, SummarizeSettings)
+
+
 def _rounded(row: dict[str, Any]) -> dict[str, Any]:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "acceptance_by_position"}
 
 
-def _table(args: argparse.Namespace) -> int:
-    runs = {spec.split("=", 1)[0]: load_jsonl(Path(spec.split("=", 1)[1])) for spec in args.runs}
+def _table(args: SummarizeSettings) -> int:
+    runs = {spec.split("=", 1)[0]: load_jsonl(Path(spec.split("=", 1)[1])) for spec in args.run}
     reference = {r["id"]: r["token_ids"] for r in runs.get(args.reference, [])}
     result: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor()}, "modes": {}}
     for mode, records in runs.items():
@@ -142,14 +163,8 @@ def _table(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="bench.summarize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("runs", nargs="+", help="MODE=FILE.jsonl")
-    parser.add_argument("--output", type=Path, required=True)
-    parser.add_argument("--reference", default="cloud_only", help="mode whose tokens the others are compared to")
-    args = parser.parse_args(argv)
-    return run_cli("bench.summarize", lambda: _table(args))
+    args = parser().parse_args(argv)
+    return run_cli("python -m bench.summarize", lambda: _table(settings_from_args(SummarizeSettings, args)))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -42,6 +43,12 @@ class CalibrateSettings(BaseSettings):
     max_prompts: int = Field(20, ge=1, description="prompts to run the draft model on")
     max_new_tokens: int = Field(32, ge=1, description="tokens drafted per prompt")
     nll_percentile: float = Field(80.0, gt=0, lt=100, description="T_nll = this percentile of the drafted NLLs")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the prompts": ("prompts", "max_prompts", "max_new_tokens"),
+        "the draft model": ("draft_model", "dtype"),
+        "the thresholds": ("nll_percentile", "output"),
+    }
 
 
 def nll_threshold(signals: Sequence[TokenSignals], percentile: float) -> float:
@@ -76,12 +83,16 @@ def calibrate(settings: CalibrateSettings) -> GatingThresholds:
     return thresholds
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    made = argparse.ArgumentParser(
         prog="edge-calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_settings_flags(parser, CalibrateSettings)
-    args = parser.parse_args(argv)
+    add_settings_flags(made, CalibrateSettings)
+    return made
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
 
     def run() -> int:

@@ -1,25 +1,46 @@
 """Check the edge's tokenizer against transformers' AutoTokenizer on a model folder and a
 prompt file: prompt ids with and without the chat template, and decoded text.
 
-    python tools/check_tokenizer.py MODEL_FOLDER PROMPTS.jsonl
+    python -m tools.check_tokenizer --model MODEL_FOLDER --prompts PROMPTS.jsonl
 
 Prints one JSON line with the counts; exits 1 on any difference."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from transformers import AutoTokenizer
 
+from bench.cli import settings_parser
 from edge.prompts import encode_prompt, read_prompts
 from edge.tokenizer import EdgeTokenizer
+from shared.cli import run_cli, settings_from_args
 
 
-def main(folder: str, prompts_file: str) -> int:
+class CheckTokenizerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_CHECK_TOKENIZER_")
+
+    model: str = Field(description="model folder holding the tokenizer to compare")
+    prompts: Path = Field(description="JSONL of prompts (edge-agent's --prompts format)")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {"what to compare": ("model", "prompts")}
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m tools.check_tokenizer", __doc__, CheckTokenizerSettings)
+
+
+def compare(folder: str, prompts_file: Path) -> int:
+    """Print the counts; 0 when every prompt's ids and text agree, else 1."""
     ours, theirs = EdgeTokenizer(folder), AutoTokenizer.from_pretrained(folder)
-    prompts = read_prompts(Path(prompts_file))
+    prompts = read_prompts(prompts_file)
     counts = {"prompts": len(prompts), "chat_ids_equal": 0, "plain_ids_equal": 0, "decoded_equal": 0, "tokens": 0}
     for prompt in prompts:
         rendered = theirs.apply_chat_template(
@@ -36,5 +57,15 @@ def main(folder: str, prompts_file: str) -> int:
     return 0 if all(n == len(prompts) for n in equal) else 1
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+
+    def run() -> int:
+        s = settings_from_args(CheckTokenizerSettings, args)
+        return compare(s.model, s.prompts)
+
+    return run_cli("python -m tools.check_tokenizer", run)
+
+
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main())

@@ -15,5 +15,5 @@ for MODE in cloud_only speculative edge_only; do
   "$PY" -m edge --cloud "127.0.0.1:$PORT" --dtype "$DTYPE" --prompts "$PROMPTS" --mode "$MODE" \
       --output "$OUT/$MODE.jsonl" "$@" 2>"$OUT/$MODE.log"
 done
-"$PY" -m bench.summarize --output "$OUT/result.json" speculative="$OUT/speculative.jsonl" \
-    cloud_only="$OUT/cloud_only.jsonl" edge_only="$OUT/edge_only.jsonl" | tee "$OUT/table.md"
+"$PY" -m bench.summarize --output "$OUT/result.json" --run speculative="$OUT/speculative.jsonl" \
+    --run cloud_only="$OUT/cloud_only.jsonl" --run edge_only="$OUT/edge_only.jsonl" | tee "$OUT/table.md"

@@ -15,10 +15,10 @@ port=${PORT:-50071} http_port=${HTTP_PORT:-8091}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv"
 
-$py -m bench.random_weights "$config_dir" "$out/model" --device cuda --dtype bfloat16
+$py -m bench.random_weights --config-dir "$config_dir" --out "$out/model" --device cuda --dtype bfloat16
 $py -m bench.studies.kv_layout_timing --model "$out/model" --device cuda --dtype bfloat16 --sessions 1,4,8,16 \
     --contexts 1024,4096 --rounds 10 --output "$out/kv_layout.json"
-$py -m bench.retarget_traces bench/data/traces/qwen "$out/model" "$out/traces" --device cuda --dtype bfloat16
+$py -m bench.retarget_traces --traces bench/data/traces/qwen --model "$out/model" --out "$out/traces" --device cuda --dtype bfloat16
 
 $py -m cloud --model "$out/model" --device cuda --dtype bfloat16 --port "$port" --http-port "$http_port" \
     --max-sessions 2048 --max-batch-size 64 --max-queue 4096 > "$out/verifier.log" 2>&1 &

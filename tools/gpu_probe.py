@@ -3,25 +3,50 @@ speculative decoding pays on a GPU: verification is nearly free in k), using the
 architectures with random weights (timing does not depend on the weights); (2) greedy
 speculative == target-only on the GPU through the project's own Verifier and Drafter.
 
-    python tools/gpu_probe.py CONFIG_DIR_DRAFT CONFIG_DIR_TARGET OUT.json
+    python -m tools.gpu_probe --draft-config CONFIG_DIR_DRAFT --target-config CONFIG_DIR_TARGET --out OUT.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
 
 import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bench.cli import settings_parser
 from bench.tiny_models import tiny_draft, tiny_target
 from cloud.engine.transformers import TransformersEngine
 from cloud.verifier import Verifier
 from edge.drafting.drafter import Drafter, DrafterConfig
 from edge.drafting.runtime_transformers import TransformersDraftLM
 from shared import lm
+from shared.cli import run_cli, settings_from_args
 from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
+
+
+class GpuProbeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_GPU_PROBE_")
+
+    draft_config: str = Field(description="folder with the draft model's config.json (random weights are timed)")
+    target_config: str = Field(description="folder with the target model's config.json (random weights are timed)")
+    out: Path = Field(description="JSON file for the result")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the models": ("draft_config", "target_config"),
+        "output": ("out",),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m tools.gpu_probe", __doc__, GpuProbeSettings)
 
 
 def forward_ms(config_dir: str, dtype: torch.dtype, context: int = 512) -> dict[int, float]:
@@ -66,16 +91,20 @@ def greedy_equality(prompts: int = 20) -> dict[str, int]:
     return {"checked": checked, "identical": equal}
 
 
-def main() -> int:
-    draft_dir, target_dir, out = sys.argv[1:4]
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return run_cli("python -m tools.gpu_probe", lambda: probe(settings_from_args(GpuProbeSettings, args)))
+
+
+def probe(settings: GpuProbeSettings) -> int:
     result: dict[str, object] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "greedy_equality_fp32_cuda": greedy_equality(),
     }
-    for name, folder in (("draft_0.5b", draft_dir), ("target_1.5b", target_dir)):
+    for name, folder in (("draft_0.5b", settings.draft_config), ("target_1.5b", settings.target_config)):
         result[f"{name}_bf16_forward_ms_by_new_tokens"] = forward_ms(folder, torch.bfloat16)
-    with open(out, "w") as handle:
+    with open(settings.out, "w") as handle:
         json.dump(result, handle, indent=2)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
     return 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The load sweep: the shipped Qwen traces replayed with N sessions arriving at once, against
 # a verifier with cross-session batching and one without (--max-batch-size 1), speculative and
-# cloud_only, one verifier process per configuration; then one table (tools/load_table.py).
+# cloud_only, one verifier process per configuration; then one table (python -m tools.load_table).
 #   tools/load_sweep.sh OUT_DIR [DTYPE] [SESSIONS] [PROMPT_CAP] [OUTPUT_CAP] [THINK_SCALE]
 # THINK_SCALE 0 (default) sends each round as soon as the last reply arrives: the verifier's
 # capacity, with no edge drafting time between rounds.
@@ -41,4 +41,4 @@ run_config() {  # name, verifier flags, loadtest mode
 run_config spec_batched "" speculative
 [ -n "${SKIP_UNBATCHED:-}" ] || run_config spec_unbatched "--max-batch-size 1" speculative
 run_config cloud_only_batched "" cloud_only
-$py tools/load_table.py "$out"
+$py -m tools.load_table --out "$out"

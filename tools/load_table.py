@@ -1,20 +1,44 @@
 """Tabulate tools/load_sweep.sh's results: one row per configuration and session count, with
 batched against unbatched and speculative against cloud_only (all from the same sweep).
 
-    python tools/load_table.py OUT_DIR      # writes OUT_DIR/table.md and prints it
+    python -m tools.load_table --out OUT_DIR      # writes OUT_DIR/table.md and prints it
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bench.cli import settings_parser
+from shared.cli import run_cli, settings_from_args
 
 
-def main() -> int:
-    out = Path(sys.argv[1])
+class LoadTableSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_LOAD_TABLE_")
+
+    out: Path = Field(description="tools/load_sweep.sh's output folder (NAME.nN.json); table.md is written there")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {"the sweep": ("out",)}
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m tools.load_table", __doc__, LoadTableSettings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return run_cli("python -m tools.load_table", lambda: write_table(settings_from_args(LoadTableSettings, args).out))
+
+
+def write_table(out: Path) -> int:
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     for path in sorted(out.glob("*.n*.json")):
         match = re.fullmatch(r"(.+)\.n(\d+)\.json", path.name)

@@ -26,15 +26,19 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from transformers import DynamicCache, PreTrainedModel
 
+from bench.cli import settings_parser
 from bench.tiny_models import random_llama, tiny_target
 from cloud.engine.kv_slots import SlotKV, SlotPool, forward_slots
 from cloud.engine.transformers import KVCache, crop, forward_packed
 from shared import lm
+from shared.cli import run_cli, settings_from_args
 
 log = logging.getLogger("kv-layout-timing")
 
@@ -137,29 +141,43 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+class KvLayoutSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_KV_LAYOUT_")
+
+    model: str = Field("tiny", description="tiny, small (random) or a local model folder")
+    device: str = Field("auto", description="auto | cpu | cuda")
+    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
+    sessions: str = Field("1,4,8,16", pattern=r"^\d+(,\d+)*$", description="sessions per batched pass, comma-separated")
+    contexts: str = Field("1024,4096", pattern=r"^\d+(,\d+)*$", description="KV positions per session, comma-separated")
+    block: int = Field(5, ge=1, description="tokens fed per session per round (k + 1)")
+    rounds: int = Field(20, ge=1, description="timed rounds per row")
+    slot_tokens: int = Field(0, ge=0, description="slots: positions per slot (0: context + block)")
+    layouts: str = Field(",".join(LAYOUTS), description="packed, slots (as the verifier feeds them), slots-packed (one row)")
+    output: str = Field("kv_layout.json", description="JSON file for the rows and the table")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the model": ("model", "device", "dtype"),
+        "the measurement": ("sessions", "contexts", "block", "rounds", "slot_tokens", "layouts"),
+        "output": ("output",),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.studies.kv_layout_timing", __doc__, KvLayoutSettings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kv_layout_timing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="tiny", help="tiny, small (random) or a local model folder")
-    parser.add_argument("--sessions", type=_ints, default=[1, 4, 8, 16])
-    parser.add_argument("--contexts", type=_ints, default=[1024, 4096])
-    parser.add_argument("--block", type=int, default=5, help="tokens fed per session per round (k + 1)")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--slot-tokens", type=int, default=0, help="slots: positions per slot (0: context + block)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--output", default="kv_layout.json")
-    parser.add_argument(
-        "--layouts", default=",".join(LAYOUTS), help="packed, slots (as the verifier feeds them), slots-packed (one row)"
-    )
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    return run_cli("python -m bench.studies.kv_layout_timing", lambda: timing(settings_from_args(KvLayoutSettings, args)))
+
+
+def timing(args: KvLayoutSettings) -> int:
     device, dtype = lm.resolve_device(args.device), lm.resolve_dtype(args.dtype)
     model = _model(args.model, dtype, device)
     rows = []
-    for context in args.contexts:
-        for sessions in args.sessions:
+    for context in _ints(args.contexts):
+        for sessions in _ints(args.sessions):
             for layout in args.layouts.split(","):
                 rows.append(measure(model, layout, sessions, context, args.block, args.rounds, args.slot_tokens))
                 log.info("%s", rows[-1])

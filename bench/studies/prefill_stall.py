@@ -11,18 +11,18 @@ in one run, so they share the machine's state. Writes prefill_stall.json and rep
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
-from bench.environment import load_measured_model, measurement_parser, provenance, write_result
+from bench.environment import MeasurementSettings, load_measured_model
 from cloud.batcher import BatchLimits
 from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
@@ -108,7 +108,7 @@ def _report(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
+async def _measure(args: PrefillStallSettings, command: str) -> dict[str, Any]:
     model = load_measured_model(args)
     verifier = Verifier(TransformersEngine(model), Path(args.model).name)
     vocab = min(lm.logits_width(model), 30000)
@@ -119,24 +119,31 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         for chunk in chunks:  # alternated: every configuration sees the machine in the same states
             runs.append(await measure(verifier, chunk, prompt))
             print(json.dumps(runs[-1]), flush=True)  # noqa: T201  # progress of a long run
-    return {
-        "model": Path(args.model).name,
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "prompt_tokens": args.prompt_tokens,
-        "runs": runs,
-        **provenance("python -m bench.studies.prefill_stall " + " ".join(args.argv)),
+    return {**args.described(model, command), "runs": runs}
+
+
+class PrefillStallSettings(MeasurementSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_PREFILL_STALL_")
+    study: ClassVar[str] = "prefill_stall"
+
+    prompt_tokens: int = Field(2048, ge=1, description="tokens of the long prompt")
+    chunks: str = Field("0,512,256", pattern=r"^\d+(,\d+)*$", description="--max-prefill-chunk values, comma-separated")
+    repeats: int = Field(1, ge=1, description="times each configuration is measured (alternating)")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        **MeasurementSettings.help_groups,
+        "the measurement": ("prompt_tokens", "chunks", "repeats"),
     }
+
+    async def measure(self, command: str) -> dict[str, Any]:
+        return await _measure(self, command)
+
+    def report(self, result: dict[str, Any]) -> str:
+        return _report(result)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = measurement_parser("prefill_stall", __doc__, prompt_tokens=2048)
-    parser.add_argument("--chunks", default="0,512,256", help="--max-prefill-chunk values, comma-separated")
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
-    result = asyncio.run(_main(args))
-    write_result(args.out, "prefill_stall", result, _report(result))
-    return 0
+    return PrefillStallSettings.main(__doc__, argv)
 
 
 if __name__ == "__main__":

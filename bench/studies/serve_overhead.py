@@ -24,8 +24,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bench.cli import settings_parser
 from bench.environment import machine, versions
 from bench.processes import running
 from bench.tiny_models import save_pair
@@ -35,8 +39,7 @@ from edge.context import EdgeContext, load_edge, verifier_client
 from edge.prompts import Prompt, encode_prompt, read_prompts
 from edge.round.generate import RoundRecord
 from edge.transport.client import VerifierClient
-from shared.cli import run_cli
-from shared.errors import ConfigError
+from shared.cli import run_cli, settings_from_args
 from shared.models import DRAFT_MODEL, TARGET_MODEL
 from shared.models.store import model_folder
 
@@ -49,6 +52,34 @@ DEFAULT_PROMPTS = [  # short coding and writing asks, like the packaged Qwen-Cod
     "Write a JavaScript function that debounces another function.",
 ]
 QUICK_PROMPTS = ["w5 w9", "w12 w40 w7", "w60 w61 w62"]
+
+
+class ServeOverheadSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_SERVE_OVERHEAD_")
+
+    draft_model: Path | None = Field(None, description="draft model folder (default: the packaged Qwen 0.5B)")
+    target_model: Path | None = Field(None, description="target model folder (default: the packaged Qwen 1.5B)")
+    quick: bool = Field(False, description="tiny random models (fp32, 12 tokens): a smoke run")
+    prompts: Path | None = Field(None, description="JSONL of prompts (edge-agent's format); default: six built in")
+    max_new_tokens: int | None = Field(None, ge=1, description="per prompt (default 64; --quick: 12)")
+    k: int = Field(4, ge=0, description="draft tokens per round")
+    repeats: int = Field(3, ge=1, description="times each prompt is measured on both paths")
+    dtype: str | None = Field(None, description="of models run by transformers (default auto; --quick: float32)")
+    threads: int = Field(0, ge=0, description="CPU threads per process (0 = each runtime's default)")
+    out: Path = Field(description="folder for serve_overhead.json, report.md, logs")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the models": ("draft_model", "target_model", "quick"),
+        "the measurement": ("prompts", "max_new_tokens", "k", "repeats"),
+        "runtime": ("dtype", "threads"),
+        "output": ("out",),
+    }
+
+    @model_validator(mode="after")
+    def _quick_defaults(self) -> Self:
+        self.max_new_tokens = self.max_new_tokens or (12 if self.quick else 64)
+        self.dtype = self.dtype or ("float32" if self.quick else "auto")
+        return self
 
 
 @dataclass(frozen=True)
@@ -109,7 +140,7 @@ async def _direct_sample(ctx: EdgeContext, client: VerifierClient, prompt: Promp
     return Sample("direct", prompt.id, repeat, (first.at or start) - start, elapsed, len(result.token_ids), result.rounds, text)
 
 
-async def _measure(args: argparse.Namespace, address: str, base_url: str, prompts: list[Prompt]) -> list[Sample]:
+async def _measure(args: ServeOverheadSettings, address: str, base_url: str, prompts: list[Prompt]) -> list[Sample]:
     from openai import OpenAI
 
     api = OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -134,7 +165,7 @@ async def _measure(args: argparse.Namespace, address: str, base_url: str, prompt
     return samples
 
 
-def _edge_settings(args: argparse.Namespace, address: str) -> EdgeSettings:
+def _edge_settings(args: ServeOverheadSettings, address: str) -> EdgeSettings:
     return EdgeSettings(
         cloud=address,
         draft_model=str(args.draft_model),
@@ -146,7 +177,7 @@ def _edge_settings(args: argparse.Namespace, address: str) -> EdgeSettings:
     )
 
 
-def _edge_flags(args: argparse.Namespace) -> list[str]:
+def _edge_flags(args: ServeOverheadSettings) -> list[str]:
     return [
         "--draft-model",
         str(args.draft_model),
@@ -228,21 +259,26 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _prompts(args: argparse.Namespace) -> list[Prompt]:
+def _prompts(args: ServeOverheadSettings) -> list[Prompt]:
     if args.prompts is not None:
         return read_prompts(args.prompts)
     texts = QUICK_PROMPTS if args.quick else DEFAULT_PROMPTS
     return [Prompt(f"p{i}", text) for i, text in enumerate(texts)]
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1 or args.max_new_tokens < 1:
-        raise ConfigError("--repeats and --max-new-tokens must be at least 1")
+def _with_models(args: ServeOverheadSettings) -> ServeOverheadSettings:
+    """The settings with both model folders named: --quick's tiny pair, else the packaged ones."""
+    draft, target = args.draft_model, args.target_model
+    if args.quick and (draft is None or target is None):
+        draft, target = save_pair(args.out / "tiny_models")
+    draft = draft or Path(model_folder(None, DRAFT_MODEL))
+    target = target or Path(model_folder(None, TARGET_MODEL))
+    return args.model_copy(update={"draft_model": draft, "target_model": target})
+
+
+def run(args: ServeOverheadSettings) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.quick and (args.draft_model is None or args.target_model is None):
-        args.draft_model, args.target_model = save_pair(args.out / "tiny_models")
-    args.draft_model = args.draft_model or Path(model_folder(None, DRAFT_MODEL))
-    args.target_model = args.target_model or Path(model_folder(None, TARGET_MODEL))
+    args = _with_models(args)
     prompts = _prompts(args)
     verifier = [sys.executable, "-m", "cloud", "--model", str(args.target_model), "--host", "127.0.0.1", "--port", "0"]
     verifier += ["--http-port", "0", "--dtype", args.dtype, "--threads", str(args.threads)]
@@ -275,24 +311,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.studies.serve_overhead", __doc__, ServeOverheadSettings)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.studies.serve_overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, required=True, help="folder for serve_overhead.json, report.md, logs")
-    parser.add_argument("--quick", action="store_true", help="tiny random models (fp32, 12 tokens): a smoke run")
-    parser.add_argument("--draft-model", type=Path, help="draft model folder (default: the packaged Qwen 0.5B)")
-    parser.add_argument("--target-model", type=Path, help="target model folder (default: the packaged Qwen 1.5B)")
-    parser.add_argument("--prompts", type=Path, help="JSONL of prompts (edge-agent's format); default: six built in")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="per prompt (default 64; --quick: 12)")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per round")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default=None, help="of models run by transformers (default auto; --quick: float32)")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads per process (0 = each runtime's default)")
-    args = parser.parse_args(argv)
-    args.max_new_tokens = args.max_new_tokens or (12 if args.quick else 64)
-    args.dtype = args.dtype or ("float32" if args.quick else "auto")
-    return run_cli("serve_overhead", lambda: run(args))
+    args = parser().parse_args(argv)
+    return run_cli("serve_overhead", lambda: run(settings_from_args(ServeOverheadSettings, args)))
 
 
 if __name__ == "__main__":

@@ -12,20 +12,19 @@ the flood without them. Writes two_keys.json and report.md.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
-import sys
 import time
 from collections import Counter
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
-from bench.environment import load_measured_model, measurement_parser, provenance, write_result
+from bench.environment import MeasurementSettings, load_measured_model
 from cloud.auth import ApiKeys
 from cloud.batcher import BatchLimits
 from cloud.engine.transformers import TransformersEngine
@@ -78,7 +77,43 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": round(float(np.percentile(values, 50)), 1), "p95": round(float(np.percentile(values, 95)), 1)}
 
 
-async def phase(model: Any, args: argparse.Namespace, key_limits: KeyLimits | None, flood: bool) -> dict[str, Any]:
+async def _measure(args: TwoKeysSettings, command: str) -> dict[str, Any]:
+    model = load_measured_model(args)
+    quota = KeyLimits(max_sessions=args.key_max_sessions, max_queued=args.key_max_queued)
+    phases = {
+        "alone": await phase(model, args, quota, flood=False),
+        f"beside the flood, heavy key limited to {args.key_max_sessions} sessions": await phase(model, args, quota, flood=True),
+        "beside the flood, no per-key limits": await phase(model, args, None, flood=True),
+    }
+    return {**args.described(model, command), "k": args.k, "heavy_sessions": args.heavy_sessions, "phases": phases}
+
+
+class TwoKeysSettings(MeasurementSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_TWO_KEYS_")
+    study: ClassVar[str] = "two_keys"
+
+    prompt_tokens: int = Field(64, ge=1, description="tokens of each session's prompt")
+    k: int = Field(4, ge=0, description="draft tokens per round")
+    rounds: int = Field(30, ge=1, description="the light key's rounds per phase")
+    heavy_sessions: int = Field(12, ge=0, description="sessions the heavy key opens at once")
+    key_max_sessions: int = Field(1, ge=0, description="the heavy key's sessions at most, limited phase (0: none)")
+    key_max_queued: int = Field(2, ge=0, description="the heavy key's queued rounds at most, limited phase (0: none)")
+    flood_head_start_s: float = Field(2.0, ge=0, description="how long the flood runs before the light key's rounds")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        **MeasurementSettings.help_groups,
+        "the measurement": ("prompt_tokens", "k", "rounds", "heavy_sessions", "flood_head_start_s"),
+        "the heavy key's quota": ("key_max_sessions", "key_max_queued"),
+    }
+
+    async def measure(self, command: str) -> dict[str, Any]:
+        return await _measure(self, command)
+
+    def report(self, result: dict[str, Any]) -> str:
+        return _report(result)
+
+
+async def phase(model: Any, args: TwoKeysSettings, key_limits: KeyLimits | None, flood: bool) -> dict[str, Any]:
     vocab = min(lm.logits_width(model), 32000)
     limits = key_limits or KeyLimits()
     verifier = Verifier(
@@ -140,38 +175,8 @@ def _report(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    model = load_measured_model(args)
-    quota = KeyLimits(max_sessions=args.key_max_sessions, max_queued=args.key_max_queued)
-    phases = {
-        "alone": await phase(model, args, quota, flood=False),
-        f"beside the flood, heavy key limited to {args.key_max_sessions} sessions": await phase(model, args, quota, flood=True),
-        "beside the flood, no per-key limits": await phase(model, args, None, flood=True),
-    }
-    return {
-        "model": Path(args.model).name,
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "k": args.k,
-        "prompt_tokens": args.prompt_tokens,
-        "heavy_sessions": args.heavy_sessions,
-        "phases": phases,
-        **provenance("python -m bench.studies.two_keys " + " ".join(args.argv)),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = measurement_parser("two_keys", __doc__, prompt_tokens=64)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per round")
-    parser.add_argument("--rounds", type=int, default=30, help="the light key's rounds per phase")
-    parser.add_argument("--heavy-sessions", type=int, default=12)
-    parser.add_argument("--key-max-sessions", type=int, default=1, help="the heavy key's quota in the limited phase")
-    parser.add_argument("--key-max-queued", type=int, default=2)
-    parser.add_argument("--flood-head-start-s", type=float, default=2.0)
-    args = parser.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
-    result = asyncio.run(_main(args))
-    write_result(args.out, "two_keys", result, _report(result))
-    return 0
+    return TwoKeysSettings.main(__doc__, argv)
 
 
 if __name__ == "__main__":

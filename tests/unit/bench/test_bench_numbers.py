@@ -1,6 +1,7 @@
 """The benchmark's arithmetic and prompt selection: percentiles, per-position acceptance,
 run summaries, Spec-Bench task grouping, and the CLI's one-line errors."""
 
+import json
 import random
 from collections import Counter
 
@@ -10,6 +11,7 @@ import pytest
 from bench.__main__ import main
 from bench.report import round_time_table
 from bench.summarize import acceptance_by_position, identical_count, percentile, round_time, summarize
+from bench.summarize import main as summarize_main
 from bench.systems import Kind, parse_variant, resolve_systems
 from bench.tasks import TASKS, select_per_task, spec_bench_path, task_of
 from edge.prompts import Prompt, read_prompts
@@ -123,6 +125,17 @@ def test_summary_rates_come_from_totals_not_means_of_ratios() -> None:
     assert s["ttft_s_p50"] == pytest.approx(1.0) and s["latency_s_p95"] == pytest.approx(3.9)
     no_rounds = summarize([_record(5, 0, 0, 0, 5, 1.0, 0.2)])
     assert no_rounds["tau"] is None and no_rounds["acceptance_rate"] is None
+
+
+def test_the_summarize_command_tables_each_run_against_the_reference(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    runs = {"cloud_only": [_record(4, 0, 0, 0, 4, 1.0, 0.1, id="a")], "speculative": [_record(3, 1, 2, 2, 1, 1.0, 0.1, id="a")]}
+    for mode, records in runs.items():
+        (tmp_path / f"{mode}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    flags = [f"--run={mode}={tmp_path / mode}.jsonl" for mode in runs]
+    assert summarize_main([*flags, "--output", str(tmp_path / "result.json")]) == 0
+    modes = json.loads((tmp_path / "result.json").read_text())["modes"]
+    assert modes["speculative"]["identical_to_reference"] == 0 and modes["cloud_only"]["output_tokens"] == 4
+    assert capsys.readouterr().out.count("| speculative |") == 1
 
 
 def test_identical_count_is_token_for_token() -> None:

@@ -4,8 +4,8 @@ against one plain forward pass over the whole output, not the rewriting code).""
 
 import pytest
 
-from bench.retarget_traces import retarget
-from edge.trace import OpenEvent, SessionTrace, TraceEnd, TraceError, TraceHeader, VerifyEvent
+from bench.retarget_traces import main, retarget
+from edge.trace import OpenEvent, SessionTrace, TraceEnd, TraceError, TraceHeader, VerifyEvent, read_traces, write_trace
 from shared import lm
 from shared.protocol import SamplingParams, VerifyRequest
 
@@ -46,3 +46,19 @@ def test_rounds_accept_what_was_recorded_and_reply_the_targets_greedy_tokens(tar
 def test_only_greedy_traces_can_be_rewritten(target_model) -> None:
     with pytest.raises(TraceError, match="only greedy"):
         retarget(_trace("sparse"), target_model, "tiny")
+
+
+def test_the_command_rewrites_a_folder_and_refuses_sampled_traces_in_one_line(target_model, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    target_model.save_pretrained(tmp_path / "model")
+    write_trace(tmp_path / "greedy" / "recorded.jsonl", _trace())
+    flags = ["--model", str(tmp_path / "model"), "--device", "cpu", "--dtype", "float32"]
+    assert main(["--traces", str(tmp_path / "greedy"), "--out", str(tmp_path / "out"), *flags]) == 0
+    (written,) = read_traces(tmp_path / "out")
+    assert written.end.output_tokens == retarget(_trace(), target_model, "model").end.output_tokens
+    write_trace(tmp_path / "sampled" / "recorded.jsonl", _trace("sparse"))
+    capsys.readouterr()
+    assert main(["--traces", str(tmp_path / "sampled"), "--out", str(tmp_path / "out2"), *flags]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    want = "python -m bench.retarget_traces: error: recorded: only greedy speculative traces can be retargeted"
+    assert err.splitlines()[-1] == want
