@@ -61,10 +61,10 @@ class ServeOverheadSettings(BaseSettings):
     target_model: Path | None = Field(None, description="target model folder (default: the packaged Qwen 1.5B)")
     quick: bool = Field(False, description="tiny random models (fp32, 12 tokens): a smoke run")
     prompts: Path | None = Field(None, description="JSONL of prompts (edge-agent's format); default: six built in")
-    max_new_tokens: int | None = Field(None, ge=1, description="per prompt (default 64; --quick: 12)")
+    max_new_tokens: int = Field(0, ge=0, description="per prompt (0: 64; --quick: 12)")
     k: int = Field(4, ge=0, description="draft tokens per round")
     repeats: int = Field(3, ge=1, description="times each prompt is measured on both paths")
-    dtype: str | None = Field(None, description="of models run by transformers (default auto; --quick: float32)")
+    dtype: str = Field("", description="of models run by transformers (empty: auto; --quick: float32)")
     threads: int = Field(0, ge=0, description="CPU threads per process (0 = each runtime's default)")
     out: Path = Field(description="folder for serve_overhead.json, report.md, logs")
 
