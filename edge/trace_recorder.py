@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from edge.trace import Event, GenerateEvent, OpenEvent, SessionTrace, TraceEnd, TraceHeader, VerifyEvent
+from edge.transport.client import TappedCall
 from shared.errors import SpecDecError
 from shared.protocol import GenerateRequest, OpenSessionRequest, OpenSessionResult, VerifyRequest, VerifyResult
 
@@ -29,50 +30,26 @@ class SessionRecorder:
     def _t(self, clock: float) -> float:
         return round(clock - self.start, 6)
 
-    def opened(
-        self, req: OpenSessionRequest, result: OpenSessionResult | None, error: SpecDecError | None, sent: float, replied: float
-    ) -> None:
+    def opened(self, call: TappedCall[OpenSessionRequest, OpenSessionResult]) -> None:
+        req, result = call.request, call.result
         prefix = req.prompt_tokens[len(self.header.prompt_tokens) :]
         if result is not None:  # a folder's name, not the verifier's local path
             self.target_model = self.target_model or result.model_id.rstrip("/").rsplit("/", 1)[-1]
-        self.events.append(
-            OpenEvent(
-                self._t(sent),
-                self._t(replied),
-                req.config.seed,
-                prefix,
-                result.position if result else 0,
-                result.prefill_ms if result else 0.0,
-                _code(error),
-            )
-        )
+        position, prefill_ms = (result.position, result.prefill_ms) if result else (0, 0.0)
+        sent, replied = self._t(call.sent), self._t(call.replied)
+        self.events.append(OpenEvent(sent, replied, req.config.seed, prefix, position, prefill_ms, _code(call.error)))
 
-    def verified(
-        self,
-        req: VerifyRequest,
-        result: VerifyResult | None,
-        error: SpecDecError | None,
-        sent: float,
-        replied: float,
-        resends: int,
-    ) -> None:
-        bare = VerifyRequest(
-            "",
-            req.base_position,
-            req.draft_tokens,
-            req.draft_probs,
-            req.committed_tokens,
-            req.hard_mask,
-            req.sparse_draft,
-            req.want_top_k,
-        )
+    def verified(self, call: TappedCall[VerifyRequest, VerifyResult]) -> None:
+        req, result = call.request, call.result
+        bare = replace(req, session_id="", request_id="")  # the trace never holds a session id
+        sent, replied = self._t(call.sent), self._t(call.replied)
         if result is None:
-            self.events.append(VerifyEvent(self._t(sent), self._t(replied), bare, resends=resends, error=_code(error)))
+            self.events.append(VerifyEvent(sent, replied, bare, resends=call.resends, error=_code(call.error)))
             return
         self.events.append(
             VerifyEvent(
-                self._t(sent),
-                self._t(replied),
+                sent,
+                replied,
                 bare,
                 result.accepted_len,
                 result.next_token,
@@ -80,31 +57,24 @@ class SessionRecorder:
                 result.new_base_position,
                 result.metrics.verify_ms,
                 result.metrics.queue_ms,
-                resends,
+                call.resends,
             )
         )
 
-    def generated(
-        self,
-        req: GenerateRequest,
-        tokens: list[int],
-        error: SpecDecError | None,
-        sent: float,
-        first: float | None,
-        replied: float,
-    ) -> None:
+    def generated(self, call: TappedCall[GenerateRequest, list[int]]) -> None:
+        req = call.request
         self.target_model = self.target_model or self.header.target_model
-        self.events.append(
-            GenerateEvent(
-                self._t(sent),
-                None if first is None else self._t(first),
-                self._t(replied),
-                req.max_new_tokens,
-                list(req.stop_token_ids),
-                tokens,
-                _code(error),
-            )
+        first = None if call.first is None else self._t(call.first)
+        event = GenerateEvent(
+            self._t(call.sent),
+            first,
+            self._t(call.replied),
+            req.max_new_tokens,
+            list(req.stop_token_ids),
+            call.result or [],
+            _code(call.error),
         )
+        self.events.append(event)
 
     def finish(self, output_tokens: list[int], finish_reason: str, rounds: int = 0, reopens: int = 0) -> SessionTrace:
         header = self.header

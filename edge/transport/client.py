@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
@@ -130,33 +130,32 @@ class _CallBytes:
         return error
 
 
+Req = TypeVar("Req")
+Res = TypeVar("Res")
+
+
+@dataclass(frozen=True)
+class TappedCall(Generic[Req, Res]):
+    """One finished call as a tap sees it: the request, its result or the error that ended it
+    (after any resends), and when it was sent and answered (time.perf_counter())."""
+
+    request: Req
+    result: Res | None
+    error: SpecDecError | None
+    sent: float
+    replied: float
+    resends: int = 0  # capacity refusals resent (Verify)
+    first: float | None = None  # when the first chunk came (Generate)
+
+
 class CallTap(Protocol):
-    """Sees each finished call with its send and reply times (time.perf_counter()); `error` is
-    set when the call failed, after any resends. Used to record sessions."""
+    """Sees each finished call. Used to record sessions (edge/trace_recorder.py)."""
 
-    def opened(
-        self, req: OpenSessionRequest, result: OpenSessionResult | None, error: SpecDecError | None, sent: float, replied: float
-    ) -> None: ...
+    def opened(self, call: TappedCall[OpenSessionRequest, OpenSessionResult]) -> None: ...
 
-    def verified(
-        self,
-        req: VerifyRequest,
-        result: VerifyResult | None,
-        error: SpecDecError | None,
-        sent: float,
-        replied: float,
-        resends: int,
-    ) -> None: ...
+    def verified(self, call: TappedCall[VerifyRequest, VerifyResult]) -> None: ...
 
-    def generated(
-        self,
-        req: GenerateRequest,
-        tokens: list[int],
-        error: SpecDecError | None,
-        sent: float,
-        first: float | None,
-        replied: float,
-    ) -> None: ...
+    def generated(self, call: TappedCall[GenerateRequest, list[int]]) -> None: ...
 
 
 def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
@@ -248,11 +247,11 @@ class VerifierClient:
             )
         except SpecDecError as err:
             if self.tap:
-                self.tap.opened(req, None, err, sent, time.perf_counter())
+                self.tap.opened(TappedCall(req, None, err, sent, time.perf_counter()))
             raise
         result = replace(wire.open_result_from_pb(reply), wire=call.wire())
         if self.tap:
-            self.tap.opened(req, result, None, sent, time.perf_counter())
+            self.tap.opened(TappedCall(req, result, None, sent, time.perf_counter()))
         return result
 
     async def verify(self, req: VerifyRequest, timeout_s: float | None = None, session_key: str | None = None) -> VerifyResult:
@@ -264,11 +263,11 @@ class VerifierClient:
             )
         except SpecDecError as err:
             if self.tap:
-                self.tap.verified(req, None, err, sent, time.perf_counter(), call.rejections)
+                self.tap.verified(TappedCall(req, None, err, sent, time.perf_counter(), call.rejections))
             raise
         result = replace(wire.verify_result_from_pb(reply), wire=call.wire())
         if self.tap:
-            self.tap.verified(req, result, None, sent, time.perf_counter(), call.rejections)
+            self.tap.verified(TappedCall(req, result, None, sent, time.perf_counter(), call.rejections))
         return result
 
     async def close_session(self, session_id: str, session_key: str | None = None) -> CloseSessionResult:
@@ -305,7 +304,7 @@ class VerifierClient:
             raise error from None
         finally:
             if self.tap:
-                self.tap.generated(req, tokens, error, sent, first, time.perf_counter())
+                self.tap.generated(TappedCall(req, tokens, error, sent, time.perf_counter(), first=first))
 
     async def _unary(
         self,
