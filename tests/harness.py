@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,21 @@ class TargetEngine:
             return LlamaCppEngine(self.gguf, threads=1, batch_tokens=512)
         return TransformersEngine(self.model)
 
-    def verifier_flags(self, checkpoint: Path) -> list[str]:
-        """cloud-verifier's model flags: the transformers checkpoint of the target, or its GGUF."""
+    def of(self, model: PreTrainedModel, folder: Path) -> TargetEngine:
+        """Another transformers model in this engine (its GGUF written under `folder`)."""
+        return TargetEngine(self.name, model, None if self.gguf is None else save_gguf(model, folder / "target.gguf"))
+
+    def as_draft(self) -> PreTrainedModel | DraftLM:
+        """The target as the edge's runtime of this engine drafts with it (the edge's llama.cpp
+        runtime reads the same GGUF)."""
+        return self.model if self.gguf is None else LlamaCppDraftLM(self.gguf, threads=1, context_size=1024)
+
+    def served_model(self, checkpoint: Path) -> tuple[Path, tuple[str, ...]]:
+        """cloud-verifier's --model of the target in this engine (the transformers checkpoint, or
+        the GGUF), and the flags that pick the engine."""
         if self.gguf is not None:
-            return ["--model", str(self.gguf), "--engine", "llama.cpp"]
-        return ["--model", str(checkpoint)]
+            return self.gguf, ("--engine", "llama.cpp")
+        return checkpoint, ()
 
     def greedy_continuation(self, prompt: list[int], n: int) -> list[int]:
         """The engine's own greedy tokens after prompt, one forward per token, without a verifier
@@ -93,6 +103,13 @@ async def running_verifier(
     verifier = Verifier(engine_of(target), "tiny-target", limits)
     async with serving(ServerState.for_verifier(verifier)) as client:
         yield client, verifier
+
+
+def cap_kv(verifier: Verifier, tokens: int) -> None:
+    """A KV cap of `tokens` positions on a running verifier's sessions. Set after the engine holds
+    its KV: the llama.cpp engine holds at least one context's worth, as --max-kv-bytes must."""
+    limits = verifier.sessions.limits
+    verifier.sessions.limits = replace(limits, max_kv_bytes=tokens * verifier.sessions.kv_bytes_per_token)
 
 
 def random_prompt(seed: int, length: int = 8, vocab: int = 96) -> list[int]:
