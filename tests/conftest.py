@@ -1,10 +1,11 @@
 import pytest
 import torch
 
+from cloud.engine import ENGINES
 from edge.drafting.drafter import DraftLM
 from edge.drafting.runtime_transformers import TransformersDraftLM
-from tests.harness import gguf_lm
-from tests.tiny_models import tiny_draft, tiny_target
+from tests.harness import TargetEngine, gguf_lm
+from tests.tiny_models import save_gguf, tiny_draft, tiny_target
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -34,3 +35,12 @@ def draft_lm(request, draft_model) -> DraftLM:  # type: ignore[no-untyped-def]
     if request.param == "llama.cpp":
         return request.getfixturevalue("gguf_draft")  # type: ignore[no-any-return]
     return TransformersDraftLM(draft_model)
+
+
+@pytest.fixture(scope="session", params=ENGINES)
+def target_engine(request, target_model, tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-def]
+    """The tiny target in each verifier engine: call it for a fresh Engine. Session-scoped so that
+    module fixtures (a served verifier) can take it; every call builds a new Engine."""
+    if request.param == "llama.cpp":
+        return TargetEngine("llama.cpp", target_model, save_gguf(target_model, tmp_path_factory.mktemp("gguf") / "target.gguf"))
+    return TargetEngine("transformers", target_model)

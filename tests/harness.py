@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from cloud.engine import Engine, EngineName, KVRequest
+from cloud.engine.llamacpp import LlamaCppEngine
 from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
@@ -20,9 +23,62 @@ from edge.drafting.runtime_transformers import TransformersDraftLM
 from edge.round.generate import GenerationConfig
 from edge.transport.client import VerifierClient
 from shared.protocol import AcceptMode, SamplingParams, SessionConfig
+from tests.ops import greedy_continuation
 from tests.tiny_models import save_gguf
 
 GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class TargetEngine:
+    """The tiny target in one of the verifier's engines: fresh Engines of it in this process,
+    the model flags of a cloud-verifier process of it, and its own greedy continuation (the
+    reference a test compares a verifier of this engine against)."""
+
+    name: EngineName
+    model: PreTrainedModel
+    gguf: Path | None = None  # the target written to an f32 GGUF (llama.cpp)
+
+    def __call__(self) -> Engine:
+        if self.gguf is not None:
+            return LlamaCppEngine(self.gguf, threads=1, batch_tokens=512)
+        return TransformersEngine(self.model)
+
+    def of(self, model: PreTrainedModel, folder: Path) -> TargetEngine:
+        """Another transformers model in this engine (its GGUF written under `folder`)."""
+        return TargetEngine(self.name, model, None if self.gguf is None else save_gguf(model, folder / "target.gguf"))
+
+    def as_draft(self) -> PreTrainedModel | DraftLM:
+        """The target as the edge's runtime of this engine drafts with it (the edge's llama.cpp
+        runtime reads the same GGUF)."""
+        return self.model if self.gguf is None else LlamaCppDraftLM(self.gguf, threads=1, context_size=1024)
+
+    def served_model(self, checkpoint: Path) -> tuple[Path, tuple[str, ...]]:
+        """cloud-verifier's --model of the target in this engine (the transformers checkpoint, or
+        the GGUF), and the flags that pick the engine."""
+        if self.gguf is not None:
+            return self.gguf, ("--engine", "llama.cpp")
+        return checkpoint, ()
+
+    def greedy_continuation(self, prompt: list[int], n: int) -> list[int]:
+        """The engine's own greedy tokens after prompt, one forward per token, without a verifier
+        (on transformers: through shared.lm, as tests.ops computes it)."""
+        if self.gguf is None:
+            return greedy_continuation(self.model, prompt, n)
+        engine = self()
+        context = len(prompt) + n
+        engine.plan_kv(KVRequest("packed", max_sessions=1, max_kv_bytes=1 << 30, max_context_tokens=context, slot_tokens=0))
+        kv, tokens, feed = engine.new_kv(), [], list(prompt)
+        for _ in range(n):
+            tokens.append(int(engine.forward([kv], [feed], [1])[0][-1].argmax()))
+            feed = [tokens[-1]]
+        engine.free(kv)
+        return tokens
+
+
+def engine_of(target: PreTrainedModel | TargetEngine) -> Engine:
+    """A fresh Engine: a transformers model's, or a TargetEngine's."""
+    return target() if isinstance(target, TargetEngine) else TransformersEngine(target)
 
 
 @asynccontextmanager
@@ -40,12 +96,20 @@ async def serving(state: ServerState, verify_timeout_s: float = 10) -> AsyncIter
 
 @asynccontextmanager
 async def running_verifier(
-    model: PreTrainedModel,
+    target: PreTrainedModel | TargetEngine,
     limits: VerifierLimits | None = None,
 ) -> AsyncIterator[tuple[VerifierClient, Verifier]]:
-    verifier = Verifier(TransformersEngine(model), "tiny-target", limits)
+    """A verifier of a transformers model, or of a fresh Engine of the target in one engine."""
+    verifier = Verifier(engine_of(target), "tiny-target", limits)
     async with serving(ServerState.for_verifier(verifier)) as client:
         yield client, verifier
+
+
+def cap_kv(verifier: Verifier, tokens: int) -> None:
+    """A KV cap of `tokens` positions on a running verifier's sessions. Set after the engine holds
+    its KV: the llama.cpp engine holds at least one context's worth, as --max-kv-bytes must."""
+    limits = verifier.sessions.limits
+    verifier.sessions.limits = replace(limits, max_kv_bytes=tokens * verifier.sessions.kv_bytes_per_token)
 
 
 def random_prompt(seed: int, length: int = 8, vocab: int = 96) -> list[int]:

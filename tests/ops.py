@@ -9,7 +9,7 @@ import random
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedModel
 
 from cloud.config import VerifierSettings
+from cloud.engine import Engine
 from cloud.engine.transformers import TransformersEngine
 from cloud.process import Servers, load_model, shutdown, start_servers
 from cloud.verifier import Verifier, VerifierLimits
@@ -30,14 +31,18 @@ SETTINGS = VerifierSettings(port=0, http_port=0, max_draft_tokens=8, dtype="floa
 
 @asynccontextmanager
 async def running_servers(
-    model: PreTrainedModel, gate: threading.Event | None = None, settings: VerifierSettings = SETTINGS
+    model: PreTrainedModel | Callable[[], Engine],
+    gate: threading.Event | None = None,
+    settings: VerifierSettings = SETTINGS,
 ) -> AsyncIterator[tuple[Servers, asyncio.Task[None]]]:
-    """Servers up; the model 'loads' (returns a Verifier of `model`) once `gate` is set."""
+    """Servers up; the model 'loads' (returns a Verifier of `model`, or of a fresh Engine from a
+    factory of them: tests.harness.TargetEngine) once `gate` is set."""
 
     def load(s: VerifierSettings) -> Verifier:
         if gate is not None:
             gate.wait(30)
-        return Verifier(TransformersEngine(model), "tiny-target", VerifierLimits(max_draft_tokens=s.max_draft_tokens))
+        engine = TransformersEngine(model) if isinstance(model, PreTrainedModel) else model()
+        return Verifier(engine, "tiny-target", VerifierLimits(max_draft_tokens=s.max_draft_tokens))
 
     servers = await start_servers(settings)
     loading = asyncio.create_task(load_model(servers, settings, load))

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from cloud.batch_step import ForwardStep
-from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.verifier import Verifier
@@ -19,7 +18,7 @@ from edge.round.generate import cloud_only_generate, speculative_generate
 from edge.transport.client import CapacityRetry, VerifierClient
 from shared.errors import CapacityExceeded, CloudUnavailable, DeadlineExceeded, SpecDecError
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
-from tests.harness import gen_config, make_drafter, random_prompt
+from tests.harness import TargetEngine, gen_config, make_drafter, random_prompt
 
 MS_PER_TOKEN = 8.0  # a 48-token prefill: about 0.4 s
 DEADLINE_S = 1.6  # the client's OpenSession deadline
@@ -56,11 +55,11 @@ async def _one_session(address: str, draft_model, prompt: list[int]) -> tuple[st
         await client.close()
 
 
-def test_sessions_opened_at_once_are_admitted_or_refused_in_time(target_model, draft_model) -> None:
+def test_sessions_opened_at_once_are_admitted_or_refused_in_time(target_engine: TargetEngine, draft_model) -> None:
     prompts = [random_prompt(100 + i, length=48) for i in range(SESSIONS)]
 
     async def run() -> None:
-        server, state, address = await _serve(SlowVerifier(TransformersEngine(target_model), "tiny"))
+        server, state, address = await _serve(SlowVerifier(target_engine(), "tiny"))
         try:
             first = await asyncio.gather(*(_one_session(address, draft_model, p) for p in prompts))
             # Once the verifier knows its prefill speed, a second wave is refused at the door.
@@ -87,9 +86,9 @@ def test_sessions_opened_at_once_are_admitted_or_refused_in_time(target_model, d
     asyncio.run(run())
 
 
-def test_a_call_past_its_deadline_is_deadline_exceeded_not_unavailable(target_model) -> None:
+def test_a_call_past_its_deadline_is_deadline_exceeded_not_unavailable(target_engine: TargetEngine) -> None:
     async def run() -> None:
-        server, _, address = await _serve(SlowVerifier(TransformersEngine(target_model), "tiny"))
+        server, _, address = await _serve(SlowVerifier(target_engine(), "tiny"))
         client = VerifierClient(address, verify_timeout_s=30)
         try:
             opened = await client.open_session(OpenSessionRequest(random_prompt(5), SessionConfig(vocab_size=96)))

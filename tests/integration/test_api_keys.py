@@ -25,9 +25,9 @@ from edge.transport.client import VerifierClient
 from shared.errors import Unauthenticated
 from shared.pb import verifier_pb2 as pb
 from tests.certs import Pki, make_pki
-from tests.harness import gen_config, make_drafter, random_prompt
+from tests.harness import TargetEngine, gen_config, make_drafter, random_prompt
 from tests.integration.test_cli import ENV
-from tests.ops import SETTINGS, greedy_continuation, metric_samples, running_servers, stub
+from tests.ops import SETTINGS, metric_samples, running_servers, stub
 from tests.serve_procs import edge_command
 from tests.tiny_models import save_pair
 
@@ -80,12 +80,12 @@ async def _each_rpc(verifier: Any, session_id: str, key: str | None) -> list[grp
 
 
 def test_every_rpc_needs_a_known_key_and_never_echoes_it(
-    target_model, draft_model, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    target_engine: TargetEngine, draft_model, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="cloud-verifier")
 
     async def run() -> str:
-        async with running_servers(target_model, settings=_settings(tmp_path)) as (servers, loading):
+        async with running_servers(target_engine, settings=_settings(tmp_path)) as (servers, loading):
             await loading
             channel, verifier = stub(servers.grpc_port)
             opened = await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=_metadata(PLAIN_KEY))
@@ -111,7 +111,7 @@ def test_every_rpc_needs_a_known_key_and_never_echoes_it(
             result = await speculative_generate(
                 PROMPT, make_drafter(draft_model), client, FixedK(3), gen_config(max_new_tokens=16)
             )
-            assert result.token_ids == greedy_continuation(target_model, PROMPT, 16)
+            assert result.token_ids == target_engine.greedy_continuation(PROMPT, 16)
             await client.close()
             client = VerifierClient(address, api_key=WRONG_KEY)
             started = asyncio.get_running_loop().time()
@@ -136,9 +136,9 @@ def test_every_rpc_needs_a_known_key_and_never_echoes_it(
 
 
 @pytest.mark.parametrize("public", [False, True], ids=["keyed", "public-metrics"])
-def test_http_routes_beyond_the_probes_need_a_key(target_model, tmp_path: Path, public: bool) -> None:
+def test_http_routes_beyond_the_probes_need_a_key(target_engine: TargetEngine, tmp_path: Path, public: bool) -> None:
     async def run() -> None:
-        async with running_servers(target_model, settings=_settings(tmp_path, public_metrics=public)) as (servers, loading):
+        async with running_servers(target_engine, settings=_settings(tmp_path, public_metrics=public)) as (servers, loading):
             await loading
             port = servers.http.port
             for path in ("/livez", "/readyz", "/healthz"):
@@ -202,13 +202,17 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def secured_verifier(
     models: tuple[Path, Path],
     pki: Pki,
+    target_engine: TargetEngine,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, list[str]]]:
-    """cloud-verifier on 0.0.0.0 over TLS with API keys; yields its loopback address and its log so far."""
+    """cloud-verifier (of each engine) on 0.0.0.0 over TLS with API keys; yields its loopback
+    address and its log so far."""
     keys = _keys_file(tmp_path_factory.mktemp("keys"))
+    model, engine_flags = target_engine.served_model(models[1])
     cmd = _verifier_cmd(
         "--model",
-        str(models[1]),
+        str(model),
+        *engine_flags,
         "--host",
         "0.0.0.0",
         "--tls-cert",
@@ -224,7 +228,7 @@ def secured_verifier(
     for line in proc.stderr:
         log.append(line)
         if match := re.search(r"serving (\S+) on 0\.0\.0\.0:(\d+)", line):
-            assert match.group(1) == models[1].name  # the folder's name, never its path
+            assert match.group(1) == model.name  # the folder's (or GGUF's) name, never its path
             port = match.group(2)
             break
     assert port, "cloud-verifier did not start:\n" + "".join(log)
@@ -279,12 +283,12 @@ def test_edge_over_tls_with_a_key(
     assert not any(key in "".join(log) for key in (PLAIN_KEY, WRONG_KEY))
 
 
-def test_a_session_belongs_to_the_key_that_opened_it(target_model, tmp_path: Path) -> None:
+def test_a_session_belongs_to_the_key_that_opened_it(target_engine: TargetEngine, tmp_path: Path) -> None:
     """Another key cannot Verify, Close or see a session: NOT_FOUND, exactly as for an id that
     does not exist, and the session goes on untouched for its own key."""
 
     async def run() -> None:
-        async with running_servers(target_model, settings=_settings(tmp_path)) as (servers, loading):
+        async with running_servers(target_engine, settings=_settings(tmp_path)) as (servers, loading):
             await loading
             channel, verifier = stub(servers.grpc_port)
             alice, other = _metadata(PLAIN_KEY), _metadata(HASHED_KEY)

@@ -8,7 +8,6 @@ import grpc
 import pytest
 
 from cloud.batch_step import ForwardStep
-from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.quotas import KeyLimits
 from cloud.sessions import RETRY_AFTER_IN_USE_MS, SessionLimits
@@ -21,7 +20,7 @@ from shared.errors import CapacityExceeded
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.protocol import OpenSessionRequest, OpenSessionResult, SessionConfig
-from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
+from tests.harness import TargetEngine, cap_kv, gen_config, make_drafter, random_prompt, running_verifier
 
 HINT_MS = 40
 
@@ -45,13 +44,13 @@ class AdmitsAfterRejections(Verifier):
         return super().begin_open(req, session_id, owner)
 
 
-def test_edge_resends_after_the_retry_hint_and_output_is_unchanged(target_model, draft_model) -> None:
+def test_edge_resends_after_the_retry_hint_and_output_is_unchanged(target_engine: TargetEngine, draft_model) -> None:
     prompt = random_prompt(7, length=6)
 
     async def run() -> None:
-        async with running_verifier(target_model) as (direct, _):
+        async with running_verifier(target_engine) as (direct, _):
             reference = (await cloud_only_generate(prompt, direct, gen_config(max_new_tokens=20))).token_ids
-        server, port = create_server(AdmitsAfterRejections(TransformersEngine(target_model), "tiny", rejections=3), "127.0.0.1:0")
+        server, port = create_server(AdmitsAfterRejections(target_engine(), "tiny", rejections=3), "127.0.0.1:0")
         await server.start()
         client = VerifierClient(f"127.0.0.1:{port}", 10, capacity_retry=CapacityRetry(max_retries=3, backoff_s=0.001))
         try:
@@ -138,7 +137,7 @@ def test_a_refused_call_carries_its_bytes_in_the_error() -> None:
     asyncio.run(run())
 
 
-def test_a_capacity_refusal_carries_the_hint_under_both_trailers(target_model) -> None:
+def test_a_capacity_refusal_carries_the_hint_under_both_trailers(target_engine: TargetEngine) -> None:
     """A real cap (one session per key, the one already open): a plain gRPC client reads
     RESOURCE_EXHAUSTED with the retry hint under the project's trailer and under gRPC's own
     retry pushback, the same number in both."""
@@ -146,7 +145,7 @@ def test_a_capacity_refusal_carries_the_hint_under_both_trailers(target_model) -
     request = pb.OpenSessionRequest(prompt_tokens=random_prompt(2, length=4), vocab_size=96)
 
     async def run() -> None:
-        async with running_verifier(target_model, limits) as (client, _):
+        async with running_verifier(target_engine, limits) as (client, _):
             async with grpc.aio.insecure_channel(client.target) as channel:
                 stub = pb_grpc.VerifierStub(channel)
                 await stub.OpenSession(request)
@@ -160,14 +159,13 @@ def test_a_capacity_refusal_carries_the_hint_under_both_trailers(target_model) -
     asyncio.run(run())
 
 
-def test_edge_gives_up_after_its_retries_when_the_prompt_never_fits(target_model) -> None:
+def test_edge_gives_up_after_its_retries_when_the_prompt_never_fits(target_engine: TargetEngine) -> None:
     """The verifier's real KV cap: a prompt over it is refused (RESOURCE_EXHAUSTED, no hint)
     every time; the edge resends max_retries times, then raises; the server keeps serving."""
-    limits = VerifierLimits(sessions=SessionLimits(max_kv_bytes=8 * 256))  # the tiny target: 256 KV bytes a token
 
     async def run() -> None:
-        async with running_verifier(target_model, limits) as (client, verifier):
-            assert verifier.sessions.kv_bytes_per_token == 256
+        async with running_verifier(target_engine) as (client, verifier):
+            cap_kv(verifier, 8)
             client.capacity_retry = CapacityRetry(max_retries=2, backoff_s=0.001)
             with pytest.raises(CapacityExceeded):
                 await client.open_session(OpenSessionRequest(random_prompt(1, length=20), gen_config().session))
@@ -179,16 +177,18 @@ def test_edge_gives_up_after_its_retries_when_the_prompt_never_fits(target_model
 
 
 @pytest.mark.parametrize("mode", ["accept-unverified", "provisional"])
-def test_verify_refused_for_good_falls_back_locally_only_in_accept_unverified(target_model, draft_model, mode) -> None:
+def test_verify_refused_for_good_falls_back_locally_only_in_accept_unverified(
+    target_engine: TargetEngine, draft_model, mode
+) -> None:
     """Sessions grow past the real KV cap, so every later Verify is refused: accept-unverified
     finishes on the edge (each such token counted unverified); provisional mode never makes
     unverified text final, so it stops with the verifier's RESOURCE_EXHAUSTED."""
-    limits = VerifierLimits(sessions=SessionLimits(max_kv_bytes=12 * 256))
     prompt = random_prompt(3, length=6)
     timeouts = TimeoutPolicy(soft_deadline_s=5, mode=mode)  # type: ignore[arg-type]
 
     async def run() -> None:
-        async with running_verifier(target_model, limits) as (client, _):
+        async with running_verifier(target_engine) as (client, verifier):
+            cap_kv(verifier, 12)
             client.capacity_retry = CapacityRetry(max_retries=1, backoff_s=0.001)
             run = speculative_generate(
                 prompt, make_drafter(draft_model), client, FixedK(3), gen_config(max_new_tokens=20, timeouts=timeouts)

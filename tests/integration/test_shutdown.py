@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
+from tests.harness import TargetEngine
 from tests.serve_procs import verifier_command
 from tests.tiny_models import save_pair
 
@@ -71,13 +72,15 @@ def _readyz(port: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_pair(tmp_path_factory.mktemp("models"))[1]
+def target(target_engine: TargetEngine, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[str, ...]]:
+    """The tiny target as cloud-verifier serves it in each engine: its --model and engine flags."""
+    return target_engine.served_model(save_pair(tmp_path_factory.mktemp("models"))[1])
 
 
 @pytest.fixture
-def verifier(target: Path) -> Iterator[Verifier]:
-    process = Verifier(target, "--drain-grace-s", "60")
+def verifier(target: tuple[Path, tuple[str, ...]]) -> Iterator[Verifier]:
+    model, engine_flags = target
+    process = Verifier(model, *engine_flags, "--drain-grace-s", "60")
     yield process
     if process.proc.poll() is None:
         process.proc.kill()
@@ -126,8 +129,9 @@ def test_sigterm_finishes_rounds_refuses_sessions_and_exits_zero(verifier: Verif
     channel.close()
 
 
-def test_grace_period_ends_the_drain(target: Path) -> None:
-    process = Verifier(target, "--drain-grace-s", "1")
+def test_grace_period_ends_the_drain(target: tuple[Path, tuple[str, ...]]) -> None:
+    model, engine_flags = target
+    process = Verifier(model, *engine_flags, "--drain-grace-s", "1")
     try:
         process.wait_for("serving")
         with grpc.insecure_channel(f"127.0.0.1:{process.port('grpc_port')}") as channel:
@@ -141,6 +145,7 @@ def test_grace_period_ends_the_drain(target: Path) -> None:
 
 
 def test_model_load_failure_is_one_line(tmp_path: Path) -> None:
+    """One engine: both engines resolve --model through the same model_folder, whose message this checks."""
     process = Verifier(tmp_path / "missing")
     assert process.proc.wait(timeout=120) == 1
     process.reader.join(timeout=10)

@@ -16,7 +16,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
 from cloud.tls import ServerTls, check_exposure
@@ -27,8 +26,8 @@ from edge.transport.client import ClientTls, VerifierClient
 from shared.errors import CloudUnavailable, ConfigError, SpecDecError, TlsHandshakeFailed
 from shared.protocol import OpenSessionRequest, SessionConfig
 from tests.certs import Pki, make_pki
-from tests.harness import gen_config, make_drafter, random_prompt
-from tests.ops import SETTINGS, greedy_continuation, running_servers
+from tests.harness import TargetEngine, gen_config, make_drafter, random_prompt
+from tests.ops import SETTINGS, running_servers
 
 OPENSSL = "/usr/bin/openssl"
 PROMPT = random_prompt(3)
@@ -55,8 +54,8 @@ def _client_tls(trusted: Pki, identity: Pki | None = None) -> ClientTls:
 
 
 @asynccontextmanager
-async def tls_verifier(model, tls: ServerTls) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
-    state = ServerState.for_verifier(Verifier(TransformersEngine(model), "tiny-target"))
+async def tls_verifier(target: TargetEngine, tls: ServerTls) -> AsyncIterator[str]:
+    state = ServerState.for_verifier(Verifier(target(), "tiny-target"))
     server, port = create_server(state, "127.0.0.1:0", credentials=tls.grpc_credentials())
     await server.start()
     try:
@@ -87,11 +86,11 @@ async def _refused(
 
 
 @pytest.mark.parametrize("mtls", [False, True], ids=["tls", "mtls"])
-def test_greedy_generation_over_tls_equals_the_target(target_model, draft_model, pki: Pki, mtls: bool) -> None:
-    reference = greedy_continuation(target_model, PROMPT, 24)
+def test_greedy_generation_over_tls_equals_the_target(target_engine: TargetEngine, draft_model, pki: Pki, mtls: bool) -> None:
+    reference = target_engine.greedy_continuation(PROMPT, 24)
 
     async def run() -> None:
-        async with tls_verifier(target_model, _server_tls(pki, mtls)) as address:
+        async with tls_verifier(target_engine, _server_tls(pki, mtls)) as address:
             client = VerifierClient(address, verify_timeout_s=10, tls=_client_tls(pki, pki if mtls else None))
             try:
                 spec = await speculative_generate(
@@ -106,9 +105,9 @@ def test_greedy_generation_over_tls_equals_the_target(target_model, draft_model,
     asyncio.run(run())
 
 
-def test_plaintext_client_and_untrusted_ca_are_refused(target_model, pki: Pki, other_pki: Pki) -> None:
+def test_plaintext_client_and_untrusted_ca_are_refused(target_engine: TargetEngine, pki: Pki, other_pki: Pki) -> None:
     async def run() -> None:
-        async with tls_verifier(target_model, _server_tls(pki, mtls=False)) as address:
+        async with tls_verifier(target_engine, _server_tls(pki, mtls=False)) as address:
             await _refused(address, None, CloudUnavailable)  # plaintext to a TLS port
             untrusted = await _refused(address, _client_tls(other_pki), TlsHandshakeFailed)  # not from this CA
             assert "CERTIFICATE_VERIFY_FAILED" in untrusted and "--tls-ca" in untrusted
@@ -116,9 +115,9 @@ def test_plaintext_client_and_untrusted_ca_are_refused(target_model, pki: Pki, o
     asyncio.run(run())
 
 
-def test_mtls_refuses_a_client_without_an_accepted_certificate(target_model, pki: Pki, other_pki: Pki) -> None:
+def test_mtls_refuses_a_client_without_an_accepted_certificate(target_engine: TargetEngine, pki: Pki, other_pki: Pki) -> None:
     async def run() -> None:
-        async with tls_verifier(target_model, _server_tls(pki, mtls=True)) as address:
+        async with tls_verifier(target_engine, _server_tls(pki, mtls=True)) as address:
             await _refused(address, _client_tls(pki))  # no client certificate
             await _refused(address, _client_tls(pki, other_pki))  # one signed by another CA
             client = VerifierClient(address, tls=_client_tls(pki, pki))
@@ -130,7 +129,7 @@ def test_mtls_refuses_a_client_without_an_accepted_certificate(target_model, pki
     asyncio.run(run())
 
 
-def test_openssl_completes_the_handshake(target_model, pki: Pki) -> None:
+def test_openssl_completes_the_handshake(target_engine: TargetEngine, pki: Pki) -> None:
     def s_client(port: int) -> str:
         cmd = [
             OPENSSL,
@@ -148,7 +147,7 @@ def test_openssl_completes_the_handshake(target_model, pki: Pki) -> None:
         return (done.stdout + done.stderr).decode(errors="replace")  # it also prints the server's HTTP/2 frames
 
     async def run() -> str:
-        async with tls_verifier(target_model, _server_tls(pki, mtls=False)) as address:
+        async with tls_verifier(target_engine, _server_tls(pki, mtls=False)) as address:
             return await asyncio.to_thread(s_client, int(address.rsplit(":", 1)[1]))  # the server runs on this loop
 
     output = asyncio.run(run())
@@ -197,7 +196,7 @@ async def _health(port: int, tls: ClientTls) -> int:
         return int(reply.status)
 
 
-def test_service_serves_https_probes_and_grpc_under_mtls(target_model, pki: Pki) -> None:
+def test_service_serves_https_probes_and_grpc_under_mtls(target_engine: TargetEngine, pki: Pki) -> None:
     """Under mTLS the HTTP port asks no client certificate, so probes reach /livez and /readyz;
     gRPC (the health service included) requires one."""
     settings = SETTINGS.model_copy(
@@ -206,7 +205,7 @@ def test_service_serves_https_probes_and_grpc_under_mtls(target_model, pki: Pki)
     trusting = ssl.create_default_context(cafile=str(pki.ca))
 
     async def run() -> None:
-        async with running_servers(target_model, settings=settings) as (servers, loading):
+        async with running_servers(target_engine, settings=settings) as (servers, loading):
             await loading
             http = servers.http.port
             assert await asyncio.to_thread(_get, f"https://127.0.0.1:{http}/livez", trusting) == 200
