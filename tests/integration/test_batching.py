@@ -139,11 +139,12 @@ def test_prefills_of_sessions_opened_together_share_one_forward_pass(target_engi
 
 
 def test_past_queue_and_kv_caps_clear_errors_and_admitted_sessions_complete(target_engine: TargetEngine) -> None:
-    """Transformers only: an evicted session reopens by prefilling its tokens in one pass, and on
-    llama.cpp those rows differ from one-token-per-pass rows by ~1e-7, enough to flip a near-tied
-    greedy token of this run (seen at the 24th token of one session)."""
-    if target_engine.name == "llama.cpp":
-        pytest.skip("a reopen's one-pass prefill is not bit-equal to token-by-token passes on llama.cpp")
+    """Refusals and evictions are clear errors and every admitted session completes. Its tokens
+    equal the target's alone on transformers; on llama.cpp an evicted session reopens by
+    prefilling its tokens in one pass, whose rows differ from one-token-per-pass rows by ~1e-7,
+    enough to flip a near-tied greedy token of this run (docs/operations.md, "Engines"), so
+    there each session's length is checked."""
+    exact = target_engine.name == "transformers"
     prompts = [random_prompt(seed, length=20) for seed in range(200, 208)]
     references = [_alone(target_engine, p, NEW_TOKENS + 4) for p in prompts]
     # KV room for 120 tokens (three sessions at the end of their run); a queue of two rounds,
@@ -169,7 +170,9 @@ def test_past_queue_and_kv_caps_clear_errors_and_admitted_sessions_complete(targ
             assert (state.metrics.registry.get_sample_value("specdec_rejected_requests_total", {"method": "Verify"}) or 0) > 0
             # ...and every session still produced exactly the target's tokens.
             for i, (tokens, _) in zip(live, outcomes, strict=True):
-                assert tokens == references[i][:NEW_TOKENS], f"session {i}"
+                assert len(tokens) == NEW_TOKENS, f"session {i}"
+                if exact:
+                    assert tokens == references[i][:NEW_TOKENS], f"session {i}"
             # The server is still up and serving.
             again = await client.open_session(OpenSessionRequest(prompts[0], config))
             assert again.position == len(prompts[0])
