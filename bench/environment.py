@@ -44,6 +44,11 @@ def machine() -> dict[str, Any]:
     }
 
 
+def machine_line(m: dict[str, Any]) -> str:
+    """A machine as a report names it: CPU, its matmul flags, cores, memory."""
+    return f"{m['cpu_model']} ({m['cpu_flags']}), {m['cores']} cores, {m['memory_gib']} GiB"
+
+
 class MeasurementSettings(BaseSettings):
     """The flags of an in-process measurement `python -m bench.studies.NAME` on a target model:
     the model, its dtype, the prompt length, torch threads, the output folder. A study derives

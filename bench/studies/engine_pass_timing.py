@@ -22,7 +22,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import settings_parser
-from bench.environment import provenance
+from bench.environment import machine_line, provenance
 from cloud.engine import Engine, KVRequest
 from shared.cli import settings_from_args
 
@@ -113,7 +113,8 @@ def _report(result: dict[str, Any]) -> str:
     lines = [
         "# One verifier pass by engine",
         "",
-        f"{result['provenance']['machine']}; {result['context']} tokens of context; median of {result['repeats']} passes.",
+        f"{machine_line(result['provenance']['machine'])}; {result['context']} tokens of context; "
+        f"median of {result['repeats']} passes.",
         "",
         "| engine | "
         + " | ".join(f"{n} new" for n in new)

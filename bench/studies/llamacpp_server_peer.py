@@ -27,7 +27,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import settings_parser
-from bench.environment import provenance
+from bench.environment import machine_line, provenance
 from edge.prompts import encode_prompt, read_prompts
 from edge.tokenizer import EdgeTokenizer
 from shared.cli import run_cli, settings_from_args
@@ -64,7 +64,7 @@ def _start(args: PeerSettings, draft: bool, log: Path) -> tuple[subprocess.Popen
     cmd = [str(args.server), "-m", str(args.target_gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads)]
     cmd += ["-c", "8192", "-np", "1", "--no-webui", *args.server_flags.split()]
     if draft:
-        cmd += ["-md", str(args.draft_gguf), "-td", str(args.threads)]
+        cmd += ["-md", str(args.draft_gguf), "-td", str(args.threads), "--spec-type", "draft-simple"]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -119,7 +119,7 @@ def _run(args: PeerSettings, draft: bool, prompts: list[tuple[str, list[int]]]) 
 
 
 def _report(result: dict[str, Any]) -> str:
-    lines = ["# llama-server on the bench prompts", "", str(result["provenance"]["machine"]), ""]
+    lines = ["# llama-server on the bench prompts", "", machine_line(result["provenance"]["machine"]), ""]
     lines += ["| system | tok/s end to end | TTFT p50 |", "|---|---|---|"]
     lines += [f"| {r['system']} | {r['tok_s']:.2f} | {r['ttft_p50_s']:.2f} s |" for r in result["runs"]]
     return "\n".join(lines) + f"\n\n{result['prompts']} prompts, {result['max_new_tokens']} tokens each, greedy.\n"
