@@ -17,7 +17,7 @@ from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from shared.errors import SessionNotFound
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
-from tests.harness import gen_config, make_drafter, random_prompt
+from tests.harness import TargetEngine, gen_config, make_drafter, random_prompt
 from tests.integration.test_batching import PROMPTS, _alone, _mean_batch, batching_verifier
 
 CONFIG = SessionConfig(vocab_size=96)
@@ -49,10 +49,11 @@ def test_slots_server_batched_equals_each_alone(target_model, draft_model) -> No
     prefilled in chunks of 4 tokens beside the other sessions' rounds."""
     cfg = gen_config(max_new_tokens=24)
     limits = VerifierLimits(kv_layout="slots", kv_slot_tokens=96, sessions=SessionLimits(max_sessions=8))
+    target = TargetEngine("transformers", target_model)  # slot KV is the transformers engine's
 
     async def run() -> None:
         async with batching_verifier(
-            target_model, BatchLimits(max_batch_size=8, max_batch_wait_ms=20, max_prefill_chunk=4), limits
+            target, BatchLimits(max_batch_size=8, max_batch_wait_ms=20, max_prefill_chunk=4), limits
         ) as (client, state):
             speculative = [speculative_generate(p, make_drafter(draft_model), client, FixedK(3), cfg) for p in PROMPTS[:4]]
             cloud_only = [cloud_only_generate(p, client, cfg) for p in PROMPTS[4:]]
@@ -60,7 +61,7 @@ def test_slots_server_batched_equals_each_alone(target_model, draft_model) -> No
             assert _mean_batch(state) > 2.0
             _check_accounting(state.verifier)
         for prompt, result in zip(PROMPTS, results, strict=True):
-            assert result.token_ids == _alone(target_model, prompt, 24), f"prompt {prompt}"
+            assert result.token_ids == _alone(target, prompt, 24), f"prompt {prompt}"
 
     asyncio.run(run())
 
