@@ -8,7 +8,6 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
 from cloud.engine.transformers import TransformersEngine
@@ -49,13 +48,13 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
 def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
     """The target's GGUF in llama.cpp: --model names the file or a folder holding one (the
     packaged target keeps its GGUF for this)."""
-    from cloud.engine.llamacpp import LlamaCppEngine, find_target_gguf
+    from cloud.engine.llamacpp import LlamaCppEngine, target_gguf
 
     if settings.model is None:
         folder = str(ensure_model(TARGET_MODEL, keep_gguf=True))
-    else:
-        folder = settings.model if Path(settings.model).expanduser().is_file() else model_folder(settings.model, TARGET_MODEL)
-    gguf = find_target_gguf(folder)
+    else:  # a GGUF file or a folder holding one is returned as it is
+        folder = model_folder(settings.model, TARGET_MODEL)
+    gguf = target_gguf(folder)
     threads = settings.threads or usable_cores()
     engine = LlamaCppEngine(gguf, threads=threads, batch_tokens=settings.max_batch_tokens)
     log_event(log, logging.INFO, f"llama.cpp on {gguf.name}, {threads} CPU threads", engine="llama.cpp", threads=threads)

@@ -15,12 +15,13 @@ from edge.drafting.drafter import Drafter, DrafterConfig, DraftLM, DraftSource
 from edge.drafting.gating import EscalationRules, GatingThresholds, load_gating_config
 from edge.drafting.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
 from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
-from edge.drafting.runtime_llamacpp import LlamaCppDraftLM, find_gguf
+from edge.drafting.runtime_llamacpp import LlamaCppDraftLM
 from edge.metrics import EdgeMetrics, MeteredObserver
 from edge.round.generation import Gating, GenerationConfig, Observer, TimeoutPolicy
 from edge.tokenizer import EdgeTokenizer
 from edge.transport.client import CapacityRetry, ClientTls, VerifierClient
 from edge.transport.local_verifier import local_verifier
+from shared import llamacpp
 from shared.errors import ConfigError
 from shared.models import DRAFT_MODEL
 from shared.models.hub import describe as describe_model
@@ -115,7 +116,7 @@ class EdgeContext:
 def load_draft_lm(settings: EdgeSettings, folder: str) -> DraftLM:
     """The draft model in the runtime --draft-runtime names (auto: llama.cpp when it is
     installed and a GGUF is at hand, else transformers)."""
-    gguf = Path(settings.draft_gguf) if settings.draft_gguf else find_gguf(folder)
+    gguf = Path(settings.draft_gguf) if settings.draft_gguf else llamacpp.find_gguf(folder, "--draft-gguf")
     runtime = settings.resolved_draft_runtime(gguf is not None)
     threads = settings.draft_threads or settings.threads
     if runtime == "llama.cpp":

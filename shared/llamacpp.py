@@ -69,5 +69,17 @@ def free_with(owner: object, llama: Any, model: Any) -> None:
     weakref.finalize(owner, llama.llama_model_free, model)
 
 
+def find_gguf(path: str | Path, flag: str) -> Path | None:
+    """The GGUF at `path`: the path itself when it is a file, else the folder's one .gguf (None
+    when it holds none); several are one line naming `flag`, the option that picks one."""
+    where = Path(path).expanduser()
+    if where.is_file():
+        return where
+    found = sorted(where.glob("*.gguf"))
+    if len(found) > 1:
+        raise ConfigError(f"{where} holds {len(found)} GGUF files; name one with {flag}")
+    return found[0] if found else None
+
+
 def logits_width(llama: Any, model: Any) -> int:
     return int(llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model)))

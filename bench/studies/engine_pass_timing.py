@@ -49,7 +49,7 @@ class PassTimingSettings(BaseSettings):
 
 
 def _engines(args: PassTimingSettings, max_sessions: int) -> list[tuple[str, Engine]]:
-    from cloud.engine.llamacpp import LlamaCppEngine, find_target_gguf
+    from cloud.engine.llamacpp import LlamaCppEngine, target_gguf
     from cloud.engine.transformers import TransformersEngine
     from shared import lm
 
@@ -57,7 +57,7 @@ def _engines(args: PassTimingSettings, max_sessions: int) -> list[tuple[str, Eng
     engines: list[tuple[str, Engine]] = []
     for dtype in filter(None, args.dtypes.split(",")):
         engines.append((f"transformers {dtype}", TransformersEngine(lm.load_model(str(args.target), dtype, "cpu"))))
-    gguf = args.gguf or find_target_gguf(args.target)
+    gguf = args.gguf or target_gguf(args.target)
     engines.append((f"llama.cpp {gguf.name}", LlamaCppEngine(gguf, threads=args.threads)))
     context = args.context + max(int(n) for n in args.new_tokens.split(",")) + args.batch_new
     for _, engine in engines:

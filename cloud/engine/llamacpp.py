@@ -193,18 +193,14 @@ def _own(kv: SessionKV) -> LlamaCppKV:
     return kv
 
 
+def target_gguf(path: str | Path) -> Path:
+    """The GGUF to serve: the path itself when it is a file, else the folder's one .gguf."""
+    gguf = llamacpp.find_gguf(path, "--model")
+    if gguf is None:
+        raise ConfigError(f"--engine llama.cpp: {Path(path).expanduser()} holds no .gguf; give --model the GGUF file")
+    return gguf
+
+
 def _free_context(llama: Any, ctx: Any, batch: Any) -> None:
     llama.llama_batch_free(batch)
     llama.llama_free(ctx)
-
-
-def find_target_gguf(path: str | Path) -> Path:
-    """The GGUF to serve: the path itself when it is a file, else the folder's one .gguf."""
-    where = Path(path).expanduser()
-    if where.is_file():
-        return where
-    found = sorted(where.glob("*.gguf"))
-    if len(found) != 1:
-        what = "no .gguf" if not found else f"{len(found)} .gguf files"
-        raise ConfigError(f"--engine llama.cpp: {where} holds {what}; give --model the GGUF file")
-    return found[0]

@@ -103,14 +103,3 @@ class LlamaCppDraftLM:
 
     def new_cache(self, seed: int) -> LlamaCppCache:
         return LlamaCppCache(self)
-
-
-def find_gguf(folder: str | Path) -> Path | None:
-    """The GGUF to draft with: the path itself when it is a file, else the folder's one .gguf."""
-    path = Path(folder).expanduser()
-    if path.is_file():
-        return path
-    found = sorted(path.glob("*.gguf"))
-    if len(found) > 1:
-        raise ConfigError(f"{path} holds {len(found)} GGUF files; name one with --draft-gguf")
-    return found[0] if found else None

@@ -8,9 +8,10 @@ import pytest
 
 from edge.config import EdgeSettings
 from edge.drafting.drafter import Drafter, DrafterConfig
-from edge.drafting.runtime_llamacpp import LlamaCppDraftLM, find_gguf
+from edge.drafting.runtime_llamacpp import LlamaCppDraftLM
 from edge.drafting.runtime_transformers import TransformersDraftLM
 from shared.errors import ConfigError, DraftFailed
+from shared.llamacpp import find_gguf
 from shared.protocol import AcceptMode, SamplingParams
 from tests.harness import make_drafter, random_prompt
 
@@ -82,13 +83,13 @@ def test_not_a_gguf_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_find_gguf_and_the_runtime_choice(tmp_path: Path) -> None:
-    assert find_gguf(tmp_path) is None
+    assert find_gguf(tmp_path, "--draft-gguf") is None
     (tmp_path / "a.gguf").write_bytes(b"")
-    assert find_gguf(tmp_path) == tmp_path / "a.gguf"
-    assert find_gguf(tmp_path / "a.gguf") == tmp_path / "a.gguf"
+    assert find_gguf(tmp_path, "--draft-gguf") == tmp_path / "a.gguf"
+    assert find_gguf(tmp_path / "a.gguf", "--draft-gguf") == tmp_path / "a.gguf"
     (tmp_path / "b.gguf").write_bytes(b"")
     with pytest.raises(ConfigError, match="2 GGUF files"):
-        find_gguf(tmp_path)
+        find_gguf(tmp_path, "--draft-gguf")
     auto = EdgeSettings()
     assert auto.resolved_draft_runtime(have_gguf=True) == "llama.cpp"  # llama-cpp-python is installed here
     assert auto.resolved_draft_runtime(have_gguf=False) == "transformers"
