@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from cloud.decode_stretch import SessionCalls
 from cloud.interceptors import ApiKeyInterceptor, StatusInterceptor, Undecodable, principal
 from cloud.state import ReadinessListener, ServerState
 from cloud.verifier import Verifier
@@ -35,36 +36,28 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
         req = wire.open_request_from_pb(request)
-        verifier, batcher = self.state.verifier_for(new_session=True)
-        # The prefill is one more step for the batcher: rounds of open sessions share its
-        # forward pass. Held from eviction by its id while its chunks run.
-        session_id, key = verifier.sessions.new_id(), principal()
-        with verifier.sessions.holding(session_id):
-            result = await batcher.submit(
-                session_id,
-                len(req.prompt_tokens),
-                lambda: verifier.begin_open(req, session_id, key),
-                _deadline(context),
-                admitting=True,
-                key=key,
-            )
+        result = await self._calls(context, new_session=True).open(req)
         return wire.open_result_to_pb(result)
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
         req = wire.verify_request_from_pb(request)
-        verifier, batcher = self.state.verifier_for(new_session=False)
-        tokens = len(req.committed_tokens) + len(req.draft_tokens) + 1
-        key = principal()  # read here: the step runs on the model worker's thread
-        with verifier.sessions.holding(req.session_id):  # no eviction while its round waits or runs
-            result = await batcher.submit(
-                req.session_id,
-                tokens,
-                lambda: verifier.begin_verify(req, key),
-                _deadline(context),
-                key=key,
-            )
+        calls = self._calls(context, new_session=False)
+        with calls.verifier.sessions.holding(req.session_id):  # no eviction while its round waits or runs
+            result = await calls.verify(req)
         self.state.record_round(len(req.draft_tokens), result)
         return wire.verify_result_to_pb(result)
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeChunk]:
+        req = wire.decode_request_from_pb(request)
+        async for chunk in self._calls(context, new_session=req.open is not None).decode(req):
+            self.state.metrics.decode_tokens.inc(len(chunk.tokens))
+            yield wire.decode_chunk_to_pb(chunk)
+
+    def _calls(self, context: grpc.aio.ServicerContext, *, new_session: bool) -> SessionCalls:
+        """The verifier as this call sees it. The key is read here: steps run on the model
+        worker's thread."""
+        verifier, batcher = self.state.verifier_for(new_session=new_session)
+        return SessionCalls(verifier, batcher, principal(), _deadline(context))
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
         verifier, _ = self.state.verifier_for(new_session=False)
@@ -120,6 +113,7 @@ def _add_verifier(servicer: VerifierServicer, server: grpc.aio.Server) -> None:
         "Verify": (pb.VerifyRequest, False),
         "CloseSession": (pb.CloseSessionRequest, False),
         "Generate": (pb.GenerateRequest, True),
+        "Decode": (pb.DecodeRequest, True),
     }
     handlers = {}
     for method, (request, streaming) in requests.items():

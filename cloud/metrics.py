@@ -30,6 +30,9 @@ class VerifierMetrics:
         self.accepted_per_pos = Counter(
             "specdec_accepted_tokens_per_pos", "accepted tokens by draft position (0-based)", ["position"], registry=r
         )
+        self.decode_tokens = Counter(
+            "specdec_decode_tokens", "tokens of Decode stretches: the target's own decoding on a session", registry=r
+        )
         self.bonus_tokens = Counter("specdec_bonus_tokens", "bonus tokens: rounds whose drafts all passed", registry=r)
         self.verify_latency = Histogram(
             "specdec_verify_latency_seconds", "server time per round, queue included", buckets=LATENCY_BUCKETS_S, registry=r

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from cloud.sessions import Session
 from shared.errors import InvalidRequest, PositionMismatch
-from shared.protocol import AcceptMode, GenerateRequest, SessionConfig, VerifyRequest
+from shared.protocol import AcceptMode, DecodeRequest, GenerateRequest, SessionConfig, VerifyRequest
 
 if TYPE_CHECKING:
     from cloud.verifier import VerifierLimits
@@ -68,6 +68,13 @@ class RequestChecks:
         if len(req.prompt_tokens) + req.max_new_tokens > self.limits.max_context_tokens:
             raise InvalidRequest(f"prompt + max_new_tokens pass the context limit {self.limits.max_context_tokens}")
         return vocab
+
+    def decode(self, req: DecodeRequest) -> None:
+        """A Decode stretch's own fields; its opening is checked as a session's, and each of its
+        tokens as a round with no drafts."""
+        if not 0 < req.max_tokens <= self.limits.max_new_tokens:
+            raise InvalidRequest(f"max_tokens must be in [1, {self.limits.max_new_tokens}]")
+        check_ids("stop_token_ids", req.stop_token_ids, self.model_vocab)
 
     def verify(self, req: VerifyRequest, session: Session) -> None:
         """A round against its session as it is now."""

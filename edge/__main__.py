@@ -98,8 +98,10 @@ async def generate_one(
     calls = client.with_tap(recorder) if recorder is not None else client  # the recorder sees this generation's calls
     if s.mode == "cloud_only":
         result = await cloud_only_generate(prompt_ids, calls, cfg, on_commit)
-    else:
+    else:  # auto or speculative: the generation config says which
         result = await speculative_generate(prompt_ids, ctx.draft_source(seed), calls, ctx.k_policy(), cfg, on_commit)
+    if ctx.metrics is not None:
+        ctx.metrics.record_generation(result)
     if recorder is not None and s.record:
         trace = recorder.finish(result.token_ids, result.finish_reason, result.rounds, result.reopens)
         write_trace(Path(s.record) / trace_file_name(label, recorder.header.started_at), trace)

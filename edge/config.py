@@ -90,7 +90,12 @@ class EdgeSettings(BaseSettings):
     tls_server_name: str | None = Field(
         None, description="name the verifier's certificate must carry, when it is not --cloud's host"
     )
-    mode: Literal["speculative", "cloud_only", "edge_only"] = Field("speculative", description="what generates the text")
+    mode: Literal["auto", "speculative", "cloud_only", "edge_only"] = Field(
+        "auto",
+        description="what generates the text: auto starts each generation on the target (the first token as fast as "
+        "cloud_only) while the drafter prefills, then speculates whenever that measures faster than the target "
+        "alone | speculative (always) | cloud_only (the target alone) | edge_only (the draft model alone)",
+    )
     draft_model: str | None = Field(
         None,
         description="draft model: a folder, a packaged model name or a Hugging Face Hub id (org/name[@revision], "
@@ -209,6 +214,10 @@ class EdgeSettings(BaseSettings):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         return self
+
+    def drafts(self) -> bool:
+        """Whether the run drafts (auto or speculative)."""
+        return self.mode in ("auto", "speculative")
 
     def uses_tls(self) -> bool:
         return self.tls or self.tls_ca is not None or self.tls_cert is not None

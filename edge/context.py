@@ -18,6 +18,7 @@ from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
 from edge.drafting.runtime_llamacpp import LlamaCppDraftLM
 from edge.metrics import EdgeMetrics, MeteredObserver
 from edge.round.generation import Gating, GenerationConfig, Observer, TimeoutPolicy
+from edge.round.mode_switch import SwitchRules
 from edge.tokenizer import EdgeTokenizer
 from edge.transport.client import CapacityRetry, ClientTls, VerifierClient
 from edge.transport.local_verifier import local_verifier
@@ -50,7 +51,10 @@ class EdgeContext:
         session = SessionConfig(s.sampling(), seed, s.resolved_accept_mode(), self.vocab_size)
         timeouts = TimeoutPolicy(s.verify_timeout_ms / 1000, s.timeout_mode(), s.reconnect_window_s)
         stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if s.k_policy == "egag" else None
-        return GenerationConfig(session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule, s.overlap)
+        switch = SwitchRules() if s.mode == "auto" else None
+        return GenerationConfig(
+            session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule, s.overlap, switch
+        )
 
     def gating(self) -> Gating | None:
         s = self.settings
@@ -133,7 +137,7 @@ def load_draft_lm(settings: EdgeSettings, folder: str) -> DraftLM:
 def load_edge(settings: EdgeSettings) -> EdgeContext:
     folder = model_folder(settings.draft_model, DRAFT_MODEL)
     tokenizer = EdgeTokenizer(folder)
-    needs_model = settings.mode == "edge_only" or (settings.mode == "speculative" and settings.drafter != "ngram")
+    needs_model = settings.mode == "edge_only" or (settings.drafts() and settings.drafter != "ngram")
     # An n-gram edge never loads a model: only the tokenizer.
     draft_lm = load_draft_lm(settings, folder) if needs_model else None
     vocab = len(tokenizer) if draft_lm is None else min(len(tokenizer), draft_lm.logits_width)

@@ -99,7 +99,7 @@ def format_stats(result: GenerationResult, mode: str) -> str:
         f"ttft {result.ttft_s * 1000:.0f} ms, target passes/token {result.target_forward_passes / n:.2f}"
     )
     if result.rounds:
-        tau = (len(result.token_ids) - result.local_tokens - result.unverified_tokens) / result.rounds
+        tau = result.verified_speculative_tokens() / result.rounds
         rate = result.accepted_tokens / max(result.draft_tokens, 1)
         line += (
             f", rounds {result.rounds}, tau {tau:.2f}, accepted {result.accepted_tokens}/"
@@ -114,4 +114,7 @@ def format_stats(result: GenerationResult, mode: str) -> str:
         "reopens": result.reopens,
     }
     line += "".join(f", {name} {value}" for name, value in extras.items() if value)
+    if result.mode_switches:
+        by_mode = "/".join(f"{result.tokens_by_mode.get(m, 0)}" for m in ("speculative", "cloud_only"))
+        line += f", tokens speculative/cloud_only {by_mode}, mode switches {len(result.mode_switches) - 1}"
     return line

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from edge.round.generate import Observer, RoundRecord
+from edge.round.generate import GenerationResult, Observer, RoundRecord
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 K_BUCKETS = tuple(float(k) for k in range(17))
@@ -32,6 +32,19 @@ class EdgeMetrics:
         self.rtt = Histogram("specdec_edge_rtt_seconds", "Verify call wall time", buckets=LATENCY_BUCKETS_S, registry=r)
         self.k = Histogram("specdec_edge_k", "drafted tokens per round", buckets=K_BUCKETS, registry=r)
         self.accepted_len = Histogram("specdec_edge_accepted_length", "accepted drafts per round", buckets=K_BUCKETS, registry=r)
+        self.tokens_by_mode = Counter(
+            "specdec_edge_tokens_by_mode",
+            "final tokens by what produced them: speculative rounds or the target's own decoding (cloud_only)",
+            ["mode"],
+            registry=r,
+        )
+        self.mode_switches = Counter(
+            "specdec_edge_mode_switches",
+            "auto mode's switches by the mode switched to and why "
+            "(start, drafter_ready, slower, probe_speculation, probe_target)",
+            ["to", "why"],
+            registry=r,
+        )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the exposition server; returns the bound port (port 0 = any free one)."""
@@ -53,6 +66,13 @@ class EdgeMetrics:
         self.rtt.observe(record.rtt_ms / 1000.0)
         self.k.observe(record.k)
         self.accepted_len.observe(record.accepted_len)
+
+    def record_generation(self, result: GenerationResult) -> None:
+        """What a finished generation produced by mode, and its mode switches."""
+        for mode, tokens in result.tokens_by_mode.items():
+            self.tokens_by_mode.labels(mode).inc(tokens)
+        for switch in result.mode_switches:
+            self.mode_switches.labels(switch["to"], switch["why"]).inc()
 
 
 class MeteredObserver:

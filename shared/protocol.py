@@ -147,3 +147,28 @@ class GenerateChunk:
     forward_ms: float
     finished: bool
     wire: WireBytes = WireBytes()  # set by the edge's client
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """A stretch of the target's own decoding on a session: `max_tokens` tokens, each one
+    advancing the session as a Verify with no drafts would. With `open`, the call opens its
+    session first (then session_id and base_position are ignored)."""
+
+    session_id: str
+    base_position: int
+    max_tokens: int
+    stop_token_ids: list[int] = field(default_factory=list)
+    committed_tokens: list[int] = field(default_factory=list)  # catch-up, as in Verify
+    open: OpenSessionRequest | None = None
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    tokens: list[int]
+    position: int  # the session's committed length after these tokens
+    forward_ms: float
+    step_ms: float  # server time for these tokens, queue included
+    finished: bool
+    opened: OpenSessionResult | None = None  # the first chunk of a call that opened its session
+    wire: WireBytes = WireBytes()  # set by the edge's client

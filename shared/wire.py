@@ -197,3 +197,49 @@ def generate_chunk_to_pb(chunk: protocol.GenerateChunk) -> pb.GenerateChunk:
 
 def generate_chunk_from_pb(msg: pb.GenerateChunk) -> protocol.GenerateChunk:
     return protocol.GenerateChunk(list(msg.tokens), msg.forward_ms, msg.finished)
+
+
+def decode_request_to_pb(req: protocol.DecodeRequest) -> pb.DecodeRequest:
+    msg = pb.DecodeRequest(
+        session_id=req.session_id,
+        base_position=req.base_position,
+        committed_tokens=req.committed_tokens,
+        max_tokens=req.max_tokens,
+        stop_token_ids=req.stop_token_ids,
+    )
+    if req.open is not None:
+        msg.open.CopyFrom(open_request_to_pb(req.open))
+    return msg
+
+
+def decode_request_from_pb(msg: pb.DecodeRequest) -> protocol.DecodeRequest:
+    """Structure only; the verifier validates values. A request names its session or opens one."""
+    opening = msg.HasField("open")
+    if opening == bool(msg.session_id):
+        raise InvalidRequest("a Decode call sets exactly one of session_id and open")
+    return protocol.DecodeRequest(
+        session_id=msg.session_id,
+        base_position=msg.base_position,
+        max_tokens=msg.max_tokens,
+        stop_token_ids=list(msg.stop_token_ids),
+        committed_tokens=list(msg.committed_tokens),
+        open=open_request_from_pb(msg.open) if opening else None,
+    )
+
+
+def decode_chunk_to_pb(chunk: protocol.DecodeChunk) -> pb.DecodeChunk:
+    msg = pb.DecodeChunk(
+        tokens=chunk.tokens,
+        position=chunk.position,
+        forward_ms=chunk.forward_ms,
+        step_ms=chunk.step_ms,
+        finished=chunk.finished,
+    )
+    if chunk.opened is not None:
+        msg.opened.CopyFrom(open_result_to_pb(chunk.opened))
+    return msg
+
+
+def decode_chunk_from_pb(msg: pb.DecodeChunk) -> protocol.DecodeChunk:
+    opened = open_result_from_pb(msg.opened) if msg.HasField("opened") else None
+    return protocol.DecodeChunk(list(msg.tokens), msg.position, msg.forward_ms, msg.step_ms, msg.finished, opened)

@@ -78,7 +78,7 @@ async def cloud_only_generate(
                 out.result.count_wire(chunk.wire)
                 outage = None  # it answers again: a later failure starts a new window
                 out.result.target_forward_passes += 1
-                out.commit(chunk.tokens, None)
+                out.commit(chunk.tokens, None, "cloud_only")
             break  # the stream ended by itself: at max_new_tokens or a stop token
         except RECOVERABLE as err:
             out.result.count_wire(err.wire)
@@ -99,5 +99,5 @@ def edge_only_generate(
         drafter.sync(committed)
         draft = drafter.propose(1)
         committed += draft.token_ids
-        out.commit(draft.token_ids, None)
+        out.commit(draft.token_ids, None, "edge_only")
     return out.finish()

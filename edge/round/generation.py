@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol
 
 from edge.drafting.drafter import StopRule
 from edge.drafting.gating import EscalationRules, GatingThresholds
+from edge.round.mode_switch import SwitchRules
 from edge.transport.backoff import Reconnecting as Reconnecting  # re-exported: the round loop reconnects with it
 from shared.errors import CloudUnavailable, PositionMismatch, SessionNotFound
 from shared.protocol import REOPEN_SEED_STRIDE, SessionConfig, WireBytes
@@ -49,6 +50,9 @@ class GenerationConfig:
     gating: Gating | None = None
     stop_rule: StopRule | None = None  # extra early stop for a block (e.g. EGAG's entropy cap)
     overlap: bool = False  # draft the next block while Verify is in flight
+    # auto mode: switch between speculation and the target's own decoding on measured rates
+    # (edge/round/mode_switch.py); None pins speculation
+    mode_switch: SwitchRules | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class RoundRecord:
     sources: list[str] = field(default_factory=list)  # drafter of each draft token: model / ngram
     ahead_drafted: int = 0  # overlap: tokens drafted while this round was in flight
     ahead_used: int = 0  # of those, kept as the next block (all accepted and the bonus matched)
+    mode: str = "speculative"  # cloud_only: a Decode stretch of the target's own tokens (`decoded`)
+    decoded: list[int] = field(default_factory=list)
+    switch: str = ""  # why auto mode changed to this record's mode here (empty: it did not)
 
 
 @dataclass
@@ -102,9 +109,16 @@ class GenerationResult:
     ahead_used: int = 0  # of those, kept (the rest was thrown away)
     overlap_draft_ms: float = 0.0  # drafting time hidden behind Verify calls
     reopens: int = 0
+    stretches: int = 0  # Decode stretches (auto mode)
+    tokens_by_mode: dict[str, int] = field(default_factory=dict)  # generated tokens: speculative / cloud_only
+    mode_switches: list[dict[str, Any]] = field(default_factory=list)  # auto mode: {at_token, to, reason}
     drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per drafter (model / ngram)
     accepted_by: dict[str, int] = field(default_factory=dict)
     round_log: list[RoundRecord] = field(default_factory=list)
+
+    def verified_speculative_tokens(self) -> int:
+        """Tokens speculative rounds committed through the cloud (tau counts these per round)."""
+        return self.tokens_by_mode.get("speculative", 0) - self.local_tokens - self.unverified_tokens
 
     def count_wire(self, wire: WireBytes) -> None:
         """The bytes of one call to the verifier (edge/transport/client.py sets them on its
@@ -143,7 +157,9 @@ class Output:
     def remaining(self) -> int:
         return self.cfg.max_new_tokens - len(self.result.token_ids)
 
-    def commit(self, new: list[int], record: RoundRecord | None) -> None:
+    def commit(self, new: list[int], record: RoundRecord | None, mode: str = "speculative") -> None:
+        """`new` tokens are final (those past a stop token or max_new_tokens are dropped),
+        produced by `mode`."""
         result = self.result
         if not result.token_ids and new:
             result.ttft_s = time.perf_counter() - self.start
@@ -153,6 +169,7 @@ class Output:
                 break
             result.token_ids.append(token)
             kept.append(token)
+            result.tokens_by_mode[mode] = result.tokens_by_mode.get(mode, 0) + 1
             if token in self.cfg.stop_token_ids:
                 result.finish_reason = "stop"
         if self.observer:

@@ -8,18 +8,29 @@ Reconnecting says, for the reconnect window."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 from edge.drafting.drafter import DraftSource
 from edge.transport.client import VerifierClient
 from edge.transport.replicas import new_session_key
 from shared.errors import CloudUnavailable, SessionNotFound
-from shared.protocol import OpenSessionRequest, OpenSessionResult, SessionConfig, VerifyRequest, VerifyResult, WireBytes
+from shared.protocol import (
+    DecodeChunk,
+    DecodeRequest,
+    OpenSessionRequest,
+    OpenSessionResult,
+    SessionConfig,
+    VerifyRequest,
+    VerifyResult,
+    WireBytes,
+)
 
 
 class VerifierSession:
     def __init__(self, client: VerifierClient, drafter: DraftSource) -> None:
         self.client, self.drafter = client, drafter
         self.session: OpenSessionResult | None = None  # the last one opened
+        self.live = False  # the last one opened is still usable (not lost)
         self.key = new_session_key()
 
     def current(self) -> OpenSessionResult:
@@ -35,8 +46,19 @@ class VerifierSession:
         opening = asyncio.ensure_future(self.client.open_session(OpenSessionRequest(committed, config), self.key))
         self.drafter.sync(committed)
         await asyncio.to_thread(self.drafter.prefill)
-        self.session = await opening
-        return self.session
+        return self.adopt(await opening)
+
+    def adopt(self, opened: OpenSessionResult) -> OpenSessionResult:
+        """The session a call opened (OpenSession, or a Decode stretch that opened it)."""
+        self.session, self.live = opened, True
+        return opened
+
+    def lose(self) -> None:
+        """The session is gone or out of step: the next call opens a new one."""
+        self.live = False
+
+    def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+        return self.client.decode(req, session_key=self.key)
 
     async def verify(self, req: VerifyRequest) -> VerifyResult:
         return await self.client.verify(req, session_key=self.key)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from edge.drafting.drafter import Draft, DraftSource
 from edge.drafting.feedback import Learner, RoundFeedback
@@ -44,12 +44,14 @@ from edge.round.generation import (
     ms_since,
     reopened_config,
 )
+from edge.round.mode_switch import CLOUD_ONLY, ModeSwitch
 from edge.round.overlap import DraftAhead
 from edge.round.provisional import SoftDeadline, shows_while_away
 from edge.round.recovery import VerifierSession
+from edge.round.warmup import DrafterWarmup
 from edge.transport.client import VerifierClient
 from shared.errors import CapacityExceeded, SpecDecError
-from shared.protocol import VerifyRequest, VerifyResult, WireBytes
+from shared.protocol import DecodeRequest, OpenSessionRequest, VerifyRequest, VerifyResult, WireBytes
 
 NGRAM_CONTEXT = 64  # committed tokens the feedback carries: n-gram contexts are short
 
@@ -107,15 +109,38 @@ class SpeculativeRun:
         self.learners: tuple[Learner, ...] = (drafter, k_policy, self.overlap)
         self.local_commit = LocalCommit.when_on(cfg.gating)
         self.unverified = AcceptUnverified.when_on(cfg.timeouts)
+        self.switch = ModeSwitch(cfg.mode_switch) if cfg.mode_switch is not None else None
+        self.warmup = DrafterWarmup(drafter)
+        self._outage: Reconnecting | None = None  # a lost Decode stretch's, until a chunk comes
+        self._switch_reason = ""  # for the next record: why the mode changed before it
 
     async def run(self) -> GenerationResult:
-        await self._connect(None)
+        if self.switch is None:
+            await self._connect(None)
         try:
             while not self.out.done():
-                await self._round()
+                await (self._round() if self.switch is None else self._next_in_auto_mode(self.switch))
         finally:
+            await self.warmup.settle()
             self.result.count_wire(await self.session.close())
         return self.out.finish()
+
+    async def _next_in_auto_mode(self, switch: ModeSwitch) -> None:
+        """Auto mode: a Decode stretch or a speculative round, as the measured rates say."""
+        generated = len(self.result.token_ids)
+        plan = switch.plan(self.warmup.ready(), generated)
+        if plan.reason:
+            self.result.mode_switches.append(asdict(switch.switches[-1]))
+            self._switch_reason = plan.reason
+        if plan.mode == CLOUD_ONLY:
+            await self._stretch(min(plan.tokens, self.out.remaining()), switch)
+            return
+        await self.warmup.settle()
+        start = time.perf_counter()
+        if not self.session.live:  # lost during a stretch: reopened here, as a round needs it
+            await self._connect(None)
+        await self._round()
+        switch.round_done(len(self.result.token_ids) - generated, time.perf_counter() - start)
 
     # ---- the verifier session -----------------------------------------------------------
 
@@ -142,6 +167,96 @@ class SpeculativeRun:
             self.tokens.catchup = []
             self.result.target_forward_passes += 1 if len(committed) > 1 else 0
             return
+
+    # ---- the target's own decoding (auto mode) ---------------------------------------
+
+    async def _stretch(self, max_tokens: int, switch: ModeSwitch) -> None:
+        """A Decode stretch: the target's own tokens on the session (opened by the call when
+        there is none), final as they stream in; the drafter follows them in the background.
+        A recoverable loss waits as a lost round does; the next stretch reopens."""
+        self.overlap.drop()
+        req, sent_at = self._decode_request(max_tokens), time.perf_counter()
+        decoded: list[int] = []
+        gaps: list[float] = []
+        traffic, server_ms, last, first_step_s = WireBytes(), 0.0, 0.0, 0.0
+        try:
+            async for chunk in self.session.decode(req):
+                now = time.perf_counter()
+                gaps += [now - last] if decoded else []
+                first_step_s = first_step_s or chunk.step_ms / 1000.0
+                last, traffic, server_ms = now, traffic + chunk.wire, server_ms + chunk.step_ms
+                self._outage = None
+                if chunk.opened is not None:
+                    self.session.adopt(chunk.opened)
+                self._commit_decoded(chunk.tokens, decoded)
+        except RECOVERABLE as err:
+            self.result.count_wire(traffic + err.wire)
+            await self._decode_lost(err, req)
+            return
+        finally:
+            switch.stretch_done(first_step_s, gaps)
+        self.result.count_wire(traffic)
+        self._record_stretch(req, decoded, ms_since(sent_at), server_ms, traffic)
+
+    def _decode_request(self, max_tokens: int) -> DecodeRequest:
+        tokens, stops = self.tokens, sorted(self.cfg.stop_token_ids)
+        if self.session.live:
+            base = len(tokens.committed) - len(tokens.catchup)
+            return DecodeRequest(self.session.current().session_id, base, max_tokens, stops, tokens.catchup)
+        config = reopened_config(self.cfg.session, self.result.reopens)
+        return DecodeRequest("", 0, max_tokens, stops, open=OpenSessionRequest(list(tokens.committed), config))
+
+    def _commit_decoded(self, new: list[int], decoded: list[int]) -> None:
+        """Tokens of a stretch are final on arrival: shown, and followed by the drafter."""
+        self.tokens.commit_verified(new)
+        decoded += new
+        self.result.target_forward_passes += 1
+        self.out.commit(new, None, CLOUD_ONLY)
+        self.warmup.follow(self.tokens.committed)
+
+    async def _decode_lost(self, err: SpecDecError, req: DecodeRequest) -> None:
+        """The session is lost or out of step: wait as the reconnect window says; the next
+        stretch opens a new one on the committed prefix (a reopen once one had opened)."""
+        if self.session.live or (req.open is None and self.session.session is not None):
+            self.result.reopens += 1
+        self.session.lose()
+        self._outage = self._outage or Reconnecting(self.cfg.timeouts)
+        await self._outage.wait(err)
+
+    def _record_stretch(
+        self, req: DecodeRequest, decoded: list[int], rtt_ms: float, server_ms: float, traffic: WireBytes
+    ) -> None:
+        result = self.result
+        result.stretches += 1
+        record = RoundRecord(
+            round=result.rounds + result.stretches - 1,
+            k=0,
+            draft_tokens=[],
+            accepted_len=0,
+            next_token=decoded[-1] if decoded else -1,
+            bonus=False,
+            la_over_k=0.0,
+            alpha_mean=0.0,
+            a_cum=result.accepted_tokens,
+            edge_time_ms=0.0,
+            cloud_verify_ms=server_ms,
+            rtt_ms=rtt_ms,
+            bytes_up=traffic.up,
+            bytes_down=traffic.down,
+            hard_ratio=0.0,
+            escalated=True,
+            catchup=len(req.committed_tokens),
+            provisional=0,
+            retracted=0,
+            mode=CLOUD_ONLY,
+            decoded=decoded,
+            switch=self._take_switch_reason(),
+        )
+        result.round_log.append(record)
+
+    def _take_switch_reason(self) -> str:
+        reason, self._switch_reason = self._switch_reason, ""
+        return reason
 
     # ---- drafting a block ---------------------------------------------------------------
 
@@ -304,6 +419,7 @@ class SpeculativeRun:
         retracted = max(shown - accepted, 0)
         self._count_verified(sent, accepted, retracted, traffic, ahead)
         record = _verified_record(sent, reply, self.result, shown=shown, rtt_ms=rtt_ms, traffic=traffic, ahead=ahead)
+        record = replace(record, switch=self._take_switch_reason()) if self._switch_reason else record
         self.result.round_log.append(record)
         self.out.commit(new, record)
 

@@ -167,7 +167,7 @@ class Engine:
         return gen
 
     def _check_room(self, settings: EdgeSettings, prompt_tokens: int) -> None:
-        uses_model = settings.mode == "speculative" and settings.drafter != "ngram"
+        uses_model = settings.drafts() and settings.drafter != "ngram"
         if uses_model and self.ctx.draft_lm is None:
             raise InvalidParameter('this server loaded no draft model (drafter "ngram" needs none)', "speculative.drafter")
         context = getattr(self.ctx.draft_lm, "context_size", None)
@@ -204,7 +204,10 @@ class Engine:
             source = await asyncio.to_thread(ctx.draft_source, s.seed)  # a llama.cpp context: allocation
             run = SpeculativeRun(prompt_ids, source, self.client, ctx.k_policy(), cfg, observer)
             relay.live = run.result
-            return await run.run()
+            result = await run.run()
+            if ctx.metrics is not None:
+                ctx.metrics.record_generation(result)
+            return result
         except StopText:
             return relay.stopped_result(started)
 

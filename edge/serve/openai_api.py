@@ -113,9 +113,9 @@ class SamplingRequest(_Strict):
         }
         spec = self.speculative
         values |= {"k": spec.k, "k_policy": spec.k_policy, "drafter": spec.drafter, "strict": spec.strict}
-        if spec.enabled is False:
+        if spec.enabled is False:  # pinned: the target alone
             values["mode"] = "cloud_only"
-        elif spec.enabled and base.mode == "cloud_only":
+        elif spec.enabled:  # pinned: speculation throughout (auto mode would decide for itself)
             values["mode"] = "speculative"
         return {name: value for name, value in values.items() if value is not None}
 

@@ -30,7 +30,7 @@ def per_position(result: GenerationResult) -> tuple[list[int], list[int]]:
 def _why_not(settings: EdgeSettings, disabled_by_request: bool, result: GenerationResult) -> str | None:
     if disabled_by_request:
         return "disabled by the request (speculative.enabled false)"
-    if settings.mode != "speculative":
+    if not settings.drafts():
         return f"the server runs --mode {settings.mode}"
     if result.draft_tokens == 0:
         return "nothing was drafted (no room before max_tokens, or the drafter proposed nothing)"
@@ -38,9 +38,9 @@ def _why_not(settings: EdgeSettings, disabled_by_request: bool, result: Generati
 
 
 def speculation_stats(result: GenerationResult, settings: EdgeSettings, disabled_by_request: bool) -> dict[str, Any]:
-    speculative = settings.mode == "speculative"
+    speculative = settings.drafts()
     reason = _why_not(settings, disabled_by_request, result)
-    verified = len(result.token_ids) - result.local_tokens - result.unverified_tokens
+    verified = result.verified_speculative_tokens()
     drafted, accepted = per_position(result)
     mode = settings.resolved_accept_mode()
     return {
@@ -74,6 +74,9 @@ def speculation_stats(result: GenerationResult, settings: EdgeSettings, disabled
         "unverified_tokens": result.unverified_tokens,
         "local_tokens": result.local_tokens,
         "reopens": result.reopens,
+        # auto mode: the tokens of each mode, and every switch with its reason
+        "tokens_by_mode": result.tokens_by_mode,
+        "mode_switches": result.mode_switches,
         "ttft_s": round(result.ttft_s, 4),
         "elapsed_s": round(result.elapsed_s, 4),
     }

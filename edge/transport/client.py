@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -42,6 +42,8 @@ from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.protocol import (
     CloseSessionResult,
+    DecodeChunk,
+    DecodeRequest,
     GenerateChunk,
     GenerateRequest,
     OpenSessionRequest,
@@ -128,6 +130,15 @@ class _CallBytes:
         """`error`, carrying this call's bytes."""
         error.wire = self.wire()
         return error
+
+
+@dataclass(frozen=True)
+class _StreamChunk:
+    """One message of a server stream, the bytes not reported before it, and the replica."""
+
+    message: Any
+    wire: WireBytes
+    address: str
 
 
 Req = TypeVar("Req")
@@ -284,17 +295,53 @@ class VerifierClient:
         """Not resent on RESOURCE_EXHAUSTED: a stream may have yielded tokens already. Each
         chunk carries the bytes not yet reported: its own, and the request's on the first."""
         msg = wire.generate_request_to_pb(req)
-        unreported = _CallBytes(up=msg.ByteSize())
         sent, first, tokens = time.perf_counter(), None, list[int]()
         error: SpecDecError | None = None
-        address = self.replicas.pick(session_key)
         try:
-            async for chunk in self._stubs[address].Generate(msg, metadata=self._call_metadata(session_key)):
-                unreported.down += chunk.ByteSize()
+            async for chunk in self._stream(lambda stub: stub.Generate, msg, session_key, opening=False):
                 first = first or time.perf_counter()
-                tokens += chunk.tokens
+                tokens += chunk.message.tokens
+                yield replace(wire.generate_chunk_from_pb(chunk.message), wire=chunk.wire)
+        except SpecDecError as err:
+            error = err
+            raise
+        finally:
+            if self.tap:
+                self.tap.generated(TappedCall(req, tokens, error, sent, time.perf_counter(), first=first))
+
+    async def decode(self, req: DecodeRequest, session_key: str | None = None) -> AsyncIterator[DecodeChunk]:
+        """A Decode stretch on the session's replica (a new one when the call opens its session),
+        chunk by chunk; not resent, as a stream may have yielded tokens already. Each chunk
+        carries the bytes not yet reported. Its deadline is the open timeout when it opens a
+        session, else the call timeout per token."""
+        msg = wire.decode_request_to_pb(req)
+        opening = req.open is not None
+        timeout_s = self.open_timeout_s if opening else self.verify_timeout_s * req.max_tokens
+        async for chunk in self._stream(lambda stub: stub.Decode, msg, session_key, opening=opening, timeout_s=timeout_s):
+            if chunk.message.HasField("opened"):
+                self.replicas.opened(session_key, chunk.address)
+            yield replace(wire.decode_chunk_from_pb(chunk.message), wire=chunk.wire)
+
+    async def _stream(
+        self,
+        method: Callable[[pb_grpc.VerifierStub], grpc.aio.UnaryStreamMultiCallable],
+        msg,  # type: ignore[no-untyped-def]
+        session_key: str | None,
+        *,
+        opening: bool,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[_StreamChunk]:
+        """A server stream from the session's replica, each message with the bytes not yet
+        reported (the request's on the first); a failure raises the project's error carrying
+        the bytes since the last message, and marks an unreachable replica down."""
+        unreported = _CallBytes(up=msg.ByteSize())
+        address = self.replicas.pick(session_key, opening)
+        try:
+            stream = method(self._stubs[address])(msg, timeout=timeout_s, metadata=self._call_metadata(session_key))
+            async for message in stream:
+                unreported.down += message.ByteSize()
                 reported, unreported = unreported.wire(), _CallBytes()
-                yield replace(wire.generate_chunk_from_pb(chunk), wire=reported)
+                yield _StreamChunk(message, reported, address)
         except grpc.aio.AioRpcError as err:
             error = unreported.failed(_error_from_rpc(err))
             if error.status == "RESOURCE_EXHAUSTED":
@@ -302,9 +349,6 @@ class VerifierClient:
             if isinstance(error, CloudUnavailable):
                 self.replicas.mark_down(address)
             raise error from None
-        finally:
-            if self.tap:
-                self.tap.generated(TappedCall(req, tokens, error, sent, time.perf_counter(), first=first))
 
     async def _unary(
         self,

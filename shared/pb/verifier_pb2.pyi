@@ -174,3 +174,35 @@ class GenerateChunk(_message.Message):
     forward_ms: float
     finished: bool
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., forward_ms: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id", "open", "base_position", "committed_tokens", "max_tokens", "stop_token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    BASE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    open: OpenSessionRequest
+    base_position: int
+    committed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., base_position: _Optional[int] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeChunk(_message.Message):
+    __slots__ = ("opened", "tokens", "position", "forward_ms", "step_ms", "finished")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    opened: OpenSessionResponse
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    position: int
+    forward_ms: float
+    step_ms: float
+    finished: bool
+    def __init__(self, opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., forward_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...

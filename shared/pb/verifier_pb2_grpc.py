@@ -55,6 +55,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specdec.v1.Verifier/Decode',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.DecodeChunk.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -87,6 +92,22 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decode(self, request, context):
+        """The target's own decoding on a session, streamed token by token: each token advances the
+        session exactly as a Verify with no draft tokens would (same KV, same position, the same
+        draws from the session's generator), so a client switches between Decode stretches and
+        Verify rounds on one session, without a second prefill and without a token repeated or
+        lost. With `open` set instead of `session_id`, the call opens the session first (its
+        prefill) and streams its first tokens in one round trip, as Generate does. A stretch ends
+        by itself after `max_tokens` tokens or a stop token; the client decides what comes next at
+        that boundary. Cancelling a stretch midway leaves the session at a position the client may
+        not know: it then reopens on its committed prefix (FAILED_PRECONDITION tells the position).
+        Added in v1 beside the other calls: clients that never call it see no change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +130,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.GenerateRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.DecodeChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +245,33 @@ class Verifier:
             '/specdec.v1.Verifier/Generate',
             specdec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specdec.v1.Verifier/Decode',
+            specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.DecodeChunk.FromString,
             options,
             channel_credentials,
             insecure,
