@@ -35,6 +35,8 @@ TARGET_ONLY = "target-only"
 HF_ASSISTED = "hf-assisted"
 CLOUD_ONLY = "cloud_only"
 
+SPECULATIVE = ("--mode", "speculative")  # speculation throughout (edge-agent's default is auto)
+
 BUILT_IN: dict[str, System] = {
     s.name: s
     for s in (
@@ -42,17 +44,19 @@ BUILT_IN: dict[str, System] = {
         System(HF_ASSISTED, Kind.IN_PROCESS),
         System("edge_only", Kind.EDGE_LOCAL, ("--mode", "edge_only")),
         System(CLOUD_ONLY, Kind.WIRE, ("--mode", "cloud_only")),
-        System("speculative", Kind.WIRE),  # the edge's default drafter: llama.cpp on the draft GGUF
-        System("speculative-transformers", Kind.WIRE, ("--draft-runtime", "transformers")),
+        # the target first, speculation whenever it measures faster (edge-agent's default)
+        System("auto", Kind.WIRE, ("--mode", "auto")),
+        System("speculative", Kind.WIRE, SPECULATIVE),  # the edge's default drafter: llama.cpp on the draft GGUF
+        System("speculative-transformers", Kind.WIRE, (*SPECULATIVE, "--draft-runtime", "transformers")),
         # n-gram drafting, NAPD (filler 1) and NASD (the target's top-8 fed back), and the hybrid
-        System("ngram", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "1")),
-        System("ngram8", Kind.WIRE, ("--drafter", "ngram", "--filler-top-k", "8")),
-        System("hybrid", Kind.WIRE, ("--drafter", "hybrid")),
+        System("ngram", Kind.WIRE, (*SPECULATIVE, "--drafter", "ngram", "--filler-top-k", "1")),
+        System("ngram8", Kind.WIRE, (*SPECULATIVE, "--drafter", "ngram", "--filler-top-k", "8")),
+        System("hybrid", Kind.WIRE, (*SPECULATIVE, "--drafter", "hybrid")),
         # draft the next block while Verify is in flight
-        System("overlap", Kind.WIRE, ("--overlap",)),
+        System("overlap", Kind.WIRE, (*SPECULATIVE, "--overlap")),
     )
 }
-DEFAULT_SYSTEMS = (TARGET_ONLY, HF_ASSISTED, "edge_only", CLOUD_ONLY, "speculative")
+DEFAULT_SYSTEMS = (TARGET_ONLY, HF_ASSISTED, "edge_only", CLOUD_ONLY, "speculative", "auto")
 
 
 def parse_variant(spec: str, rtts_ms: list[float]) -> System:

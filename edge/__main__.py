@@ -210,6 +210,8 @@ async def run_agent(settings: EdgeSettings) -> int:
         raise ConfigError("give exactly one of --prompt or --prompts")
     if settings.record and settings.mode == "edge_only":
         raise ConfigError("--record records calls to the verifier: edge_only makes none")
+    if settings.record and settings.mode == "auto":
+        raise ConfigError("--record replays one mode's calls: give --mode speculative or --mode cloud_only with it")
     ctx = load_edge(settings)
     if settings.metrics_port is not None:
         ctx.metrics = EdgeMetrics()

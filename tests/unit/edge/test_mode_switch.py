@@ -1,0 +1,83 @@
+"""Auto mode's rule on measured rates (edge/round/mode_switch.py), without a model or a wire."""
+
+from edge.round.mode_switch import CLOUD_ONLY, SPECULATIVE, ModeSwitch, SwitchRules
+
+
+def _warm_start(switch: ModeSwitch, target_tok_s: float) -> None:
+    """The first stretch (2 tokens at the target's rate), then the drafter is ready."""
+    first = switch.plan(drafter_ready=False, generated=0)
+    assert (first.mode, first.tokens) == (CLOUD_ONLY, 2)
+    switch.stretch_done(1 / target_tok_s, [1 / target_tok_s])
+    assert switch.plan(drafter_ready=True, generated=2).mode == SPECULATIVE
+
+
+def _rounds(switch: ModeSwitch, n: int, tokens: int, seconds: float, generated: int) -> list[str]:
+    modes = []
+    for i in range(n):
+        switch.round_done(tokens, seconds)
+        modes.append(switch.plan(True, generated + (i + 1) * tokens).mode)
+    return modes
+
+
+def test_the_first_stretches_double_while_the_drafter_prefills() -> None:
+    switch = ModeSwitch()
+    sizes = []
+    for _ in range(5):
+        plan = switch.plan(drafter_ready=False, generated=sum(sizes))
+        assert plan.mode == CLOUD_ONLY
+        sizes.append(plan.tokens)
+        switch.stretch_done(0.1, [0.1] * (plan.tokens - 1))
+    assert sizes == [2, 4, 8, 16, 16]
+    assert [s.why for s in switch.switches] == ["start"]
+    assert switch.target_rate == 10.0
+
+
+def test_faster_speculation_is_kept_and_the_target_measured_again_later() -> None:
+    switch = ModeSwitch(SwitchRules(reprobe_after_tokens=30))
+    _warm_start(switch, target_tok_s=5.0)
+    modes = _rounds(switch, 8, tokens=4, seconds=0.5, generated=2)  # 8 tok/s against 5
+    assert modes[:7] == [SPECULATIVE] * 7
+    assert modes[7] == CLOUD_ONLY and switch.switches[-1].why == "probe_target"  # 32 tokens: past 30
+    assert switch.plan(True, 40).mode == SPECULATIVE  # after the 4-token stretch: back to speculation
+
+
+def test_slower_speculation_backs_off_in_doubling_stretches_and_a_winning_probe_resets_them() -> None:
+    rules = SwitchRules(backoff_tokens=16, max_backoff_tokens=64)
+    switch = ModeSwitch(rules)
+    _warm_start(switch, target_tok_s=10.0)
+    stretches = []
+    for _ in range(4):  # each probe: 3 rounds at 4 tok/s, then a stretch
+        modes = _rounds(switch, 3, tokens=2, seconds=0.5, generated=0)
+        assert modes[:2] == [SPECULATIVE] * 2 and modes[2] == CLOUD_ONLY
+        stretches.append(switch.switches[-1])
+        switch.stretch_done(0.1, [0.1] * 15)
+        assert switch.plan(True, 0).mode == SPECULATIVE and switch.switches[-1].why == "probe_speculation"
+    assert [s.why for s in stretches] == ["slower"] * 4
+    assert "4.00 tok/s < 0.95 x target 10.00 tok/s" in stretches[0].reason
+    # the stretch lengths: 16, 32, 64, 64 (capped); a probe that wins resets to 16
+    assert _rounds(switch, 3, tokens=6, seconds=0.5, generated=0) == [SPECULATIVE] * 3
+    assert _rounds(switch, 1, tokens=1, seconds=1.0, generated=0) == [CLOUD_ONLY]
+
+
+def test_stretch_lengths_follow_the_backoff() -> None:
+    switch = ModeSwitch(SwitchRules(backoff_tokens=16, max_backoff_tokens=64))
+    _warm_start(switch, target_tok_s=10.0)
+    lengths = []
+    for _ in range(4):
+        for _ in range(2):
+            switch.round_done(2, 0.5)
+            switch.plan(True, 0)
+        switch.round_done(2, 0.5)
+        plan = switch.plan(True, 0)
+        lengths.append(plan.tokens)
+        switch.stretch_done(0.1, [0.1] * (plan.tokens - 1))
+        switch.plan(True, 0)
+    assert lengths == [16, 32, 64, 64]
+
+
+def test_no_judgement_before_min_rounds_or_without_a_target_rate() -> None:
+    switch = ModeSwitch(SwitchRules(min_rounds=3))
+    switch.plan(False, 0)
+    switch.stretch_done(0.0, [])  # nothing measured: the target's rate stays unknown
+    switch.plan(True, 1)
+    assert _rounds(switch, 5, tokens=1, seconds=10.0, generated=1) == [SPECULATIVE] * 5
