@@ -72,6 +72,7 @@ def test_round_log_and_result_say_which_mode_made_each_token(target_engine: Targ
 
 def test_speculation_that_measures_slower_stops_and_is_probed_again(target_engine: TargetEngine, draft_model) -> None:
     """A keep ratio no speculation meets: the target decodes in doubling stretches between probes."""
+
     async def run() -> None:
         rules = SwitchRules(min_rounds=2, window=2, keep_ratio=1e9, backoff_tokens=4, max_backoff_tokens=8)
         cfg = replace(gen_config(max_new_tokens=60), mode_switch=rules)
@@ -90,6 +91,7 @@ def test_speculation_that_measures_slower_stops_and_is_probed_again(target_engin
 def test_decode_and_verify_advance_one_session(target_engine: TargetEngine) -> None:
     """Opened by a Decode call, decoded, verified with no drafts, decoded again: the tokens are
     the target's greedy continuation, positions follow, and the session's KV is held once."""
+
     async def run() -> None:
         prompt, config = PROMPTS[4], SessionConfig(vocab_size=96)
         async with running_verifier(target_engine) as (client, verifier):
