@@ -37,6 +37,7 @@ class EdgeSettings(BaseSettings):
             "draft_gguf",
             "draft_threads",
             "draft_context",
+            "draft_window",
             "dtype",
             "device",
             "threads",
@@ -112,6 +113,12 @@ class EdgeSettings(BaseSettings):
         "weights (auto: llama.cpp when llama-cpp-python is installed and a GGUF is there)",
     )
     draft_gguf: str | None = Field(None, description="llama.cpp: the GGUF file (default: the draft folder's .gguf)")
+    draft_window: int = Field(
+        0,
+        ge=0,
+        description="the draft model reads only the last N prompt tokens (0 = the whole prompt): a long prompt's "
+        "drafter prefill costs N tokens; the verifier still sees everything (the n-gram drafter always does)",
+    )
     draft_threads: int = Field(0, ge=0, description="draft model CPU threads (0 = --threads, else every usable core)")
     draft_context: int = Field(
         4096,

@@ -113,6 +113,7 @@ class EdgeContext:
             self.stop_token_ids,
             signals=signals,
             mc_passes=s.mc_passes if s.gating else 0,
+            window=s.draft_window,
         )
         return Drafter(self.draft_lm, config, seed + 1)  # the cloud's generator uses `seed`
 

@@ -61,6 +61,10 @@ class DrafterConfig:
     signals: bool = False  # compute gating signals per drafted token
     mc_passes: int = 0  # MC-dropout passes per token (0 = off; edge/experimental/mc_dropout.py)
     mc_dropout_p: float = 0.1
+    # The model drafts from the last `window` tokens of the prompt on (0 = all of it): a long
+    # prompt's prefill then costs the drafter a window's, not the prompt's. Drafts only steer
+    # what is proposed; the verifier judges them on the whole context.
+    window: int = 0
 
 
 StopRule = Callable[[TokenSignals], bool]
@@ -111,13 +115,17 @@ class Drafter:
         self.config = config
         self.rng = np.random.Generator(np.random.PCG64(seed))  # one per session, never reseeded
         self.cache = lm.new_cache(seed + 1)  # dropout masks: drafts stay reproducible
-        self.tokens: list[int] = []  # the sequence drafts continue from
+        self.tokens: list[int] = []  # the sequence drafts continue from (from `start` on)
+        self.start: int | None = None  # where the window begins, fixed by the first sync
         self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
         self.forward_passes = 0
 
     def sync(self, tokens: Sequence[int]) -> None:
-        """Continue from `tokens`; keep the cached KV of its longest shared prefix."""
-        self.tokens = list(tokens)
+        """Continue from `tokens` (from the window's start on); keep the cached KV of its
+        longest shared prefix."""
+        if self.start is None:
+            self.start = max(len(tokens) - self.config.window, 0) if self.config.window else 0
+        self.tokens = list(tokens[self.start :])
         keep = 0
         limit = min(len(self.cached), len(self.tokens) - 1)
         while keep < limit and self.cached[keep] == self.tokens[keep]:

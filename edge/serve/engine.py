@@ -171,7 +171,8 @@ class Engine:
         if uses_model and self.ctx.draft_lm is None:
             raise InvalidParameter('this server loaded no draft model (drafter "ngram" needs none)', "speculative.drafter")
         context = getattr(self.ctx.draft_lm, "context_size", None)
-        if uses_model and context and prompt_tokens + settings.max_new_tokens > context:
+        drafted_from = min(prompt_tokens, settings.draft_window) if settings.draft_window else prompt_tokens
+        if uses_model and context and drafted_from + settings.max_new_tokens > context:
             raise InvalidParameter(
                 f"the prompt ({prompt_tokens} tokens) and max_tokens ({settings.max_new_tokens}) "
                 f"exceed the draft model's context of {context} tokens",
