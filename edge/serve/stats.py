@@ -32,6 +32,8 @@ def _why_not(settings: EdgeSettings, disabled_by_request: bool, result: Generati
         return "disabled by the request (speculative.enabled false)"
     if not settings.drafts():
         return f"the server runs --mode {settings.mode}"
+    if result.draft_tokens == 0 and settings.mode == "auto":
+        return "auto mode decoded on the target throughout (mode_switches says why)"
     if result.draft_tokens == 0:
         return "nothing was drafted (no room before max_tokens, or the drafter proposed nothing)"
     return None

@@ -6,18 +6,23 @@ synchronous channel. Every field of every request message is drawn: prompts, sam
 (NaN, infinite, subnormal, huge), seeds, accept modes known and unknown, vocabulary sizes, session
 ids (real ones the fuzzer opened, mutated, empty, long, non-ASCII), base positions near the real
 one, catch-up, drafts, draft probabilities, hard masks, sparse drafts, want_top_k, request ids,
-max_new_tokens, stop ids, and the call's deadline and metadata. Raw frames go to each method as
-bytes: random, truncated, corrupted, with invalid UTF-8 in string fields, nested too deep, oversize.
+max_new_tokens, stop ids, Decode stretches (on a held session, or opening one, or both, or neither;
+max_tokens; stop ids; catch-up), and the call's deadline and metadata. Raw frames go to each method
+as bytes: random, truncated, corrupted, with invalid UTF-8 in string fields, nested too deep, oversize.
 
 For every case: the status is OK or one that docs/architecture.md's "Errors" section documents (never
 UNKNOWN or INTERNAL); the details are short and hold no exception class name or traceback; an OK
 reply agrees with its request; a session the fuzzer tracks is where the server says it is
-(FAILED_PRECONDITION's position, CloseSession's position), so a failed request never moved it;
-and the server answers its health check afterwards. An honest greedy session (the bystander)
+(FAILED_PRECONDITION's position, CloseSession's position, a Decode stretch's positions), so a failed
+request never moved it; a refused Decode leaves no session behind; and the server answers its health
+check afterwards. An honest greedy session (the bystander)
 runs rounds beside the fuzzed calls (every few cases, concurrently, so batched with them); its
-tokens must equal the same rounds on a fresh verifier.
+tokens must equal the same rounds on a fresh verifier. Decode refusals are predicted from the request
+and the session it names: both or neither of session_id and open, max_tokens outside [1, max_new_tokens]
+or a stop id outside the vocabulary are INVALID_ARGUMENT; an unknown session NOT_FOUND; a wrong base
+position FAILED_PRECONDITION; bad catch-up (ids, length, past the context) INVALID_ARGUMENT.
 
-SPECDEC_FUZZ_EXAMPLES=N: N examples per property (by default about 350 cases in all).
+SPECDEC_FUZZ_EXAMPLES=N: N examples per property (by default about 420 cases in all).
 SPECDEC_FUZZ_REPORT=PATH: the status histogram as JSON; it is also written to the terminal.
 """
 
@@ -66,7 +71,7 @@ MAX_K = LIMITS.max_draft_tokens
 # (no API keys are configured here) and UNAVAILABLE (loading, draining) cannot happen on this server.
 DOCUMENTED = frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
 LONG_TIMEOUT = 30.0  # a call that runs into this deadline means the server hung
-MAX_CHUNKS = 8  # a Generate stream is cancelled after this many chunks
+MAX_CHUNKS = 8  # a Generate or Decode stream is cancelled after this many chunks
 BYSTANDER_EVERY = 3  # a bystander round rides beside every third case
 # Text a status detail must never hold: an exception class name, a traceback.
 LEAK = re.compile(r"Traceback|File \"|\b[A-Za-z_]+(Error|Exception)\b|\bline \d+, in\b")
@@ -458,16 +463,95 @@ def verify_plans(draw: Any) -> Callable[[Tracked | None], pb.VerifyRequest]:
     return build
 
 
+MAX_TOKENS = weighted(
+    (6, st.integers(1, 8)),
+    (1, st.just(0)),
+    (1, st.integers(9, 4096)),
+    (1, st.integers(4097, 2**32 - 1)),
+    (1, st.sampled_from([1024, 4096, 4097, 2**32 - 1])),
+)
+
+
+@st.composite
+def decode_plans(draw: Any) -> Callable[[Tracked | None], pb.DecodeRequest]:
+    """A DecodeRequest: a stretch on a tracked session (None: no real session at all), or one
+    that opens its session (a fuzzed OpenSessionRequest), or one that sets both or neither.
+    Four in ten are valid in every field of the stretch itself."""
+    clean = draw(DICE) < 4
+    d_target = draw(st.integers(0, 9))  # 0-2: opens; 3-8: names a session; 9: both, or neither
+    both = d_target == 9 and draw(st.booleans())
+    neither = d_target == 9 and not both
+    opening = draw(open_requests()) if d_target <= 2 or both else None
+    session_id = (lambda real: real or "") if clean else draw(session_id_plans())
+    d_position, delta, guess, fixed = (0 if clean else draw(DICE)), 0, 0, 0
+    if d_position <= 7:  # the real position (a guess while it is unknown), one in eight a near miss
+        delta, guess = draw(st.integers(-3, 3)) if d_position == 7 else 0, draw(st.integers(0, 1100))
+    else:
+        fixed = draw(U32 if d_position == 8 else st.sampled_from([0, 1, 2**31, 2**32 - 1]))
+    committed = draw(
+        weighted((7, st.just([])), (3, st.lists(st.integers(0, VOCAB - 1), max_size=8) if clean else id_lists(VOCAB, 8, 80)))
+    )
+    valid_stops = st.lists(st.integers(0, VOCAB - 1), max_size=8)
+    stops = draw(valid_stops if clean else weighted((6, st.just([])), (3, valid_stops), (1, st.lists(ids(VOCAB), max_size=8))))
+    max_tokens = draw(st.integers(1, 12) if clean else MAX_TOKENS)
+
+    def build(target: Tracked | None) -> pb.DecodeRequest:
+        req = pb.DecodeRequest(max_tokens=max_tokens, stop_token_ids=stops)
+        if opening is not None:
+            req.open.CopyFrom(opening)
+            vocab = opening.vocab_size if 0 < opening.vocab_size <= VOCAB else VOCAB
+            req.base_position = fixed  # ignored with `open`
+        else:
+            vocab = target.vocab if target else VOCAB
+            known = target.position if target else None
+            req.base_position = max(0, (guess if known is None else known) + delta) if d_position <= 7 else fixed
+        if both or (opening is None and not neither):
+            req.session_id = session_id(target.session_id if target else None) or ("x" if both else "")
+        req.committed_tokens.extend(_fit(t, vocab) for t in committed)
+        return req
+
+    return build
+
+
+def _decode_refusal(req: pb.DecodeRequest, tracked: Tracked | None) -> str | None:
+    """The status a Decode must be refused with before its first token, from its own fields and
+    the session it names as the fuzzer knows it; None when it may run. An opening's own fields
+    are not predicted here (a refused opening is INVALID_ARGUMENT too)."""
+    opening = req.HasField("open")
+    if opening == bool(req.session_id):
+        return "INVALID_ARGUMENT"
+    if not 0 < req.max_tokens <= LIMITS.max_new_tokens or any(not 0 <= t < VOCAB for t in req.stop_token_ids):
+        return "INVALID_ARGUMENT"
+    if opening:
+        vocab, position = req.open.vocab_size or VOCAB, len(req.open.prompt_tokens)
+    elif tracked is None:
+        return "NOT_FOUND"
+    elif tracked.position is None:
+        return None  # FAILED_PRECONDITION or, at the right position, as below: the caller allows both
+    elif req.base_position != tracked.position:
+        return "FAILED_PRECONDITION"
+    else:
+        vocab, position = tracked.vocab, tracked.position
+    catchup = list(req.committed_tokens)
+    if len(catchup) > LIMITS.max_catchup_tokens or position + len(catchup) + 1 > LIMITS.max_context_tokens:
+        return "INVALID_ARGUMENT"
+    if any(not 0 <= t < vocab for t in catchup):
+        return "INVALID_ARGUMENT"
+    return None
+
+
 # ---- raw frames ---------------------------------------------------------------------------------
 
-METHODS = ("OpenSession", "Verify", "CloseSession", "Generate")
+METHODS = ("OpenSession", "Verify", "CloseSession", "Generate", "Decode")
+STREAMING = frozenset({"Generate", "Decode"})
 REQUEST_TYPES: dict[str, type[Message]] = {
     "OpenSession": pb.OpenSessionRequest,
     "Verify": pb.VerifyRequest,
     "CloseSession": pb.CloseSessionRequest,
     "Generate": pb.GenerateRequest,
+    "Decode": pb.DecodeRequest,
 }
-STRING_FIELDS = {"OpenSession": [], "Verify": [1, 9], "CloseSession": [1], "Generate": []}
+STRING_FIELDS = {"OpenSession": [], "Verify": [1, 9], "CloseSession": [1], "Generate": [], "Decode": [1]}
 OVERSIZE = b"\x0a\x90\x80\x80\x02" + b"a" * (4 * 1024 * 1024 + 16)  # a 4 MiB + 16 B session id: past gRPC's cap
 
 
@@ -553,6 +637,7 @@ class Result:
     trailing: dict[str, Any] = field(default_factory=dict)
     reply: Any = None  # the message (bytes on the raw path), or the stream's chunks
     cut: bool = False  # a stream this side cancelled after MAX_CHUNKS
+    created: dict[str, list[int]] = field(default_factory=dict)  # Decode: sessions stored during the call, their tokens
 
 
 def _error(err: grpc.RpcError, reply: Any = None) -> Result:
@@ -586,6 +671,7 @@ class ServerThread:
 
     def __init__(self, verifier: Verifier) -> None:
         self.loop = asyncio.new_event_loop()
+        self.verifier = verifier
         self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-verifier", daemon=True)
         self.thread.start()
 
@@ -721,7 +807,7 @@ class Fuzz:
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.raw = {
-            m: (self.channel.unary_stream if m == "Generate" else self.channel.unary_unary)(
+            m: (self.channel.unary_stream if m in STREAMING else self.channel.unary_unary)(
                 f"/{SERVICE_NAME}/{m}", request_serializer=None, response_deserializer=None
             )
             for m in METHODS
@@ -741,7 +827,10 @@ class Fuzz:
         """Send one fuzzed call (with a bystander round beside it every few cases) and check it."""
         beside = self.bystander.start() if self.cases % BYSTANDER_EVERY == 0 else None
         try:
+            before = self._server_sessions() if method == "Decode" else {}
             result = send()
+            if method == "Decode":
+                result.created = {sid: tokens for sid, tokens in self._server_sessions().items() if sid not in before}
             self.cases += 1
             self.codes.setdefault(label, Counter())[result.code + (" (stream cut)" if result.cut else "")] += 1
             if result.details:
@@ -788,16 +877,20 @@ class Fuzz:
             )
             assert result.code in expected, f"an undecodable {method} frame got {result.code}: {_describe(frame)}"
             return None
-        if result.code == "OK" and method != "Generate":
+        if method in STREAMING:  # chunks come before an error too (a Decode stretch at the context limit)
+            chunk_type = pb.GenerateChunk if method == "Generate" else pb.DecodeChunk
+            result.reply = [chunk_type.FromString(chunk) for chunk in result.reply or []]
+        elif result.code == "OK":
             response: type[Message] = {
                 "OpenSession": pb.OpenSessionResponse,
                 "Verify": pb.VerifyResponse,
                 "CloseSession": pb.CloseSessionResponse,
             }[method]
             result.reply = response.FromString(result.reply)
-        elif result.code == "OK":
-            result.reply = [pb.GenerateChunk.FromString(chunk) for chunk in result.reply]
         return request
+
+    def _server_sessions(self) -> dict[str, list[int]]:
+        return {s.session_id: list(s.tokens) for s in self.server.verifier.sessions.snapshot()}
 
     def alive(self) -> None:
         reply = self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=LONG_TIMEOUT)
@@ -895,6 +988,93 @@ class Fuzz:
             assert len(tokens) == req.max_new_tokens or tokens[-1] in req.stop_token_ids, (tokens, where)
             assert not any(t in req.stop_token_ids for t in tokens[:-1]), (tokens, where)
         assert len(tokens) <= req.max_new_tokens, (tokens, where)
+
+    def _after_Decode(self, req: pb.DecodeRequest, result: Result, timeout: float) -> None:
+        chunks: list[pb.DecodeChunk] = result.reply or []
+        opening = req.HasField("open") and not req.session_id
+        tracked = None if req.HasField("open") else self._tracked(req.session_id)
+        where = f"{result.code} {result.details!r} after {len(chunks)} chunks for {_describe(req)}"
+        where += f"\n  on {tracked}" if tracked else ""
+        refusal = _decode_refusal(req, tracked)
+        prompt = list(req.open.prompt_tokens)
+        left = [sid for sid, tokens in result.created.items() if opening and prompt and tokens[: len(prompt)] == prompt]
+        if tracked is not None and result.code == "NOT_FOUND":
+            raise AssertionError(f"a session the fuzzer opened vanished: {where}")
+        if result.code == "FAILED_PRECONDITION" and tracked is not None:
+            server = int(result.trailing[wire.SERVER_POSITION_KEY])
+            if tracked.position is not None:
+                assert server == tracked.position, f"a failed request moved the session to {server}: {where}"
+            tracked.position = server
+        if not chunks:  # refused before its first token: the status the request and its session call for
+            if refusal is not None:
+                expected = {refusal}
+            elif tracked is not None and tracked.position is None:  # a position this side re-learns
+                expected = {"FAILED_PRECONDITION", "INVALID_ARGUMENT"}
+            else:
+                expected = {"INVALID_ARGUMENT"} if opening else set()  # an opening's own fields
+            expected |= {"DEADLINE_EXCEEDED"} | ({"RESOURCE_EXHAUSTED"} if opening else set()) if timeout < LONG_TIMEOUT else set()
+            assert result.code in expected, f"expected {sorted(expected) or 'a stretch'}: {where}"
+            if result.code != "DEADLINE_EXCEEDED":
+                assert not left, f"a refused Decode left a session behind: {where}"
+            return
+        # a stretch ran: the request was valid, and its chunks say where the session is
+        assert refusal is None, f"streamed tokens for a request it must refuse ({refusal}): {where}"
+        vocab = (req.open.vocab_size or VOCAB) if opening else tracked.vocab if tracked else VOCAB
+        assert opening or tracked is not None, f"a stretch on a session nobody opened: {where}"
+        assert 0 < req.max_tokens <= LIMITS.max_new_tokens, where
+        assert all(0 <= t < VOCAB for t in req.stop_token_ids), f"accepted bad stop ids: {where}"
+        assert len(req.committed_tokens) <= LIMITS.max_catchup_tokens, where
+        assert all(0 <= t < vocab for t in req.committed_tokens), f"accepted bad catch-up: {where}"
+        if opening:
+            opened = chunks[0].opened
+            assert chunks[0].HasField("opened"), f"an opening stretch's first chunk has no session: {where}"
+            assert prompt and all(0 <= t < vocab for t in prompt), f"accepted a bad prompt: {where}"
+            assert opened.position == len(prompt) <= LIMITS.max_context_tokens, (opened, where)
+            assert opened.vocab_size == vocab and opened.max_draft_tokens == MAX_K, (opened, where)
+            assert 0 < len(opened.session_id) <= 64, (opened, where)
+            assert left == [opened.session_id], f"sessions stored {left}, opened {opened.session_id!r}: {where}"
+            base = opened.position
+        else:
+            base = req.base_position
+            if tracked is not None and tracked.position is not None:
+                assert base == tracked.position, f"served a stretch at a wrong position: {where}"
+        assert not any(chunk.HasField("opened") for chunk in chunks[1 if opening else 0 :]), where
+        tokens = [t for chunk in chunks for t in chunk.tokens]
+        assert all(len(chunk.tokens) == 1 for chunk in chunks), where
+        assert all(0 <= t < vocab for t in tokens), (tokens, where)
+        positions = [chunk.position for chunk in chunks]
+        first = base + len(req.committed_tokens) + 1
+        assert positions == list(range(first, first + len(chunks))), (positions, where)
+        assert not any(chunk.finished for chunk in chunks[:-1]), where
+        assert all(math.isfinite(c.forward_ms) and math.isfinite(c.step_ms) and c.step_ms >= 0 for c in chunks), where
+        assert len(tokens) <= req.max_tokens, (tokens, where)
+        last = chunks[-1]
+        if last.finished:
+            assert len(tokens) == req.max_tokens or tokens[-1] in req.stop_token_ids, (tokens, where)
+            assert not any(t in req.stop_token_ids for t in tokens[:-1]), (tokens, where)
+        if result.code == "OK" and not result.cut:
+            assert last.finished, f"a stretch ended unfinished: {where}"
+        elif result.code == "INVALID_ARGUMENT":  # the next token would pass the context limit
+            assert last.position + 1 > LIMITS.max_context_tokens and not last.finished, f"a stretch stopped midway: {where}"
+        elif result.code == "DEADLINE_EXCEEDED":
+            assert timeout < LONG_TIMEOUT, where
+        else:
+            assert result.code == "OK", f"a stretch failed midway: {where}"
+        # Where the session is: the last chunk's position once the stretch ended on the server's
+        # side; after a cut or a deadline it may have run on, so the fuzzer closes it and forgets it.
+        known = last.finished or (result.code in ("OK", "INVALID_ARGUMENT") and not result.cut)
+        session_id = opened.session_id if opening else req.session_id
+        if opening and known:
+            mode = wire.config_from_pb(req.open.sampling, req.open.seed, req.open.accept_mode, req.open.vocab_size).accept_mode
+            self._adopt(Tracked(session_id, mode, vocab, last.position, rounds=len(chunks)))
+        elif tracked is not None and known:
+            tracked.position, tracked.rounds = last.position, tracked.rounds + len(chunks)
+        else:
+            if tracked is not None:
+                self.pool.remove(tracked)
+            closed = self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=LONG_TIMEOUT)
+            self.setup_calls += 1
+            assert closed.position >= last.position, f"closed at {closed.position}: {where}"
 
     # ---- the pool of sessions the fuzzer opened ---------------------------------------------------
 
