@@ -478,10 +478,10 @@ def decode_plans(draw: Any) -> Callable[[Tracked | None], pb.DecodeRequest]:
     that opens its session (a fuzzed OpenSessionRequest), or one that sets both or neither.
     Four in ten are valid in every field of the stretch itself."""
     clean = draw(DICE) < 4
-    d_target = draw(st.integers(0, 9))  # 0-2: opens; 3-8: names a session; 9: both, or neither
+    d_target = draw(st.integers(0, 9))  # 0-5: names a session; 6-8: opens; 9: both, or neither
     both = d_target == 9 and draw(st.booleans())
     neither = d_target == 9 and not both
-    opening = draw(open_requests()) if d_target <= 2 or both else None
+    opening = draw(open_requests()) if 6 <= d_target <= 8 or both else None
     session_id = (lambda real: real or "") if clean else draw(session_id_plans())
     d_position, delta, guess, fixed = (0 if clean else draw(DICE)), 0, 0, 0
     if d_position <= 7:  # the real position (a guess while it is unknown), one in eight a near miss
@@ -1012,10 +1012,13 @@ class Fuzz:
                 expected = {"FAILED_PRECONDITION", "INVALID_ARGUMENT"}
             else:
                 expected = {"INVALID_ARGUMENT"} if opening else set()  # an opening's own fields
-            expected |= {"DEADLINE_EXCEEDED"} | ({"RESOURCE_EXHAUSTED"} if opening else set()) if timeout < LONG_TIMEOUT else set()
+            if timeout < LONG_TIMEOUT:  # the deadline, or (a new session) admission, which refuses a late prefill
+                expected |= {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"} if opening else {"DEADLINE_EXCEEDED"}
             assert result.code in expected, f"expected {sorted(expected) or 'a stretch'}: {where}"
             if result.code != "DEADLINE_EXCEEDED":
                 assert not left, f"a refused Decode left a session behind: {where}"
+            elif tracked is not None:  # its first tokens may have run, unseen
+                self._forget(tracked.session_id, tracked.position or 0, where)
             return
         # a stretch ran: the request was valid, and its chunks say where the session is
         assert refusal is None, f"streamed tokens for a request it must refuse ({refusal}): {where}"
@@ -1025,8 +1028,8 @@ class Fuzz:
         assert all(0 <= t < VOCAB for t in req.stop_token_ids), f"accepted bad stop ids: {where}"
         assert len(req.committed_tokens) <= LIMITS.max_catchup_tokens, where
         assert all(0 <= t < vocab for t in req.committed_tokens), f"accepted bad catch-up: {where}"
+        opened = chunks[0].opened
         if opening:
-            opened = chunks[0].opened
             assert chunks[0].HasField("opened"), f"an opening stretch's first chunk has no session: {where}"
             assert prompt and all(0 <= t < vocab for t in prompt), f"accepted a bad prompt: {where}"
             assert opened.position == len(prompt) <= LIMITS.max_context_tokens, (opened, where)
@@ -1070,13 +1073,18 @@ class Fuzz:
         elif tracked is not None and known:
             tracked.position, tracked.rounds = last.position, tracked.rounds + len(chunks)
         else:
-            if tracked is not None:
-                self.pool.remove(tracked)
-            closed = self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=LONG_TIMEOUT)
-            self.setup_calls += 1
-            assert closed.position >= last.position, f"closed at {closed.position}: {where}"
+            self._forget(session_id, last.position, where)
 
     # ---- the pool of sessions the fuzzer opened ---------------------------------------------------
+
+    def _forget(self, session_id: str, at_least: int, where: str) -> None:
+        """Close a session whose position this side no longer knows (a Decode stretch cut midway,
+        or past its deadline, may have run on): it is at `at_least` or further."""
+        if (tracked := self._tracked(session_id)) is not None:
+            self.pool.remove(tracked)
+        closed = self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=LONG_TIMEOUT)
+        self.setup_calls += 1
+        assert closed.position >= at_least, f"closed at {closed.position}: {where}"
 
     def _adopt(self, tracked: Tracked) -> None:
         self.pool.append(tracked)
@@ -1192,6 +1200,28 @@ def test_generate_fuzz(fuzz: Fuzz, req: pb.GenerateRequest, chunks: int, timeout
     fuzz.case("Generate", "Generate", req, lambda: _stream(fuzz.stub.Generate, req, timeout, metadata, chunks), timeout)
 
 
+@_budget(50)
+@given(
+    plan=decode_plans(),
+    pick=st.integers(0, 2**16),
+    real=st.integers(0, 19),
+    chunks=st.integers(1, MAX_CHUNKS),
+    timeout=TIMEOUTS,
+    metadata=METADATA,
+)
+def test_decode_fuzz(
+    fuzz: Fuzz,
+    plan: Callable[[Tracked | None], pb.DecodeRequest],
+    pick: int,
+    real: int,
+    chunks: int,
+    timeout: float,
+    metadata: Any,
+) -> None:
+    req = plan(fuzz.pick(pick) if real < 19 else None)  # one case in 20 aims at no real session at all
+    fuzz.case("Decode", "Decode", req, lambda: _stream(fuzz.stub.Decode, req, timeout, metadata, chunks), timeout)
+
+
 @st.composite
 def raw_plans(draw: Any) -> tuple[str, Callable[[Tracked], bytes]]:
     method = draw(st.sampled_from(METHODS))
@@ -1203,6 +1233,8 @@ def raw_plans(draw: Any) -> tuple[str, Callable[[Tracked], bytes]]:
         valid = lambda target: message  # noqa: E731
     elif method == "Verify":
         valid = draw(verify_plans())
+    elif method == "Decode":
+        valid = draw(decode_plans())
     else:
         sid = draw(session_id_plans())
         valid = lambda target: pb.CloseSessionRequest(session_id=sid(target.session_id))  # noqa: E731
@@ -1210,22 +1242,23 @@ def raw_plans(draw: Any) -> tuple[str, Callable[[Tracked], bytes]]:
     return method, lambda target: frame(valid(target).SerializeToString())
 
 
-@_budget(80)
+@_budget(100)
 @given(plan=raw_plans(), pick=st.integers(0, 2**16), timeout=TIMEOUTS)
 def test_raw_frames_fuzz(fuzz: Fuzz, plan: tuple[str, Callable[[Tracked], bytes]], pick: int, timeout: float) -> None:
     method, build = plan
     frame = build(fuzz.pick(pick))
     send = (
         (lambda: _stream(fuzz.raw[method], frame, timeout, ()))
-        if method == "Generate"
+        if method in STREAMING
         else (lambda: _unary(fuzz.raw[method], frame, timeout, ()))
     )
     fuzz.case(method, f"raw {method}", frame, send, timeout)
 
 
 def test_bystander_unchanged_after_the_fuzzing(fuzz: Fuzz) -> None:
-    """After everything above: the bystander's rounds, a fresh session's k = 0 rounds and a greedy
-    Generate on the fuzzed server give what a fresh verifier gives."""
+    """After everything above: the bystander's rounds, a fresh session's k = 0 rounds, a greedy
+    Generate and a greedy session decoded by Decode stretches between k = 0 rounds on the fuzzed
+    server give what a fresh verifier gives."""
     for _ in range(6):
         fuzz.bystander.round()
     fresh = Bystander(fuzz.stub, fuzz.reference)
@@ -1242,4 +1275,39 @@ def test_bystander_unchanged_after_the_fuzzing(fuzz: Fuzz) -> None:
     )
     tokens = [t for chunk in fuzz.stub.Generate(generate, timeout=LONG_TIMEOUT) for t in chunk.tokens]
     assert tokens == fuzz.reference.generated
+    assert _decoded(fuzz) == fuzz.reference.rounds
     fuzz.alive()
+
+
+def _decoded(fuzz: Fuzz) -> list[int]:
+    """The reference prompt's greedy continuation through Decode on the fuzzed server: a stretch
+    that opens the session, k = 0 Verify rounds, a stretch that sends two reference tokens as
+    catch-up, and a last stretch; each must continue exactly where the one before it left off."""
+    prompt, want = fuzz.reference.prompt, fuzz.reference.rounds
+    third = len(want) // 3
+
+    def stretch(req: pb.DecodeRequest) -> list[int]:
+        chunks = list(fuzz.stub.Decode(req, timeout=LONG_TIMEOUT))
+        assert chunks[-1].finished and chunks[-1].position == len(prompt) + len(tokens) + len(req.committed_tokens) + len(chunks)
+        return [t for chunk in chunks for t in chunk.tokens]
+
+    tokens: list[int] = []
+    opening = pb.DecodeRequest(open=pb.OpenSessionRequest(prompt_tokens=prompt, vocab_size=VOCAB), max_tokens=third)
+    chunks = list(fuzz.stub.Decode(opening, timeout=LONG_TIMEOUT))
+    session_id = chunks[0].opened.session_id
+    tokens += [t for chunk in chunks for t in chunk.tokens]
+    for _ in range(third):
+        tokens.append(
+            fuzz.stub.Verify(
+                pb.VerifyRequest(session_id=session_id, base_position=len(prompt) + len(tokens)), timeout=LONG_TIMEOUT
+            ).next_token
+        )
+    catchup = want[len(tokens) : len(tokens) + 2]
+    req = pb.DecodeRequest(session_id=session_id, base_position=len(prompt) + len(tokens), committed_tokens=catchup)
+    req.max_tokens = (len(want) - len(tokens) - len(catchup)) // 2
+    tokens += catchup + stretch(req)
+    req = pb.DecodeRequest(session_id=session_id, base_position=len(prompt) + len(tokens), max_tokens=len(want) - len(tokens))
+    tokens += stretch(req)
+    closed = fuzz.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=LONG_TIMEOUT)
+    assert closed.position == len(prompt) + len(want), closed
+    return tokens
