@@ -49,11 +49,28 @@ class SessionCalls:
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         """A Decode stretch: its session opened first when asked, then up to `max_tokens`
-        tokens, one chunk each (the first carries the opened session)."""
+        tokens, one chunk each (the first carries the opened session). A session the call
+        opened goes again if the call fails before its first chunk, as its id never reached
+        the client."""
         self.verifier.checks.decode(req)
-        opened = await self.open(req.open) if req.open is not None else None
-        session_id = opened.session_id if opened else req.session_id
-        position = opened.position if opened else req.base_position
+        if req.open is None:
+            async for chunk in self._stretch(req, req.session_id, req.base_position, None):
+                yield chunk
+            return
+        opened = await self.open(req.open)
+        stretch = self._stretch(req, opened.session_id, opened.position, opened)
+        try:
+            first = await anext(stretch)
+        except BaseException:
+            self.batcher.worker.submit(partial(self.verifier.sessions.discard, opened.session_id))
+            raise
+        yield first
+        async for chunk in stretch:
+            yield chunk
+
+    async def _stretch(
+        self, req: DecodeRequest, session_id: str, position: int, opened: OpenSessionResult | None
+    ) -> AsyncIterator[DecodeChunk]:
         catchup, stops = req.committed_tokens, set(req.stop_token_ids)
         with self.verifier.sessions.holding(session_id):  # no eviction between its tokens
             for produced in range(1, req.max_tokens + 1):

@@ -75,6 +75,13 @@ class RequestChecks:
         if not 0 < req.max_tokens <= self.limits.max_new_tokens:
             raise InvalidRequest(f"max_tokens must be in [1, {self.limits.max_new_tokens}]")
         check_ids("stop_token_ids", req.stop_token_ids, self.model_vocab)
+        if req.open is None:
+            return
+        if req.committed_tokens:
+            raise InvalidRequest("a Decode call that opens its session sends no committed_tokens: they belong in the prompt")
+        if len(req.open.prompt_tokens) + 1 > self.limits.max_context_tokens:
+            limit = self.limits.max_context_tokens
+            raise InvalidRequest(f"the prompt leaves no room for a token within the context limit {limit}")
 
     def verify(self, req: VerifyRequest, session: Session) -> None:
         """A round against its session as it is now."""

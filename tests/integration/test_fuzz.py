@@ -15,12 +15,12 @@ UNKNOWN or INTERNAL); the details are short and hold no exception class name or 
 reply agrees with its request; a session the fuzzer tracks is where the server says it is
 (FAILED_PRECONDITION's position, CloseSession's position, a Decode stretch's positions), so a failed
 request never moved it; a refused Decode leaves no session behind; and the server answers its health
-check afterwards. An honest greedy session (the bystander)
-runs rounds beside the fuzzed calls (every few cases, concurrently, so batched with them); its
-tokens must equal the same rounds on a fresh verifier. Decode refusals are predicted from the request
-and the session it names: both or neither of session_id and open, max_tokens outside [1, max_new_tokens]
-or a stop id outside the vocabulary are INVALID_ARGUMENT; an unknown session NOT_FOUND; a wrong base
-position FAILED_PRECONDITION; bad catch-up (ids, length, past the context) INVALID_ARGUMENT.
+check afterwards. An honest greedy session (the bystander) runs rounds beside the fuzzed calls
+(every few cases, concurrently, so batched with them); its tokens must equal the same rounds on a
+fresh verifier. A Decode refusal is predicted from the request and the session it names: both or
+neither of session_id and open, max_tokens outside [1, max_new_tokens] or a stop id outside the
+vocabulary is INVALID_ARGUMENT; an unknown session NOT_FOUND; a wrong base position
+FAILED_PRECONDITION; bad catch-up (ids, length, past the context) INVALID_ARGUMENT.
 
 SPECDEC_FUZZ_EXAMPLES=N: N examples per property (by default about 420 cases in all).
 SPECDEC_FUZZ_REPORT=PATH: the status histogram as JSON; it is also written to the terminal.
@@ -267,8 +267,9 @@ def prompts(draw: Any, vocab_field: int, clean: bool = False) -> list[int]:
 
 
 @st.composite
-def open_requests(draw: Any) -> pb.OpenSessionRequest:
-    clean = draw(DICE) < 4  # four in ten valid in every field, so OK paths are fuzzed as deeply as refusals
+def open_requests(draw: Any, clean_in_ten: int = 4) -> pb.OpenSessionRequest:
+    # by default four in ten valid in every field, so OK paths are fuzzed as deeply as refusals
+    clean = draw(DICE) < clean_in_ten
     vocab_size = draw(CLEAN_VOCAB_SIZES if clean else VOCAB_SIZES)
     req = pb.OpenSessionRequest(
         prompt_tokens=draw(prompts(vocab_size, clean)),
@@ -472,6 +473,18 @@ MAX_TOKENS = weighted(
 )
 
 
+# Catch-up a stretch must refuse: an id outside every vocabulary, or more tokens than a round takes.
+CATCHUP_FAULTS = weighted(
+    (
+        1,
+        st.tuples(st.lists(st.integers(0, VOCAB - 1), max_size=7), st.sampled_from(BAD_IDS), st.integers(0, 7)).map(
+            lambda d: [*d[0][: d[2]], d[1], *d[0][d[2] :]]
+        ),
+    ),
+    (1, st.tuples(U32, st.integers(LIMITS.max_catchup_tokens + 1, 80)).map(lambda s: [s[0] % VOCAB] * s[1])),
+)
+
+
 @st.composite
 def decode_plans(draw: Any) -> Callable[[Tracked | None], pb.DecodeRequest]:
     """A DecodeRequest: a stretch on a tracked session (None: no real session at all), or one
@@ -481,15 +494,18 @@ def decode_plans(draw: Any) -> Callable[[Tracked | None], pb.DecodeRequest]:
     d_target = draw(st.integers(0, 9))  # 0-5: names a session; 6-8: opens; 9: both, or neither
     both = d_target == 9 and draw(st.booleans())
     neither = d_target == 9 and not both
-    opening = draw(open_requests()) if 6 <= d_target <= 8 or both else None
+    opening = draw(open_requests(clean_in_ten=7)) if 6 <= d_target <= 8 or both else None  # mostly valid: the stretch is fuzzed
     session_id = (lambda real: real or "") if clean else draw(session_id_plans())
     d_position, delta, guess, fixed = (0 if clean else draw(DICE)), 0, 0, 0
     if d_position <= 7:  # the real position (a guess while it is unknown), one in eight a near miss
         delta, guess = draw(st.integers(-3, 3)) if d_position == 7 else 0, draw(st.integers(0, 1100))
     else:
         fixed = draw(U32 if d_position == 8 else st.sampled_from([0, 1, 2**31, 2**32 - 1]))
+    valid_catchup = st.lists(st.integers(0, VOCAB - 1), max_size=8)
     committed = draw(
-        weighted((7, st.just([])), (3, st.lists(st.integers(0, VOCAB - 1), max_size=8) if clean else id_lists(VOCAB, 8, 80)))
+        weighted((7, st.just([])), (3, valid_catchup))
+        if clean
+        else weighted((5, st.just([])), (2, valid_catchup), (2, CATCHUP_FAULTS), (1, id_lists(VOCAB, 8, 80)))
     )
     valid_stops = st.lists(st.integers(0, VOCAB - 1), max_size=8)
     stops = draw(valid_stops if clean else weighted((6, st.just([])), (3, valid_stops), (1, st.lists(ids(VOCAB), max_size=8))))
@@ -1015,9 +1031,11 @@ class Fuzz:
             if timeout < LONG_TIMEOUT:  # the deadline, or (a new session) admission, which refuses a late prefill
                 expected |= {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"} if opening else {"DEADLINE_EXCEEDED"}
             assert result.code in expected, f"expected {sorted(expected) or 'a stretch'}: {where}"
-            if result.code != "DEADLINE_EXCEEDED":
-                assert not left, f"a refused Decode left a session behind: {where}"
-            elif tracked is not None:  # its first tokens may have run, unseen
+            if result.code != "DEADLINE_EXCEEDED" and left:
+                for session_id in left:  # closed first, so that the cases after this one find the server clean
+                    self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=LONG_TIMEOUT)
+                raise AssertionError(f"a refused Decode left a session behind ({len(left)}): {where}")
+            if result.code == "DEADLINE_EXCEEDED" and tracked is not None:  # its first tokens may have run, unseen
                 self._forget(tracked.session_id, tracked.position or 0, where)
             return
         # a stretch ran: the request was valid, and its chunks say where the session is
