@@ -186,8 +186,9 @@ class SpeculativeRun:
                 first_step_s = first_step_s or chunk.step_ms / 1000.0
                 last, traffic, server_ms = now, traffic + chunk.wire, server_ms + chunk.step_ms
                 self._outage = None
-                if chunk.opened is not None:
+                if chunk.opened is not None:  # its prefill was a pass too, as OpenSession's is
                     self.session.adopt(chunk.opened)
+                    self.result.target_forward_passes += 1 if req.open and len(req.open.prompt_tokens) > 1 else 0
                 self._commit_decoded(chunk.tokens, decoded)
         except RECOVERABLE as err:
             self.result.count_wire(traffic + err.wire)

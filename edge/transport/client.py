@@ -316,7 +316,7 @@ class VerifierClient:
         session, else the call timeout per token."""
         msg = wire.decode_request_to_pb(req)
         opening = req.open is not None
-        timeout_s = self.open_timeout_s if opening else self.verify_timeout_s * req.max_tokens
+        timeout_s = self.open_timeout_s if opening else self.verify_timeout_s * max(req.max_tokens, 1)
         async for chunk in self._stream(lambda stub: stub.Decode, msg, session_key, opening=opening, timeout_s=timeout_s):
             if chunk.message.HasField("opened"):
                 self.replicas.opened(session_key, chunk.address)

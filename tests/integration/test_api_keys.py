@@ -257,7 +257,7 @@ def test_edge_over_tls_with_a_key(
     tls = ["--tls-ca", str(pki.ca)]
     ok = _edge(models, address, *tls, env={**ENV, "SPECDEC_EDGE_API_KEY": PLAIN_KEY})  # the key from the environment
     assert ok.returncode == 0, ok.stderr
-    assert re.search(r"\[speculative\] \d+ tokens", ok.stderr)
+    assert re.search(r"\[auto\] \d+ tokens", ok.stderr)
 
     wrong = _edge(models, address, *tls, "--api-key", WRONG_KEY)
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr

@@ -59,7 +59,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert runs["cloud_only"]["rtt_ms"] == 50 and runs["speculative"]["rtt_ms"] == 50
     assert runs["target-only"]["rtt_ms"] is None and runs["edge_only"]["rtt_ms"] is None
     # Greedy fp32: the lossless systems reproduce the reference token for token.
-    for name in ("hf-assisted", "cloud_only", "speculative"):
+    for name in ("hf-assisted", "cloud_only", "speculative", "auto"):
         assert runs[name]["identical_to_target_only"] == 2, name
     speculative = runs["speculative"]["summary"]
     assert speculative["tau"] is not None and speculative["tau"] >= 1

@@ -89,7 +89,7 @@ def test_single_prompt_streams_text_and_stats(models: tuple[Path, Path], verifie
     )
     assert done.returncode == 0, done.stderr
     assert "k= 4" in done.stdout  # one line per round (the default k)
-    assert re.search(r"\[speculative\] \d+ tokens .* tau", done.stderr)
+    assert re.search(r"\[auto\] \d+ tokens .* tau .* tokens speculative/cloud_only \d+/\d+", done.stderr)
 
 
 def test_cli_errors_are_one_line(models: tuple[Path, Path], tmp_path: Path) -> None:

@@ -117,6 +117,8 @@ def test_record_with_edge_agent_then_loadtest_cli_writes_result_and_report(targe
                 "16",
                 "--k",
                 "3",
+                "--mode",
+                "speculative",
                 "--record",
                 str(traces),
                 "--output",

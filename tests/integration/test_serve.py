@@ -129,7 +129,11 @@ def test_chat_equals_the_target_alone_with_stats(client: OpenAI, expected: dict[
         assert reply.usage is not None and reply.usage.completion_tokens == len(expected[key]["token_ids"])
         stats = reply.model_extra["speculative_decoding"]  # type: ignore[index]
         assert stats["ran"] and stats["reason"] is None and stats["exact"]
-        assert stats["rounds"] > 0 and stats["target_forward_passes"] == stats["rounds"] + 1
+        # auto mode: one pass per round, per token the target decoded itself, and the prefill
+        decoded = stats["tokens_by_mode"].get("cloud_only", 0)
+        assert stats["rounds"] > 0 and stats["target_forward_passes"] == stats["rounds"] + decoded + 1
+        assert sum(stats["tokens_by_mode"].values()) == reply.usage.completion_tokens
+        assert stats["mode_switches"][0]["why"] == "start"
         assert sum(stats["drafted_per_position"]) == stats["draft_tokens"] > 0
         assert sum(stats["accepted_per_position"]) == stats["accepted_tokens"]
         assert stats["bytes_up"] > 0 and stats["bytes_down"] > 0 and stats["provisional_tokens"] > 0
