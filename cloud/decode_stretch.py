@@ -48,38 +48,45 @@ class SessionCalls:
         return await self.batcher.submit(req.session_id, tokens, begin, self.deadline, key=self.key)
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        """A Decode stretch: its session opened first when asked, then up to `max_tokens`
-        tokens, one chunk each (the first carries the opened session). A session the call
-        opened goes again if the call fails before its first chunk, as its id never reached
-        the client."""
+        """A Decode stretch of up to `max_tokens` tokens, one chunk each. A call that opens its
+        session gets the prefill and the first token from ONE forward pass (so its first token
+        comes as soon as Generate's would), in the first chunk with the opened session."""
         self.verifier.checks.decode(req)
-        if req.open is None:
-            async for chunk in self._stretch(req, req.session_id, req.base_position, None):
-                yield chunk
-            return
-        opened = await self.open(req.open)
-        stretch = self._stretch(req, opened.session_id, opened.position, opened)
-        try:
-            first = await anext(stretch)
-        except BaseException:
-            self.batcher.worker.submit(partial(self.verifier.sessions.discard, opened.session_id))
-            raise
-        yield first
-        async for chunk in stretch:
-            yield chunk
-
-    async def _stretch(
-        self, req: DecodeRequest, session_id: str, position: int, opened: OpenSessionResult | None
-    ) -> AsyncIterator[DecodeChunk]:
-        catchup, stops = req.committed_tokens, set(req.stop_token_ids)
+        session_id, position, first_index = req.session_id, req.base_position, 1
+        if req.open is not None:
+            start = time.perf_counter()
+            opened, first = await self._open_with_first_token(req.open)
+            session_id, position, first_index = opened.session_id, first.new_base_position, 2
+            finished = first.next_token in req.stop_token_ids or req.max_tokens == 1
+            yield _chunk(first, start, finished, opened)
+            if finished:
+                return
+        catchup = req.committed_tokens
         with self.verifier.sessions.holding(session_id):  # no eviction between its tokens
-            for produced in range(1, req.max_tokens + 1):
+            for produced in range(first_index, req.max_tokens + 1):
                 start = time.perf_counter()
                 result = await self.verify(VerifyRequest(session_id, position, [], committed_tokens=catchup))
                 catchup, position = [], result.new_base_position
-                finished = result.next_token in stops or produced == req.max_tokens
-                step_ms = (time.perf_counter() - start) * 1000.0
-                yield DecodeChunk([result.next_token], position, result.metrics.forward_ms, step_ms, finished, opened)
-                opened = None
+                finished = result.next_token in req.stop_token_ids or produced == req.max_tokens
+                yield _chunk(result, start, finished)
                 if finished:
                     return
+
+    async def _open_with_first_token(self, req: OpenSessionRequest) -> tuple[OpenSessionResult, VerifyResult]:
+        verifier = self.verifier
+        session_id = verifier.sessions.new_id()
+        with verifier.sessions.holding(session_id):
+            return await self.batcher.submit(
+                session_id,
+                len(req.prompt_tokens),
+                partial(verifier.begin_open_decode, req, session_id, self.key),
+                self.deadline,
+                admitting=True,
+                key=self.key,
+            )
+
+
+def _chunk(result: VerifyResult, start: float, finished: bool, opened: OpenSessionResult | None = None) -> DecodeChunk:
+    """One token of a stretch: its server time since `start` (perf_counter), queue included."""
+    step_ms = (time.perf_counter() - start) * 1000.0
+    return DecodeChunk([result.next_token], result.new_base_position, result.metrics.forward_ms, step_ms, finished, opened)

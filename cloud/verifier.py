@@ -119,6 +119,25 @@ class Verifier:
         )
         return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, _Prefill(self.sessions, session, opened, start))
 
+    def begin_open_decode(
+        self, req: OpenSessionRequest, session_id: str, owner: str = ""
+    ) -> ForwardStep[tuple[OpenSessionResult, VerifyResult]]:
+        """A new session and its first token in ONE forward pass (a Decode call that opens its
+        session): the pass feeds the whole prompt, and its last row is accepted as a Verify
+        round with no drafts would accept it, so the token is the one that round would give."""
+        prefill = self.begin_open(req, session_id, owner).work
+        assert isinstance(prefill, _Prefill)
+        session = prefill.session
+        try:
+            self.sessions.reserve(1, keep=session_id, owner=owner)  # the first token's KV
+        except BaseException:
+            prefill.undo()  # never opened: its id reaches no one
+            raise
+        first = VerifyRequest(session_id, len(session.tokens), [])
+        position = len(session.tokens)
+        token = _Round(self.sessions, self.engine, first, session, self.checks.vocab(session.config), prefill.start, position)
+        return ForwardStep(session.cache, list(req.prompt_tokens), 1, _OpenedRound(prefill, token))
+
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
         against the caps from now on."""
@@ -255,6 +274,27 @@ class _Round:
 
     def undo(self) -> None:
         self.engine.crop(self.session.cache, self.position - 1)
+
+
+@dataclass(frozen=True)
+class _OpenedRound:
+    """A prefill whose pass also gives the session's first token (its last row, accepted as a
+    round with no drafts); undone, the session goes."""
+
+    prefill: _Prefill
+    first: _Round
+
+    def round_logits(self, logits: torch.Tensor) -> RoundLogits:
+        return self.first.round_logits(logits)
+
+    def finish(
+        self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float
+    ) -> tuple[OpenSessionResult, VerifyResult]:
+        opened = self.prefill.finish(logits, accepted, forward_ms, queue_ms)
+        return opened, self.first.finish(logits, accepted, forward_ms, queue_ms)
+
+    def undo(self) -> None:
+        self.prefill.undo()
 
 
 def _top_k(probs: torch.Tensor, k: int) -> list[SparseDistribution]:

@@ -52,8 +52,8 @@ PROMPTS_FAILED = 3  # exit status of a --prompts run that finished with some pro
 def _trace_header(ctx: EdgeContext, prompt_ids: list[int], cfg: GenerationConfig) -> TraceHeader:
     s = ctx.settings
     edge = {
-        "k_policy": s.k_policy,
-        "k": s.k,
+        "k_policy": s.resolved_k_policy(),
+        "k": s.fixed_k() if s.resolved_k_policy() == "fixed" else None,
         "k_min": s.k_min,
         "k_max": s.k_max,
         "drafter": s.drafter,

@@ -50,7 +50,8 @@ class EdgeContext:
         s = self.settings
         session = SessionConfig(s.sampling(), seed, s.resolved_accept_mode(), self.vocab_size)
         timeouts = TimeoutPolicy(s.verify_timeout_ms / 1000, s.timeout_mode(), s.reconnect_window_s)
-        stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if s.k_policy == "egag" else None
+        egag = s.resolved_k_policy() == "egag"
+        stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if egag else None
         switch = SwitchRules() if s.mode == "auto" else None
         return GenerationConfig(
             session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule, s.overlap, switch
@@ -73,13 +74,14 @@ class EdgeContext:
 
     def k_policy(self) -> KPolicy:
         s = self.settings
-        if s.k_policy == "la-ratio":
+        policy = s.resolved_k_policy()
+        if policy == "la-ratio":
             return LaRatioK(min(max(6, s.k_min), s.k_max), s.k_min, s.k_max, s.la_raise_at, s.la_lower_at, s.la_window)
-        if s.k_policy == "egag":
+        if policy == "egag":
             return EgagK(s.k_min, s.k_max, s.egag_ema_beta, stop_bits=s.egag_stop_bits)
-        if s.k_policy == "cost":
+        if policy == "cost":
             return CostK(1, s.k_max, overlap=s.overlap)
-        return FixedK(s.k)
+        return FixedK(s.fixed_k())
 
     def draft_source(self, seed: int) -> DraftSource:
         """The drafter of --drafter: the model, an n-gram store, or both."""
@@ -87,7 +89,7 @@ class EdgeContext:
         if s.drafter == "model":
             return self.drafter(seed)
         mode = s.resolved_accept_mode()
-        signals = s.gating or s.k_policy == "egag"
+        signals = s.gating or s.resolved_k_policy() == "egag"
         ngram = NGramDrafter(
             NGramStore(s.ngram_order, s.ngram_max_contexts),
             s.filler_top_k,
@@ -104,7 +106,7 @@ class EdgeContext:
             raise ConfigError("this mode needs a draft model")
         s = self.settings
         mode = s.resolved_accept_mode()
-        signals = s.gating or s.k_policy == "egag"
+        signals = s.gating or s.resolved_k_policy() == "egag"
         config = DrafterConfig(
             s.sampling(),
             mode,

@@ -50,8 +50,8 @@ def speculation_stats(result: GenerationResult, settings: EdgeSettings, disabled
         "reason": reason,
         "mode": settings.mode,
         "drafter": settings.drafter if speculative else None,
-        "k_policy": settings.k_policy if speculative else None,
-        "k": settings.k if speculative else None,
+        "k_policy": settings.resolved_k_policy() if speculative else None,
+        "k": settings.fixed_k() if speculative and settings.resolved_k_policy() == "fixed" else None,
         "accept_mode": mode.value,
         "seed": settings.seed,
         # Exact: the text is distributed as the target's own (greedy: equal to it).

@@ -85,10 +85,12 @@ def test_single_prompt_streams_text_and_stats(models: tuple[Path, Path], verifie
         "w5 w9",
         "--max-new-tokens",
         "12",
+        "--k",
+        "4",
         "--show-steps",
     )
     assert done.returncode == 0, done.stderr
-    assert "k= 4" in done.stdout  # one line per round (the default k)
+    assert "k= 4" in done.stdout  # one line per round: --k alone picks the fixed policy
     assert re.search(r"\[auto\] \d+ tokens .* tau .* tokens speculative/cloud_only \d+/\d+", done.stderr)
 
 

@@ -86,3 +86,12 @@ def test_cost_with_overlap_fills_the_wait_with_drafting() -> None:
     larger one on a slower link."""
     assert _settled_cost_k(0.0, overlap=True) > _settled_cost_k(0.0)
     assert _settled_cost_k(100.0, overlap=True) > _settled_cost_k(0.0, overlap=True)
+
+
+def test_the_default_policy_is_cost_and_a_given_k_makes_it_fixed() -> None:
+    from edge.config import FIXED_K, EdgeSettings
+
+    assert EdgeSettings().resolved_k_policy() == "cost"
+    assert (EdgeSettings(k=6).resolved_k_policy(), EdgeSettings(k=6).fixed_k()) == ("fixed", 6)
+    assert EdgeSettings(k=6, k_policy="la-ratio").resolved_k_policy() == "la-ratio"
+    assert EdgeSettings(k_policy="fixed").fixed_k() == FIXED_K
