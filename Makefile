@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
-DEMO_ARGS ?= --max-new-tokens 96 --k 4
+DEMO_ARGS ?= --max-new-tokens 96
 
 .PHONY: demo test lint proto install clean image
 

@@ -13,11 +13,11 @@ for _ in $(seq 1 600); do
   if ! kill -0 $VERIFIER 2>/dev/null; then cat "$LOG" >&2; exit 1; fi
   sleep 0.5
 done
-echo "--- speculative (edge drafts with Qwen2.5-Coder-0.5B, cloud verifies with 1.5B) ---" >&2
+echo "--- speculative (edge drafts with Qwen2.5-Coder-0.5B, cloud verifies with 1.5B), each round ---" >&2
 # A long soft deadline here keeps the round view to one line per round; the text run below
 # shows provisional (dimmed) tokens while a slow CPU verifier works.
-"$PY" -m edge --cloud "127.0.0.1:$PORT" --prompt "$PROMPT" --show-steps --verify-timeout-ms 10000 "$@"
-echo "--- the same prompt, text only ---" >&2
+"$PY" -m edge --cloud "127.0.0.1:$PORT" --prompt "$PROMPT" --mode speculative --show-steps --verify-timeout-ms 10000 "$@"
+echo "--- the same prompt in auto mode (the default: the target first, speculation when it measures faster) ---" >&2
 "$PY" -m edge --cloud "127.0.0.1:$PORT" --prompt "$PROMPT" "$@"
 echo "--- target model alone (cloud_only), for comparison ---" >&2
 "$PY" -m edge --cloud "127.0.0.1:$PORT" --prompt "$PROMPT" --mode cloud_only "$@"
