@@ -8,6 +8,8 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from edge.drafting.runtime_llamacpp import available as llama_cpp_available
+from shared.hardware import runs_on_every_core
+from shared.net import is_loopback
 from shared.protocol import AcceptMode, SamplingParams
 
 FIXED_K = 4  # the fixed policy's k when --k is not given
@@ -40,6 +42,7 @@ class EdgeSettings(BaseSettings):
             "draft_threads",
             "draft_context",
             "draft_window",
+            "draft_prefill",
             "dtype",
             "device",
             "threads",
@@ -122,6 +125,12 @@ class EdgeSettings(BaseSettings):
         ge=0,
         description="the draft model reads only the last N prompt tokens (0 = the whole prompt): a long prompt's "
         "drafter prefill costs N tokens; the verifier still sees everything (the n-gram drafter always does)",
+    )
+    draft_prefill: Literal["auto", "beside", "between"] = Field(
+        "auto",
+        description="auto mode: the drafter prefills the prompt beside the target's first tokens, or between "
+        "them (the stream pauses); auto: between where the verifier runs on this machine's cores (a loopback "
+        "--cloud, or none, and an edge free to run on every core), else beside",
     )
     draft_threads: int = Field(0, ge=0, description="draft model CPU threads (0 = --threads, else every usable core)")
     draft_context: int = Field(
@@ -236,6 +245,13 @@ class EdgeSettings(BaseSettings):
 
     def fixed_k(self) -> int:
         return self.k if self.k is not None else FIXED_K
+
+    def prefills_beside(self) -> bool:
+        """Whether the drafter prefills beside the target's tokens (see --draft-prefill)."""
+        if self.draft_prefill != "auto":
+            return self.draft_prefill == "beside"
+        hosts = [address.rpartition(":")[0] for address in self.cloud.split(",")] if self.cloud else ["localhost"]
+        return not (all(is_loopback(host) for host in hosts) and runs_on_every_core())
 
     def drafts(self) -> bool:
         """Whether the run drafts (auto or speculative)."""

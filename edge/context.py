@@ -54,7 +54,15 @@ class EdgeContext:
         stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if egag else None
         switch = SwitchRules() if s.mode == "auto" else None
         return GenerationConfig(
-            session, s.max_new_tokens, self.stop_token_ids, timeouts, self.gating(), stop_rule, s.overlap, switch
+            session,
+            s.max_new_tokens,
+            self.stop_token_ids,
+            timeouts,
+            self.gating(),
+            stop_rule,
+            s.overlap,
+            switch,
+            s.prefills_beside(),
         )
 
     def gating(self) -> Gating | None:

@@ -52,6 +52,13 @@ def _cgroup_cpu_limit(root: Path) -> float | None:
         return None
 
 
+def runs_on_every_core() -> bool:
+    """Whether this process may run on every core of the machine (its affinity is not pinned)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return True
+    return len(os.sched_getaffinity(0)) >= (os.cpu_count() or 1)
+
+
 def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     """The cores this process may run on (affinity), capped by a container's CPU quota."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

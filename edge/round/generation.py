@@ -53,6 +53,9 @@ class GenerationConfig:
     # auto mode: switch between speculation and the target's own decoding on measured rates
     # (edge/round/mode_switch.py); None pins speculation
     mode_switch: SwitchRules | None = None
+    # auto mode: the drafter prefills beside the target's tokens, or between stretches (where
+    # the two share this machine's cores: edge/round/warmup.py)
+    prefill_beside: bool = True
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ class SpeculativeRun:
         self.local_commit = LocalCommit.when_on(cfg.gating)
         self.unverified = AcceptUnverified.when_on(cfg.timeouts)
         self.switch = ModeSwitch(cfg.mode_switch) if cfg.mode_switch is not None else None
-        self.warmup = DrafterWarmup(drafter)
+        self.warmup = DrafterWarmup(drafter, beside=cfg.prefill_beside)
         self._outage: Reconnecting | None = None  # a lost Decode stretch's, until a chunk comes
         self._switch_reason = ""  # for the next record: why the mode changed before it
 
@@ -128,6 +128,8 @@ class SpeculativeRun:
     async def _next_in_auto_mode(self, switch: ModeSwitch) -> None:
         """Auto mode: a Decode stretch or a speculative round, as the measured rates say."""
         generated = len(self.result.token_ids)
+        if switch.mode == CLOUD_ONLY and generated:
+            await self.warmup.catch_up(self.tokens.committed)  # prefilling between stretches: now
         plan = switch.plan(self.warmup.ready(), generated)
         if plan.reason:
             self.result.mode_switches.append(asdict(switch.switches[-1]))

@@ -30,12 +30,15 @@ FLIPPING = SwitchRules(
 )
 
 
+@pytest.mark.parametrize("beside", [True, False], ids=["prefill-beside", "prefill-between"])
 @pytest.mark.parametrize("rules", [SwitchRules(), FLIPPING], ids=["default-rules", "forced-switches"])
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(repetition_penalty=1.3)], ids=["plain", "rep-penalty"])
-def test_auto_greedy_equals_cloud_only(target_engine: TargetEngine, draft_model, rules: SwitchRules, params) -> None:
+def test_auto_greedy_equals_cloud_only(
+    target_engine: TargetEngine, draft_model, rules: SwitchRules, params, beside: bool
+) -> None:
     async def run() -> None:
         cfg = gen_config(max_new_tokens=32, params=params)
-        auto = replace(cfg, mode_switch=rules)
+        auto = replace(cfg, mode_switch=rules, prefill_beside=beside)
         async with running_verifier(target_engine) as (client, _):
             switched = 0
             for prompt in PROMPTS:

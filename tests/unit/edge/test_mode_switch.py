@@ -81,3 +81,17 @@ def test_no_judgement_before_min_rounds_or_without_a_target_rate() -> None:
     switch.stretch_done(0.0, [])  # nothing measured: the target's rate stays unknown
     switch.plan(True, 1)
     assert _rounds(switch, 5, tokens=1, seconds=10.0, generated=1) == [SPECULATIVE] * 5
+
+
+def test_the_drafter_prefills_between_stretches_where_it_shares_the_verifiers_cores(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from edge import config
+    from edge.config import EdgeSettings
+
+    monkeypatch.setattr(config, "runs_on_every_core", lambda: True)
+    assert not EdgeSettings().prefills_beside()  # no --cloud: a verifier on this machine
+    assert not EdgeSettings(cloud="127.0.0.1:50051,[::1]:50052").prefills_beside()
+    assert EdgeSettings(cloud="10.0.0.7:50051").prefills_beside()
+    assert EdgeSettings(cloud="127.0.0.1:50051", draft_prefill="beside").prefills_beside()
+    assert not EdgeSettings(cloud="gpu-box:50051", draft_prefill="between").prefills_beside()
+    monkeypatch.setattr(config, "runs_on_every_core", lambda: False)  # pinned apart from the verifier
+    assert EdgeSettings(cloud="127.0.0.1:50051").prefills_beside()
