@@ -46,3 +46,35 @@ def test_edge_metrics_count_rounds_and_provisional_tokens(target_model, draft_mo
         assert scraped["specdec_edge_rtt_seconds_sum"] >= 0.3 * result.rounds  # every call crossed the slow link
 
     asyncio.run(run())
+
+
+def test_edge_metrics_count_tokens_by_mode_and_the_switches(target_model, draft_model) -> None:
+    from dataclasses import replace
+
+    from edge.round.mode_switch import SwitchRules
+
+    metrics = EdgeMetrics()
+    port = metrics.serve(0)
+    # Speculation always measures "slower": the modes alternate, and every switch is counted.
+    rules = SwitchRules(min_rounds=1, window=1, keep_ratio=1e9, backoff_tokens=2, max_backoff_tokens=2)
+
+    async def run() -> None:
+        async with running_verifier(target_model) as (client, _):
+            cfg = replace(gen_config(max_new_tokens=24), mode_switch=rules)
+            result = await speculative_generate(random_prompt(9), make_drafter(draft_model), client, FixedK(2), cfg)
+        metrics.record_generation(result)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name.endswith("_total")
+        }
+        for mode, tokens in result.tokens_by_mode.items():
+            assert samples[("specdec_edge_tokens_by_mode_total", (("mode", mode),))] == tokens > 0
+        switches = [(s["to"], s["why"]) for s in result.mode_switches]
+        assert {"start", "drafter_ready", "slower", "probe_speculation"} <= {why for _, why in switches}
+        for to, why in set(switches):
+            assert samples[("specdec_edge_mode_switches_total", (("to", to), ("why", why)))] == switches.count((to, why))
+
+    asyncio.run(run())
