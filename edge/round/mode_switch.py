@@ -6,8 +6,9 @@ end of a stretch) and reports what each produced (`stretch_done`, `round_done`);
 only keeps the rates and returns decisions. The rule, as docs/edge.md explains:
 
 - A generation starts on the target: its first tokens stream as in cloud_only while the
-  drafter prefills the prompt beside them. Stretches start short (2 tokens) and double while
-  the drafter is still prefilling, so a short prompt reaches speculation within a token or two.
+  drafter prefills the prompt beside them. The first stretch is the first token; stretches then
+  double (2, 4, 8, 16) while the drafter is still prefilling, so a short prompt speculates from
+  its second token on.
 - Once the drafter is ready, speculation is probed for `min_rounds` rounds.
 - Speculation is kept while its rate over the last `window` rounds (committed tokens over the
   rounds' wall time, drafting included) is at least `keep_ratio` of the target's streaming rate
@@ -32,7 +33,7 @@ CLOUD_ONLY: Mode = "cloud_only"
 
 @dataclass(frozen=True)
 class SwitchRules:
-    first_stretch_tokens: int = 2  # the first stretch: the first token as fast as cloud_only's
+    first_stretch_tokens: int = 1  # the first stretch: the first token as fast as cloud_only's
     max_warmup_stretch_tokens: int = 16  # stretches while the drafter prefills double up to this
     min_rounds: int = 3  # rounds a probe of speculation runs before it is judged
     window: int = 4  # rounds the speculative rate is measured over

@@ -178,6 +178,7 @@ class SpeculativeRun:
         A recoverable loss waits as a lost round does; the next stretch reopens."""
         self.overlap.drop()
         req, sent_at = self._decode_request(max_tokens), time.perf_counter()
+        self.warmup.follow(self.tokens.committed)  # beside: the prompt's prefill starts with the verifier's
         decoded: list[int] = []
         gaps: list[float] = []
         traffic, server_ms, last, first_step_s = WireBytes(), 0.0, 0.0, 0.0

@@ -1,6 +1,7 @@
 """The drafter catching up on the committed tokens in auto mode: it prefills the prompt, then
-each stretch's tokens. Beside the Decode stream (a worker thread while the target decodes), so
-speculation can start without a wait; or, where the verifier runs on this machine's own cores,
+each stretch's tokens. Beside the Decode stream (a worker thread from the moment the first
+stretch is sent, while the verifier prefills the same prompt), so speculation can start without
+a wait; or, where the verifier runs on this machine's own cores,
 between stretches, as running both at once slows the target more than the prefill costs alone
 (a 4-token stretch took 3.6 s instead of 1.1 s beside a prefill on a 2-core box). The drafter is
 never used by two threads at once: the round loop settles the warmup before it drafts."""

@@ -4,11 +4,11 @@ from edge.round.mode_switch import CLOUD_ONLY, SPECULATIVE, ModeSwitch, SwitchRu
 
 
 def _warm_start(switch: ModeSwitch, target_tok_s: float) -> None:
-    """The first stretch (2 tokens at the target's rate), then the drafter is ready."""
+    """The first stretch (the first token, at the target's rate), then the drafter is ready."""
     first = switch.plan(drafter_ready=False, generated=0)
-    assert (first.mode, first.tokens) == (CLOUD_ONLY, 2)
-    switch.stretch_done(1 / target_tok_s, [1 / target_tok_s])
-    assert switch.plan(drafter_ready=True, generated=2).mode == SPECULATIVE
+    assert (first.mode, first.tokens) == (CLOUD_ONLY, 1)
+    switch.stretch_done(1 / target_tok_s, [])
+    assert switch.plan(drafter_ready=True, generated=1).mode == SPECULATIVE
 
 
 def _rounds(switch: ModeSwitch, n: int, tokens: int, seconds: float, generated: int) -> list[str]:
@@ -27,7 +27,7 @@ def test_the_first_stretches_double_while_the_drafter_prefills() -> None:
         assert plan.mode == CLOUD_ONLY
         sizes.append(plan.tokens)
         switch.stretch_done(0.1, [0.1] * (plan.tokens - 1))
-    assert sizes == [2, 4, 8, 16, 16]
+    assert sizes == [1, 2, 4, 8, 16]
     assert [s.why for s in switch.switches] == ["start"]
     assert switch.target_rate == 10.0
 
@@ -35,7 +35,7 @@ def test_the_first_stretches_double_while_the_drafter_prefills() -> None:
 def test_faster_speculation_is_kept_and_the_target_measured_again_later() -> None:
     switch = ModeSwitch(SwitchRules(reprobe_after_tokens=30))
     _warm_start(switch, target_tok_s=5.0)
-    modes = _rounds(switch, 8, tokens=4, seconds=0.5, generated=2)  # 8 tok/s against 5
+    modes = _rounds(switch, 8, tokens=4, seconds=0.5, generated=1)  # 8 tok/s against 5
     assert modes[:7] == [SPECULATIVE] * 7
     assert modes[7] == CLOUD_ONLY and switch.switches[-1].why == "probe_target"  # 32 tokens: past 30
     assert switch.plan(True, 40).mode == SPECULATIVE  # after the 4-token stretch: back to speculation
