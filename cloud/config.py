@@ -76,8 +76,16 @@ class VerifierSettings(BaseSettings):
     max_draft_tokens: int = Field(16, ge=0, description="largest k accepted per round")
     max_context_tokens: int = Field(32768, ge=2, description="prompt + generated tokens per session")
     session_ttl_s: float = Field(600.0, gt=0, description="idle seconds before a session is dropped")
-    max_sessions: int = Field(64, ge=1, description="open sessions; the least recently used is evicted past it")
-    max_kv_bytes: int = Field(4 << 30, ge=1, description="KV-cache bytes across sessions; LRU eviction past it")
+    max_sessions: int = Field(
+        64,
+        ge=1,
+        description="open sessions; past it a new session evicts its own key's least recently used idle one, never another key's",
+    )
+    max_kv_bytes: int = Field(
+        4 << 30,
+        ge=1,
+        description="KV-cache bytes across sessions; past it a key's own least recently used idle sessions are evicted, never another key's",
+    )
     kv_layout: Literal["packed", "slots"] = Field(
         "packed",
         description="packed: each session its own KV, "

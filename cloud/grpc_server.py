@@ -44,7 +44,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         calls = self._calls(context, new_session=False)
         with calls.verifier.sessions.holding(req.session_id):  # no eviction while its round waits or runs
             result = await calls.verify(req)
-        self.state.record_round(len(req.draft_tokens), result)
+        self.state.record_round(len(req.draft_tokens), result, calls.key)
         return wire.verify_result_to_pb(result)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeChunk]:

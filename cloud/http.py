@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from fastapi.responses import HTMLResponse
 
+from cloud.auth import Caller
 from cloud.metrics import CONTENT_TYPE
 from cloud.state import ServerState
 from cloud.tls import ServerTls
@@ -31,28 +32,33 @@ def _model_info(state: ServerState) -> dict[str, Any]:
     }
 
 
-def _key_guard(state: ServerState, public: bool) -> Any:
+def _caller(state: ServerState, public: bool = False) -> Any:
     """A dependency that lets a request in with an accepted API key (or with none configured,
-    or with --public-metrics); else 401 with the reason, never the key."""
+    or, `public`, with none at all) and gives its Caller; else 401 with the reason, never the key."""
 
-    async def check(authorization: str | None = Header(None)) -> None:
-        if public:
-            return
+    async def check(authorization: str | None = Header(None)) -> Caller:
         try:
-            state.api_keys.principal(authorization)
+            return state.api_keys.caller(authorization)
         except Unauthenticated as err:
+            if public:
+                return NOBODY
             raise HTTPException(401, detail=str(err), headers={"WWW-Authenticate": "Bearer"}) from None
 
     return Depends(check)
 
 
+NOBODY = Caller("", sees_all=False)  # --public-metrics without a key: sees no session
+
+
 def create_app(state: ServerState, public_metrics: bool = False) -> FastAPI:
-    # No /docs: its page pulls scripts from a CDN, and operators read the README. Routes are
-    # async so they run on the event loop, where the telemetry they read is written.
-    app = FastAPI(title="cloud-verifier", version=state.version, docs_url=None, redoc_url=None)
-    # Probes (/livez /readyz /healthz) stay open: kubelet sends no key. The rest needs one.
+    # No /docs and no /openapi.json: the page pulls scripts from a CDN, the schema would be the
+    # one route open without a key, and operators read the README. Routes are async so they run
+    # on the event loop, where the telemetry they read is written.
+    app = FastAPI(title="cloud-verifier", version=state.version, docs_url=None, redoc_url=None, openapi_url=None)
+    # Probes (/livez /readyz /healthz) stay open: kubelet sends no key. The rest needs one
+    # (--public-metrics: none for the aggregates; sessions stay their keys' own).
     _add_probes(app, state)
-    _add_telemetry(app, state, [_key_guard(state, public_metrics)])
+    _add_telemetry(app, state, _caller(state, public_metrics))
     return app
 
 
@@ -78,32 +84,34 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
         }
 
 
-def _add_telemetry(app: FastAPI, state: ServerState, keyed: list[Any]) -> None:
+def _add_telemetry(app: FastAPI, state: ServerState, caller: Any) -> None:
+    """Prometheus metrics (every key's aggregates), and the sessions and recent rounds the
+    caller may see: its own key's, or every key's for an operator key (cloud/auth.py)."""
     page = (resources.files("cloud") / "static" / "index.html").read_text()
 
-    @app.get("/metrics", dependencies=keyed)
+    @app.get("/metrics", dependencies=[caller])
     async def metrics() -> Response:
         state.sessions()  # refreshes the session gauges
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/sessions", dependencies=keyed)
-    async def sessions() -> dict[str, Any]:
-        rows = state.sessions()
+    @app.get("/v1/sessions")
+    async def sessions(who: Caller = caller) -> dict[str, Any]:
+        rows = state.sessions(who)
         return {"count": len(rows), "sessions": [asdict(row) for row in rows]}
 
-    @app.get("/v1/stats", dependencies=keyed)
-    async def stats() -> dict[str, Any]:
-        rows = state.sessions()
+    @app.get("/v1/stats")
+    async def stats(who: Caller = caller) -> dict[str, Any]:
+        rows = state.sessions(who)
         return {
             "status": state.status,
             **_model_info(state),
             "uptime_s": round(state.uptime_s(), 3),
             "open_sessions": len(rows),
             "kv_bytes": sum(r.kv_bytes for r in rows),
-            **state.live.snapshot(),
+            **state.live_for(who).snapshot(),
         }
 
-    @app.get("/", response_class=HTMLResponse, dependencies=keyed)
+    @app.get("/", response_class=HTMLResponse, dependencies=[caller])
     async def live_page() -> str:
         return page
 

@@ -25,7 +25,7 @@ import grpc
 from google.protobuf.message import Message
 
 from cloud.auth import ApiKeys
-from cloud.logs import log_event
+from cloud.logs import REFUSALS, log_event
 from cloud.sessions import session_tag
 from cloud.state import ServerState
 from shared import wire
@@ -136,7 +136,7 @@ class StatusInterceptor(_ServiceInterceptor):
         async def answered(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, Undecodable):
                 await self._refuse_undecodable(method, request, context)
-            call = _Call(self.state, method, request)
+            call = _Call(self.state, method, request, _peer_address(context))
             async with _answering(context, call):
                 reply = await behavior(request, context)
                 call.replied(reply)
@@ -148,7 +148,7 @@ class StatusInterceptor(_ServiceInterceptor):
         async def answered(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
             if isinstance(request, Undecodable):
                 await self._refuse_undecodable(method, request, context)
-            call = _Call(self.state, method, request)
+            call = _Call(self.state, method, request, _peer_address(context))
             # The replies are closed before the call is answered: a stream's finally blocks
             # (freeing its KV) run however it ended.
             async with _answering(context, call), aclosing(behavior(request, context)) as replies:
@@ -166,6 +166,7 @@ class _Call:
     state: ServerState
     method: str
     request: Message
+    peer: str  # the caller's address, without its port
     request_id: str = field(init=False)
     started: float = field(default_factory=time.perf_counter)
     sent: int = 0
@@ -193,10 +194,26 @@ class _Call:
             fields["principal"] = caller
         if prompt := getattr(self.request, "prompt_tokens", None):
             fields["prompt_tokens"] = list(prompt) if self.state.log_prompts else len(prompt)
-        if code != "OK":
+        if code in REFUSALS:
+            self._refused(code, detail, fields)
+        elif code != "OK":
             log_event(log, logging.WARNING, f"{self.method} failed: {detail}", **fields)
         else:
             log_event(log, logging.DEBUG if self.method == "Verify" else logging.INFO, self.method, **fields)
+
+    def _refused(self, code: str, detail: str, fields: dict[str, Any]) -> None:
+        """Counted every time; logged at most once per interval per source and code, with
+        how many refusals the line stands for."""
+        caller = principal()
+        self.state.metrics.record_refusal(code, caller)
+        refusals = self.state.refusals.admit(f"key {caller}" if caller else self.peer, code)
+        if refusals:
+            log_event(log, logging.WARNING, f"{self.method} refused: {detail}", peer=self.peer, refusals=refusals, **fields)
+
+
+def _peer_address(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port (a client's port changes with each connection)."""
+    return str(context.peer() or "").rpartition(":")[0] or "unknown"
 
 
 def _trailers(err: SpecDecError) -> tuple[tuple[str, str], ...]:

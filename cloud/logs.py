@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -55,3 +58,35 @@ def configure_logging(fmt: str = "text", level: str = "info") -> None:
 
 def log_event(logger: logging.Logger, level: int, message: str, **fields: Any) -> None:
     logger.log(level, message, extra={"fields": fields}, stacklevel=2)
+
+
+# Refusals a client's own request earns: logged at most once per interval per (who, code).
+REFUSALS = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "NOT_FOUND"})
+
+
+class RefusalLog:
+    """Keeps the log bounded under a flood of refused calls: for each (who, code), who being the
+    API key's name or the caller's address, one line at the first refusal and then at most one
+    per `interval_s`, carrying how many refusals it stands for. At most `max_sources` sources
+    are remembered (the least recently refused are forgotten), so a flood from many addresses
+    costs bounded memory too."""
+
+    def __init__(self, interval_s: float = 10.0, max_sources: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s, self.max_sources, self.clock = interval_s, max_sources, clock
+        self._sources: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()  # -> (last line, unlogged)
+
+    def admit(self, who: str, code: str) -> int:
+        """Count one refusal; the number of refusals a line logged now stands for, or 0 to stay quiet."""
+        now, source = self.clock(), (who, code)
+        last, unlogged = self._sources.pop(source, (None, 0))
+        unlogged += 1
+        if last is None or now - last >= self.interval_s:
+            self._remember(source, now, 0)
+            return unlogged
+        self._remember(source, last, unlogged)
+        return 0
+
+    def _remember(self, source: tuple[str, str], logged_at: float, unlogged: int) -> None:
+        self._sources[source] = (logged_at, unlogged)
+        while len(self._sources) > self.max_sources:
+            self._sources.popitem(last=False)

@@ -9,6 +9,8 @@ position (bounded by max_draft_tokens), never a session or request id.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from shared.protocol import VerifyResult
@@ -62,15 +64,33 @@ class VerifierMetrics:
             ["method"],
             registry=r,
         )
+        self.refused_calls = Counter(
+            "specdec_refused_calls",
+            "calls refused for their own request (UNAUTHENTICATED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, NOT_FOUND) by "
+            "code and API key name (empty: no valid key); the log has one line per source and interval",
+            ["code", "key"],
+            registry=r,
+        )
         self.admission_refusals = Counter(
             "specdec_admission_refusals",
             "new sessions refused because their prefill could not finish before the caller's deadline",
             registry=r,
         )
+        self.evicted_sessions = Counter(
+            "specdec_evicted_sessions",
+            "sessions the verifier dropped, by reason: ttl (idle too long), session_cap and kv_cap (the global caps; "
+            "only the key that needed the room loses a session), key_kv_cap (a key's own KV cap)",
+            ["reason"],
+            registry=r,
+        )
+        self._evictions_seen: dict[str, int] = {}
         self.open_sessions = Gauge("specdec_open_sessions", "sessions holding a KV cache", registry=r)
         self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions", registry=r)
         for position in range(max_draft_tokens):  # every position exists from the start, at 0
             self.accepted_per_pos.labels(str(position))
+
+    def record_refusal(self, code: str, key: str) -> None:
+        self.refused_calls.labels(code, key).inc()
 
     def record_rpc(self, method: str, code: str, received: int, sent: int) -> None:
         self.requests.labels(method, code).inc()
@@ -93,6 +113,14 @@ class VerifierMetrics:
         self.queue_time.observe(m.queue_ms / 1000.0)
         self.draft_len.observe(k)
         self.accepted_len.observe(accepted)
+
+    def record_evictions(self, totals: Mapping[str, int]) -> None:
+        """The session store's eviction totals by reason, as they stand now."""
+        for reason, total in totals.items():
+            new = total - self._evictions_seen.get(reason, 0)
+            if new > 0:
+                self.evicted_sessions.labels(reason).inc(new)
+                self._evictions_seen[reason] = total
 
     def set_sessions(self, count: int, kv_bytes: int) -> None:
         self.open_sessions.set(count)

@@ -1,8 +1,15 @@
-"""Per-session verifier state and the store that bounds it (TTL, count, KV bytes, LRU)."""
+"""Per-session verifier state and the store that bounds it (TTL, count, KV bytes, LRU).
+
+Caps never cross API keys: a new session or a round that needs room may evict only its own
+key's idle sessions (least recently used first), at the key's own caps and at the global ones
+alike; when its key has none to give up it is refused (RESOURCE_EXHAUSTED with a retry hint),
+so one key's traffic never ends another key's session. Without API keys every client is one
+key and this is plain LRU. Each eviction is one INFO line and is counted by its reason."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import threading
 import time
@@ -46,6 +53,7 @@ class KVFree(Protocol):
     def free(self, kv: SessionKV) -> None: ...
 
 
+log = logging.getLogger("cloud-verifier")
 RETRY_AFTER_IN_USE_MS = 1000  # every session busy: a round ends, or an edge closes one, within about this
 
 
@@ -79,6 +87,7 @@ class SessionStore:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.RLock()  # held by every change of _sessions and by snapshot()
         self.busy: Counter[str] = Counter()  # sessions with a step queued or running: never evicted
+        self.evictions: Counter[str] = Counter()  # sessions dropped by the store, by reason (ttl, kv_cap, ...)
 
     @contextmanager
     def holding(self, session_id: str) -> Iterator[None]:
@@ -129,6 +138,7 @@ class SessionStore:
             with self._lock:
                 oldest = self._sessions.popitem(last=False)[1]
             self._drop(oldest)
+            self._count_eviction(oldest, "ttl")
 
     def get(self, session_id: str, owner: str = "") -> Session:
         """The session, if `owner` opened it: to any other key it does not exist."""
@@ -145,28 +155,29 @@ class SessionStore:
             self._sessions.move_to_end(session.session_id)
 
     def reserve(self, new_tokens: int, keep: str | None = None, owner: str = "") -> None:
-        """Make room for new_tokens more KV positions of one of `owner`'s sessions: within the
-        key's cap by evicting its own least recently used sessions, then within the global cap
-        by evicting anyone's, never `keep` or a session with a call in flight; raises
-        CapacityExceeded when even that cannot fit them."""
+        """Make room for new_tokens more KV positions of one of `owner`'s sessions, within the
+        key's cap and the global cap, by evicting the key's own least recently used sessions,
+        never `keep` or a session with a call in flight; raises CapacityExceeded when even
+        that cannot fit them."""
         self.expire()
         if self.slot_bytes:  # a new session takes a whole slot; a round stays inside its own
             need = 0 if keep is not None else self.slot_bytes
         else:
             need = new_tokens * self.kv_bytes_per_token
         per_key = self.limits.per_key.max_kv_bytes
-        for cap, whose in ((per_key, owner), (self.limits.max_kv_bytes, None)):
+        for cap, whose, reason in ((per_key, owner, "key_kv_cap"), (self.limits.max_kv_bytes, None, "kv_cap")):
             if not cap:
                 continue
             if need > cap:
                 raise CapacityExceeded(f"{new_tokens} tokens need {need} KV bytes, over the cap of {cap}")
-            while self.kv_bytes(whose) + need > cap and self._evict_one(keep, whose):
+            while self.kv_bytes(whose) + need > cap and self._evict_one(keep, owner, reason):
                 pass
             if self.kv_bytes(whose) + need > cap:
                 raise CapacityExceeded(
-                    "KV-cache memory cap reached"
+                    f"the KV-cache memory cap is reached and {key_label(owner)} has no idle session to give up"
                     if whose is None
-                    else f"{key_label(owner)} holds its KV-cache cap of {cap} bytes"
+                    else f"{key_label(owner)} holds its KV-cache cap of {cap} bytes",
+                    RETRY_AFTER_IN_USE_MS,
                 )
 
     def add(self, session: Session) -> None:
@@ -175,10 +186,13 @@ class SessionStore:
         owner, per_key = session.owner, self.limits.per_key.max_sessions
         if per_key and self._count(owner) >= per_key:
             raise CapacityExceeded(f"{key_label(owner)} has all its {per_key} sessions in use", RETRY_AFTER_IN_USE_MS)
-        while len(self._sessions) >= self.limits.max_sessions and self._evict_one(None):
+        while len(self._sessions) >= self.limits.max_sessions and self._evict_one(None, owner, "session_cap"):
             pass
         if len(self._sessions) >= self.limits.max_sessions:
-            raise CapacityExceeded(f"all {self.limits.max_sessions} sessions are in use", RETRY_AFTER_IN_USE_MS)
+            raise CapacityExceeded(
+                f"all {self.limits.max_sessions} sessions are in use and {key_label(owner)} has no idle one to give up",
+                RETRY_AFTER_IN_USE_MS,
+            )
         with self._lock:
             self._sessions[session.session_id] = session
 
@@ -199,13 +213,25 @@ class SessionStore:
         if session is not None:
             self._drop(session)
 
-    def _evict_one(self, keep: str | None, owner: str | None = None) -> bool:
-        """Drop the least recently used session (of `owner`, when given) that is not `keep`
-        and has no call in flight."""
+    def _evict_one(self, keep: str | None, owner: str, reason: str) -> bool:
+        """Drop `owner`'s least recently used session that is not `keep` and has no call in
+        flight, for `reason`."""
         for sid, session in self._sessions.items():
-            if sid != keep and not self.busy.get(sid) and (owner is None or session.owner == owner):
+            if sid != keep and not self.busy.get(sid) and session.owner == owner:
                 with self._lock:
                     del self._sessions[sid]
                 self._drop(session)
+                self._count_eviction(session, reason)
                 return True
         return False
+
+    def eviction_totals(self) -> dict[str, int]:
+        """Sessions evicted so far by reason (safe to read from the event loop)."""
+        with self._lock:
+            return dict(self.evictions)
+
+    def _count_eviction(self, session: Session, reason: str) -> None:
+        with self._lock:
+            self.evictions[reason] += 1
+        owner = f"key {session.owner!r}" if session.owner else "no API key"
+        log.info("evicted session %s of %s: %s", session_tag(session.session_id), owner, reason)

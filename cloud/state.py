@@ -8,9 +8,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from cloud.auth import ApiKeys
+from cloud.auth import ApiKeys, Caller
 from cloud.batcher import BatchLimits, ForwardBatcher
 from cloud.live import LiveStats
+from cloud.logs import RefusalLog
 from cloud.metrics import VerifierMetrics
 from cloud.sessions import session_tag
 from cloud.verifier import Verifier
@@ -25,6 +26,9 @@ class ModelLoading(SpecDecError):
     """A call arrived before the model finished loading: retry, as after a restart."""
 
     status = "UNAVAILABLE"
+
+
+EVERYONE = Caller("", sees_all=True)  # the server's own view: every session
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,9 @@ class ServerState:
         self.version = package_version()
         self.worker = ModelWorker()
         self.metrics = VerifierMetrics(max_draft_tokens)
-        self.live = LiveStats(max_draft_tokens)
+        self.live = LiveStats(max_draft_tokens)  # every key's rounds
+        self.live_by_key: dict[str, LiveStats] = {}  # each key's own (keys come from the keys file: bounded)
+        self.refusals = RefusalLog()  # refused calls: a bounded log under a flood
         self._listeners: list[ReadinessListener] = []
         if verifier is not None:
             self._serve(verifier)
@@ -116,13 +122,22 @@ class ServerState:
 
     # ---- telemetry ----------------------------------------------------------------------
 
-    def record_round(self, k: int, result: VerifyResult) -> None:
+    def record_round(self, k: int, result: VerifyResult, key: str = "") -> None:
         self.metrics.record_round(k, result)
         self.live.record_round(k, result.accepted_len, result.metrics.verify_ms)
+        if self.api_keys.enabled:
+            own = self.live_by_key.setdefault(key, LiveStats(self.live.max_k))
+            own.record_round(k, result.accepted_len, result.metrics.verify_ms)
 
-    def sessions(self) -> list[SessionRow]:
-        """Open sessions (those past their TTL left out, as the store's next call drops them);
-        also refreshes the session gauges."""
+    def live_for(self, caller: Caller) -> LiveStats:
+        """The recent rounds `caller` may see: every key's, or its own."""
+        if caller.sees_all:
+            return self.live
+        return self.live_by_key.get(caller.name) or LiveStats(self.live.max_k)
+
+    def sessions(self, caller: Caller = EVERYONE) -> list[SessionRow]:
+        """Open sessions `caller` may see (those past their TTL left out, as the store's next
+        call drops them); the full view also refreshes the session gauges."""
         if self.verifier is None:
             return []
         store = self.verifier.sessions
@@ -132,7 +147,9 @@ class ServerState:
                 session_tag(s.session_id), now - s.created, now - s.last_used, len(s.tokens), s.rounds, store.session_bytes(s)
             )
             for s in store.snapshot()  # read from the event loop: a scrape never queues behind rounds
-            if now - s.last_used < store.limits.ttl_s
+            if now - s.last_used < store.limits.ttl_s and caller.sees(s.owner)
         ]
-        self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))
+        if caller.sees_all:
+            self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))
+        self.metrics.record_evictions(store.eviction_totals())
         return rows

@@ -4,6 +4,7 @@ console programs refuse an exposed plaintext verifier and a wrong key with one l
 
 import asyncio
 import hashlib
+import json
 import logging
 import re
 import subprocess
@@ -310,5 +311,83 @@ def test_a_session_belongs_to_the_key_that_opened_it(target_engine: TargetEngine
             assert reply.new_base_position > len(PROMPT)
             await verifier.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), metadata=alice)
             await channel.close()
+
+    asyncio.run(run())
+
+
+def test_a_flood_of_wrong_keys_is_counted_in_full_and_logged_in_a_few_lines(target_model, tmp_path: Path) -> None:
+    """10,000 OpenSession calls with a wrong key: the refusal counter says 10,000, the log grows
+    by a few lines (one per source, code and interval, each saying how many it stands for)."""
+    from io import StringIO
+
+    from cloud.logs import TextFormatter
+
+    buffer = StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setFormatter(TextFormatter())
+    logger = logging.getLogger("cloud-verifier")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    calls = 10_000
+
+    async def flood(verifier: Any) -> None:
+        async def refused(_: int) -> None:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=_metadata(WRONG_KEY))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        for start in range(0, calls, 500):
+            await asyncio.gather(*(refused(i) for i in range(start, start + 500)))
+
+    async def run() -> str:
+        async with running_servers(target_model, settings=_settings(tmp_path)) as (servers, loading):
+            await loading
+            channel, verifier = stub(servers.grpc_port)
+            before = len(buffer.getvalue())
+            await flood(verifier)
+            grown = len(buffer.getvalue()) - before
+            await channel.close()
+            assert grown < 10_000, buffer.getvalue()[-2000:]
+            return servers.state.metrics.exposition().decode()
+
+    try:
+        exposition = asyncio.run(run())
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+    samples = metric_samples(exposition)
+    assert samples[("specdec_refused_calls_total", frozenset({("code", "UNAUTHENTICATED"), ("key", "")}))] == calls
+    lines = [line for line in buffer.getvalue().splitlines() if "refused" in line]
+    assert lines and sum(int(re.search(r"refusals=(\d+)", line).group(1)) for line in lines) <= calls  # type: ignore[union-attr]
+    assert WRONG_KEY not in buffer.getvalue()
+
+
+def test_each_key_sees_its_own_sessions_and_an_operator_key_sees_all(target_model, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("alice alice-key-1\nbob bob-key-2\nops ops-key-3 operator\n")
+    settings = SETTINGS.model_copy(update={"api_keys_file": str(keys)})
+
+    async def run() -> None:
+        async with running_servers(target_model, settings=settings) as (servers, loading):
+            await loading
+            channel, verifier = stub(servers.grpc_port)
+            for key, sessions in (("alice-key-1", 1), ("bob-key-2", 2)):
+                for _ in range(sessions):
+                    opened = await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=_metadata(key))
+                    await verifier.Verify(
+                        pb.VerifyRequest(session_id=opened.session_id, base_position=len(PROMPT), draft_tokens=[4]),
+                        metadata=_metadata(key),
+                    )
+            await channel.close()
+            port = servers.http.port
+            seen = {}
+            for key in ("alice-key-1", "bob-key-2", "ops-key-3"):
+                status, _, body = await asyncio.to_thread(_get, port, "/v1/sessions", key)
+                _, _, stats = await asyncio.to_thread(_get, port, "/v1/stats", key)
+                assert status == 200
+                seen[key] = (json.loads(body)["count"], json.loads(stats)["open_sessions"], json.loads(stats)["window"]["rounds"])
+            assert seen == {"alice-key-1": (1, 1, 1), "bob-key-2": (2, 2, 2), "ops-key-3": (3, 3, 3)}
+            for key in (None, "alice-key-1"):  # the schema is not served: no route is open without a key
+                assert (await asyncio.to_thread(_get, port, "/openapi.json", key))[0] == 404
 
     asyncio.run(run())

@@ -56,3 +56,48 @@ def test_kv_cap_evicts_others_but_never_the_session_in_use() -> None:
         store.reserve(7, keep="b")  # 40 + 70 > 100 and nothing else to evict
     with pytest.raises(CapacityExceeded):
         store.reserve(11)  # larger than the whole cap
+
+
+def _owned(store: SessionStore, sid: str, tokens: int, owner: str) -> Session:
+    session = _session(store, sid, tokens)
+    session.owner = owner
+    return session
+
+
+def test_the_global_session_cap_evicts_only_the_new_sessions_own_key(caplog: pytest.LogCaptureFixture) -> None:
+    store = SessionStore(SessionLimits(max_sessions=3), kv_bytes_per_token=1, clock=FakeClock())
+    for sid, owner in (("a1", "alice"), ("a2", "alice"), ("b1", "bob")):
+        store.add(_owned(store, sid, 3, owner))
+    with caplog.at_level("INFO", logger="cloud-verifier"):
+        store.add(_owned(store, "b2", 3, "bob"))  # the cap: bob's own idle b1 goes, never alice's
+    assert {s.session_id for s in store} == {"a1", "a2", "b2"}
+    assert store.eviction_totals() == {"session_cap": 1}
+    line = next(r.getMessage() for r in caplog.records if "evicted" in r.getMessage())
+    assert "key 'bob'" in line and "session_cap" in line and "b1" not in line  # named by its tag
+    with store.holding("b2"), pytest.raises(CapacityExceeded) as err:
+        store.add(_owned(store, "b3", 3, "bob"))  # bob's only session is busy: refused, alice keeps hers
+    assert err.value.retry_after_ms > 0 and "'bob'" in str(err.value)
+    with pytest.raises(CapacityExceeded):
+        store.add(_owned(store, "c1", 3, "carol"))  # a key with no session at all is refused too
+    assert {s.session_id for s in store} == {"a1", "a2", "b2"}
+
+
+def test_the_global_kv_cap_evicts_only_the_requesting_keys_sessions() -> None:
+    store = SessionStore(SessionLimits(max_kv_bytes=100), kv_bytes_per_token=10, clock=FakeClock())
+    store.add(_owned(store, "a", 5, "alice"))  # 40 bytes each
+    store.add(_owned(store, "b", 5, "bob"))
+    with pytest.raises(CapacityExceeded) as err:
+        store.reserve(3, keep="b", owner="bob")  # bob's only other room would be alice's session
+    assert "no idle session to give up" in str(err.value) and err.value.retry_after_ms > 0
+    store.add(_owned(store, "b2", 3, "bob"))  # 20 bytes: 100 in all
+    store.reserve(2, keep="b", owner="bob")  # now bob's own idle b2 goes
+    assert {s.session_id for s in store} == {"a", "b"} and store.eviction_totals() == {"kv_cap": 1}
+
+
+def test_idle_sessions_past_their_ttl_count_as_evicted() -> None:
+    clock = FakeClock()
+    store = SessionStore(SessionLimits(ttl_s=10), kv_bytes_per_token=1, clock=clock)
+    store.add(_session(store, "a", 3))
+    clock.now = 11.0
+    store.expire()
+    assert store.eviction_totals() == {"ttl": 1}
