@@ -79,12 +79,14 @@ class VerifierSettings(BaseSettings):
     max_sessions: int = Field(
         64,
         ge=1,
-        description="open sessions; past it a new session evicts its own key's least recently used idle one, never another key's",
+        description="open sessions; past it a new session evicts its own key's least recently used idle one "
+        "(never another key's) or is refused",
     )
     max_kv_bytes: int = Field(
         4 << 30,
         ge=1,
-        description="KV-cache bytes across sessions; past it a key's own least recently used idle sessions are evicted, never another key's",
+        description="KV-cache bytes across sessions; past it a key's own least recently used idle sessions "
+        "are evicted (never another key's) or the call is refused",
     )
     kv_layout: Literal["packed", "slots"] = Field(
         "packed",
