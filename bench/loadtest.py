@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlparse
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from tqdm import tqdm
@@ -79,6 +81,9 @@ class LoadtestSettings(BaseSettings):
         0, ge=0, description="resend RESOURCE_EXHAUSTED after the server's hint (0: count it, end the session)"
     )
     call_timeout: float = Field(120.0, gt=0, description="deadline of one call, seconds")
+    ready_timeout: float = Field(
+        900.0, gt=0, description="seconds to wait for the verifier's gRPC health to say SERVING (its model loaded) first"
+    )
     report: str | None = Field(None, description="folder for summary.md and plots over time")
     metrics_url: str | None = Field(None, description="verifier /metrics to poll for specdec_kv_cache_bytes (loopback)")
     bin_s: float = Field(1.0, gt=0, description="time bin of the series over time, seconds")
@@ -94,7 +99,16 @@ class LoadtestSettings(BaseSettings):
     capacity_step_s: float = Field(30.0, gt=0, description="capacity search: seconds each level keeps N sessions going")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "the verifier": ("cloud", "api_key", "tls_ca", "mode", "call_timeout", "capacity_retries", "metrics_url"),
+        "the verifier": (
+            "cloud",
+            "api_key",
+            "tls_ca",
+            "mode",
+            "call_timeout",
+            "ready_timeout",
+            "capacity_retries",
+            "metrics_url",
+        ),
         "sessions and arrivals": (
             "trace",
             "azure",
@@ -206,9 +220,35 @@ def _connect(s: LoadtestSettings) -> VerifierClient:
     )
 
 
+async def wait_until_serving(s: LoadtestSettings) -> None:
+    """Wait until every verifier address says SERVING on the standard gRPC health service (no
+    API key needed): a load started while the model loads measures refusals, not capacity."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + s.ready_timeout
+    for address in s.cloud.split(","):
+        credentials = ClientTls.from_files(s.tls_ca).credentials() if s.tls_ca else None
+        channel = grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
+        try:
+            while not await _serving(health_pb2_grpc.HealthStub(channel)):
+                if loop.time() > deadline:
+                    raise ConfigError(f"the verifier at {address} did not become ready within {s.ready_timeout:g} s")
+                await asyncio.sleep(0.5)
+        finally:
+            await channel.close()
+
+
+async def _serving(health: health_pb2_grpc.HealthStub) -> bool:
+    try:
+        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+    except grpc.aio.AioRpcError:
+        return False  # not listening yet, or restarting
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
 async def run_capacity(s: LoadtestSettings) -> dict[str, Any]:
     """--find-capacity: one session per recorded trace (lengths under the caps), both modes."""
     _check_targets(s)
+    await wait_until_serving(s)
     assert s.slo_itl_p95_ms is not None  # the validator asks for it
     traces = read_traces(Path(s.trace) if s.trace else SHIPPED_TRACES)
     if any(t.header.mode != "speculative" for t in traces):
@@ -227,6 +267,7 @@ async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
     plan = plan_sessions(s)
     if not plan:
         raise ConfigError("no session to replay within the given bounds")
+    await wait_until_serving(s)
     clock = LoadClock()
     samples: list[ServerSample] = []
     poller = asyncio.create_task(poll_metrics(s.metrics_url, clock, samples, s.bin_s / 2, s)) if s.metrics_url else None

@@ -209,3 +209,29 @@ def test_capacity_search_finds_sessions_for_a_generous_target_and_none_for_an_im
     assert generous["capacity_ratio"] == 1.0 and impossible["capacity_ratio"] is None
     written = write_capacity_report(generous, tmp_path / "report")
     assert {p.name for p in written} == {"capacity.md", "capacity.png"}
+
+
+def test_a_loadtest_started_while_the_model_loads_waits_for_it(target_model, draft_model, tmp_path: Path) -> None:
+    """Started before the verifier has loaded its model, the load test waits for SERVING on the
+    gRPC health service instead of recording the loading verifier's refusals."""
+    import threading
+
+    from tests.ops import running_servers
+
+    async def run() -> None:
+        async with running_verifier(target_model) as (client, _):
+            await _record(client, draft_model, tmp_path)
+        gate = threading.Event()
+        async with running_servers(target_model, gate) as (servers, loading):
+            settings = LoadtestSettings(
+                cloud=f"127.0.0.1:{servers.grpc_port}", output=str(tmp_path / "r.json"), trace=str(tmp_path), progress=False
+            )
+            test = asyncio.create_task(run_loadtest(settings))
+            await asyncio.sleep(1.5)
+            assert not test.done()  # waiting for the model, no session sent
+            gate.set()
+            await loading
+            result = await test
+        assert result["sessions_completed"] == 4 and result["errors_by_code"] == {}
+
+    asyncio.run(run())
