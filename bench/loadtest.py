@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from bench.cli import settings_parser
 from bench.loadtest_arrivals import Caps, PlannedSession, azure_plan, poisson_plan, read_azure, trace_plan
-from bench.loadtest_capacity import CapacitySearch, find_capacity, write_capacity_report
+from bench.loadtest_capacity import CapacitySearch, find_capacity, slo_line, write_capacity_report
 from bench.loadtest_replay import LoadClock, SessionOutcome, replay
 from bench.loadtest_report import ServerSample, ended_by_line, machine, summarize, write_report
 from edge.trace import read_traces
@@ -95,6 +95,11 @@ class LoadtestSettings(BaseSettings):
     )
     slo_itl_p95_ms: float | None = Field(None, gt=0, description="capacity target: inter-token latency p95, ms")
     slo_ttft_p95_ms: float | None = Field(None, gt=0, description="capacity target: time to first token p95, ms")
+    slo_tpot_p95_ms: float | None = Field(
+        None,
+        gt=0,
+        description="capacity target: time per output token p95 (per session: first to last token over the tokens), ms",
+    )
     capacity_max_sessions: int = Field(64, ge=1, description="capacity search: most concurrent sessions tried")
     capacity_step_s: float = Field(30.0, gt=0, description="capacity search: seconds each level keeps N sessions going")
 
@@ -123,7 +128,14 @@ class LoadtestSettings(BaseSettings):
             "duration",
             "drain_timeout",
         ),
-        "capacity search": ("find_capacity", "slo_itl_p95_ms", "slo_ttft_p95_ms", "capacity_max_sessions", "capacity_step_s"),
+        "capacity search": (
+            "find_capacity",
+            "slo_itl_p95_ms",
+            "slo_tpot_p95_ms",
+            "slo_ttft_p95_ms",
+            "capacity_max_sessions",
+            "capacity_step_s",
+        ),
         "results": ("output", "report", "bin_s", "progress"),
     }
 
@@ -133,8 +145,8 @@ class LoadtestSettings(BaseSettings):
             raise ValueError("give at most one of --azure and --rate")
         if (self.azure or self.rate) and self.max_sessions is None and self.duration is None:
             raise ValueError("--azure and --rate need --max-sessions or --duration to end")
-        if self.find_capacity and self.slo_itl_p95_ms is None:
-            raise ValueError("--find-capacity needs --slo-itl-p95-ms")
+        if self.find_capacity and self.slo_itl_p95_ms is None and self.slo_tpot_p95_ms is None:
+            raise ValueError("--find-capacity needs --slo-itl-p95-ms or --slo-tpot-p95-ms")
         return self
 
     def arrivals(self) -> str:
@@ -249,14 +261,15 @@ async def run_capacity(s: LoadtestSettings) -> dict[str, Any]:
     """--find-capacity: one session per recorded trace (lengths under the caps), both modes."""
     _check_targets(s)
     await wait_until_serving(s)
-    assert s.slo_itl_p95_ms is not None  # the validator asks for it
     traces = read_traces(Path(s.trace) if s.trace else SHIPPED_TRACES)
     if any(t.header.mode != "speculative" for t in traces):
         raise ConfigError("--find-capacity replays both modes: it needs traces recorded in speculative mode")
     plans = trace_plan(traces, 1, 0.0, s.caps())
     if not plans:
         raise ConfigError("no session to replay within the given bounds")
-    search = CapacitySearch(s.slo_itl_p95_ms, s.slo_ttft_p95_ms, s.capacity_max_sessions, s.capacity_step_s, s.think_scale)
+    search = CapacitySearch(
+        s.slo_itl_p95_ms, s.slo_ttft_p95_ms, s.capacity_max_sessions, s.capacity_step_s, s.think_scale, s.slo_tpot_p95_ms
+    )
     result = await find_capacity(plans, search, lambda: _connect(s), lambda: busy_counters(s))
     settings = s.model_dump(exclude={"api_key"}) | {"trace": s.trace or str(SHIPPED_TRACES)}
     return result | {"settings": settings, "machine": machine()}
@@ -339,8 +352,8 @@ def _capacity_cli(settings: LoadtestSettings) -> int:
         write_capacity_report(result, Path(settings.report))
     cap = result["capacity"]
     log.info(
-        "capacity at ITL p95 <= %s ms: speculative %d, cloud_only %d sessions (ratio %s) -> %s",
-        settings.slo_itl_p95_ms,
+        "capacity at %s: speculative %d, cloud_only %d sessions (ratio %s) -> %s",
+        slo_line(result["slo"]),
         cap["speculative"]["sessions"],
         cap["cloud_only"]["sessions"],
         result["capacity_ratio"],

@@ -57,3 +57,24 @@ def test_a_level_meets_the_target_only_when_every_worker_got_tokens() -> None:
     assert _level_meets([0, 1], n=2)
     assert _level_meets([0, 3], n=2)  # session 3 is worker 1's second session
     assert not _level_meets([0, 2], n=2)  # worker 1 never got tokens: a stall, not a fast level
+
+
+def test_tpot_is_first_to_last_token_over_the_later_tokens_per_session() -> None:
+    from bench.loadtest_capacity import tpot_per_session
+
+    # session 0: first 2 tokens at 1 s, 3 more at 2 s and 4 at 3.5 s: 2.5 s over 7 tokens
+    deliveries = [Delivery(0.0, 2, 1.0, 0), Delivery(0.0, 3, 2.0, 0), Delivery(0.0, 4, 3.5, 0), Delivery(0.0, 5, 1.0, 1)]
+    assert tpot_per_session(deliveries) == [2500.0 / 7]  # session 1 has no tokens after its first ones
+
+
+def test_a_tpot_target_judges_the_rate_a_reader_sees_where_the_itl_target_judges_the_gaps() -> None:
+    """3 tokens every 900 ms: ITL p95 900 ms, TPOT 300 ms."""
+
+    def meets(search: CapacitySearch) -> bool:
+        clock = LoadClock()
+        clock.deliveries = [Delivery(900.0, 3, 0.9 * (i + 1), 0) for i in range(10)]
+        return bool(_level(1, "speculative", clock, [], 10.0, None, search)["meets_slo"])
+
+    assert not meets(CapacitySearch(slo_itl_p95_ms=500, step_s=100.0))
+    assert meets(CapacitySearch(slo_itl_p95_ms=None, slo_tpot_p95_ms=500, step_s=100.0))
+    assert not meets(CapacitySearch(slo_itl_p95_ms=None, slo_tpot_p95_ms=250, step_s=100.0))
