@@ -2,6 +2,7 @@
 an `edge-agent --prompts` run and started again a minute later on the same port; and a batch in
 which the verifier refuses one prompt."""
 
+import contextlib
 import json
 import os
 import re
@@ -54,8 +55,21 @@ class VerifierProcess:
         return f"127.0.0.1:{self.grpc_port}"
 
     def rounds(self) -> float:
+        return self._metric("specdec_rounds_total")
+
+    def steps(self) -> float:
+        """Verify rounds and Decode tokens served so far (0 while it cannot answer)."""
+        try:
+            return self._metric("specdec_rounds_total") + self._metric("specdec_decode_tokens_total")
+        except OSError:
+            return 0.0
+
+    def _metric(self, name: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as reply:
-            return metric_samples(reply.read().decode()).get(("specdec_rounds_total", frozenset()), 0.0)
+            return metric_samples(reply.read().decode()).get((name, frozenset()), 0.0)
+
+    def close(self) -> None:
+        self.stop()
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -184,3 +198,93 @@ def test_a_prompt_the_verifier_refuses_fails_alone(models: tuple[Path, Path], tm
             assert "error" not in answered and len(answered["token_ids"]) == 20
     for i in (0, 2):
         assert records["speculative"][i]["token_ids"] == records["cloud_only"][i]["token_ids"]
+
+
+CRASHES = 5
+
+
+def _crash_repeatedly(first: VerifierProcess, target: Path, busy: Any) -> VerifierProcess:
+    """SIGKILL the verifier CRASHES times while `busy()` says its clients still work, each time
+    once it has served a few steps, and start it again on the same port within a second."""
+    current, port = first, first.grpc_port
+    for crash in range(CRASHES):
+        served, up = current.steps(), current
+        _wait_for(lambda up=up, served=served: up.steps() >= served + 8 or not busy(), 120, f"work before crash {crash + 1}")
+        assert busy(), f"the clients finished before crash {crash + 1}: make them longer"
+        current.kill()
+        time.sleep(0.5)
+        current = VerifierProcess(target, port)
+    return current
+
+
+def test_several_edges_ride_out_five_crashes(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """Three edge-agent batches at once against a verifier SIGKILLed five times and restarted on
+    the same port each time: every prompt finishes, each output equals cloud_only's token for
+    token (none repeated or lost), and the verifier's logs count the sessions it evicted."""
+    draft, target = models
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", [f"w{i} w{i + 13} w{i + 26} w{i + 39}" for i in range(3)])
+    outputs = [tmp_path / f"edge{i}.jsonl" for i in range(3)]
+    flags = ("--max-new-tokens", "400", "--reconnect-window-s", "120")
+    with verifier_process(target) as first:
+        edges = [
+            subprocess.Popen(_edge_cmd(draft, first.address, prompts, out, *flags), stderr=subprocess.PIPE, text=True, env=ENV)
+            for out in outputs
+        ]
+        try:
+            last = _crash_repeatedly(first, target, lambda: all(e.poll() is None for e in edges))
+            with contextlib.closing(last):
+                for edge in edges:
+                    assert edge.wait(timeout=300) == 0, edge.stderr.read() if edge.stderr else ""
+                reference = tmp_path / "cloud_only.jsonl"
+                done = subprocess.run(
+                    _edge_cmd(draft, last.address, prompts, reference, "--mode", "cloud_only", *flags),
+                    capture_output=True,
+                    text=True,
+                    env=ENV,
+                    timeout=300,
+                )
+                assert done.returncode == 0, done.stderr
+        finally:
+            for edge in edges:
+                if edge.poll() is None:
+                    edge.kill()
+    cloud = _records(reference)
+    reopens = 0
+    for out in outputs:
+        records = _records(out)
+        assert [r["id"] for r in records] == [r["id"] for r in cloud]
+        for got, want in zip(records, cloud, strict=True):
+            assert "error" not in got and got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+        reopens += sum(r["reopens"] for r in records)
+    assert reopens >= CRASHES  # every crash cost at least one session a reopen
+
+
+def test_an_openai_stream_rides_out_five_crashes(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """The same through `edge-agent serve`: an OpenAI client's streamed text, across five
+    verifier crashes, equals the target's alone (the request pinned to cloud_only afterwards)."""
+    from openai import OpenAI
+
+    from tests.serve_procs import serve_cmd, start
+
+    draft, target = models
+    with verifier_process(target) as first:
+        serve = start(
+            serve_cmd(draft, first.address, "--reconnect-window-s", "120"), tmp_path / "serve.log", r"serving on (http://\S+:\d+)"
+        )
+        client = OpenAI(base_url=f"{serve.match.group(1)}/v1", api_key="unused", max_retries=0, timeout=300)
+        request = {"model": "any", "prompt": "w3 w16 w29", "max_tokens": 1200, "temperature": 0}
+        streamed: list[str] = []
+        reader = threading.Thread(
+            target=lambda: streamed.extend(
+                c.choices[0].text for c in client.completions.create(**request, stream=True) if c.choices
+            )
+        )
+        reader.start()
+        try:
+            last = _crash_repeatedly(first, target, reader.is_alive)
+            reader.join(timeout=300)
+            with contextlib.closing(last):
+                alone = client.completions.create(**request, extra_body={"speculative": {"enabled": False}})
+        finally:
+            serve.stop()
+    assert not reader.is_alive() and "".join(streamed) == alone.choices[0].text and alone.choices[0].text
