@@ -44,9 +44,16 @@ from edge.trace_recorder import SessionRecorder, trace_file_name
 from edge.transport.client import VerifierClient
 from shared.cli import add_settings_flags, run_cli, settings_from_args
 from shared.errors import ConfigError, SpecDecError, TlsHandshakeFailed, Unauthenticated
+from shared.hardware import matmul_flags, proc_field, usable_cores
 
 log = logging.getLogger("edge-agent")
 PROMPTS_FAILED = 3  # exit status of a --prompts run that finished with some prompts failed
+
+
+def recording_cpu() -> str:
+    """The CPU a trace is recorded on: its model, matmul flags and the cores the edge may use."""
+    model = proc_field("/proc/cpuinfo", "model name") or "unknown CPU"
+    return f"{model} ({' '.join(matmul_flags()) or 'no avx2'}), {usable_cores()} cores"
 
 
 def _trace_header(ctx: EdgeContext, prompt_ids: list[int], cfg: GenerationConfig) -> TraceHeader:
@@ -63,6 +70,9 @@ def _trace_header(ctx: EdgeContext, prompt_ids: list[int], cfg: GenerationConfig
         "timeout_mode": s.timeout_mode(),
         "verify_timeout_ms": s.verify_timeout_ms,
         "dtype": s.dtype,
+        # what recorded it: a replay's think-time between rounds is this drafter's on this CPU
+        "draft_runtime": ctx.draft_lm.runtime if ctx.draft_lm is not None else None,
+        "cpu": recording_cpu(),
     }
     session = cfg.session
     return TraceHeader(
