@@ -3,8 +3,9 @@ share counters.
 
 Names follow vLLM's speculative-decoding metrics (num_drafts, num_draft_tokens,
 num_accepted_tokens, num_accepted_tokens_per_pos) under the prefix `specdec_`; one round
-here is one vLLM draft. Labels stay low-cardinality: RPC method, status code and draft
-position (bounded by max_draft_tokens), never a session or request id.
+here is one vLLM draft. Labels stay low-cardinality: RPC method, status code, draft
+position (bounded by max_draft_tokens), an API key's name (bounded by the keys file) and an
+eviction reason, never a session or request id or a caller's address.
 """
 
 from __future__ import annotations
@@ -64,16 +65,23 @@ class VerifierMetrics:
             ["method"],
             registry=r,
         )
+        self.admission_refusals = Counter(
+            "specdec_admission_refusals",
+            "new sessions refused because their prefill could not finish before the caller's deadline",
+            registry=r,
+        )
+        self._add_refusals_and_evictions(r)
+        self.open_sessions = Gauge("specdec_open_sessions", "sessions holding a KV cache", registry=r)
+        self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions", registry=r)
+        for position in range(max_draft_tokens):  # every position exists from the start, at 0
+            self.accepted_per_pos.labels(str(position))
+
+    def _add_refusals_and_evictions(self, r: CollectorRegistry) -> None:
         self.refused_calls = Counter(
             "specdec_refused_calls",
             "calls refused for their own request (UNAUTHENTICATED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, NOT_FOUND) by "
             "code and API key name (empty: no valid key); the log has one line per source and interval",
             ["code", "key"],
-            registry=r,
-        )
-        self.admission_refusals = Counter(
-            "specdec_admission_refusals",
-            "new sessions refused because their prefill could not finish before the caller's deadline",
             registry=r,
         )
         self.evicted_sessions = Counter(
@@ -84,10 +92,6 @@ class VerifierMetrics:
             registry=r,
         )
         self._evictions_seen: dict[str, int] = {}
-        self.open_sessions = Gauge("specdec_open_sessions", "sessions holding a KV cache", registry=r)
-        self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions", registry=r)
-        for position in range(max_draft_tokens):  # every position exists from the start, at 0
-            self.accepted_per_pos.labels(str(position))
 
     def record_refusal(self, code: str, key: str) -> None:
         self.refused_calls.labels(code, key).inc()

@@ -134,7 +134,8 @@ def test_metric_counters_move_by_the_right_amounts(target_model) -> None:
         assert _value(during, "specdec_open_sessions") == 1 and _value(after, "specdec_open_sessions") == 0
         kv_per_token = servers.state.verifier.sessions.kv_bytes_per_token  # type: ignore[union-attr]
         assert _value(during, "specdec_kv_cache_bytes") == (n + 6 - 1) * kv_per_token
-        assert {key for (_, labels) in after for key, _ in labels} <= {"method", "code", "position", "le"}
+        # bounded labels only: key names come from the keys file, reasons from a fixed few
+        assert {key for (_, labels) in after for key, _ in labels} <= {"method", "code", "position", "le", "key", "reason"}
 
         assert sessions["count"] == 1
         row = sessions["sessions"][0]

@@ -187,7 +187,7 @@ def test_a_wire_system_can_be_limited_to_some_rtts() -> None:
     cloud, ngram = resolve_systems(["cloud_only", "ngram@0"], [], [0.0, 50.0])
     assert cloud.only_rtts_ms is None and cloud.runs_at(0.0) and cloud.runs_at(50.0)
     assert ngram.only_rtts_ms == (0.0,) and ngram.runs_at(0.0) and not ngram.runs_at(50.0)
-    assert ngram.edge_flags == ("--drafter", "ngram", "--filler-top-k", "1")
+    assert ngram.edge_flags == ("--mode", "speculative", "--drafter", "ngram", "--filler-top-k", "1")
     for bad, why in (("target-only@0", "has no RTT"), ("ngram@20", "not in --rtt-ms"), ("ngram@fast", "expected")):
         with pytest.raises(ConfigError, match=why):
             resolve_systems([bad], [], [0.0, 50.0])

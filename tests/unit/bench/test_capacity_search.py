@@ -71,9 +71,12 @@ def test_a_tpot_target_judges_the_rate_a_reader_sees_where_the_itl_target_judges
     """3 tokens every 900 ms: ITL p95 900 ms, TPOT 300 ms."""
 
     def meets(search: CapacitySearch) -> bool:
-        clock = LoadClock()
-        clock.deliveries = [Delivery(900.0, 3, 0.9 * (i + 1), 0) for i in range(10)]
-        return bool(_level(1, "speculative", clock, [], 10.0, None, search)["meets_slo"])
+        async def level() -> bool:
+            clock = LoadClock()
+            clock.deliveries = [Delivery(900.0, 3, 0.9 * (i + 1), 0) for i in range(10)]
+            return bool(_level(1, "speculative", clock, [], 10.0, None, search)["meets_slo"])
+
+        return asyncio.run(level())
 
     assert not meets(CapacitySearch(slo_itl_p95_ms=500, step_s=100.0))
     assert meets(CapacitySearch(slo_itl_p95_ms=None, slo_tpot_p95_ms=500, step_s=100.0))
