@@ -7,13 +7,17 @@ shared by OpenSession and a Decode call that opens its session."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
+from cloud.batch_step import ForwardStep
 from cloud.batcher import ForwardBatcher
 from cloud.verifier import Verifier
 from shared.protocol import DecodeChunk, DecodeRequest, OpenSessionRequest, OpenSessionResult, VerifyRequest, VerifyResult
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -29,17 +33,7 @@ class SessionCalls:
     async def open(self, req: OpenSessionRequest) -> OpenSessionResult:
         """A new session: its prefill is one more step for the batcher (rounds of open sessions
         share its forward passes), held from eviction by its id while its chunks run."""
-        verifier = self.verifier
-        session_id = verifier.sessions.new_id()
-        with verifier.sessions.holding(session_id):
-            return await self.batcher.submit(
-                session_id,
-                len(req.prompt_tokens),
-                partial(verifier.begin_open, req, session_id, self.key),
-                self.deadline,
-                admitting=True,
-                key=self.key,
-            )
+        return await self._opening(req, self.verifier.begin_open)
 
     async def verify(self, req: VerifyRequest) -> VerifyResult:
         """One round (the caller holds its session from eviction)."""
@@ -73,17 +67,17 @@ class SessionCalls:
                     return
 
     async def _open_with_first_token(self, req: OpenSessionRequest) -> tuple[OpenSessionResult, VerifyResult]:
-        verifier = self.verifier
-        session_id = verifier.sessions.new_id()
-        with verifier.sessions.holding(session_id):
-            return await self.batcher.submit(
-                session_id,
-                len(req.prompt_tokens),
-                partial(verifier.begin_open_decode, req, session_id, self.key),
-                self.deadline,
-                admitting=True,
-                key=self.key,
-            )
+        return await self._opening(req, self.verifier.begin_open_decode)
+
+    async def _opening(self, req: OpenSessionRequest, begin: Callable[[OpenSessionRequest, str, str], ForwardStep[R]]) -> R:
+        """A new session's first step (`begin`: its prefill, or its prefill and first token),
+        admitted against the caller's deadline and held from eviction by its new id."""
+        sessions = self.verifier.sessions
+        session_id = sessions.new_id()
+        with sessions.holding(session_id):
+            prompt = len(req.prompt_tokens)
+            step = partial(begin, req, session_id, self.key)
+            return await self.batcher.submit(session_id, prompt, step, self.deadline, admitting=True, key=self.key)
 
 
 def _chunk(result: VerifyResult, start: float, finished: bool, opened: OpenSessionResult | None = None) -> DecodeChunk:

@@ -15,16 +15,12 @@ from edge.drafting.kpolicy import FixedK
 from edge.drafting.runtime_transformers import TransformersDraftLM
 from edge.round.generate import speculative_generate
 from edge.round.mode_switch import CLOUD_ONLY, SPECULATIVE, SwitchRules
-from shared import lm
-from shared.protocol import AcceptMode, SamplingParams
-from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
+from shared.protocol import AcceptMode
 from tests.harness import gen_config, running_verifier
+from tests.integration.test_overlap_sampling import PARAMS, PROMPT, V, _next_probs
 from tests.tiny_models import tiny_draft, tiny_target
 from tests.unit.cloud.test_sampling_exactness import _pvalue
 
-V = 8
-PROMPT = [3]
-PARAMS = SamplingParams(temperature=1.5)
 TRIALS = 1200
 # Every round "loses" (keep_ratio out of reach) and every stretch is one token: the modes alternate.
 ALTERNATE = SwitchRules(
@@ -36,11 +32,6 @@ ALTERNATE = SwitchRules(
     backoff_tokens=1,
     max_backoff_tokens=1,
 )
-
-
-def _next_probs(model, context: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    logits = lm.forward(model, lm.new_cache(model), context)[-1:]
-    return probs_from_logits(penalized_logits(logits, context, [], PARAMS, V), PARAMS)[0]
 
 
 def _reference_tokens_2_3(target) -> torch.Tensor:  # type: ignore[no-untyped-def]
