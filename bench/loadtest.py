@@ -27,6 +27,7 @@ import ssl
 import sys
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlparse
@@ -59,6 +60,11 @@ class LoadtestSettings(BaseSettings):
     cloud: str = Field(description="verifier HOST:PORT on this machine (loopback only)")
     api_key: SecretStr | None = Field(
         None, description="API key of a verifier started with --api-keys-file (also sent to --metrics-url)"
+    )
+    api_keys_file: str | None = Field(
+        None,
+        description="several keys (the verifier's keys-file format, the keys themselves, not sha256: digests): "
+        "sessions take them in turn, like several tenants; /metrics is read with the first",
     )
     tls_ca: str | None = Field(
         None, description="PEM CA bundle of a verifier started with --tls-cert (gRPC and an https --metrics-url)"
@@ -107,6 +113,7 @@ class LoadtestSettings(BaseSettings):
         "the verifier": (
             "cloud",
             "api_key",
+            "api_keys_file",
             "tls_ca",
             "mode",
             "call_timeout",
@@ -145,6 +152,8 @@ class LoadtestSettings(BaseSettings):
             raise ValueError("give at most one of --azure and --rate")
         if (self.azure or self.rate) and self.max_sessions is None and self.duration is None:
             raise ValueError("--azure and --rate need --max-sessions or --duration to end")
+        if self.api_key and self.api_keys_file:
+            raise ValueError("give at most one of --api-key and --api-keys-file")
         if self.find_capacity and self.slo_itl_p95_ms is None and self.slo_tpot_p95_ms is None:
             raise ValueError("--find-capacity needs --slo-itl-p95-ms or --slo-tpot-p95-ms")
         return self
@@ -156,6 +165,34 @@ class LoadtestSettings(BaseSettings):
 
     def caps(self) -> Caps:
         return Caps(self.max_prompt_tokens, self.max_output_tokens, self.max_sessions, self.duration)
+
+    def keys(self) -> list[str | None]:
+        """The keys sessions take in turn: those of --api-keys-file, else --api-key, else none."""
+        if self.api_keys_file:
+            return read_plain_keys(Path(self.api_keys_file))
+        return [self.api_key.get_secret_value() if self.api_key else None]
+
+
+def read_plain_keys(path: Path) -> list[str | None]:
+    """Keys from a file in the verifier's keys-file format (`KEY`, `NAME KEY` or `NAME KEY
+    operator` per line, `#` comments). A client needs the keys themselves: sha256: entries are
+    refused. Errors name the line, never its text."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"--api-keys-file: cannot read {path}: {err.strerror}") from err
+    keys: list[str | None] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        key = fields[1] if len(fields) >= 2 else fields[0]
+        if key.lower().startswith("sha256:"):
+            raise ConfigError(f"--api-keys-file line {number}: a sha256: digest, but a client needs the key itself")
+        keys.append(key)
+    if not keys:
+        raise ConfigError(f"--api-keys-file: no keys in {path}")
+    return keys
 
 
 def _check_loopback(host: str | None, what: str) -> None:
@@ -181,8 +218,9 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
-def _fetch_metrics(url: str, s: LoadtestSettings) -> str:
-    headers = {"Authorization": f"Bearer {s.api_key.get_secret_value()}"} if s.api_key else {}
+def fetch_metrics(url: str, s: LoadtestSettings) -> str:
+    key = s.keys()[0]
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     context = ssl.create_default_context(cafile=s.tls_ca) if s.tls_ca else None
     request = urllib.request.Request(url, headers=headers)
     with urllib.request.urlopen(request, timeout=2, context=context) as reply:  # noqa: S310 (loopback, checked)
@@ -194,7 +232,7 @@ async def busy_counters(s: LoadtestSettings) -> tuple[float, float] | None:
     if not s.metrics_url:
         return None
     try:
-        text = await asyncio.to_thread(_fetch_metrics, s.metrics_url, s)
+        text = await asyncio.to_thread(fetch_metrics, s.metrics_url, s)
     except OSError as err:
         log.warning("metrics read failed: %s", err)
         return None
@@ -202,25 +240,32 @@ async def busy_counters(s: LoadtestSettings) -> tuple[float, float] | None:
     return None if busy is None or passes is None else (busy, passes)
 
 
+def server_sample(t_s: float, metrics_text: str) -> ServerSample:
+    return ServerSample(
+        t_s,
+        _metric(metrics_text, "specdec_kv_cache_bytes"),
+        _metric(metrics_text, "specdec_open_sessions"),
+        _metric(metrics_text, "process_resident_memory_bytes"),
+    )
+
+
 async def poll_metrics(url: str, clock: LoadClock, samples: list[ServerSample], every_s: float, s: LoadtestSettings) -> None:
     while True:
         try:
-            text = await asyncio.to_thread(_fetch_metrics, url, s)
-            samples.append(
-                ServerSample(clock.now(), _metric(text, "specdec_kv_cache_bytes"), _metric(text, "specdec_open_sessions"))
-            )
+            text = await asyncio.to_thread(fetch_metrics, url, s)
+            samples.append(server_sample(clock.now(), text))
         except OSError as err:
             log.debug("metrics poll failed: %s", err)
         await asyncio.sleep(every_s)
 
 
-def _check_targets(s: LoadtestSettings) -> None:
+def check_targets(s: LoadtestSettings) -> None:
     _check_loopback(s.cloud.rsplit(":", 1)[0], "--cloud")
     if s.metrics_url:
         _check_loopback(urlparse(s.metrics_url).hostname, "--metrics-url")
 
 
-def _connect(s: LoadtestSettings) -> VerifierClient:
+def _connect(s: LoadtestSettings, key: str | None) -> VerifierClient:
     """One client (one channel) per replayed session, like one edge each."""
     return VerifierClient(
         s.cloud,
@@ -228,7 +273,7 @@ def _connect(s: LoadtestSettings) -> VerifierClient:
         s.call_timeout,
         CapacityRetry(max_retries=s.capacity_retries),
         tls=ClientTls.from_files(s.tls_ca) if s.tls_ca else None,
-        api_key=s.api_key.get_secret_value() if s.api_key else None,
+        api_key=key,
     )
 
 
@@ -259,7 +304,7 @@ async def _serving(health: health_pb2_grpc.HealthStub) -> bool:
 
 async def run_capacity(s: LoadtestSettings) -> dict[str, Any]:
     """--find-capacity: one session per recorded trace (lengths under the caps), both modes."""
-    _check_targets(s)
+    check_targets(s)
     await wait_until_serving(s)
     traces = read_traces(Path(s.trace) if s.trace else SHIPPED_TRACES)
     if any(t.header.mode != "speculative" for t in traces):
@@ -270,17 +315,26 @@ async def run_capacity(s: LoadtestSettings) -> dict[str, Any]:
     search = CapacitySearch(
         s.slo_itl_p95_ms, s.slo_ttft_p95_ms, s.capacity_max_sessions, s.capacity_step_s, s.think_scale, s.slo_tpot_p95_ms
     )
-    result = await find_capacity(plans, search, lambda: _connect(s), lambda: busy_counters(s))
-    settings = s.model_dump(exclude={"api_key"}) | {"trace": s.trace or str(SHIPPED_TRACES)}
-    return result | {"settings": settings, "machine": machine()}
+    result = await find_capacity(plans, search, lambda: _connect(s, s.keys()[0]), lambda: busy_counters(s))
+    return result | {"settings": result_settings(s), "machine": machine()}
 
 
-async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
-    _check_targets(s)
-    plan = plan_sessions(s)
-    if not plan:
-        raise ConfigError("no session to replay within the given bounds")
-    await wait_until_serving(s)
+@dataclass
+class LoadRun:
+    """What one replayed load left: each session's outcome, every round and error (the clock),
+    the /metrics polls, and the wall time from the first arrival to the last session's end."""
+
+    outcomes: list[SessionOutcome]
+    clock: LoadClock
+    samples: list[ServerSample]
+    wall_s: float
+
+
+async def replay_load(s: LoadtestSettings, plan: list[PlannedSession]) -> LoadRun:
+    """Replay the planned sessions open-loop (sessions take the keys in turn); poll --metrics-url
+    meanwhile. A session still running drain_timeout after the last arrival is cancelled and
+    counted under LOADTEST_DRAIN_TIMEOUT."""
+    keys = s.keys()
     clock = LoadClock()
     samples: list[ServerSample] = []
     poller = asyncio.create_task(poll_metrics(s.metrics_url, clock, samples, s.bin_s / 2, s)) if s.metrics_url else None
@@ -289,7 +343,7 @@ async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
 
     async def one(session: PlannedSession) -> None:
         await asyncio.sleep(max(session.arrival_s - clock.now(), 0.0))
-        client = _connect(s)
+        client = _connect(s, keys[session.index % len(keys)])
         try:
             outcomes.append(await replay(session, client, clock, s.mode, s.think_scale))
         finally:
@@ -311,8 +365,22 @@ async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
     if poller is not None:
         poller.cancel()
     bar.close()
-    settings = s.model_dump(exclude={"api_key"}) | {"arrivals": s.arrivals(), "trace": s.trace or str(SHIPPED_TRACES)}
-    return summarize(sorted(outcomes, key=lambda o: o.index), clock, samples, wall_s, settings, len(plan), s.bin_s)
+    return LoadRun(sorted(outcomes, key=lambda o: o.index), clock, samples, wall_s)
+
+
+def result_settings(s: LoadtestSettings) -> dict[str, Any]:
+    """The settings a result records: never a key, and the trace folder and arrivals spelled out."""
+    return s.model_dump(exclude={"api_key"}) | {"arrivals": s.arrivals(), "trace": s.trace or str(SHIPPED_TRACES)}
+
+
+async def run_loadtest(s: LoadtestSettings) -> dict[str, Any]:
+    check_targets(s)
+    plan = plan_sessions(s)
+    if not plan:
+        raise ConfigError("no session to replay within the given bounds")
+    await wait_until_serving(s)
+    run = await replay_load(s, plan)
+    return summarize(run.outcomes, run.clock, run.samples, run.wall_s, result_settings(s), len(plan), s.bin_s)
 
 
 def parser() -> argparse.ArgumentParser:

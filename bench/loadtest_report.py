@@ -24,6 +24,7 @@ class ServerSample:
     t_s: float
     kv_cache_bytes: float | None
     open_sessions: float | None
+    rss_bytes: float | None = None  # the verifier process's resident memory (process_resident_memory_bytes)
 
 
 def percentiles(values: list[float], qs: tuple[int, ...] = (50, 95, 99)) -> dict[str, float | None]:

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from shared.protocol import VerifyResult
 
@@ -24,6 +32,7 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 class VerifierMetrics:
     def __init__(self, max_draft_tokens: int) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds: what a soak watches
         self.requests = Counter("specdec_requests", "RPCs by method and gRPC status code", ["method", "code"], registry=r)
         self.received_bytes = Counter("specdec_received_bytes", "serialized request bytes", ["method"], registry=r)
         self.sent_bytes = Counter("specdec_sent_bytes", "serialized response bytes", ["method"], registry=r)
