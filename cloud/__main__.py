@@ -20,6 +20,7 @@ from shared.hardware import choose_dtype, usable_cores
 from shared.models import TARGET_MODEL
 from shared.models.hub import describe as describe_model
 from shared.models.store import ensure_model, model_folder
+from shared.tokenizer_card import TokenizerCard
 
 log = logging.getLogger("cloud-verifier")
 
@@ -42,7 +43,14 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
     model = lm.load_model(path, dtype.name, str(device))
     # A name, not a path, reaches callers (OpenSession, /healthz, /v1/stats): the folder's name,
     # or `org/name@commit` for a Hub model, so the revision that ran is pinned.
-    return Verifier(TransformersEngine(model), describe_model(path), settings.limits(), dtype_reason=dtype.reason)
+    verifier = Verifier(
+        TransformersEngine(model),
+        describe_model(path),
+        settings.limits(),
+        dtype_reason=dtype.reason,
+        tokenizer=TokenizerCard.from_folder(path),
+    )
+    return _warmed(verifier)
 
 
 def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
@@ -58,7 +66,28 @@ def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
     threads = settings.threads or usable_cores()
     engine = LlamaCppEngine(gguf, threads=threads, batch_tokens=settings.max_batch_tokens)
     log_event(log, logging.INFO, f"llama.cpp on {gguf.name}, {threads} CPU threads", engine="llama.cpp", threads=threads)
-    return Verifier(engine, describe_model(folder), settings.limits(), dtype_reason="the GGUF's own types")
+    verifier = Verifier(
+        engine,
+        describe_model(folder),
+        settings.limits(),
+        dtype_reason="the GGUF's own types",
+        tokenizer=TokenizerCard.from_folder(folder),  # a tokenizer.json beside the GGUF, if any
+    )
+    return _warmed(verifier)
+
+
+def _warmed(verifier: Verifier) -> Verifier:
+    step_ms = verifier.warm_up()
+    card = verifier.card
+    log_event(
+        log,
+        logging.INFO,
+        f"{verifier.model_id}: {card.parameters / 1e9:.2f}B parameters, one decode step {step_ms:.1f} ms"
+        + ("" if card.tokenizer else "; no tokenizer.json beside it: clients cannot check their tokenizer against it"),
+        parameters=card.parameters,
+        decode_step_ms=round(step_ms, 3),
+    )
+    return verifier
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -64,6 +64,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         result = await self.state.worker.run(verifier.close_session, request.session_id, principal())
         return wire.close_result_to_pb(result)
 
+    async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
+        verifier, _ = self.state.verifier_for(new_session=False)
+        return wire.description_to_pb(verifier.card.describe(request.tokens_from, request.tokens_count))
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         req = wire.generate_request_from_pb(request)
         verifier, batcher = self.state.verifier_for(new_session=True)
@@ -114,6 +118,7 @@ def _add_verifier(servicer: VerifierServicer, server: grpc.aio.Server) -> None:
         "CloseSession": (pb.CloseSessionRequest, False),
         "Generate": (pb.GenerateRequest, True),
         "Decode": (pb.DecodeRequest, True),
+        "Describe": (pb.DescribeRequest, False),
     }
     handlers = {}
     for method, (request, streaming) in requests.items():

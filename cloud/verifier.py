@@ -18,6 +18,7 @@ import torch
 from cloud.batch_step import Batch, BatchStep, ForwardStep
 from cloud.engine import Engine, KVPlan, KVRequest
 from cloud.generate_stream import GenerateStream
+from cloud.model_card import ModelCard, measure_decode_step
 from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
@@ -33,6 +34,7 @@ from shared.protocol import (
     VerifyRequest,
     VerifyResult,
 )
+from shared.tokenizer_card import TokenizerCard
 
 R = TypeVar("R")
 
@@ -78,9 +80,11 @@ class Verifier:
         limits: VerifierLimits | None = None,
         dtype_reason: str = "",
         sampler: RejectionSampler | None = None,
+        tokenizer: TokenizerCard | None = None,
     ) -> None:
         self.engine = engine
         self.model_id = model_id
+        self.card = ModelCard(model_id, engine.parameters, engine.logits_width, tokenizer)  # what Describe answers
         self.dtype_reason = dtype_reason  # why the model runs in its dtype (`--dtype auto`), for /healthz
         limits = limits or VerifierLimits()
         self.kv_plan = engine.plan_kv(_kv_request(limits))
@@ -95,6 +99,12 @@ class Verifier:
     @property
     def forward_passes(self) -> int:
         return self.step.passes
+
+    def warm_up(self) -> float:
+        """Run the model's first (slow) passes before serving, and put what one decode step
+        costs in the card; returns that, in ms."""
+        self.card.decode_step_ms = measure_decode_step(self.engine)
+        return self.card.decode_step_ms
 
     # ---- sessions ---------------------------------------------------------------------
 

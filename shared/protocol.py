@@ -172,3 +172,27 @@ class DecodeChunk:
     finished: bool
     opened: OpenSessionResult | None = None  # the first chunk of a call that opened its session
     wire: WireBytes = WireBytes()  # set by the edge's client
+
+
+@dataclass(frozen=True)
+class SpecialToken:
+    id: int
+    content: str
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """Describe's answer: the served model, its tokenizer as block digests (shared/tokenizer_card.py)
+    and, when asked, one run of its tokens; the measured cost of one decode step."""
+
+    model_id: str
+    parameters: int  # 0 = unknown
+    logits_width: int
+    has_tokenizer: bool
+    tokenizer_size: int = 0
+    block_size: int = 0
+    block_digests: tuple[bytes, ...] = ()
+    special_tokens: tuple[SpecialToken, ...] = ()
+    chat_template_sha256: bytes = b""
+    decode_step_ms: float = 0.0  # 0 = not measured
+    tokens: tuple[str, ...] = ()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from shared import protocol
 from shared.errors import InvalidRequest
 from shared.pb import verifier_pb2 as pb
-from shared.protocol import AcceptMode, SamplingParams
+from shared.protocol import AcceptMode, SamplingParams, SpecialToken
 
 # Trailing-metadata key that carries the server's position on FAILED_PRECONDITION.
 SERVER_POSITION_KEY = "specdec-server-position"
@@ -243,3 +243,35 @@ def decode_chunk_to_pb(chunk: protocol.DecodeChunk) -> pb.DecodeChunk:
 def decode_chunk_from_pb(msg: pb.DecodeChunk) -> protocol.DecodeChunk:
     opened = open_result_from_pb(msg.opened) if msg.HasField("opened") else None
     return protocol.DecodeChunk(list(msg.tokens), msg.position, msg.forward_ms, msg.step_ms, msg.finished, opened)
+
+
+def description_to_pb(d: protocol.ModelDescription) -> pb.DescribeResponse:
+    return pb.DescribeResponse(
+        model_id=d.model_id,
+        parameters=d.parameters,
+        logits_width=d.logits_width,
+        has_tokenizer=d.has_tokenizer,
+        tokenizer_size=d.tokenizer_size,
+        vocab_block_size=d.block_size,
+        vocab_block_digests=list(d.block_digests),
+        special_tokens=[pb.SpecialToken(id=s.id, content=s.content) for s in d.special_tokens],
+        chat_template_sha256=d.chat_template_sha256,
+        decode_step_ms=d.decode_step_ms,
+        tokens=list(d.tokens),
+    )
+
+
+def description_from_pb(msg: pb.DescribeResponse) -> protocol.ModelDescription:
+    return protocol.ModelDescription(
+        model_id=msg.model_id,
+        parameters=msg.parameters,
+        logits_width=msg.logits_width,
+        has_tokenizer=msg.has_tokenizer,
+        tokenizer_size=msg.tokenizer_size,
+        block_size=msg.vocab_block_size,
+        block_digests=tuple(msg.vocab_block_digests),
+        special_tokens=tuple(SpecialToken(s.id, s.content) for s in msg.special_tokens),
+        chat_template_sha256=msg.chat_template_sha256,
+        decode_step_ms=msg.decode_step_ms,
+        tokens=tuple(msg.tokens),
+    )

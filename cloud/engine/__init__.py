@@ -49,6 +49,7 @@ class Engine(Protocol):
     name: EngineName
     logits_width: int  # rows of the output layer (may exceed the tokenizer's vocabulary)
     kv_bytes_per_token: int
+    parameters: int  # the model's parameter count, as a client's size check reads it
 
     def plan_kv(self, request: KVRequest) -> KVPlan:
         """Hold the KV for these limits (a pool, when the layout has one); called once, first."""

@@ -53,6 +53,7 @@ class LlamaCppEngine:
         llamacpp.free_with(self, llama, self.model)
         self.logits_width = llamacpp.logits_width(llama, self.model)
         self.kv_bytes_per_token = self._kv_bytes_per_token()
+        self.parameters = int(self.api.llama_model_n_params(self.model))
         self.threads, self.batch_tokens = threads, batch_tokens
         self.ctx: Any = None
         self.free_ids: list[int] = []

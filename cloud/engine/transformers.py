@@ -27,6 +27,7 @@ class TransformersEngine:
         self.model = model
         self.logits_width = lm.logits_width(model)
         self.kv_bytes_per_token = lm.kv_bytes_per_token(model)
+        self.parameters = sum(p.numel() for p in model.parameters())
         self.pool: SlotPool | None = None  # slots: allocated by plan_kv
 
     def plan_kv(self, request: KVRequest) -> KVPlan:

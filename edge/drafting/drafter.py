@@ -101,6 +101,7 @@ class DraftLM(Protocol):
 
     runtime: str  # "llama.cpp" | "transformers"
     logits_width: int  # the model's vocabulary rows (may exceed the tokenizer's)
+    parameters: int  # the model's parameter count (the pair check's size ratio)
 
     def new_cache(self, seed: int) -> DraftCache: ...  # seed: the runtime's own randomness (MC dropout)
 

@@ -30,6 +30,7 @@ class LlamaCppCache:
 
     def __init__(self, lm: LlamaCppDraftLM) -> None:
         api = lm.api
+        self.lm = lm  # the context uses the model's weights: the model must outlive it
         self.api, self.width, self.batch_size = api, lm.logits_width, lm.batch_size
         params = api.llama_context_default_params()
         params.n_ctx = lm.context_size
@@ -104,6 +105,7 @@ class LlamaCppDraftLM:
         self.model = llamacpp.load_model(self.api, self.path)
         llamacpp.free_with(self, self.api, self.model)
         self.logits_width = llamacpp.logits_width(self.api, self.model)
+        self.parameters = int(self.api.llama_model_n_params(self.model))
         self.threads = threads or usable_cores()  # affinity, capped by a container's CPU quota
         self.context_size, self.batch_size = context_size, batch_size
 

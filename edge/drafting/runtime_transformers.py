@@ -48,6 +48,7 @@ class TransformersDraftLM:
         self.model = model
         self.keep_hidden = keep_hidden  # MC dropout reads the last hidden state
         self.logits_width = lm.logits_width(model)
+        self.parameters = sum(p.numel() for p in model.parameters())
 
     @classmethod
     def load(cls, folder: str | Path, dtype: str, device: str, threads: int, keep_hidden: bool) -> TransformersDraftLM:

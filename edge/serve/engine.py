@@ -63,7 +63,7 @@ class LockedDraftLM:
 
     def __init__(self, inner: DraftLM) -> None:
         self.inner = inner
-        self.runtime, self.logits_width = inner.runtime, inner.logits_width
+        self.runtime, self.logits_width, self.parameters = inner.runtime, inner.logits_width, inner.parameters
         self.context_size: int | None = getattr(inner, "context_size", None)  # llama.cpp: tokens per session
         self.lock = threading.Lock()
 

@@ -46,6 +46,7 @@ from shared.protocol import (
     DecodeRequest,
     GenerateChunk,
     GenerateRequest,
+    ModelDescription,
     OpenSessionRequest,
     OpenSessionResult,
     VerifyRequest,
@@ -290,6 +291,20 @@ class VerifierClient:
         finally:
             self.replicas.closed(session_key)
         return replace(wire.close_result_from_pb(reply), wire=call.wire())
+
+    async def describe(self, tokens_from: int = 0, tokens_count: int = 0) -> ModelDescription | None:
+        """The verifier's model description (and the tokens asked for); None from a verifier
+        too old to have Describe."""
+        msg = pb.DescribeRequest(tokens_from=tokens_from, tokens_count=tokens_count)
+        try:
+            reply: pb.DescribeResponse = await self._unary(
+                lambda stub: stub.Describe, msg, _CallBytes(), timeout_s=self.open_timeout_s, session_key=None
+            )
+        except SpecDecError as err:
+            if str(err).startswith("UNIMPLEMENTED"):
+                return None
+            raise
+        return wire.description_from_pb(reply)
 
     async def generate(self, req: GenerateRequest, session_key: str | None = None) -> AsyncIterator[GenerateChunk]:
         """Not resent on RESOURCE_EXHAUSTED: a stream may have yielded tokens already. Each

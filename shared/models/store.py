@@ -24,7 +24,8 @@ complete, so an interrupted run never leaves a folder that looks finished.
 Command line (``specedge-models``, or ``python -m shared.models.store``): ``fetch [NAME ...]``
 fetches packaged models by name and models by Hub id (``org/name[@revision]``) and prints each
 folder; ``list`` shows the packaged models, fetched or not, and the models in the Hugging Face
-cache, one line each.
+cache, one line each; ``gguf MODEL [--type f16|q8_0|q4_k_m]`` makes a GGUF of a draft model for
+the edge's llama.cpp drafter (shared/models/make_gguf.py) and prints its path.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -52,6 +53,7 @@ from shared.errors import SpecDecError
 from shared.models import default_cache_dir, hub
 from shared.models.catalog import PACKAGED_MODELS, ModelFetchError, PackagedModel, get_model, log_progress
 from shared.models.fetch import fetch_parts, join_parts
+from shared.models.make_gguf import make_gguf
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 2  # 2: the draft's GGUF is kept beside the HF weights
@@ -270,7 +272,16 @@ class FetchSettings(ModelsSettings):
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {**ModelsSettings.help_groups, "what to keep": ("keep_gguf",)}
 
 
-SUBCOMMANDS: dict[str, type[ModelsSettings]] = {"fetch": FetchSettings, "list": ModelsSettings}
+class GgufSettings(ModelsSettings):
+    type: Literal["f16", "q8_0", "q4_k_m"] = Field(
+        "q8_0", description="the GGUF's weights: f16 (exact to the checkpoint), q8_0 or q4_k_m (smaller, faster on a laptop)"
+    )
+    replace: bool = Field(False, description="make the file again even when it exists")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {**ModelsSettings.help_groups, "the GGUF": ("type", "replace")}
+
+
+SUBCOMMANDS: dict[str, type[ModelsSettings]] = {"fetch": FetchSettings, "list": ModelsSettings, "gguf": GgufSettings}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -289,6 +300,11 @@ def parser() -> argparse.ArgumentParser:
     add_settings_flags(fetch, FetchSettings)
     listing = commands.add_parser("list", help="the packaged models, fetched or not, and the models in the Hugging Face cache")
     add_settings_flags(listing, ModelsSettings)
+    gguf = commands.add_parser(
+        "gguf", help="make a GGUF of a draft model for the edge's llama.cpp drafter (llama.cpp's converter), print its path"
+    )
+    gguf.add_argument("model", metavar="MODEL", help="a model folder, a packaged model's name or a Hub id org/name[@revision]")
+    add_settings_flags(gguf, GgufSettings)
     return made
 
 
@@ -342,6 +358,14 @@ def list_models(settings: ModelsSettings) -> int:
     return 0
 
 
+def gguf_of_model(model: str, settings: GgufSettings) -> int:
+    """Make (or find) the GGUF of `model` beside its weights and print its path."""
+    folder = Path(model_folder(model, default=model))
+    made = make_gguf(folder, settings.type, settings.cache_dir or default_cache_dir(), replace=settings.replace)
+    sys.stdout.write(f"{made}\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; any failure is one readable line on stderr and exit code 1."""
     args = parser().parse_args(argv)
@@ -350,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             return list_models(settings_from_args(ModelsSettings, args))
         try:
+            if args.command == "gguf":
+                return gguf_of_model(args.model, settings_from_args(GgufSettings, args))
             return fetch_models(args.names, settings_from_args(FetchSettings, args))
         except (SpecDecError, OSError, ValueError):
             raise

@@ -60,6 +60,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.DecodeChunk.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/specdec.v1.Verifier/Describe',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.DescribeResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -108,6 +113,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """What this verifier serves, for a client's checks before its first session: the model, its
+        size, its tokenizer as digests of blocks of tokens (and one block's tokens on request), and
+        what one decode step costs. Added in v1 beside the other calls; it touches no session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +149,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.DecodeChunk.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.DescribeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +291,33 @@ class Verifier:
             '/specdec.v1.Verifier/Decode',
             specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Verifier/Describe',
+            specdec_dot_v1_dot_verifier__pb2.DescribeRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

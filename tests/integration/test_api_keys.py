@@ -62,12 +62,13 @@ def _get(port: int, path: str, key: str | None = None) -> tuple[int, dict[str, s
 
 
 async def _each_rpc(verifier: Any, session_id: str, key: str | None) -> list[grpc.aio.AioRpcError]:
-    """OpenSession, Verify, CloseSession and Generate with `key`; the errors they raised."""
+    """OpenSession, Verify, CloseSession, Describe and Generate with `key`; the errors they raised."""
     metadata = _metadata(key)
     calls = [
         verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=metadata),
         verifier.Verify(pb.VerifyRequest(session_id=session_id, base_position=len(PROMPT), draft_tokens=[4]), metadata=metadata),
         verifier.CloseSession(pb.CloseSessionRequest(session_id=session_id), metadata=metadata),
+        verifier.Describe(pb.DescribeRequest(tokens_count=4), metadata=metadata),
     ]
     errors = []
     for call in calls:
@@ -92,7 +93,7 @@ def test_every_rpc_needs_a_known_key_and_never_echoes_it(
             opened = await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=_metadata(PLAIN_KEY))
             for key in (None, WRONG_KEY):
                 errors = await _each_rpc(verifier, opened.session_id, key)
-                assert [e.code() for e in errors] == [grpc.StatusCode.UNAUTHENTICATED] * 4
+                assert [e.code() for e in errors] == [grpc.StatusCode.UNAUTHENTICATED] * 5
                 assert all(e.details() and WRONG_KEY not in e.details() for e in errors)
             # The session the refused calls named is untouched: a round with the key goes on from the prompt.
             reply = await verifier.Verify(
@@ -124,7 +125,7 @@ def test_every_rpc_needs_a_known_key_and_never_echoes_it(
 
     exposition = asyncio.run(run())
     samples = metric_samples(exposition)
-    for method in ("OpenSession", "Verify", "CloseSession", "Generate"):
+    for method in ("OpenSession", "Verify", "CloseSession", "Describe", "Generate"):
         refused = samples[("specdec_requests_total", frozenset({("method", method), ("code", "UNAUTHENTICATED")}))]
         assert refused >= 2
     events = [r.fields for r in caplog.records if "method" in getattr(r, "fields", {})]  # type: ignore[attr-defined]

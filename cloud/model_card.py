@@ -1,0 +1,78 @@
+"""What Describe answers about the model a verifier serves: its name and size, its tokenizer as
+block digests (shared/tokenizer_card.py) with one run of tokens on request, and the cost of one
+decode step, measured once at load. A client checks its draft against it before its first
+session (edge/pair_check.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from cloud.engine import Engine
+from shared.errors import InvalidRequest
+from shared.protocol import ModelDescription
+from shared.tokenizer_card import BLOCK, TokenizerCard
+
+WARMUP_TOKENS = 8
+TIMED_STEPS = 3
+
+
+class ModelCard:
+    def __init__(
+        self,
+        model_id: str,
+        parameters: int,
+        logits_width: int,
+        tokenizer: TokenizerCard | None = None,
+        decode_step_ms: float = 0.0,
+    ) -> None:
+        self.model_id, self.parameters, self.logits_width = model_id, parameters, logits_width
+        self.tokenizer, self.decode_step_ms = tokenizer, decode_step_ms
+        self._digests = tokenizer.digests() if tokenizer else []  # computed once: a call only reads them
+
+    def describe(self, tokens_from: int = 0, tokens_count: int = 0) -> ModelDescription:
+        """The description; with tokens_count, the tokens [tokens_from, tokens_from + count) too."""
+        tokens = self._tokens(tokens_from, tokens_count)
+        t = self.tokenizer
+        return ModelDescription(
+            model_id=self.model_id,
+            parameters=self.parameters,
+            logits_width=self.logits_width,
+            has_tokenizer=t is not None,
+            tokenizer_size=len(t.tokens) if t else 0,
+            block_size=BLOCK if t else 0,
+            block_digests=tuple(self._digests),
+            special_tokens=t.specials if t else (),
+            chat_template_sha256=t.template_digest() if t else b"",
+            decode_step_ms=round(self.decode_step_ms, 3),
+            tokens=tokens,
+        )
+
+    def _tokens(self, start: int, count: int) -> tuple[str, ...]:
+        if count == 0:
+            return ()
+        if self.tokenizer is None:
+            raise InvalidRequest("this verifier has no tokenizer to list (it serves token ids only)")
+        size = len(self.tokenizer.tokens)
+        if count > BLOCK:
+            raise InvalidRequest(f"tokens_count is at most {BLOCK}")
+        if start >= size:
+            raise InvalidRequest(f"tokens_from must be below the tokenizer's size {size}")
+        return self.tokenizer.tokens[start : start + count]
+
+
+def measure_decode_step(engine: Engine) -> float:
+    """Milliseconds of one decode step of one session on this engine: a short prefill, then the
+    median of a few single-token steps (the first passes of a model are slower: this warms it
+    too). Runs on the engine directly, before the verifier serves, and frees its KV."""
+    kv = engine.new_kv()
+    try:
+        engine.forward([kv], [[0] * WARMUP_TOKENS], [1])
+        times = []
+        for _ in range(TIMED_STEPS):
+            start = time.perf_counter()
+            engine.forward([kv], [[0]], [1])
+            times.append((time.perf_counter() - start) * 1000.0)
+        return statistics.median(times)
+    finally:
+        engine.free(kv)
