@@ -13,9 +13,10 @@ bytes and open sessions.
 
 It reports, start against end: RSS and KV at idle before and after the load; Verify latency p95
 in the load's first and last --window-s; errors by status code, split into documented refusals
-(RESOURCE_EXHAUSTED: a cap or admission said no, with a retry hint) and anything else. Exit
-status 0 when every check held (KV back to its idle value, RSS within --rss-slack of it, p95 of
-the last window within --p95-slack of the first, no error but refusals), 3 when one did not,
+(RESOURCE_EXHAUSTED: a cap or admission said no, with a retry hint; NOT_FOUND for as many
+sessions as the verifier says it evicted) and anything else. Exit status 0 when every check held
+(KV back to its idle value, RSS within --rss-slack of it, p95 of the last window within
+--p95-slack of the first, no error but documented ones), 3 when one did not,
 1 when the soak could not run. A benchmark, not a test: it takes as long as --duration says.
 """
 
@@ -56,6 +57,7 @@ from shared.errors import ConfigError
 
 log = logging.getLogger("soak")
 REFUSALS = frozenset({"RESOURCE_EXHAUSTED"})  # documented: a cap or admission refused, with a retry hint
+EVICTED = "NOT_FOUND"  # documented too when the verifier evicted that many sessions (a cap, a key's own sessions)
 CHECKS_FAILED = 3
 
 
@@ -144,7 +146,7 @@ def verdict(
         "kv_back_to_idle": after["kv_cache_bytes"] == before["kv_cache_bytes"],
         "rss_back_to_idle": None if rss0 is None or rss1 is None else rss1 <= rss0 * (1 + s.rss_slack),
         "p95_stable": None if p0 is None or p1 is None else p1 <= p0 * (1 + s.p95_slack),
-        "only_refusals": not other_errors,
+        "only_documented_errors": not other_errors,
     }
 
 
@@ -168,9 +170,21 @@ async def soak(s: SoakSettings) -> dict[str, Any]:
         run = await replay_load(inner, poisson_plan(traces, s.rate or 0.0, 1.0, s.caps(), s.seed))
         load_end = load_start + run.wall_s
         after = await watch.idle_value()
+        evicted = await asyncio.to_thread(evictions, s)
     finally:
         poller.cancel()
-    return _result(s, run, watch.samples, load_start, load_end, before, after)
+    return _result(s, run, watch.samples, load_start, load_end, before, after, evicted)
+
+
+def evictions(s: SoakSettings) -> dict[str, float]:
+    """specdec_evicted_sessions_total by reason, as the verifier counts them now."""
+    assert s.metrics_url is not None
+    found = {}
+    for line in fetch_metrics(s.metrics_url, s).splitlines():
+        if line.startswith("specdec_evicted_sessions_total{"):
+            labels, value = line.rsplit(" ", 1)
+            found[labels.split('reason="', 1)[1].split('"', 1)[0]] = float(value)
+    return found
 
 
 def _result(
@@ -181,12 +195,13 @@ def _result(
     load_end: float,
     before: dict[str, Any],
     after: dict[str, Any],
+    evicted: dict[str, float],
 ) -> dict[str, Any]:
     arrivals_end = min(s.duration or run.wall_s, run.wall_s)
     first = window_p95(run, 0.0, min(s.window_s, arrivals_end))
     last = window_p95(run, max(arrivals_end - s.window_s, 0.0), arrivals_end)
     errors = dict(sorted(run.clock.errors_by_code.items()))
-    other = {code: n for code, n in errors.items() if code not in REFUSALS}
+    other = unexplained(errors, evicted)
     done = [o for o in run.outcomes if o.error is None]
     compared = [o for o in run.outcomes if o.output_equal is not None]
     return {
@@ -204,12 +219,22 @@ def _result(
         "verify_latency_first_window_ms": first,
         "verify_latency_last_window_ms": last,
         "errors_by_code": errors,
+        "evicted_sessions_by_reason": evicted,
         "errors_other_than_refusals": other,
         "checks": verdict(s, before, after, first, last, other),
         "server_samples": [asdict(x) | {"phase": _phase(x.t_s, load_start, load_end)} for x in samples],
         "settings": result_settings(s),
         "machine": machine(),
     }
+
+
+def unexplained(errors: dict[str, int], evicted: dict[str, float]) -> dict[str, int]:
+    """Errors beyond the documented ones: refusals, and a NOT_FOUND for each session the
+    verifier says it evicted (a cap made room; the client reopens)."""
+    other = {code: n for code, n in errors.items() if code not in REFUSALS}
+    if EVICTED in other:
+        other[EVICTED] -= min(other[EVICTED], int(sum(evicted.values())))
+    return {code: n for code, n in other.items() if n}
 
 
 def _phase(t_s: float, load_start: float, load_end: float) -> str:
@@ -241,8 +266,9 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             f"Sessions: {load['sessions_completed']} completed of {load['sessions_started']}; {load['rounds']} rounds; "
             f"outputs equal to the recording: {load['outputs_equal_to_recording']}.",
-            f"Errors by code: {result['errors_by_code'] or 'none'}; other than refusals: "
-            f"{result['errors_other_than_refusals'] or 'none'}.",
+            f"Errors by code: {result['errors_by_code'] or 'none'}; sessions the verifier evicted, by reason: "
+            f"{result['evicted_sessions_by_reason'] or 'none'}; errors other than refusals and NOT_FOUND after "
+            f"evictions: {result['errors_other_than_refusals'] or 'none'}.",
             f"Checks: {checks}.",
             "",
         ]

@@ -22,6 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from cloud.sessions import EVICTION_REASONS
 from shared.protocol import VerifyResult
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -100,6 +101,8 @@ class VerifierMetrics:
             ["reason"],
             registry=r,
         )
+        for reason in EVICTION_REASONS:  # every reason's series exists from the start, at 0
+            self.evicted_sessions.labels(reason)
         self._evictions_seen: dict[str, int] = {}
 
     def record_refusal(self, code: str, key: str) -> None:

@@ -14,6 +14,7 @@ import grpc
 from cloud.auth import ApiKeys
 from cloud.config import VerifierSettings
 from cloud.grpc_server import start_server
+from cloud.heap import trim_when_idle
 from cloud.http import HttpServer, create_app, start_http
 from cloud.logs import log_event
 from cloud.state import ServerState
@@ -104,8 +105,10 @@ async def _until_stopped(loading: asyncio.Task[None]) -> None:
 async def serve(settings: VerifierSettings, load: Loader) -> None:
     servers = await start_servers(settings)
     loading = asyncio.create_task(load_model(servers, settings, load))
+    trimming = asyncio.create_task(trim_when_idle(servers.state))
     try:
         await _until_stopped(loading)
     finally:
+        trimming.cancel()
         loading.cancel()  # a load still running finishes on its thread; the process waits for it
         await shutdown(servers, settings.drain_grace_s)

@@ -33,6 +33,11 @@ def session_tag(session_id: str) -> str:
     return hashlib.sha256(session_id.encode()).hexdigest()[:8]
 
 
+# Why the store drops a session: idle past the TTL; the global session or KV cap (only the key
+# that needed the room loses one); a key's own KV cap.
+EVICTION_REASONS = ("ttl", "session_cap", "kv_cap", "key_kv_cap")
+
+
 @dataclass
 class Session:
     session_id: str

@@ -64,6 +64,12 @@ class VerifierProcess:
         except OSError:
             return 0.0
 
+    def evictions(self) -> dict[str, float]:
+        """specdec_evicted_sessions_total by reason, as this process counted them."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as reply:
+            samples = metric_samples(reply.read().decode())
+        return {dict(labels)["reason"]: n for (name, labels), n in samples.items() if name == "specdec_evicted_sessions_total"}
+
     def _metric(self, name: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as reply:
             return metric_samples(reply.read().decode()).get((name, frozenset()), 0.0)
@@ -220,7 +226,8 @@ def _crash_repeatedly(first: VerifierProcess, target: Path, busy: Any) -> Verifi
 def test_several_edges_ride_out_five_crashes(models: tuple[Path, Path], tmp_path: Path) -> None:
     """Three edge-agent batches at once against a verifier SIGKILLed five times and restarted on
     the same port each time: every prompt finishes, each output equals cloud_only's token for
-    token (none repeated or lost), and the verifier's logs count the sessions it evicted."""
+    token (none repeated or lost), every crash costs a reopen, and the last verifier evicted no
+    session (by TTL or any cap): lost sessions come back by reopening."""
     draft, target = models
     prompts = _write_prompts(tmp_path / "prompts.jsonl", [f"w{i} w{i + 13} w{i + 26} w{i + 39}" for i in range(3)])
     outputs = [tmp_path / f"edge{i}.jsonl" for i in range(3)]
@@ -244,10 +251,13 @@ def test_several_edges_ride_out_five_crashes(models: tuple[Path, Path], tmp_path
                     timeout=300,
                 )
                 assert done.returncode == 0, done.stderr
+                evicted = last.evictions()
         finally:
             for edge in edges:
                 if edge.poll() is None:
                     edge.kill()
+    # A crash loses sessions; the edges reopen them. No cap or TTL evicted one on the way.
+    assert set(evicted) == {"ttl", "session_cap", "kv_cap", "key_kv_cap"} and sum(evicted.values()) == 0, evicted
     cloud = _records(reference)
     reopens = 0
     for out in outputs:
