@@ -30,8 +30,9 @@ class ModelCard:
         self.tokenizer, self.decode_step_ms = tokenizer, decode_step_ms
         self._digests = tokenizer.digests() if tokenizer else []  # computed once: a call only reads them
 
-    def describe(self, tokens_from: int = 0, tokens_count: int = 0) -> ModelDescription:
-        """The description; with tokens_count, the tokens [tokens_from, tokens_from + count) too."""
+    def describe(self, tokens_from: int = 0, tokens_count: int = 0, chat_template: bool = False) -> ModelDescription:
+        """The description; with tokens_count, the tokens [tokens_from, tokens_from + count) too;
+        with chat_template, the template's text."""
         tokens = self._tokens(tokens_from, tokens_count)
         t = self.tokenizer
         return ModelDescription(
@@ -46,6 +47,7 @@ class ModelCard:
             chat_template_sha256=t.template_digest() if t else b"",
             decode_step_ms=round(self.decode_step_ms, 3),
             tokens=tokens,
+            chat_template=(t.chat_template or "") if t and chat_template else "",
         )
 
     def _tokens(self, start: int, count: int) -> tuple[str, ...]:

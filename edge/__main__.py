@@ -29,7 +29,7 @@ from edge.config import EdgeSettings
 from edge.context import EdgeContext, cloud_address, load_edge, verifier_client
 from edge.display import StepPrinter, TextStream, format_stats
 from edge.metrics import EdgeMetrics
-from edge.pair_check import check_pair
+from edge.pair_check import apply_pair_check, check_pair
 from edge.prompts import Prompt, encode_prompt, read_prompts
 from edge.round.generate import (
     GenerationConfig,
@@ -230,8 +230,8 @@ async def run_agent(settings: EdgeSettings) -> int:
     async with cloud_address(settings) as address:
         client = verifier_client(settings, address) if address else None
         try:
-            if client and (line := await check_pair(ctx, client)):
-                log.info("%s", line)
+            if client:
+                apply_pair_check(ctx, await check_pair(ctx, client))
             return await (answer_prompts(ctx, client) if settings.prompts else run_single(ctx, client))
         finally:
             if client:

@@ -3,8 +3,9 @@
 The edge tokenizes for the target, so both must share one tokenizer: the same token at every id
 and the same special tokens. The verifier's Describe sends its tokenizer as block digests; the
 edge compares them with its own, fetches the first block that differs and names the first id
-whose token differs, in one line. Different chat templates are a warning (the edge renders the
-prompt with its own). Then one startup line: the two models, their size ratio and the measured
+whose token differs, in one line. When the chat templates differ (a base draft beside an
+instruct target, or two releases of one family), the edge renders prompts with the target's:
+the target writes the answer. Then one startup line: the two models, their size ratio and the measured
 c, a draft token's time over one target decode step, with a hint when c is too high for
 speculation to pay.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 
 from edge.context import EdgeContext
 from edge.drafting.drafter import DraftLM
@@ -31,30 +33,44 @@ WARMUP_TOKENS = 8
 TIMED_STEPS = 3
 
 
-async def check_pair(ctx: EdgeContext, client: VerifierClient) -> str | None:
-    """Raise ConfigError (one line) when the tokenizers differ; log a warning when the chat
-    templates do; return the startup line (None from a verifier that cannot describe itself)."""
+@dataclass(frozen=True)
+class PairCheck:
+    line: str | None  # the startup line (None: the verifier could not describe its model)
+    chat_template: str | None = None  # the target's, when it differs from the draft's: render with it
+
+
+async def check_pair(ctx: EdgeContext, client: VerifierClient) -> PairCheck:
+    """Raise ConfigError (one line) when the tokenizers differ. When the chat templates differ,
+    the target's is the one to render prompts with (the target generates the answer)."""
     try:
         target = await client.describe()
     except CloudUnavailable as err:  # the sessions' own retries deal with an absent verifier
         log.warning("the verifier could not be asked about its model (%s): tokenizers not compared", err)
-        return None
+        return PairCheck(None)
     if target is None:
         log.info("the verifier does not describe its model (an older version): tokenizers not compared")
-        return None
-    draft = TokenizerCard.of(ctx.tokenizer.backend, ctx.tokenizer.chat_template)
-    if target.has_tokenizer:
-        await _same_tokens(draft, target, client, ctx.draft_name)
-        if (difference := special_difference(draft.specials, target.special_tokens)) is not None:
-            raise ConfigError(f"the draft's tokenizer is not the target's: {difference} ({ctx.draft_name} / {target.model_id})")
-        if target.chat_template_sha256 and draft.template_digest() != target.chat_template_sha256:
-            log.warning(
-                "the draft's chat template differs from the target's: prompts are rendered with the draft's "
-                "(give --no-chat and render them yourself if the target's is the one to use)"
-            )
-    else:
+        return PairCheck(None)
+    if not target.has_tokenizer:
         log.info("the verifier's model has no tokenizer.json beside it: tokenizers not compared")
-    return pair_line(ctx, target)
+        return PairCheck(pair_line(ctx, target))
+    draft = TokenizerCard.of(ctx.tokenizer.backend, ctx.tokenizer.chat_template)
+    await _same_tokens(draft, target, client, ctx.draft_name)
+    if (difference := special_difference(draft.specials, target.special_tokens)) is not None:
+        raise ConfigError(f"the draft's tokenizer is not the target's: {difference} ({ctx.draft_name} / {target.model_id})")
+    template = None
+    if target.chat_template_sha256 and draft.template_digest() != target.chat_template_sha256:
+        described = await client.describe(chat_template=True)
+        template = described.chat_template if described else None
+        log.info("the draft's chat template differs from the target's: prompts are rendered with the target's")
+    return PairCheck(pair_line(ctx, target), template or None)
+
+
+def apply_pair_check(ctx: EdgeContext, check: PairCheck) -> None:
+    """Log the startup line; render prompts with the target's chat template when it differs."""
+    if check.line:
+        log.info("%s", check.line)
+    if check.chat_template is not None:
+        ctx.tokenizer.use_chat_template(check.chat_template)
 
 
 async def _same_tokens(draft: TokenizerCard, target: ModelDescription, client: VerifierClient, draft_name: str) -> None:

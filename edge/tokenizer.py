@@ -93,6 +93,10 @@ class EdgeTokenizer:
         generation = _read_json(path / "generation_config.json").get("eos_token_id")
         self.generation_eos: list[int] = [generation] if isinstance(generation, int) else list(generation or [])
 
+    def use_chat_template(self, template: str) -> None:
+        """Render prompts with `template` from now on (the target's, when the draft's differs)."""
+        self.chat_template = template
+
     def _id(self, token: str | None) -> int | None:
         return self.backend.token_to_id(token) if token is not None else None
 

@@ -196,3 +196,4 @@ class ModelDescription:
     chat_template_sha256: bytes = b""
     decode_step_ms: float = 0.0  # 0 = not measured
     tokens: tuple[str, ...] = ()
+    chat_template: str = ""  # when asked for

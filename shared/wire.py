@@ -258,6 +258,7 @@ def description_to_pb(d: protocol.ModelDescription) -> pb.DescribeResponse:
         chat_template_sha256=d.chat_template_sha256,
         decode_step_ms=d.decode_step_ms,
         tokens=list(d.tokens),
+        chat_template=d.chat_template,
     )
 
 
@@ -274,4 +275,5 @@ def description_from_pb(msg: pb.DescribeResponse) -> protocol.ModelDescription:
         chat_template_sha256=msg.chat_template_sha256,
         decode_step_ms=msg.decode_step_ms,
         tokens=tuple(msg.tokens),
+        chat_template=msg.chat_template,
     )

@@ -95,7 +95,7 @@ async def _serve_http(app: Any, options: ServeSettings) -> None:
 
 
 async def serve(edge: EdgeSettings, options: ServeSettings) -> None:
-    from edge.pair_check import check_pair
+    from edge.pair_check import apply_pair_check, check_pair
     from edge.serve.app import ServeInfo, create_app
     from edge.serve.engine import Engine
 
@@ -108,8 +108,7 @@ async def serve(edge: EdgeSettings, options: ServeSettings) -> None:
         engine = Engine(ctx, address)
         key = options.serve_api_key.get_secret_value() if options.serve_api_key else None
         try:
-            if line := await check_pair(ctx, engine.client):
-                log.info("%s", line)
+            apply_pair_check(ctx, await check_pair(ctx, engine.client))
             await _serve_http(create_app(engine, ServeInfo(options.model_name(edge), key, address)), options)
         finally:
             await engine.close()

@@ -292,10 +292,10 @@ class VerifierClient:
             self.replicas.closed(session_key)
         return replace(wire.close_result_from_pb(reply), wire=call.wire())
 
-    async def describe(self, tokens_from: int = 0, tokens_count: int = 0) -> ModelDescription | None:
-        """The verifier's model description (and the tokens asked for); None from a verifier
-        too old to have Describe."""
-        msg = pb.DescribeRequest(tokens_from=tokens_from, tokens_count=tokens_count)
+    async def describe(self, tokens_from: int = 0, tokens_count: int = 0, chat_template: bool = False) -> ModelDescription | None:
+        """The verifier's model description (and the tokens or chat template asked for); None
+        from a verifier too old to have Describe."""
+        msg = pb.DescribeRequest(tokens_from=tokens_from, tokens_count=tokens_count, chat_template=chat_template)
         try:
             reply: pb.DescribeResponse = await self._unary(
                 lambda stub: stub.Describe, msg, _CallBytes(), timeout_s=self.open_timeout_s, session_key=None

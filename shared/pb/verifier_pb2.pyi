@@ -208,12 +208,14 @@ class DecodeChunk(_message.Message):
     def __init__(self, opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., forward_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ("tokens_from", "tokens_count")
+    __slots__ = ("tokens_from", "tokens_count", "chat_template")
     TOKENS_FROM_FIELD_NUMBER: _ClassVar[int]
     TOKENS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     tokens_from: int
     tokens_count: int
-    def __init__(self, tokens_from: _Optional[int] = ..., tokens_count: _Optional[int] = ...) -> None: ...
+    chat_template: bool
+    def __init__(self, tokens_from: _Optional[int] = ..., tokens_count: _Optional[int] = ..., chat_template: _Optional[bool] = ...) -> None: ...
 
 class SpecialToken(_message.Message):
     __slots__ = ("id", "content")
@@ -224,7 +226,7 @@ class SpecialToken(_message.Message):
     def __init__(self, id: _Optional[int] = ..., content: _Optional[str] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_id", "parameters", "logits_width", "has_tokenizer", "tokenizer_size", "vocab_block_size", "vocab_block_digests", "special_tokens", "chat_template_sha256", "decode_step_ms", "tokens")
+    __slots__ = ("model_id", "parameters", "logits_width", "has_tokenizer", "tokenizer_size", "vocab_block_size", "vocab_block_digests", "special_tokens", "chat_template_sha256", "decode_step_ms", "tokens", "chat_template")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +238,7 @@ class DescribeResponse(_message.Message):
     CHAT_TEMPLATE_SHA256_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     parameters: int
     logits_width: int
@@ -247,4 +250,5 @@ class DescribeResponse(_message.Message):
     chat_template_sha256: bytes
     decode_step_ms: float
     tokens: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., parameters: _Optional[int] = ..., logits_width: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., tokenizer_size: _Optional[int] = ..., vocab_block_size: _Optional[int] = ..., vocab_block_digests: _Optional[_Iterable[bytes]] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., chat_template_sha256: _Optional[bytes] = ..., decode_step_ms: _Optional[float] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+    chat_template: str
+    def __init__(self, model_id: _Optional[str] = ..., parameters: _Optional[int] = ..., logits_width: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., tokenizer_size: _Optional[int] = ..., vocab_block_size: _Optional[int] = ..., vocab_block_digests: _Optional[_Iterable[bytes]] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., chat_template_sha256: _Optional[bytes] = ..., decode_step_ms: _Optional[float] = ..., tokens: _Optional[_Iterable[str]] = ..., chat_template: _Optional[str] = ...) -> None: ...

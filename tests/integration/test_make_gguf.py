@@ -25,7 +25,10 @@ from shared.models import DRAFT_MODEL
 from tests.serve_procs import edge_command
 from tests.tiny_models import save_convertible_pair
 
-REAL_LOGITS_ATOL = 0.5  # set from a measurement on the real 0.5B: see the test
+# The real 0.5B in llama.cpp (f16 weights, f16 KV) against transformers fp32 on the same bf16
+# checkpoint, 24 layers deep: at most 0.040 on logits of magnitude ~15-25 over a 16-step greedy
+# continuation (2026-11-25, avx512_bf16 box); the tiny model's 3e-3 is for 2 layers of width 32.
+REAL_LOGITS_ATOL = 0.1
 
 
 def _gguf(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -1,7 +1,8 @@
 """The pair check before the first session, against a real cloud-verifier: a matching pair
 prints the startup line (models, size ratio, measured c); a draft whose tokenizer differs at one
-id, or in one special token, stops the edge with one line naming it; a different chat template
-is a warning; Describe refuses a bad token range with INVALID_ARGUMENT."""
+id, or in one special token, stops the edge with one line naming it; a draft whose chat template
+differs renders prompts with the target's; Describe refuses a bad token range with
+INVALID_ARGUMENT and sends its template when asked."""
 
 from __future__ import annotations
 
@@ -92,15 +93,29 @@ def test_a_special_token_that_differs_is_one_line(verifier: str, pair: tuple[Pat
     )
 
 
-def test_a_different_chat_template_is_a_warning(verifier: str, pair: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_different_chat_template_gives_way_to_the_targets(verifier: str, pair: tuple[Path, Path], tmp_path: Path) -> None:
     draft = _copy(pair[0], tmp_path / "templated")
-    for name in ("chat_template.jinja",):
-        (draft / name).unlink(missing_ok=True)
+    (draft / "chat_template.jinja").unlink(missing_ok=True)
     config = json.loads((draft / "tokenizer_config.json").read_text())
     (draft / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": "w5 {{ messages[0]['content'] }}"}))
-    done = _edge(verifier, draft)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "the draft's chat template differs from the target's" in done.stderr
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p0", "prompt": "w7 w8"}) + "\n")
+    outputs = {}
+    for name, folder in (("same", pair[0]), ("other", draft)):
+        out = tmp_path / f"{name}.jsonl"
+        flags = ["--cloud", verifier, "--draft-model", str(folder), "--draft-runtime", "transformers", "--mode", "cloud_only"]
+        done = subprocess.run(
+            edge_command(*flags, "--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "8"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=ENV,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[name] = (json.loads(out.read_text())["token_ids"], done.stderr)
+    assert "prompts are rendered with the target's" in outputs["other"][1]
+    assert "chat template differs" not in outputs["same"][1]
+    assert outputs["other"][0] == outputs["same"][0]  # the same prompt ids: the target's template rendered it
 
 
 def test_describe_lists_a_block_of_tokens_and_refuses_a_bad_range(verifier: str) -> None:
@@ -110,7 +125,8 @@ def test_describe_lists_a_block_of_tokens_and_refuses_a_bad_range(verifier: str)
         assert whole.has_tokenizer and whole.tokenizer_size == 96 and whole.vocab_block_size == BLOCK
         assert len(whole.vocab_block_digests) == 1 and whole.decode_step_ms > 0 and not whole.tokens
         some = stub.Describe(pb.DescribeRequest(tokens_from=2, tokens_count=3), timeout=30)
-        assert list(some.tokens) == ["w0", "w1", "w2"]
+        assert list(some.tokens) == ["w0", "w1", "w2"] and not some.chat_template
+        assert "w1" in stub.Describe(pb.DescribeRequest(chat_template=True), timeout=30).chat_template
         for bad in (pb.DescribeRequest(tokens_count=BLOCK + 1), pb.DescribeRequest(tokens_from=96, tokens_count=1)):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Describe(bad, timeout=30)

@@ -32,6 +32,7 @@ def test_a_card_with_a_tokenizer_describes_it_and_lists_tokens(tmp_path: Path) -
     assert d.special_tokens == tokenizer.specials and d.chat_template_sha256 == tokenizer.template_digest()
     assert d.decode_step_ms == 1.235 and d.tokens == ()
     assert card.describe(VOCAB - 2, 10).tokens == tokenizer.tokens[-2:]
+    assert d.chat_template == "" and card.describe(chat_template=True).chat_template == tokenizer.chat_template
 
 
 @pytest.mark.parametrize(
