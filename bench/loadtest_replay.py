@@ -223,9 +223,9 @@ class SpeculativeReplay:
             try:
                 reply = await self.client.verify(req)
             except (SessionNotFound, PositionMismatch) as err:
-                self.out.note_error(self.clock, err.status)
                 if self.out.reopens >= MAX_LIVE_REOPENS:
-                    raise
+                    raise  # ends the session: counted once, where that is handled
+                self.out.note_error(self.clock, err.status)
                 self.out.reopens += 1
                 await self._open(self.committed, self.trace.header.seed + REOPEN_SEED_STRIDE * (10 + self.out.reopens))
                 continue

@@ -6,6 +6,7 @@ cache that holds exactly the committed prefix keeps both sides aligned.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,23 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+# oneDNN's primitive cache and ideep's computation cache (torch's CPU matmuls) keep one entry per
+# matrix shape, up to 1,024 each by default. A model sees a new shape for every distinct number of
+# rows it is fed (prefill lengths, catch-up blocks), so a long-running process grows by hundreds of
+# MB before those caches are full: +564 MiB for the 1.5B bf16 target over a 30-minute soak, and on
+# the 0.5B +631 MB for 240 prefill lengths against +32 MB with 64 entries each, the decode step's
+# time unchanged (95 against 97 ms). Set before the first matmul; the environment can override.
+SHAPE_CACHE_ENTRIES = "64"
+
+
 def configure_cpu(device: torch.device, threads: int) -> int:
     """Torch's CPU threads: `threads`, or with 0 the cores this process may use (affinity and
-    a container's CPU quota; torch's own default counts every core of the machine)."""
+    a container's CPU quota; torch's own default counts every core of the machine); and bounded
+    per-shape matmul caches (SHAPE_CACHE_ENTRIES)."""
     if device.type != "cpu":
         return 0
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", SHAPE_CACHE_ENTRIES)
+    os.environ.setdefault("LRU_CACHE_CAPACITY", SHAPE_CACHE_ENTRIES)
     chosen = threads or usable_cores()
     torch.set_num_threads(chosen)
     return chosen
