@@ -93,6 +93,9 @@ class SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def _sampled(self, base: EdgeSettings) -> bool:
+        return (base.temperature if self.temperature is None else self.temperature) > 0
+
     def _seed(self, base: EdgeSettings) -> int | None:
         """The request's seed; else --seed when the server was given one; else, when sampling, a
         fresh one (as OpenAI: no seed, a new sample each time)."""
@@ -115,7 +118,10 @@ class SamplingRequest(_Strict):
         values |= {"k": spec.k, "k_policy": spec.k_policy, "drafter": spec.drafter, "strict": spec.strict}
         if spec.enabled is False:  # pinned: the target alone
             values["mode"] = "cloud_only"
-        elif spec.enabled:  # pinned: speculation throughout (auto mode would decide for itself)
+        elif spec.enabled or (self.seed is not None and self._sampled(base) and base.mode == "auto"):
+            # pinned: speculation throughout. A seeded sample must repeat its text, and auto mode's
+            # switches follow measured time, while the target's draws differ between its own
+            # decoding and a round's: one seed gives one text only on one path.
             values["mode"] = "speculative"
         return {name: value for name, value in values.items() if value is not None}
 

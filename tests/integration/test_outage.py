@@ -134,7 +134,8 @@ def test_a_batch_rides_out_a_verifier_killed_and_restarted_a_minute_later(models
     with verifier_process(target) as first:
         port = first.grpc_port
         edge = subprocess.Popen(
-            _edge_cmd(draft, first.address, prompts, spec_out, "--max-new-tokens", "300"),
+            # speculative: every token comes from a round, so round 30 is inside the first prompt
+            _edge_cmd(draft, first.address, prompts, spec_out, "--mode", "speculative", "--max-new-tokens", "300"),
             stdout=edge_log,
             stderr=subprocess.STDOUT,
             env=ENV,
