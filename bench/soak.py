@@ -43,9 +43,9 @@ from bench.loadtest import (
     LoadtestSettings,
     check_targets,
     fetch_metrics,
+    poll_metrics,
     replay_load,
     result_settings,
-    server_sample,
     wait_until_serving,
 )
 from bench.loadtest_arrivals import poisson_plan, trace_plan
@@ -89,13 +89,7 @@ class ServerWatch:
 
     async def run(self) -> None:
         assert self.s.metrics_url is not None
-        while True:
-            try:
-                text = await asyncio.to_thread(fetch_metrics, self.s.metrics_url, self.s)
-                self.samples.append(server_sample(self.clock.now(), text))
-            except OSError as err:
-                log.warning("metrics read failed: %s", err)
-            await asyncio.sleep(self.s.poll_s)
+        await poll_metrics(self.s.metrics_url, self.clock, self.samples, self.s.poll_s, self.s)
 
     def latest(self) -> ServerSample | None:
         return self.samples[-1] if self.samples else None

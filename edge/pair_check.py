@@ -22,7 +22,7 @@ from edge.drafting.drafter import DraftLM
 from edge.transport.client import VerifierClient
 from shared.errors import CloudUnavailable, ConfigError
 from shared.protocol import ModelDescription
-from shared.tokenizer_card import TokenizerCard, first_token_difference, special_difference
+from shared.tokenizer_card import TokenizerCard, first_token_difference, shown_token, special_difference
 
 log = logging.getLogger("edge-agent")
 
@@ -87,13 +87,9 @@ async def _same_tokens(draft: TokenizerCard, target: ModelDescription, client: V
             continue
         token_id, a, b = found
         raise ConfigError(
-            f"the draft's tokenizer is not the target's: id {token_id} is {_shown(a)} in the draft ({draft_name}), "
-            f"{_shown(b)} in the target ({target.model_id}); use a draft of the target's model family"
+            f"the draft's tokenizer is not the target's: id {token_id} is {shown_token(a)} in the draft ({draft_name}), "
+            f"{shown_token(b)} in the target ({target.model_id}); use a draft of the target's model family"
         )
-
-
-def _shown(token: str | None) -> str:
-    return "absent" if token is None else repr(token[:40])
 
 
 def pair_line(ctx: EdgeContext, target: ModelDescription) -> str:

@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from shared.errors import ConfigError
+from shared.tokenizer_card import read_chat_template
 
 # transformers' clean_up_tokenization: spaces before punctuation and English contractions.
 _CLEANUPS = (
@@ -86,10 +87,7 @@ class EdgeTokenizer:
         }
         self.eos_token_id = self._id(self.special_tokens.get("eos_token"))
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        template = config.get("chat_template")
-        if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        self.chat_template: str | None = template if isinstance(template, str) else None
+        self.chat_template: str | None = read_chat_template(path)
         generation = _read_json(path / "generation_config.json").get("eos_token_id")
         self.generation_eos: list[int] = [generation] if isinstance(generation, int) else list(generation or [])
 

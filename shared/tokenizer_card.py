@@ -98,9 +98,12 @@ def special_difference(draft: tuple[SpecialToken, ...], target: tuple[SpecialTok
     a, b = {s.id: s.content for s in draft}, {s.id: s.content for s in target}
     for index in sorted(a.keys() | b.keys()):
         if a.get(index) != b.get(index):
-            return f"special token id {index} is {_shown(a.get(index))} in the draft, {_shown(b.get(index))} in the target"
+            return (
+                f"special token id {index} is {shown_token(a.get(index))} in the draft, {shown_token(b.get(index))} in the target"
+            )
     return None
 
 
-def _shown(token: str | None) -> str:
+def shown_token(token: str | None) -> str:
+    """A token as an error names it: quoted and cut, or 'absent'."""
     return "absent" if token is None else repr(token[:40])
