@@ -6,15 +6,18 @@ end of a stretch) and reports what each produced (`stretch_done`, `round_done`);
 only keeps the rates and returns decisions. The rule, as docs/edge.md explains:
 
 - A generation starts on the target: its first tokens stream as in cloud_only while the
-  drafter prefills the prompt beside them. The first stretch is the first token; stretches then
-  double (2, 4, 8, 16) while the drafter is still prefilling, so a short prompt speculates from
-  its second token on.
+  drafter prefills the prompt beside them. The first stretch is two tokens (the first comes with
+  the prompt's prefill, the gap to the second is the target's decoding rate); stretches then
+  double (4, 8, 16) while the drafter is still prefilling, so a short prompt speculates from
+  its third token on.
 - Once the drafter is ready, speculation is probed for `min_rounds` rounds.
 - Speculation is kept while its rate over the last `window` rounds (committed tokens over the
   rounds' wall time, drafting included) is at least `keep_ratio` of the target's streaming rate
   (tokens over the gaps between a stretch's chunks). Below that, the target decodes a stretch
   of `backoff_tokens`, then speculation is probed again; each probe that loses doubles the
   stretch (up to `max_backoff_tokens`), a probe that wins resets it.
+- Speculation is never judged without the target's rate: when no stretch has measured it yet
+  (a stretch cut short, a lost call), the target decodes `reprobe_target_tokens` to measure it.
 - While speculation wins, the target's rate is re-measured now and then (a stretch of
   `reprobe_target_tokens` after `reprobe_after_tokens` speculative tokens, that interval doubling
   each time): rates change with the verifier's load and with the text.
@@ -33,7 +36,7 @@ CLOUD_ONLY: Mode = "cloud_only"
 
 @dataclass(frozen=True)
 class SwitchRules:
-    first_stretch_tokens: int = 1  # the first stretch: the first token as fast as cloud_only's
+    first_stretch_tokens: int = 2  # the first stretch: the first token as fast as cloud_only's, and the target's rate
     max_warmup_stretch_tokens: int = 16  # stretches while the drafter prefills double up to this
     min_rounds: int = 3  # rounds a probe of speculation runs before it is judged
     window: int = 4  # rounds the speculative rate is measured over
@@ -90,10 +93,12 @@ class ModeSwitch:
 
     def stretch_done(self, first_step_s: float, gaps_s: list[float]) -> None:
         """A Decode stretch ended: its first token took `first_step_s` of server time (the
-        round trip and any prefill left out), the next ones came `gaps_s` apart."""
+        round trip left out; 0 when that step was the prompt's prefill too, so it does not
+        count), the next ones came `gaps_s` apart."""
         seconds = first_step_s + sum(gaps_s)
-        if seconds > 0:
-            rate = (1 + len(gaps_s)) / seconds
+        steps = len(gaps_s) + (1 if first_step_s > 0 else 0)
+        if seconds > 0 and steps:
+            rate = steps / seconds
             self.target_rate = rate if not self.target_rate else 0.5 * self.target_rate + 0.5 * rate
 
     def round_done(self, tokens: int, seconds: float) -> None:
@@ -121,8 +126,11 @@ class ModeSwitch:
 
     def _after_round(self, generated: int) -> Plan:
         rules = self.rules
-        if len(self._rounds) < min(rules.min_rounds, rules.window) or not self.target_rate:
+        if len(self._rounds) < min(rules.min_rounds, rules.window):
             return Plan(SPECULATIVE)
+        if not self.target_rate:
+            reason = "measuring the target's decoding rate, unknown so far"
+            return self._switch(CLOUD_ONLY, generated, ("probe_target", reason), rules.reprobe_target_tokens)
         spec, target = self.speculative_rate, self.target_rate
         if spec < rules.keep_ratio * target:
             stretch = self._backoff

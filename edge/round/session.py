@@ -185,8 +185,10 @@ class SpeculativeRun:
         try:
             async for chunk in self.session.decode(req):
                 now = time.perf_counter()
-                gaps += [now - last] if decoded else []
-                first_step_s = first_step_s or chunk.step_ms / 1000.0
+                if decoded:
+                    gaps.append(now - last)
+                elif chunk.opened is None:  # an opening chunk's step is the prompt's prefill: no decoding rate
+                    first_step_s = chunk.step_ms / 1000.0
                 last, traffic, server_ms = now, traffic + chunk.wire, server_ms + chunk.step_ms
                 self._outage = None
                 if chunk.opened is not None:  # its prefill was a pass too, as OpenSession's is

@@ -1,14 +1,18 @@
 """Auto mode's rule on measured rates (edge/round/mode_switch.py), without a model or a wire."""
 
+import pytest
+
 from edge.round.mode_switch import CLOUD_ONLY, SPECULATIVE, ModeSwitch, SwitchRules
 
 
 def _warm_start(switch: ModeSwitch, target_tok_s: float) -> None:
-    """The first stretch (the first token, at the target's rate), then the drafter is ready."""
+    """The first stretch (two tokens: the prefill's, then one step at the target's rate), then
+    the drafter is ready."""
     first = switch.plan(drafter_ready=False, generated=0)
-    assert (first.mode, first.tokens) == (CLOUD_ONLY, 1)
-    switch.stretch_done(1 / target_tok_s, [])
-    assert switch.plan(drafter_ready=True, generated=1).mode == SPECULATIVE
+    assert (first.mode, first.tokens) == (CLOUD_ONLY, 2)
+    switch.stretch_done(0.0, [1 / target_tok_s])
+    assert switch.target_rate == pytest.approx(target_tok_s)
+    assert switch.plan(drafter_ready=True, generated=2).mode == SPECULATIVE
 
 
 def _rounds(switch: ModeSwitch, n: int, tokens: int, seconds: float, generated: int) -> list[str]:
@@ -27,7 +31,7 @@ def test_the_first_stretches_double_while_the_drafter_prefills() -> None:
         assert plan.mode == CLOUD_ONLY
         sizes.append(plan.tokens)
         switch.stretch_done(0.1, [0.1] * (plan.tokens - 1))
-    assert sizes == [1, 2, 4, 8, 16]
+    assert sizes == [2, 4, 8, 16, 16]
     assert [s.why for s in switch.switches] == ["start"]
     assert switch.target_rate == 10.0
 
@@ -75,12 +79,26 @@ def test_stretch_lengths_follow_the_backoff() -> None:
     assert lengths == [16, 32, 64, 64]
 
 
-def test_no_judgement_before_min_rounds_or_without_a_target_rate() -> None:
-    switch = ModeSwitch(SwitchRules(min_rounds=3))
+def test_the_prefills_step_is_no_decoding_rate() -> None:
+    switch = ModeSwitch()
     switch.plan(False, 0)
-    switch.stretch_done(0.0, [])  # nothing measured: the target's rate stays unknown
-    switch.plan(True, 1)
-    assert _rounds(switch, 5, tokens=1, seconds=10.0, generated=1) == [SPECULATIVE] * 5
+    switch.stretch_done(0.0, [0.05, 0.05, 0.05])  # the first token came with the prefill: not counted
+    assert switch.target_rate == pytest.approx(20.0)
+    switch.stretch_done(0.1, [0.1])  # a later stretch's first step counts
+    assert switch.target_rate == pytest.approx(0.5 * 20.0 + 0.5 * 10.0)
+
+
+def test_speculation_is_judged_only_against_a_measured_target_rate() -> None:
+    switch = ModeSwitch(SwitchRules(min_rounds=3, reprobe_target_tokens=4))
+    switch.plan(False, 0)
+    switch.stretch_done(0.0, [])  # cut short after the prefill's token: the target's rate is unknown
+    assert switch.plan(True, 1).mode == SPECULATIVE
+    assert _rounds(switch, 2, tokens=1, seconds=10.0, generated=1) == [SPECULATIVE] * 2  # under min_rounds
+    switch.round_done(1, 10.0)
+    plan = switch.plan(True, 4)
+    assert (plan.mode, plan.tokens, switch.switches[-1].why) == (CLOUD_ONLY, 4, "probe_target")
+    switch.stretch_done(0.05, [0.05] * 3)
+    assert switch.target_rate == pytest.approx(20.0)
 
 
 def test_the_drafter_prefills_between_stretches_where_it_shares_the_verifiers_cores(monkeypatch) -> None:  # type: ignore[no-untyped-def]
