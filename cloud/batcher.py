@@ -111,6 +111,7 @@ class ForwardBatcher:
         self._batch_ms = 0.0  # moving average of recent batches, for the retry hint
         self.cost = ForwardCost()
         self._running_until = 0.0  # when the pass running now should end (perf_counter)
+        self._last_owners: frozenset[str] = frozenset()  # whose steps ran in the last pass
         self.rate = TokenRate(limits.per_key.tokens_per_s)
 
     async def submit(
@@ -194,6 +195,7 @@ class ForwardBatcher:
             batch = self._take()
             if not batch:
                 continue
+            self._last_owners = frozenset(w.owner for w in batch)
             self.metrics.queue_depth.set(len(self._waiting))
             started = time.perf_counter()
             fed = sum(w.tokens for w in batch)
@@ -225,14 +227,25 @@ class ForwardBatcher:
                     waiting.future.set_result(result)
 
     async def _gather(self) -> None:
-        """Give the oldest step up to max_batch_wait_ms for others to join it."""
+        """Give the oldest step up to max_batch_wait_ms for others to join it, unless every
+        session of the last pass has its next step waiting already: a lone Decode stream or a
+        lone session's next round expects no company, and waiting would add the window to each
+        of its tokens."""
         deadline = self._waiting[0].submitted + self.limits.max_batch_wait_ms / 1000.0
-        while len(self._waiting) < self.limits.max_batch_size and (left := deadline - time.perf_counter()) > 0:
+        while (
+            len(self._waiting) < self.limits.max_batch_size
+            and not self._all_back()
+            and (left := deadline - time.perf_counter()) > 0
+        ):
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), left)
             except TimeoutError:
                 return
+
+    def _all_back(self) -> bool:
+        """Whether every owner of the last pass has a step waiting (none ran yet: no)."""
+        return bool(self._last_owners) and self._last_owners <= {w.owner for w in self._waiting}
 
     def _take(self) -> list[_Waiting]:
         """The oldest steps that fit one forward pass, one per owner; the rest keep waiting.

@@ -101,7 +101,11 @@ class VerifierSettings(BaseSettings):
     max_batch_size: int = Field(
         16, ge=1, description="rounds (and Generate steps) of different sessions batched into one forward pass (1 = no batching)"
     )
-    max_batch_wait_ms: float = Field(2.0, ge=0, description="how long a round waits for others to join its batch")
+    max_batch_wait_ms: float = Field(
+        2.0,
+        ge=0,
+        description="how long a round waits for others to join its batch (not when every session of the last batch is back)",
+    )
     max_batch_tokens: int = Field(2048, ge=1, description="tokens fed per batched forward pass (a longer step runs alone)")
     max_queue: int = Field(
         256,

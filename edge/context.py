@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.config import EdgeSettings
@@ -18,7 +18,7 @@ from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
 from edge.drafting.runtime_llamacpp import LlamaCppDraftLM
 from edge.metrics import EdgeMetrics, MeteredObserver
 from edge.round.generation import Gating, GenerationConfig, Observer, TimeoutPolicy
-from edge.round.mode_switch import SwitchRules
+from edge.round.mode_switch import ModeMemory, SwitchRules
 from edge.tokenizer import EdgeTokenizer
 from edge.transport.client import CapacityRetry, ClientTls, VerifierClient
 from edge.transport.local_verifier import local_verifier
@@ -42,6 +42,7 @@ class EdgeContext:
     stop_token_ids: frozenset[int]
     metrics: EdgeMetrics | None = None
     draft_name: str = ""  # the draft model folder's name, for recorded traces
+    mode_memory: ModeMemory = field(default_factory=ModeMemory)  # auto mode, from one generation to the next
 
     def observer(self, inner: Observer | None) -> Observer | None:
         return MeteredObserver(self.metrics, inner) if self.metrics else inner
@@ -61,8 +62,9 @@ class EdgeContext:
             self.gating(),
             stop_rule,
             s.overlap,
-            switch,
-            s.prefills_beside(),
+            mode_switch=switch,
+            mode_memory=self.mode_memory,
+            prefill_beside=s.prefills_beside(),
         )
 
     def gating(self) -> Gating | None:

@@ -31,7 +31,7 @@ if [ -z "$wheel" ]; then
     tmp=$(mktemp -d "$dir/.build-XXXXXX")
     trap 'rm -rf "$tmp"' EXIT
     CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-        "$PY" -m pip wheel --quiet --no-deps --no-binary llama-cpp-python -w "$tmp" "llama-cpp-python==$VERSION"
+        "$PY" -m pip wheel --quiet --no-cache-dir --no-deps --no-binary llama-cpp-python -w "$tmp" "llama-cpp-python==$VERSION"
     mv "$tmp"/llama_cpp_python-*.whl "$dir"/
     wheel=$(ls "$dir"/llama_cpp_python-"$VERSION"-*.whl | head -n1)
 fi

@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol
 
 from edge.drafting.drafter import StopRule
 from edge.drafting.gating import EscalationRules, GatingThresholds
-from edge.round.mode_switch import SwitchRules
+from edge.round.mode_switch import ModeMemory, SwitchRules
 from edge.transport.backoff import Reconnecting as Reconnecting  # re-exported: the round loop reconnects with it
 from shared.errors import CloudUnavailable, PositionMismatch, SessionNotFound
 from shared.protocol import REOPEN_SEED_STRIDE, SessionConfig, WireBytes
@@ -53,6 +53,7 @@ class GenerationConfig:
     # auto mode: switch between speculation and the target's own decoding on measured rates
     # (edge/round/mode_switch.py); None pins speculation
     mode_switch: SwitchRules | None = None
+    mode_memory: ModeMemory | None = None  # where the last generation left auto mode (the context's)
     # auto mode: the drafter prefills beside the target's tokens, or between stretches (where
     # the two share this machine's cores: edge/round/warmup.py)
     prefill_beside: bool = True

@@ -18,6 +18,11 @@ only keeps the rates and returns decisions. The rule, as docs/edge.md explains:
   stretch (up to `max_backoff_tokens`), a probe that wins resets it.
 - Speculation is never judged without the target's rate: when no stretch has measured it yet
   (a stretch cut short, a lost call), the target decodes `reprobe_target_tokens` to measure it.
+- What a generation learned carries to the next one of the same edge process (ModeMemory, owned
+  by the edge's context): the target's rate, the backoff, and the target's tokens still due
+  before the next probe. A generation that starts while speculation is on hold decodes on the
+  target from its first token and skips the drafter's prefill until the hold is spent, so a
+  machine where speculation does not pay costs one probe per backoff, not one per generation.
 - While speculation wins, the target's rate is re-measured now and then (a stretch of
   `reprobe_target_tokens` after `reprobe_after_tokens` speculative tokens, that interval doubling
   each time): rates change with the verifier's load and with the text.
@@ -47,6 +52,17 @@ class SwitchRules:
     reprobe_target_tokens: int = 4
 
 
+@dataclass
+class ModeMemory:
+    """What auto mode carries from one generation to the next in an edge process. The edge's
+    context owns it; a generation reads it when it starts (ModeSwitch) and writes it back when it
+    ends (ModeSwitch.remember). Concurrent generations each start from the last one written."""
+
+    target_rate: float = 0.0  # tokens/s of the target's own decoding (0: not measured)
+    backoff: int = 0  # the stretch after the next lost probe (0: the rules' first)
+    hold: int = 0  # the target's tokens still due before speculation is probed again
+
+
 @dataclass(frozen=True)
 class Plan:
     """What comes next: speculative rounds, or a Decode stretch of `tokens` tokens."""
@@ -67,14 +83,16 @@ class Switch:
 class ModeSwitch:
     """The decisions of one generation in auto mode; see the module docstring for the rule."""
 
-    def __init__(self, rules: SwitchRules | None = None) -> None:
+    def __init__(self, rules: SwitchRules | None = None, memory: ModeMemory | None = None) -> None:
         self.rules = rules or SwitchRules()
+        self.memory = memory
         self.mode: Mode = CLOUD_ONLY
-        self.target_rate = 0.0  # tokens/s of the target's own decoding, streamed (0: not measured)
+        self.target_rate = memory.target_rate if memory else 0.0  # tokens/s of the target's own decoding, streamed
         self._rounds: deque[tuple[int, float]] = deque(maxlen=self.rules.window)  # (tokens, seconds)
         self._stretch = self.rules.first_stretch_tokens
         self._probing = False  # speculation runs as a probe after a loss or at the start
-        self._backoff = self.rules.backoff_tokens
+        self._backoff = (memory.backoff if memory else 0) or self.rules.backoff_tokens
+        self._hold = memory.hold if memory else 0  # the target's tokens due before the next probe
         self._spec_tokens = 0  # since speculation last started
         self._reprobe_after = self.rules.reprobe_after_tokens
         self.switches: list[Switch] = []
@@ -91,10 +109,17 @@ class ModeSwitch:
             return self._after_stretch(drafter_ready, generated)
         return self._after_round(generated)
 
-    def stretch_done(self, first_step_s: float, gaps_s: list[float]) -> None:
-        """A Decode stretch ended: its first token took `first_step_s` of server time (the
-        round trip left out; 0 when that step was the prompt's prefill too, so it does not
-        count), the next ones came `gaps_s` apart."""
+    @property
+    def holding(self) -> bool:
+        """Whether speculation is on hold after a lost probe (the drafter is not needed yet)."""
+        return self._hold > 0
+
+    def stretch_done(self, first_step_s: float, gaps_s: list[float], tokens: int | None = None) -> None:
+        """A Decode stretch of `tokens` tokens (default: one per gap, plus the first) ended: its
+        first token took `first_step_s` of server time (the round trip left out; 0 when that
+        step was the prompt's prefill too, so it does not count), the next ones came `gaps_s`
+        apart."""
+        self._hold = max(0, self._hold - (len(gaps_s) + 1 if tokens is None else tokens))
         seconds = first_step_s + sum(gaps_s)
         steps = len(gaps_s) + (1 if first_step_s > 0 else 0)
         if seconds > 0 and steps:
@@ -106,9 +131,19 @@ class ModeSwitch:
         self._rounds.append((tokens, seconds))
         self._spec_tokens += tokens
 
+    def remember(self) -> None:
+        """The generation ended: what it measured is where the next one starts."""
+        if self.memory is not None:
+            self.memory.target_rate, self.memory.backoff, self.memory.hold = self.target_rate, self._backoff, self._hold
+
     # ---- the two boundaries -------------------------------------------------------------
 
     def _after_stretch(self, drafter_ready: bool, generated: int) -> Plan:
+        if self._hold and not self.switches:  # an earlier generation's probe lost: no drafter yet
+            reason = f"speculation lost its last probe: the target decodes {self._hold} more tokens first"
+            return self._switch(CLOUD_ONLY, generated, ("start", reason), self._hold)
+        if self._hold:
+            return Plan(CLOUD_ONLY, self._hold)
         if not self.switches:  # the start: the first tokens come from the target, at once
             reason = "the first tokens stream while the drafter prefills"
             return self._switch(CLOUD_ONLY, generated, ("start", reason), self._warmup_stretch())
@@ -133,7 +168,7 @@ class ModeSwitch:
             return self._switch(CLOUD_ONLY, generated, ("probe_target", reason), rules.reprobe_target_tokens)
         spec, target = self.speculative_rate, self.target_rate
         if spec < rules.keep_ratio * target:
-            stretch = self._backoff
+            stretch = self._hold = self._backoff
             self._backoff = min(2 * self._backoff, rules.max_backoff_tokens)
             reason = f"speculation {spec:.2f} tok/s < {rules.keep_ratio:g} x target {target:.2f} tok/s"
             return self._switch(CLOUD_ONLY, generated, ("slower", reason), stretch)

@@ -109,7 +109,7 @@ class SpeculativeRun:
         self.learners: tuple[Learner, ...] = (drafter, k_policy, self.overlap)
         self.local_commit = LocalCommit.when_on(cfg.gating)
         self.unverified = AcceptUnverified.when_on(cfg.timeouts)
-        self.switch = ModeSwitch(cfg.mode_switch) if cfg.mode_switch is not None else None
+        self.switch = ModeSwitch(cfg.mode_switch, cfg.mode_memory) if cfg.mode_switch is not None else None
         self.warmup = DrafterWarmup(drafter, beside=cfg.prefill_beside)
         self._outage: Reconnecting | None = None  # a lost Decode stretch's, until a chunk comes
         self._switch_reason = ""  # for the next record: why the mode changed before it
@@ -121,6 +121,8 @@ class SpeculativeRun:
             while not self.out.done():
                 await (self._round() if self.switch is None else self._next_in_auto_mode(self.switch))
         finally:
+            if self.switch is not None:
+                self.switch.remember()
             await self.warmup.settle()
             self.result.count_wire(await self.session.close())
         return self.out.finish()
@@ -128,7 +130,7 @@ class SpeculativeRun:
     async def _next_in_auto_mode(self, switch: ModeSwitch) -> None:
         """Auto mode: a Decode stretch or a speculative round, as the measured rates say."""
         generated = len(self.result.token_ids)
-        if switch.mode == CLOUD_ONLY and generated:
+        if switch.mode == CLOUD_ONLY and generated and not switch.holding:
             await self.warmup.catch_up(self.tokens.committed)  # prefilling between stretches: now
         plan = switch.plan(self.warmup.ready(), generated)
         if plan.reason:
@@ -178,7 +180,8 @@ class SpeculativeRun:
         A recoverable loss waits as a lost round does; the next stretch reopens."""
         self.overlap.drop()
         req, sent_at = self._decode_request(max_tokens), time.perf_counter()
-        self.warmup.follow(self.tokens.committed)  # beside: the prompt's prefill starts with the verifier's
+        if not switch.holding:  # beside: the prompt's prefill starts with the verifier's
+            self.warmup.follow(self.tokens.committed)
         decoded: list[int] = []
         gaps: list[float] = []
         traffic, server_ms, last, first_step_s = WireBytes(), 0.0, 0.0, 0.0
@@ -200,7 +203,7 @@ class SpeculativeRun:
             await self._decode_lost(err, req)
             return
         finally:
-            switch.stretch_done(first_step_s, gaps)
+            switch.stretch_done(first_step_s, gaps, tokens=len(decoded))
         self.result.count_wire(traffic)
         self._record_stretch(req, decoded, ms_since(sent_at), server_ms, traffic)
 

@@ -11,7 +11,7 @@ import pytest
 
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
-from edge.round.mode_switch import CLOUD_ONLY, SPECULATIVE, SwitchRules
+from edge.round.mode_switch import CLOUD_ONLY, SPECULATIVE, ModeMemory, SwitchRules
 from shared.errors import InvalidRequest, PositionMismatch
 from shared.pb import verifier_pb2 as pb
 from shared.protocol import DecodeRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
@@ -51,6 +51,30 @@ def test_auto_greedy_equals_cloud_only(
                 assert result.round_log[0].mode == CLOUD_ONLY  # the first token comes from the target
             if rules is FLIPPING:
                 assert switched >= 8 * len(PROMPTS)  # both directions, many times per prompt
+
+    asyncio.run(run())
+
+
+def test_a_lost_probe_carries_to_the_next_generation_of_the_process(target_engine: TargetEngine, draft_model) -> None:
+    """Speculation that loses (it always does here) puts the next generation on hold: it runs on
+    the target from its first token, without the drafter, and its output is still cloud_only's."""
+    losing = SwitchRules(min_rounds=1, window=1, keep_ratio=1e9, backoff_tokens=40, max_backoff_tokens=80)
+
+    async def run() -> None:
+        cfg = gen_config(max_new_tokens=16)
+        memory = ModeMemory()
+        auto = replace(cfg, mode_switch=losing, mode_memory=memory, prefill_beside=False)
+        async with running_verifier(target_engine) as (client, _):
+            first = await speculative_generate(PROMPTS[2], make_drafter(draft_model), client, FixedK(3), auto)
+            assert "slower" in {s["why"] for s in first.mode_switches}
+            assert memory.hold > 0 and memory.backoff == 80 and memory.target_rate > 0
+            held = memory.hold
+            second = await speculative_generate(PROMPTS[3], make_drafter(draft_model), client, FixedK(3), auto)
+            reference = await cloud_only_generate(PROMPTS[3], client, cfg)
+        assert second.token_ids == reference.token_ids
+        assert second.tokens_by_mode == {CLOUD_ONLY: 16} and second.rounds == 0
+        assert "lost its last probe" in second.mode_switches[0]["reason"] and len(second.mode_switches) == 1
+        assert memory.hold == held - 16
 
     asyncio.run(run())
 

@@ -65,6 +65,23 @@ def test_concurrent_sessions_batched_equal_each_alone(target_engine: TargetEngin
     asyncio.run(run())
 
 
+def test_a_lone_stream_does_not_wait_the_batch_window(target_engine: TargetEngine) -> None:
+    """The batch window is for company: once the only session of the last pass is back, its
+    next step runs at once. Each of a lone cloud_only stream's tokens would otherwise wait the
+    whole 400 ms window (24 tokens: 9.6 s); the first pass waits it once."""
+    cfg = gen_config(max_new_tokens=NEW_TOKENS)
+
+    async def run() -> None:
+        async with batching_verifier(target_engine, BatchLimits(max_batch_size=8, max_batch_wait_ms=400)) as (client, _):
+            start = asyncio.get_running_loop().time()
+            result = await cloud_only_generate(PROMPTS[0], client, cfg)
+            elapsed = asyncio.get_running_loop().time() - start
+        assert result.token_ids == _alone(target_engine, PROMPTS[0])
+        assert elapsed < 0.4 * NEW_TOKENS / 3, f"{elapsed:.2f} s for {NEW_TOKENS} tokens"
+
+    asyncio.run(run())
+
+
 def test_unbatched_server_matches_batched_one(target_engine: TargetEngine, draft_model) -> None:
     """max_batch_size 1 is the unbatched verifier: same outputs, every forward pass alone."""
     cfg = gen_config(max_new_tokens=12)

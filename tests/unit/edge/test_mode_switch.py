@@ -2,7 +2,7 @@
 
 import pytest
 
-from edge.round.mode_switch import CLOUD_ONLY, SPECULATIVE, ModeSwitch, SwitchRules
+from edge.round.mode_switch import CLOUD_ONLY, SPECULATIVE, ModeMemory, ModeSwitch, Plan, SwitchRules
 
 
 def _warm_start(switch: ModeSwitch, target_tok_s: float) -> None:
@@ -54,7 +54,11 @@ def test_slower_speculation_backs_off_in_doubling_stretches_and_a_winning_probe_
         modes = _rounds(switch, 3, tokens=2, seconds=0.5, generated=0)
         assert modes[:2] == [SPECULATIVE] * 2 and modes[2] == CLOUD_ONLY
         stretches.append(switch.switches[-1])
-        switch.stretch_done(0.1, [0.1] * 15)
+        switch.stretch_done(0.1, [0.1] * 15)  # 16 tokens: a longer stretch goes on first
+        if switch.holding:
+            rest = switch.plan(True, 0)
+            assert rest.mode == CLOUD_ONLY and not rest.reason
+            switch.stretch_done(0.1, [0.1] * (rest.tokens - 1))
         assert switch.plan(True, 0).mode == SPECULATIVE and switch.switches[-1].why == "probe_speculation"
     assert [s.why for s in stretches] == ["slower"] * 4
     assert "4.00 tok/s < 0.95 x target 10.00 tok/s" in stretches[0].reason
@@ -113,3 +117,35 @@ def test_the_drafter_prefills_between_stretches_where_it_shares_the_verifiers_co
     assert not EdgeSettings(cloud="gpu-box:50051", draft_prefill="between").prefills_beside()
     monkeypatch.setattr(config, "runs_on_every_core", lambda: False)  # pinned apart from the verifier
     assert EdgeSettings(cloud="127.0.0.1:50051").prefills_beside()
+
+
+def test_a_lost_probe_holds_the_next_generation_on_the_target_until_its_backoff_is_spent() -> None:
+    memory = ModeMemory()
+    first = ModeSwitch(SwitchRules(backoff_tokens=16), memory)
+    _warm_start(first, target_tok_s=10.0)
+    assert _rounds(first, 3, tokens=2, seconds=0.5, generated=2)[-1] == CLOUD_ONLY  # 4 tok/s: lost
+    first.stretch_done(0.1, [0.1] * 9)  # the generation ends 10 tokens into its 16-token stretch
+    first.remember()
+    assert (memory.hold, memory.backoff) == (6, 32) and memory.target_rate == pytest.approx(10.0)
+
+    second = ModeSwitch(SwitchRules(backoff_tokens=16), memory)
+    start = second.plan(drafter_ready=False, generated=0)
+    assert (start.mode, start.tokens, second.switches[0].why) == (CLOUD_ONLY, 6, "start")
+    assert second.holding and "lost its last probe" in start.reason
+    second.stretch_done(0.0, [0.1] * 5)
+    assert not second.holding
+    assert second.plan(drafter_ready=True, generated=6).mode == SPECULATIVE  # the probe is due
+    assert _rounds(second, 3, tokens=2, seconds=0.5, generated=6)[-1] == CLOUD_ONLY  # lost again
+    assert second.plan(True, 12) == Plan(CLOUD_ONLY, 32)  # the backoff went on doubling
+
+    third = ModeSwitch(SwitchRules(backoff_tokens=16), ModeMemory())
+    assert third.plan(False, 0).tokens == 2  # a fresh memory: the usual start
+
+
+def test_a_winning_probe_leaves_the_next_generation_free_to_speculate() -> None:
+    memory = ModeMemory(target_rate=10.0, backoff=64, hold=0)
+    switch = ModeSwitch(SwitchRules(backoff_tokens=16), memory)
+    _warm_start(switch, target_tok_s=10.0)
+    assert _rounds(switch, 3, tokens=8, seconds=0.5, generated=2) == [SPECULATIVE] * 3  # 16 tok/s
+    switch.remember()
+    assert (memory.hold, memory.backoff) == (0, 16)
