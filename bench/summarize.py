@@ -39,6 +39,12 @@ def ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
+def _speculative_tokens(record: dict[str, Any]) -> int:
+    """The tokens a generation's speculative rounds committed (all of them outside auto mode)."""
+    by_mode = record.get("tokens_by_mode")
+    return int(by_mode.get("speculative", 0)) if by_mode else len(record["token_ids"])
+
+
 def acceptance_by_position(rounds: Sequence[dict[str, Any]]) -> list[float]:
     """Rate at draft position i = rounds that accepted position i / rounds that drafted it
     (k > i), the verifier's live-page definition. Locally committed blocks (lossy) never
@@ -76,7 +82,10 @@ def round_time(rounds: Sequence[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def summarize(records: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """One run (or one task of it): totals-based rates, p50/p95 of the latencies."""
+    """One run (or one task of it): totals-based rates, p50/p95 of the latencies. In auto mode
+    the round figures (tau, acceptance, round time) are the speculative rounds' alone: the
+    target's own stretches are records of the round log too."""
+    rounds = [r for r in rounds if r.get("mode") != "cloud_only"]
     tokens = sum(len(r["token_ids"]) for r in records)
     elapsed = sum(r["elapsed_s"] for r in records)
     round_count = sum(r.get("rounds", 0) for r in records)
@@ -100,7 +109,7 @@ def summarize(records: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]
         "ttft_s_p95": percentile(ttfts, 95),
         "latency_s_p50": percentile(latencies, 50),
         "latency_s_p95": percentile(latencies, 95),
-        "tau": ratio(tokens, round_count),
+        "tau": ratio(sum(_speculative_tokens(r) for r in records), round_count),
         "acceptance_rate": ratio(sum(r.get("accepted_tokens", 0) for r in records), drafted),
         "acceptance_by_position": acceptance_by_position(rounds),
         "target_passes_per_token": ratio(sum(r["target_forward_passes"] for r in records), tokens),

@@ -127,6 +127,18 @@ def test_summary_rates_come_from_totals_not_means_of_ratios() -> None:
     assert no_rounds["tau"] is None and no_rounds["acceptance_rate"] is None
 
 
+def test_auto_modes_round_figures_are_its_speculative_rounds_alone() -> None:
+    """An auto-mode generation: 50 of its 64 tokens from the target's stretches, 14 from 6
+    rounds. tau is 14 / 6, and the stretches' records stay out of the round time."""
+    records = [_record(64, 6, 14, 8, 57, 4.0, 0.5, tokens_by_mode={"cloud_only": 50, "speculative": 14})]
+    stretch = {"mode": "cloud_only", "k": 0, "accepted_len": 0, "edge_time_ms": 0.0, "cloud_verify_ms": 900.0, "rtt_ms": 905.0}
+    rounds = [{"mode": "speculative", "k": 3, "accepted_len": 2, "edge_time_ms": 60.0, "cloud_verify_ms": 100.0, "rtt_ms": 104.0}]
+    s = summarize(records, [stretch, *rounds * 6])
+    assert s["tau"] == pytest.approx(14 / 6)
+    assert s["round_verify_ms"] == pytest.approx(100.0) and s["round_wire_ms"] == pytest.approx(4.0)
+    assert s["acceptance_by_position"] == [1.0, 1.0, 0.0]
+
+
 def test_the_summarize_command_tables_each_run_against_the_reference(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     runs = {"cloud_only": [_record(4, 0, 0, 0, 4, 1.0, 0.1, id="a")], "speculative": [_record(3, 1, 2, 2, 1, 1.0, 0.1, id="a")]}
     for mode, records in runs.items():
