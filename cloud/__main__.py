@@ -9,8 +9,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
 from cloud.engine.transformers import TransformersEngine
 from cloud.logs import configure_logging, log_event
@@ -69,7 +67,7 @@ def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
     # llama.cpp's threads own the cores; torch only runs the accept on a few rows of logits. At
     # its default (a thread per core) torch's idle OpenMP threads spin after each op, taking
     # those cores from llama.cpp: a decode step took 42 ms instead of 38 on 2 cores.
-    torch.set_num_threads(1)
+    lm.configure_cpu(lm.resolve_device("cpu"), 1)
     engine = LlamaCppEngine(gguf, threads=threads, batch_tokens=settings.max_batch_tokens)
     log_event(log, logging.INFO, f"llama.cpp on {gguf.name}, {threads} CPU threads", engine="llama.cpp", threads=threads)
     verifier = Verifier(
