@@ -41,6 +41,22 @@ def tiny_target(seed: int = 0, vocab: int = VOCAB) -> PreTrainedModel:
     return model
 
 
+def tiny_vllm_target(seed: int = 0, vocab: int = VOCAB) -> PreTrainedModel:
+    """A tiny target in a shape vLLM's CPU attention runs (heads of 64 dimensions)."""
+    model = random_llama(seed, vocab=vocab, hidden=128, mlp=256, layers=2, heads=2, kv_heads=1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def save_model(model: PreTrainedModel, path: Path) -> Path:
+    """A model and the tiny tokenizer as an HF folder."""
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
 def tiny_draft(target: PreTrainedModel, noise: float = 0.5, seed: int = 1) -> PreTrainedModel:
     """A perturbed copy of the target: partial agreement, like a real draft/target pair."""
     draft = copy.deepcopy(target)
@@ -70,9 +86,7 @@ def save_pair(folder: Path, noise: float = 0.2) -> tuple[Path, Path]:
     draft = tiny_draft(target, noise)
     paths = folder / "draft", folder / "target"
     for model, path in zip((draft, target), paths, strict=True):
-        model.generation_config.eos_token_id = 1
-        model.save_pretrained(path)
-        tiny_tokenizer().save_pretrained(path)
+        save_model(model, path)
     save_gguf(draft, paths[0] / "draft.gguf")  # what the edge's llama.cpp runtime loads
     return paths
 

@@ -28,6 +28,8 @@ log = logging.getLogger("cloud-verifier")
 def build_verifier(settings: VerifierSettings) -> Verifier:
     if settings.engine == "llama.cpp":
         return _llamacpp_verifier(settings)
+    if settings.engine == "vllm":
+        return _vllm_verifier(settings)
     device = lm.resolve_device(settings.device)
     dtype = choose_dtype(settings.dtype, device.type)
     threads = lm.configure_cpu(device, settings.threads)
@@ -78,6 +80,35 @@ def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
         tokenizer=TokenizerCard.from_folder(folder),  # a tokenizer.json beside the GGUF, if any
     )
     return _warmed(verifier)
+
+
+def _vllm_verifier(settings: VerifierSettings) -> Verifier:
+    """The target folder in vLLM, which holds the KV itself (sized by --max-kv-bytes on a CPU,
+    by --gpu-memory-utilization on a GPU) and serves up to --max-context-tokens a session."""
+    from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+
+    folder = model_folder(settings.model, TARGET_MODEL)
+    dtype = choose_dtype(settings.dtype, "cuda" if _cuda() else "cpu")
+    options = VllmOptions(
+        folder,
+        dtype=dtype.name,
+        max_context_tokens=settings.max_context_tokens,
+        max_sessions=settings.max_sessions,
+        max_kv_bytes=settings.max_kv_bytes,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+    )
+    engine = VllmEngine(VllmRuntime(options))
+    log_event(log, logging.INFO, f"vLLM on {folder}, {dtype.name} ({dtype.reason})", engine="vllm", dtype=dtype.name)
+    card = TokenizerCard.from_folder(folder)
+    verifier = Verifier(engine, describe_model(folder), settings.limits(), dtype_reason=dtype.reason, tokenizer=card)
+    return _warmed(verifier)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _warmed(verifier: Verifier) -> Verifier:

@@ -12,6 +12,7 @@ never fails or corrupts the others of its pass.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -75,6 +76,7 @@ class ForwardStep(Generic[R]):
     block: list[int]
     keep: int
     work: StepWork[R]
+    argmax_vocab: int = 0  # > 0: work reads only each row's argmax among these ids (an engine may send less)
 
     def split(self, chunk: int) -> tuple[ForwardStep[Partial], ForwardStep[R]] | None:
         """A long prefill as two steps for consecutive passes: the first `chunk` tokens
@@ -83,8 +85,8 @@ class ForwardStep(Generic[R]):
         head = min(chunk, len(self.block) - self.keep)
         if chunk <= 0 or head <= 0 or len(self.block) <= chunk:
             return None
-        first = ForwardStep(self.cache, self.block[:head], 1, _Head(self.work))
-        return first, ForwardStep(self.cache, self.block[head:], self.keep, self.work)
+        first = ForwardStep(self.cache, self.block[:head], 1, _Head(self.work), argmax_vocab=sys.maxsize)  # no row read
+        return first, ForwardStep(self.cache, self.block[head:], self.keep, self.work, self.argmax_vocab)
 
 
 Batch = list[tuple[ForwardStep[Any], float]]  # each step with the ms it queued
@@ -122,7 +124,8 @@ def _run(runner: BatchStep, steps: Batch) -> list[Any]:
     fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
     forward_start = time.perf_counter()
     try:
-        logits = runner.engine.forward([s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]) if fed else []
+        caches, blocks, keeps = [s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]
+        logits = runner.engine.forward(caches, blocks, keeps, [s.argmax_vocab for s in fed]) if fed else []
     except BaseException:
         for step, _ in steps:
             step.work.undo()

@@ -44,8 +44,16 @@ class VerifierSettings(BaseSettings):
     device: str = Field("auto", description="auto | cpu | cuda[:N]")
     engine: EngineName = Field(
         "transformers",
-        description="what runs the target model: transformers (the reference; --dtype and --device apply) or "
-        "llama.cpp (the target's GGUF: --model names the file or a folder holding one; CPU, --threads)",
+        description="what runs the target model: transformers (the reference; --dtype and --device apply), "
+        "llama.cpp (the target's GGUF: --model names the file or a folder holding one; CPU, --threads) or "
+        "vllm (a model folder; run from the venv tools/vllm_env.sh builds; --dtype, --tensor-parallel-size, "
+        "--gpu-memory-utilization)",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="--engine vllm: GPUs one target is split over (a target larger than one GPU)"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="--engine vllm on a GPU: the share of each GPU's memory vLLM takes (weights and KV)"
     )
     host: str = Field("127.0.0.1", description="address to bind (gRPC and HTTP); 0.0.0.0 to serve other machines")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")

@@ -55,10 +55,14 @@ class GenerateStream:
             planned = len(self.req.prompt_tokens) + self.req.max_new_tokens - 1
             self.session = self.opener.new_session(self.stream_id, self.req.config, self.req.prompt_tokens, self.owner, planned)
             self._undo_to = None
-            return ForwardStep(self.session.cache, list(self.session.tokens), 1, self)
+            return ForwardStep(self.session.cache, list(self.session.tokens), 1, self, self._argmax_vocab)
         session = self.opener.sessions.get(self.stream_id, self.owner)  # evicted only if the caller has gone
         self._undo_to = session.cache.get_seq_length()
-        return ForwardStep(session.cache, session.tokens[-1:], 1, self)
+        return ForwardStep(session.cache, session.tokens[-1:], 1, self, self._argmax_vocab)
+
+    @property
+    def _argmax_vocab(self) -> int:
+        return self.vocab if self.req.config.sampling.argmax_only else 0  # greedy: a token is the row's argmax
 
     def round_logits(self, logits: torch.Tensor) -> None:
         return None  # a target-only token: sampled here, not accepted

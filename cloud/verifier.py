@@ -127,7 +127,8 @@ class Verifier:
         opened = OpenSessionResult(
             session.session_id, len(session.tokens), self.limits.max_draft_tokens, vocab, 0.0, self.model_id
         )
-        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, _Prefill(self.sessions, session, opened, start))
+        prefill = _Prefill(self.sessions, session, opened, start)
+        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, prefill, argmax_vocab=vocab)  # its row is not read
 
     def begin_open_decode(
         self, req: OpenSessionRequest, session_id: str, owner: str = ""
@@ -146,7 +147,7 @@ class Verifier:
         first = VerifyRequest(session_id, len(session.tokens), [])
         position = len(session.tokens)
         token = _Round(self.sessions, self.engine, first, session, self.checks.vocab(session.config), prefill.start, position)
-        return ForwardStep(session.cache, list(req.prompt_tokens), 1, _OpenedRound(prefill, token))
+        return ForwardStep(session.cache, list(req.prompt_tokens), 1, _OpenedRound(prefill, token), token.argmax_vocab())
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
@@ -183,7 +184,7 @@ class Verifier:
         # Rows for the last committed token and each draft: k + 1 predictions.
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
         work = _Round(self.sessions, self.engine, req, session, self.checks.vocab(session.config), start, len(session.tokens))
-        return ForwardStep(session.cache, block, len(req.draft_tokens) + 1, work)
+        return ForwardStep(session.cache, block, len(req.draft_tokens) + 1, work, work.argmax_vocab())
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
@@ -248,6 +249,11 @@ class _Round:
     vocab: int
     start: float
     position: int  # the session's length when the round began
+
+    def argmax_vocab(self) -> int:
+        """The vocabulary whose argmax is all the round reads of its rows (greedy, no penalty, no
+        top-k asked), else 0: it reads the full distributions."""
+        return self.vocab if self.session.config.sampling.argmax_only and not self.req.want_top_k else 0
 
     def round_logits(self, logits: torch.Tensor) -> RoundLogits:
         req, config = self.req, self.session.config

@@ -6,6 +6,8 @@ cache that holds exactly the committed prefix keeps both sides aligned.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,6 +77,16 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "auto") 
         raise ConfigError(f"model folder {folder} has no config.json")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype))
     return model.to(resolve_device(device)).eval()  # type: ignore[arg-type]  # transformers stub types .to oddly
+
+
+def safetensors_parameters(folder: Path) -> int:
+    """A model folder's parameter count, read from its safetensors headers (no weights loaded)."""
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:

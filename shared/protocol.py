@@ -42,6 +42,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy without a penalty: a token is each row's argmax of the raw logits."""
+        return self.greedy and self.repetition_penalty == 1.0
+
 
 REOPEN_SEED_STRIDE = 1_000_003  # a session reopened n times is seeded seed + n * this
 

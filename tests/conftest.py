@@ -1,17 +1,25 @@
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from cloud.engine import ENGINES
 from edge.drafting.drafter import DraftLM
 from edge.drafting.runtime_transformers import TransformersDraftLM
-from tests.harness import TargetEngine, gguf_lm
-from tests.tiny_models import save_gguf, tiny_draft, tiny_target
+from tests.harness import TargetEngine, close_vllm_runtimes, gguf_lm
+from tests.tiny_models import save_gguf, save_model, tiny_draft, tiny_target, tiny_vllm_target
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread() -> None:
     # Tiny models run faster on one thread, and tests must not fight over the 2 cores.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_stopped() -> Iterator[None]:
+    yield
+    close_vllm_runtimes()
 
 
 @pytest.fixture(scope="session")
@@ -37,10 +45,14 @@ def draft_lm(request, draft_model) -> DraftLM:  # type: ignore[no-untyped-def]
     return TransformersDraftLM(draft_model)
 
 
-@pytest.fixture(scope="session", params=ENGINES)
+@pytest.fixture(scope="session", params=[pytest.param(e, marks=pytest.mark.vllm) if e == "vllm" else e for e in ENGINES])
 def target_engine(request, target_model, tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-def]
     """The tiny target in each verifier engine: call it for a fresh Engine. Session-scoped so that
-    module fixtures (a served verifier) can take it; every call builds a new Engine."""
+    module fixtures (a served verifier) can take it; every call builds a new Engine. vLLM runs
+    a tiny target of its own shape (its CPU attention needs heads of 64), from its own venv."""
+    if request.param == "vllm":
+        model = tiny_vllm_target()
+        return TargetEngine("vllm", model, folder=save_model(model, tmp_path_factory.mktemp("vllm") / "target"))
     if request.param == "llama.cpp":
         return TargetEngine("llama.cpp", target_model, save_gguf(target_model, tmp_path_factory.mktemp("gguf") / "target.gguf"))
     return TargetEngine("transformers", target_model)

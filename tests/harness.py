@@ -24,7 +24,7 @@ from edge.round.generate import GenerationConfig
 from edge.transport.client import VerifierClient
 from shared.protocol import AcceptMode, SamplingParams, SessionConfig
 from tests.ops import greedy_continuation
-from tests.tiny_models import save_gguf
+from tests.tiny_models import save_gguf, save_model, tiny_target, tiny_vllm_target
 
 GREEDY = SamplingParams()
 
@@ -38,15 +38,23 @@ class TargetEngine:
     name: EngineName
     model: PreTrainedModel
     gguf: Path | None = None  # the target written to an f32 GGUF (llama.cpp)
+    folder: Path | None = None  # the target as an HF folder (vLLM loads it in its own processes)
 
     def __call__(self) -> Engine:
         if self.gguf is not None:
             return LlamaCppEngine(self.gguf, threads=1, batch_tokens=512)
+        if self.folder is not None:
+            return vllm_engine(self.folder)
         return TransformersEngine(self.model)
 
+    def tiny_target(self, vocab: int) -> PreTrainedModel:
+        """A tiny target of another vocabulary, of the shape this engine runs."""
+        return tiny_vllm_target(vocab=vocab) if self.folder is not None else tiny_target(vocab=vocab)
+
     def of(self, model: PreTrainedModel, folder: Path) -> TargetEngine:
-        """Another transformers model in this engine (its GGUF written under `folder`)."""
-        return TargetEngine(self.name, model, None if self.gguf is None else save_gguf(model, folder / "target.gguf"))
+        """Another transformers model in this engine (its GGUF or HF folder written under `folder`)."""
+        gguf = None if self.gguf is None else save_gguf(model, folder / "target.gguf")
+        return TargetEngine(self.name, model, gguf, None if self.folder is None else save_model(model, folder / "target"))
 
     def as_draft(self) -> PreTrainedModel | DraftLM:
         """The target as the edge's runtime of this engine drafts with it (the edge's llama.cpp
@@ -58,12 +66,14 @@ class TargetEngine:
         the GGUF), and the flags that pick the engine."""
         if self.gguf is not None:
             return self.gguf, ("--engine", "llama.cpp")
+        if self.folder is not None:  # the checkpoint's shape is not one vLLM's CPU attention runs
+            return self.folder, ("--engine", "vllm", "--dtype", "float32", *VLLM_FLAGS)
         return checkpoint, ()
 
     def greedy_continuation(self, prompt: list[int], n: int) -> list[int]:
         """The engine's own greedy tokens after prompt, one forward per token, without a verifier
         (on transformers: through shared.lm, as tests.ops computes it)."""
-        if self.gguf is None:
+        if self.gguf is None and self.folder is None:
             return greedy_continuation(self.model, prompt, n)
         engine = self()
         context = len(prompt) + n
@@ -74,6 +84,29 @@ class TargetEngine:
             feed = [tokens[-1]]
         engine.free(kv)
         return tokens
+
+
+VLLM_CONTEXT = 1000  # under the tiny models' 1024 positions
+VLLM_FLAGS = ("--max-context-tokens", str(VLLM_CONTEXT), "--max-kv-bytes", str(64 << 20))
+_VLLM_RUNTIMES: dict[Path, Any] = {}
+
+
+def vllm_engine(folder: Path) -> Engine:
+    """A fresh vLLM Engine of the model in `folder`; its vLLM (seconds to start) is shared by
+    every engine of that folder in this test process, each session under its own cache salt."""
+    from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+
+    if folder not in _VLLM_RUNTIMES:
+        options = VllmOptions(str(folder), "float32", VLLM_CONTEXT, max_sessions=32, max_kv_bytes=64 << 20, enforce_eager=True)
+        _VLLM_RUNTIMES[folder] = VllmRuntime(options)
+    return VllmEngine(_VLLM_RUNTIMES[folder])
+
+
+def close_vllm_runtimes() -> None:
+    """Stop the shared vLLM processes (while the test run's logging still works)."""
+    for runtime in _VLLM_RUNTIMES.values():
+        runtime.close()
+    _VLLM_RUNTIMES.clear()
 
 
 def engine_of(target: PreTrainedModel | TargetEngine) -> Engine:

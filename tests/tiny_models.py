@@ -11,16 +11,18 @@ from tokenizers import Tokenizer, decoders, normalizers
 from tokenizers.models import BPE
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from bench.tiny_models import VOCAB, save_gguf, save_pair, tiny_draft, tiny_target, tiny_tokenizer
+from bench.tiny_models import VOCAB, save_gguf, save_model, save_pair, tiny_draft, tiny_target, tiny_tokenizer, tiny_vllm_target
 
 __all__ = [
     "VOCAB",
     "save_convertible_pair",
     "save_gguf",
+    "save_model",
     "save_pair",
     "tiny_draft",
     "tiny_target",
     "tiny_tokenizer",
+    "tiny_vllm_target",
 ]
 
 _PIECES = ["▁", "a", "b", "c", "d", "e", "▁a", "▁b", "▁c", "ab", "cd", "▁ab", "▁cd", "abcd", "▁abcd"]

@@ -2,7 +2,8 @@
 tokens, each after its own KV, and that KV's life (new, crop, free). Sessions, admission, the
 batcher, the wire and the accept rule see only this Protocol. transformers.py runs a
 transformers model (`--engine transformers`, the default: the reference); llamacpp.py runs the
-target's GGUF in llama.cpp (`--engine llama.cpp`). Another engine is one more module that
+target's GGUF in llama.cpp (`--engine llama.cpp`); vllm.py runs it in vLLM (`--engine vllm`,
+from its own venv: tools/vllm_env.sh). Another engine is one more module that
 implements Engine, and one more entry in ENGINES."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Literal, Protocol
 
 import torch
 
-EngineName = Literal["transformers", "llama.cpp"]
-ENGINES: tuple[EngineName, ...] = ("transformers", "llama.cpp")
+EngineName = Literal["transformers", "llama.cpp", "vllm"]
+ENGINES: tuple[EngineName, ...] = ("transformers", "llama.cpp", "vllm")
 
 
 class SessionKV(Protocol):
@@ -67,11 +68,19 @@ class Engine(Protocol):
         """Keep the first `length` positions (no-op when already shorter)."""
         ...
 
-    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
+    def forward(
+        self,
+        kvs: Sequence[SessionKV],
+        blocks: Sequence[Sequence[int]],
+        keeps: Sequence[int],
+        argmax_vocab: Sequence[int] = (),
+    ) -> list[torch.Tensor]:
         """ONE pass: each block after its KV (which gains the block's KV); per block its last
         keeps[i] rows of logits [keep, logits_width] (all rows when 0). A pass that raises leaves
         every KV as it was. A long prompt comes in several calls (chunked prefill), each block
-        after the KV the previous calls left."""
+        after the KV the previous calls left. argmax_vocab[i] > 0: the caller reads only each
+        row's argmax among the first argmax_vocab[i] ids, so the engine may return rows that
+        hold just enough of the largest logits for that (the rest -inf); 0: full rows."""
         ...
 
     def describe(self) -> dict[str, str]:

@@ -59,7 +59,13 @@ class TransformersEngine:
     def crop(self, kv: SessionKV, length: int) -> None:
         crop(_own(kv), length)
 
-    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
+    def forward(
+        self,
+        kvs: Sequence[SessionKV],
+        blocks: Sequence[Sequence[int]],
+        keeps: Sequence[int],
+        argmax_vocab: Sequence[int] = (),  # full rows are as cheap here
+    ) -> list[torch.Tensor]:
         return forward_packed(self.model, [_own(kv) for kv in kvs], blocks, keeps)
 
     def describe(self) -> dict[str, str]:

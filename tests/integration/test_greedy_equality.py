@@ -76,9 +76,7 @@ def test_stop_token_ends_generation(target_engine: TargetEngine, draft_model) ->
 def test_padded_target_vocabulary_is_masked(target_engine: TargetEngine, draft_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A target whose logits are wider than the shared vocabulary (padded embedding rows)
     must never emit the padding ids, and speculative still equals target-only."""
-    from tests.tiny_models import tiny_target
-
-    padded = tiny_target(vocab=104)
+    padded = target_engine.tiny_target(vocab=104)
     with torch.no_grad():
         padded.lm_head.weight[96:] = padded.lm_head.weight[:8] * 3  # padding rows that would win
 

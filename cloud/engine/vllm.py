@@ -1,0 +1,296 @@
+"""The vLLM engine: the target in vLLM (`--engine vllm`), which owns the KV as paged,
+prefix-cached blocks and batches every request of a pass itself.
+
+A session here is its token list and a cache salt of its own (sessions never share blocks).
+Feeding a block is one vLLM request for the session's tokens so far plus the block: the
+prefix cache serves the whole blocks it already holds, so only the tail (the session's last
+partial block and the new tokens) is computed. Crop shortens the list; free forgets it, and
+its blocks age out of vLLM's cache.
+
+Rows come back in one of two ways:
+- argmax rows (a step that reads only each row's argmax over a vocabulary: greedy without a
+  penalty): ONE request with prompt log-probabilities, whose rows hold the largest raw logits
+  (the rest -inf): TOP_ROWS of them, plus one for each id past that vocabulary (padded
+  embedding rows), so the argmax inside it is always among them. vLLM leaves the rows of
+  positions its cache served unset, so a request whose cache hit reaches a kept row runs
+  again without reading the cache.
+- full rows (every other step: sampling, penalties): one request per kept row, ending at
+  that row, asking for the raw logits of every token of its sampled row. They are the
+  model's own logits, so every accept mode reads exact distributions, at the price of one
+  request (a full sort of the vocabulary and its transfer) per row.
+
+vLLM's engine core runs in processes of its own (on a CPU: one for the scheduler, one for
+the model), started by VllmRuntime and stopped with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV
+from shared import lm
+from shared.errors import ConfigError, VerifierFault
+
+log = logging.getLogger("cloud-verifier")
+TOP_ROWS = 4  # raw logits an argmax row holds for a vocabulary of the model's full width
+CPU_BLOCK = 32  # vLLM's CPU attention wants blocks of a multiple of 32 tokens
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """What cloud-verifier passes to vLLM."""
+
+    model: str
+    dtype: str = "auto"
+    max_context_tokens: int = 32768
+    max_sessions: int = 64
+    max_kv_bytes: int = 0  # the KV's size on a CPU (0: vLLM's default)
+    block_size: int = 0  # 0: 32 on a CPU, vLLM's default on a GPU
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # no compiled graphs: a quicker start, slower steps
+    seed: int = 0
+
+
+class VllmRuntime:
+    """One vLLM engine (its engine-core processes) and the requests of one pass at a time.
+    Called from one thread at a time (the verifier's model worker)."""
+
+    def __init__(self, options: VllmOptions) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        cpu = not torch.cuda.is_available()
+        args = EngineArgs(
+            model=options.model,
+            dtype=options.dtype,
+            seed=options.seed,
+            max_model_len=options.max_context_tokens + 1,  # the context, and the one token a request samples
+            max_num_seqs=max(options.max_sessions, 1) * 2,
+            block_size=options.block_size or (CPU_BLOCK if cpu else None),
+            enable_prefix_caching=True,
+            tensor_parallel_size=options.tensor_parallel_size,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            kv_cache_memory_bytes=(options.max_kv_bytes or None) if cpu else None,
+            enforce_eager=options.enforce_eager,
+            max_logprobs=-1,  # full rows: every token's raw logit of a sampled row
+            logprobs_mode="raw_logits",  # the model's logits, before vLLM's own processors
+            disable_log_stats=True,
+        )
+        try:
+            self.llm: Any = LLMEngine.from_engine_args(args)
+        except Exception as err:  # vLLM's own config errors name the setting that failed
+            raise ConfigError(f"vLLM could not start on {options.model}: {str(err)[:300]}") from err
+        self.options = options
+        self.device = "cpu" if cpu else "cuda"
+        self._ids = itertools.count()
+        self._closer = weakref.finalize(self, _shutdown, self.llm)
+
+    def run(self, requests: Sequence[tuple[list[int], str, Any]]) -> list[Any]:
+        """Each (prompt tokens, cache salt, SamplingParams) as one request, all in flight
+        together; their finished outputs in order. On failure none is left running."""
+        from vllm import TokensPrompt
+
+        ids = [f"r{next(self._ids)}" for _ in requests]
+        done: dict[str, Any] = {}
+        try:
+            for request_id, (prompt, salt, params) in zip(ids, requests, strict=True):
+                self.llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
+            while len(done) < len(ids):
+                for output in self.llm.step():
+                    if output.finished:
+                        done[output.request_id] = output
+        except Exception as err:
+            self._abort([i for i in ids if i not in done])
+            raise VerifierFault(f"vLLM could not run the pass ({type(err).__name__})") from err
+        except BaseException:
+            self._abort([i for i in ids if i not in done])
+            raise
+        return [done[i] for i in ids]
+
+    def _abort(self, ids: list[str]) -> None:
+        try:
+            self.llm.abort_request(ids)
+        except Exception:
+            log.exception("vLLM could not abort the requests of a failed pass")
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _shutdown(llm: Any) -> None:
+    """Stop vLLM's engine-core processes (at exit too: a process that leaves them aborts)."""
+    try:
+        llm.engine_core.shutdown()
+    except Exception:
+        log.exception("vLLM did not shut down cleanly")
+
+
+@dataclass
+class VllmKV:
+    """One session as vLLM serves it: its tokens, and the salt that keeps its cached blocks
+    its own."""
+
+    salt: str = field(default_factory=lambda: uuid.uuid4().hex)
+    tokens: list[int] = field(default_factory=list)
+    released: bool = False
+
+    def get_seq_length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The requests of one step and where its rows come from."""
+
+    tokens: list[int]  # the session's tokens after this step
+    keep: int
+    top: int  # argmax rows: the largest logits each holds; 0: full rows (one request per row)
+
+    @property
+    def full(self) -> bool:
+        return self.top == 0
+
+
+class VllmEngine:
+    """A model served by a VllmRuntime; several engines may share one runtime (tests do)."""
+
+    name: EngineName = "vllm"
+
+    def __init__(self, runtime: VllmRuntime) -> None:
+        config = runtime.llm.model_config
+        self.runtime = runtime
+        self.logits_width = int(config.get_vocab_size())
+        width = torch.empty(0, dtype=config.dtype).element_size()
+        layers, heads = config.get_total_num_hidden_layers(), config.get_total_num_kv_heads()
+        self.kv_bytes_per_token = int(layers * 2 * heads * config.get_head_size() * width)
+        self.parameters = lm.safetensors_parameters(Path(config.model))  # vLLM does not report it
+        self.dtype = str(config.dtype).removeprefix("torch.")
+
+    def plan_kv(self, request: KVRequest) -> KVPlan:
+        """vLLM holds the KV (sized when it started): the context it serves and the cap asked."""
+        if request.layout != "packed":
+            raise ConfigError("--engine vllm keeps its own KV: --kv-layout slots is for the transformers engine")
+        context = min(request.max_context_tokens, self.runtime.options.max_context_tokens)
+        return KVPlan(context, request.max_kv_bytes)
+
+    def describe(self) -> dict[str, str]:
+        import vllm
+
+        return {"engine": self.name, "dtype": self.dtype, "device": self.runtime.device, "vllm": vllm.__version__}
+
+    # ---- a session's KV -----------------------------------------------------------------
+
+    def new_kv(self) -> VllmKV:
+        return VllmKV()
+
+    def free(self, kv: SessionKV) -> None:
+        kv = _own(kv)
+        kv.released = True
+        kv.tokens = []
+
+    def freed(self, kv: SessionKV) -> bool:
+        return _own(kv).released
+
+    def crop(self, kv: SessionKV, length: int) -> None:
+        del _own(kv).tokens[length:]
+
+    # ---- one batched pass -----------------------------------------------------------------
+
+    def forward(
+        self,
+        kvs: Sequence[SessionKV],
+        blocks: Sequence[Sequence[int]],
+        keeps: Sequence[int],
+        argmax_vocab: Sequence[int] = (),
+    ) -> list[torch.Tensor]:
+        """Every step's requests in flight together; per block its last keeps[i] rows [keep, V]
+        (all rows when 0). A session's tokens grow only when the whole pass succeeded."""
+        caches = [_own(kv) for kv in kvs]
+        vocabs = list(argmax_vocab) or [0] * len(caches)
+        steps = [
+            _Rows(kv.tokens + list(block), keep or len(block), self._top(vocab))
+            for kv, block, keep, vocab in zip(caches, blocks, keeps, vocabs, strict=True)
+        ]
+        requests = [(p, kv.salt, params) for kv, step in zip(caches, steps, strict=True) for p, params in _requests(step)]
+        outputs = self.runtime.run(requests)
+        outputs = self._rerun_unset_rows(caches, steps, requests, outputs)
+        rows, taken = [], 0
+        for step in steps:
+            count = step.keep if step.full else 1
+            rows.append(self._rows(step, outputs[taken : taken + count]))
+            taken += count
+        for kv, step in zip(caches, steps, strict=True):
+            kv.tokens = step.tokens
+        return rows
+
+    def _top(self, argmax_vocab: int) -> int:
+        """How many of a row's largest logits hold its argmax among the first argmax_vocab ids
+        (0: full rows)."""
+        return TOP_ROWS + max(0, self.logits_width - argmax_vocab) if argmax_vocab > 0 else 0
+
+    def _rerun_unset_rows(self, caches: list[VllmKV], steps: list[_Rows], requests: list[Any], outputs: list[Any]) -> list[Any]:
+        """An argmax request whose cache hit covered a kept row (vLLM leaves such rows unset),
+        again without reading the cache."""
+        again: dict[int, tuple[list[int], str, Any]] = {}
+        index = 0
+        for kv, step in zip(caches, steps, strict=True):
+            if not step.full and (outputs[index].num_cached_tokens or 0) > len(step.tokens) - step.keep:
+                [(prompt, params)] = _requests(step, read_cache=False)
+                again[index] = (prompt, kv.salt, params)
+            index += step.keep if step.full else 1
+        if not again:
+            return outputs
+        fresh = dict(zip(again, self.runtime.run(list(again.values())), strict=True))
+        return [fresh.get(i, out) for i, out in enumerate(outputs)]
+
+    def _rows(self, step: _Rows, outputs: list[Any]) -> torch.Tensor:
+        rows = torch.full((step.keep, self.logits_width), float("-inf"), dtype=torch.float32)
+        if step.full:
+            for row, output in zip(rows, outputs, strict=True):
+                _fill(row, output.outputs[0].logprobs, 0)
+            return rows
+        output = outputs[0]
+        first = len(step.tokens) - step.keep  # the token whose row is the first kept
+        for r in range(step.keep - 1):  # a prompt row: the distribution after token first + r
+            _fill(rows[r], output.prompt_logprobs, first + r + 1)
+        _fill(rows[-1], output.outputs[0].logprobs, 0)  # the last row: the sampled one
+        return rows
+
+
+def _requests(step: _Rows, read_cache: bool = True) -> list[tuple[list[int], Any]]:
+    """A step's requests: one per kept row (full rows), or one for all of them (argmax rows)."""
+    from vllm import SamplingParams
+
+    common: dict[str, Any] = dict(temperature=0.0, max_tokens=1, detokenize=False, flat_logprobs=True)
+    # vLLM skips the cache for requests with prompt log-probabilities unless told not to.
+    common["skip_reading_prefix_cache"] = not read_cache
+    if step.full:
+        params = SamplingParams(logprobs=-1, **common)
+        n = len(step.tokens)
+        return [(step.tokens[: i + 1], params) for i in range(n - step.keep, n)]
+    prompt_rows = step.top if step.keep > 1 else None
+    return [(step.tokens, SamplingParams(logprobs=step.top, prompt_logprobs=prompt_rows, **common))]
+
+
+def _fill(row: torch.Tensor, flat: Any, position: int) -> None:
+    """Write a FlatLogprobs position's (token, raw logit) pairs into a row."""
+    start, end = flat.start_indices[position], flat.end_indices[position]
+    if end <= start:
+        raise VerifierFault("vLLM returned an empty row of logits")
+    row[torch.tensor(flat.token_ids[start:end])] = torch.tensor(flat.logprobs[start:end], dtype=torch.float32)
+
+
+def _own(kv: SessionKV) -> VllmKV:
+    if not isinstance(kv, VllmKV):
+        raise TypeError(f"the vLLM engine holds no {type(kv).__name__}")
+    return kv
