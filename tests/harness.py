@@ -15,6 +15,7 @@ from cloud.engine import Engine, EngineName, KVRequest
 from cloud.engine.llamacpp import LlamaCppEngine
 from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
+from cloud.model_card import measure_decode_step
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.drafter import Drafter, DrafterConfig, DraftLM
@@ -24,7 +25,7 @@ from edge.round.generate import GenerationConfig
 from edge.transport.client import VerifierClient
 from shared.protocol import AcceptMode, SamplingParams, SessionConfig
 from tests.ops import greedy_continuation
-from tests.tiny_models import save_gguf, save_model, tiny_target, tiny_vllm_target
+from tests.tiny_models import save_gguf, save_model, tiny_draft, tiny_target, tiny_vllm_target
 
 GREEDY = SamplingParams()
 
@@ -46,6 +47,10 @@ class TargetEngine:
         if self.folder is not None:
             return vllm_engine(self.folder)
         return TransformersEngine(self.model)
+
+    def draft_model(self) -> PreTrainedModel:
+        """A draft of this target (the draft_model fixture's, for the shared tiny target)."""
+        return tiny_draft(self.model, noise=0.2)
 
     def tiny_target(self, vocab: int) -> PreTrainedModel:
         """A tiny target of another vocabulary, of the shape this engine runs."""
@@ -99,6 +104,7 @@ def vllm_engine(folder: Path) -> Engine:
     if folder not in _VLLM_RUNTIMES:
         options = VllmOptions(str(folder), "float32", VLLM_CONTEXT, max_sessions=32, max_kv_bytes=64 << 20, enforce_eager=True)
         _VLLM_RUNTIMES[folder] = VllmRuntime(options)
+        measure_decode_step(VllmEngine(_VLLM_RUNTIMES[folder]))  # its first passes take seconds, as the verifier's warm-up
     return VllmEngine(_VLLM_RUNTIMES[folder])
 
 

@@ -47,10 +47,11 @@ def _mean_batch(state: ServerState) -> float:
     )
 
 
-def test_concurrent_sessions_batched_equal_each_alone(target_engine: TargetEngine, draft_model) -> None:
+def test_concurrent_sessions_batched_equal_each_alone(target_engine: TargetEngine) -> None:
     """Four speculative edges and four cloud_only streams at once: their rounds and tokens
     are batched together, and each output equals the target alone, token for token."""
     cfg = gen_config(max_new_tokens=NEW_TOKENS)
+    draft_model = target_engine.draft_model()
 
     async def run() -> None:
         async with batching_verifier(target_engine, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
