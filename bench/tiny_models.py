@@ -50,10 +50,10 @@ def tiny_vllm_target(seed: int = 0, vocab: int = VOCAB) -> PreTrainedModel:
 
 
 def save_model(model: PreTrainedModel, path: Path) -> Path:
-    """A model and the tiny tokenizer as an HF folder."""
+    """A model and a tiny tokenizer of its vocabulary as an HF folder."""
     model.generation_config.eos_token_id = 1
     model.save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path
 
 

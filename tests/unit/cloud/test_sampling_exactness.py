@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from bench.tiny_models import random_llama
 from cloud.engine.transformers import TransformersEngine
 from cloud.verifier import Verifier
 from edge.drafting.drafter import Drafter, DrafterConfig
@@ -14,8 +15,8 @@ from edge.drafting.runtime_transformers import TransformersDraftLM
 from shared import lm
 from shared.protocol import AcceptMode, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
-from tests.harness import gguf_lm
-from tests.tiny_models import tiny_draft, tiny_target
+from tests.harness import gguf_lm, vllm_engine
+from tests.tiny_models import save_model, tiny_draft, tiny_target
 
 V = 8
 PROMPT = [3]
@@ -41,9 +42,9 @@ def _two_token_reference(target) -> torch.Tensor:  # type: ignore[no-untyped-def
     return torch.stack(rows).flatten()
 
 
-def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None, engine=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
     target, draft = pair
-    verifier = Verifier(TransformersEngine(target), "tiny")
+    verifier = Verifier(engine or TransformersEngine(target), "tiny")
     drafter_mode = AcceptMode.POINT if mode is AcceptMode.TOP1 else mode
     drafter = drafter or Drafter(TransformersDraftLM(draft), DrafterConfig(PARAMS, drafter_mode, V, draft_top_k=4), seed=123)
     counts = torch.zeros(V * V)
@@ -92,6 +93,21 @@ def test_approximate_modes_are_measurably_off(pair, mode: AcceptMode) -> None:
     joint = _two_token_reference(pair[0])
     counts = _sample_two_tokens(pair, mode, 2)
     assert _pvalue(counts, joint) < 1e-4
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("mode", "k"), [(AcceptMode.SPARSE, 2), (AcceptMode.POINT, 3)])
+def test_exact_modes_follow_target_on_vllm(mode: AcceptMode, k: int, tmp_path) -> None:
+    """The same on the vLLM engine, whose sampling rounds read full rows of raw logits."""
+    target = random_llama(4, vocab=V, hidden=128, mlp=256, layers=2, heads=2, kv_heads=1)  # heads vLLM's CPU attention runs
+    pair = target, tiny_draft(target, noise=1.5, seed=9)
+    joint = _two_token_reference(target)
+    assert joint.max() < 0.5  # a distribution with room to be wrong in
+    counts = _sample_two_tokens(pair, mode, k, engine=vllm_engine(save_model(target, tmp_path / "target")))
+    first, first_ref = counts.view(V, V).sum(dim=1), joint.view(V, V).sum(dim=1)
+    assert _pvalue(counts, joint) > 1e-3 and _pvalue(first, first_ref) > 1e-3
+    assert 0.5 * (first / TRIALS - first_ref).abs().sum() < 0.05
+    assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1
 
 
 def test_point_mode_with_ngram_drafts_follows_target(pair) -> None:
