@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 DEMO_ARGS ?= --max-new-tokens 96
 
-.PHONY: demo test lint proto install clean image
+.PHONY: demo test test-vllm lint proto install clean image
 
 # torch first, pinned (the CPU build on disk); llama-cpp-python built once for this CPU and cached.
 $(VENV)/.installed: pyproject.toml tools/build_llama_cpp.sh
@@ -27,6 +27,16 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+# The verifier on vLLM, from its own venv (vLLM pins its own transformers and FastAPI): the
+# tests marked vllm (`make test` deselects them). The venv takes about 4 minutes and 3.5 GB.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: pyproject.toml tools/vllm_env.sh tools/build_llama_cpp.sh
+	PYTHON=$(PYTHON) bash tools/vllm_env.sh $(VLLM_VENV)
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
+
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -43,4 +53,4 @@ image:
 	$(ENGINE) build -f deploy/Dockerfile -t specedge:$(TAG) $(BUILD_ARGS) .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

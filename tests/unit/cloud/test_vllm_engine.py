@@ -1,0 +1,101 @@
+"""The vLLM engine on a tiny random target: full rows equal transformers' logits for several
+sessions in one pass, argmax rows hold the argmax (also where vLLM's prefix cache served the
+kept positions), crop-and-continue, and a failed pass that changes nothing. Runs in the venv
+tools/vllm_env.sh builds (`make test-vllm`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cloud.engine import KVRequest
+from shared import lm
+from shared.errors import ConfigError, VerifierFault
+from tests.harness import vllm_engine
+from tests.tiny_models import save_model, tiny_vllm_target
+
+pytestmark = pytest.mark.vllm
+ATOL = 1e-4  # fp32 on both sides; vLLM's CPU attention sums in another order
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():  # type: ignore[no-untyped-def]
+    return tiny_vllm_target()
+
+
+@pytest.fixture(scope="module")
+def folder(target, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    return save_model(target, tmp_path_factory.mktemp("vllm") / "target")
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(2, 90, size=n).tolist()
+
+
+def test_full_rows_of_several_sessions_equal_transformers(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
+    engine = vllm_engine(folder)
+    prompts = [_tokens(1, 10), _tokens(2, 40), _tokens(3, 3)]
+    caches = [engine.new_kv() for _ in prompts]
+    refs = [lm.new_cache(target) for _ in prompts]
+    got = engine.forward(caches, prompts, [1, 0, 2])
+    for rows, ref, prompt, keep in zip(got, refs, prompts, [1, 0, 2], strict=True):
+        torch.testing.assert_close(rows, lm.forward(target, ref, prompt, keep), atol=ATOL, rtol=0)
+    assert [c.get_seq_length() for c in caches] == [10, 40, 3]
+    rounds = [_tokens(4, 5), _tokens(5, 1), _tokens(6, 4)]
+    got = engine.forward(caches, rounds, [5, 1, 4])
+    for rows, ref, block in zip(got, refs, rounds, strict=True):
+        torch.testing.assert_close(rows, lm.forward(target, ref, block, len(block)), atol=ATOL, rtol=0)
+    engine.crop(caches[0], 12)  # two of five accepted: the rest of the round goes
+    lm.crop(refs[0], 12)
+    expected = lm.forward(target, refs[0], [7, 8], 2)
+    torch.testing.assert_close(engine.forward([caches[0]], [[7, 8]], [2])[0], expected, atol=ATOL, rtol=0)
+
+
+def test_argmax_rows_hold_the_argmax_also_where_the_cache_served_them(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
+    engine = vllm_engine(folder)
+    tokens = _tokens(7, 70)  # two whole 32-token blocks and a part
+    reference = lm.forward(target, lm.new_cache(target), tokens).argmax(dim=-1)
+    kv = engine.new_kv()
+    rows = engine.forward([kv], [tokens], [0], [VOCAB])[0]
+    assert torch.equal(rows.argmax(dim=-1), reference)
+    assert int(torch.isfinite(rows).sum(dim=-1).max()) < VOCAB  # partial rows: the largest logits only
+    # The same tokens again after a crop: vLLM's cache holds both blocks, past the first kept row.
+    engine.crop(kv, 30)
+    rows = engine.forward([kv], [tokens[30:]], [40], [VOCAB])[0]
+    assert torch.equal(rows.argmax(dim=-1), reference[30:])
+    assert kv.get_seq_length() == 70
+
+
+def test_argmax_rows_of_a_narrower_vocabulary_hold_its_argmax(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
+    engine = vllm_engine(folder)
+    tokens = _tokens(8, 20)
+    logits = lm.forward(target, lm.new_cache(target), tokens, 5)
+    vocab = VOCAB - 40  # as if 40 padded ids were past the tokenizer's vocabulary
+    rows = engine.forward([engine.new_kv()], [tokens], [5], [vocab])[0]
+    assert torch.equal(rows[:, :vocab].argmax(dim=-1), logits[:, :vocab].argmax(dim=-1))
+
+
+def test_a_failed_pass_changes_nothing(folder: Path) -> None:
+    engine = vllm_engine(folder)
+    cache, other = engine.new_kv(), engine.new_kv()
+    engine.forward([cache], [_tokens(13, 8)], [1])
+    expected = engine.forward([cache], [[5]], [1])[0]
+    engine.crop(cache, 8)
+    with pytest.raises(VerifierFault):
+        engine.forward([cache, other], [[4], [10**6]], [1, 1])
+    assert cache.get_seq_length() == 8 and other.get_seq_length() == 0
+    torch.testing.assert_close(engine.forward([cache], [[5]], [1])[0], expected, atol=ATOL, rtol=0)
+    engine.free(cache)
+    assert engine.freed(cache) and cache.get_seq_length() == 0
+
+
+def test_limits_it_cannot_serve_are_one_line(folder: Path) -> None:
+    engine = vllm_engine(folder)
+    with pytest.raises(ConfigError, match="kv-layout slots"):
+        engine.plan_kv(KVRequest("slots", max_sessions=2, max_kv_bytes=1 << 30, max_context_tokens=64, slot_tokens=64))
+    plan = engine.plan_kv(KVRequest("packed", max_sessions=2, max_kv_bytes=1 << 30, max_context_tokens=1 << 20, slot_tokens=0))
+    assert plan.max_context_tokens == 1000  # what the vLLM engine was started for
