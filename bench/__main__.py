@@ -110,7 +110,7 @@ def settings_from(args: BenchFlags) -> BenchSettings:
     dtype = choose_dtype(args.dtype or ("float32" if args.quick else "auto"), lm.resolve_device("auto").type)
     if args.quick and (draft is None or target is None):
         # Tiny random models, rebuilt per run: seconds, and no download.
-        draft, target = save_pair(files / "tiny_models")
+        draft, target = save_pair(files / "tiny_models", vllm=args.engine == "vllm")
         if args.engine == "llama.cpp":
             from transformers import AutoModelForCausalLM
 
@@ -136,7 +136,19 @@ def settings_from(args: BenchFlags) -> BenchSettings:
         bandwidth_kbps=args.bandwidth_kbps,
         quick=args.quick,
         engine=args.engine,
+        verifier_python=_verifier_python(args),
     )
+
+
+def _verifier_python(args: BenchFlags) -> str:
+    if args.verifier_python is not None:
+        return str(args.verifier_python)
+    if args.engine != "vllm":
+        return sys.executable
+    python = REPO / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        raise ConfigError(f"--engine vllm runs the verifier from {python.parent.parent}: build it with tools/vllm_env.sh")
+    return str(python)
 
 
 def run(args: BenchFlags) -> int:

@@ -3,6 +3,7 @@ and the run's settings resolved from them (BenchSettings)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -51,15 +52,21 @@ class BenchFlags(BaseSettings):
     placement: Literal["unpinned", "pinned", "both"] | None = Field(
         None, description="pinned: verifier on core 0, edge on core 1, one thread each (taskset); default unpinned"
     )
-    engine: Literal["transformers", "llama.cpp"] = Field(
+    engine: Literal["transformers", "llama.cpp", "vllm"] = Field(
         "transformers",
-        description="the verifier's engine; llama.cpp serves the target folder's GGUF (the packaged target keeps one)",
+        description="the verifier's engine; llama.cpp serves the target folder's GGUF (the packaged target keeps one); "
+        "vllm runs the verifier under --verifier-python",
+    )
+    verifier_python: Path | None = Field(
+        None,
+        description="the interpreter cloud-verifier runs under (default: this one; --engine vllm: .venv-vllm/bin/python, "
+        "the venv tools/vllm_env.sh builds)",
     )
     draft_model: Path | None = Field(None, description="draft model folder (default: the packaged Qwen 0.5B)")
     target_model: Path | None = Field(None, description="target model folder (default: the packaged Qwen 1.5B)")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "what to run": ("systems", "variant", "quick", "draft_model", "target_model", "dtype", "engine"),
+        "what to run": ("systems", "variant", "quick", "draft_model", "target_model", "dtype", "engine", "verifier_python"),
         "prompts and sampling": ("prompts", "per_task", "max_new_tokens", "k", "temperature", "seed"),
         "links and placement": ("rtt_ms", "bandwidth_kbps", "pin", "placement"),
         "results": ("output", "report"),
@@ -86,6 +93,7 @@ class BenchSettings:
     bandwidth_kbps: float  # 0 = unlimited
     quick: bool
     engine: str = "transformers"  # the verifier's (cloud-verifier --engine)
+    verifier_python: str = sys.executable  # the interpreter cloud-verifier runs under
 
     @property
     def greedy(self) -> bool:
@@ -122,4 +130,5 @@ class BenchSettings:
             "bandwidth_kbps": self.bandwidth_kbps,
             "quick": self.quick,
             "engine": self.engine,
+            "verifier_python": self.verifier_python,
         }

@@ -188,7 +188,7 @@ class BenchRunner:
         s = self.s
         cmd = [
             *placement.prefix(placement.cloud_cores),
-            *_python(),
+            s.verifier_python,
             "-m",
             "cloud",
             "--port",

@@ -79,10 +79,10 @@ def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def save_pair(folder: Path, noise: float = 0.2) -> tuple[Path, Path]:
+def save_pair(folder: Path, noise: float = 0.2, vllm: bool = False) -> tuple[Path, Path]:
     """Save a tiny target and draft (with the tokenizer) as HF folders, and the draft as a GGUF
-    inside its folder; returns (draft, target)."""
-    target = tiny_target()
+    inside its folder; returns (draft, target). vllm: the target of tiny_vllm_target's shape."""
+    target = tiny_vllm_target() if vllm else tiny_target()
     draft = tiny_draft(target, noise)
     paths = folder / "draft", folder / "target"
     for model, path in zip((draft, target), paths, strict=True):

@@ -97,6 +97,7 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
         max_kv_bytes=settings.max_kv_bytes,
         tensor_parallel_size=settings.tensor_parallel_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        enforce_eager=settings.enforce_eager,
     )
     engine = VllmEngine(VllmRuntime(options))
     log_event(log, logging.INFO, f"vLLM on {folder}, {dtype.name} ({dtype.reason})", engine="vllm", dtype=dtype.name)

@@ -52,6 +52,9 @@ class VerifierSettings(BaseSettings):
     tensor_parallel_size: int = Field(
         1, ge=1, description="--engine vllm: GPUs one target is split over (a target larger than one GPU)"
     )
+    enforce_eager: bool = Field(
+        False, description="--engine vllm: no compiled graphs (starts in seconds where compiling takes minutes; slower steps)"
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="--engine vllm on a GPU: the share of each GPU's memory vLLM takes (weights and KV)"
     )

@@ -92,7 +92,7 @@ class TargetEngine:
 
 
 VLLM_CONTEXT = 1000  # under the tiny models' 1024 positions
-VLLM_FLAGS = ("--max-context-tokens", str(VLLM_CONTEXT), "--max-kv-bytes", str(64 << 20))
+VLLM_FLAGS = ("--max-context-tokens", str(VLLM_CONTEXT), "--max-kv-bytes", str(64 << 20), "--enforce-eager")
 _VLLM_RUNTIMES: dict[Path, Any] = {}
 
 

@@ -2,10 +2,15 @@
 (cloud/engine/): milliseconds per pass by new tokens (one session after `--context` tokens),
 the prefill of `--context` tokens, and sessions batched (each with `--batch-new` new tokens).
 Every engine is measured in the same run, side by side, after a warm-up; each figure is the
-median of `--repeats` passes, the KV cropped back after each.
+median of `--repeats` passes, the KV cropped back after each, each pass on fresh tokens (as a
+round's drafts are: vLLM's prefix cache must not serve them).
+
+vLLM (`--engines ...,vllm`, run from the venv tools/vllm_env.sh builds) is measured twice: with
+argmax rows (a greedy round) and full rows (a sampling round), and its own decoding of one
+request is timed beside them (ms per token of a 33-token greedy generation after the context).
 
     python -m bench.studies.engine_pass_timing --target FOLDER [--gguf FILE] \\
-        [--dtypes float32,bfloat16] [--threads 2] [--out docs/engine_pass_timing]
+        [--engines transformers,llama.cpp] [--dtypes float32,bfloat16] [--threads 2] [--out docs/engine_pass_timing]
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,9 +38,10 @@ from shared.cli import settings_from_args
 class PassTimingSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_PASS_TIMING_")
 
-    target: Path = Field(description="the target's HF folder (the transformers engine)")
+    target: Path = Field(description="the target's HF folder (the transformers and vLLM engines)")
+    engines: str = Field("transformers,llama.cpp", description="comma-separated: transformers, llama.cpp, vllm")
     gguf: Path | None = Field(None, description="the target's GGUF (the llama.cpp engine; default: the folder's .gguf)")
-    dtypes: str = Field("float32,bfloat16", description="transformers dtypes to measure, comma-separated")
+    dtypes: str = Field("float32,bfloat16", description="transformers and vLLM dtypes to measure, comma-separated")
     threads: int = Field(2, ge=1, description="CPU threads of every engine")
     context: int = Field(256, ge=1, description="tokens of context before each pass")
     new_tokens: str = Field("1,2,5,8", description="new tokens per pass, comma-separated")
@@ -42,26 +51,49 @@ class PassTimingSettings(BaseSettings):
     out: Path = Field(Path("docs/engine_pass_timing"), description="folder for the JSON result and report.md")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "engines": ("target", "gguf", "dtypes", "threads"),
+        "engines": ("target", "engines", "gguf", "dtypes", "threads"),
         "passes": ("context", "new_tokens", "sessions", "batch_new", "repeats"),
         "output": ("out",),
     }
 
 
-def _engines(args: PassTimingSettings, max_sessions: int) -> list[tuple[str, Engine]]:
-    from cloud.engine.llamacpp import LlamaCppEngine, target_gguf
-    from cloud.engine.transformers import TransformersEngine
+@dataclass(frozen=True)
+class Measured:
+    """One engine as measured: its name in the report, and the rows its passes ask for."""
+
+    name: str
+    engine: Engine
+    argmax_vocab: int = 0  # > 0: argmax rows (a greedy round), else full rows
+
+
+def _engines(args: PassTimingSettings, max_sessions: int) -> list[Measured]:
     from shared import lm
 
     torch.set_num_threads(args.threads)
-    engines: list[tuple[str, Engine]] = []
-    for dtype in filter(None, args.dtypes.split(",")):
-        engines.append((f"transformers {dtype}", TransformersEngine(lm.load_model(str(args.target), dtype, "cpu"))))
-    gguf = args.gguf or target_gguf(args.target)
-    engines.append((f"llama.cpp {gguf.name}", LlamaCppEngine(gguf, threads=args.threads)))
+    names = set(filter(None, args.engines.split(",")))
+    dtypes = list(filter(None, args.dtypes.split(",")))
+    engines: list[Measured] = []
     context = args.context + max(int(n) for n in args.new_tokens.split(",")) + args.batch_new
-    for _, engine in engines:
-        engine.plan_kv(KVRequest("packed", max_sessions, 1 << 40, context, 0))
+    if "transformers" in names:
+        from cloud.engine.transformers import TransformersEngine
+
+        for dtype in dtypes:
+            engines.append(Measured(f"transformers {dtype}", TransformersEngine(lm.load_model(str(args.target), dtype, "cpu"))))
+    if "llama.cpp" in names:
+        from cloud.engine.llamacpp import LlamaCppEngine, target_gguf
+
+        gguf = args.gguf or target_gguf(args.target)
+        engines.append(Measured(f"llama.cpp {gguf.name}", LlamaCppEngine(gguf, threads=args.threads)))
+    if "vllm" in names:
+        from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+
+        for dtype in dtypes:
+            options = VllmOptions(str(args.target), dtype, context + 64, max_sessions=max_sessions, max_kv_bytes=4 << 30)
+            vllm = VllmEngine(VllmRuntime(options))
+            engines.append(Measured(f"vllm {dtype}, argmax rows", vllm, vllm.logits_width))
+            engines.append(Measured(f"vllm {dtype}, full rows", vllm))
+    for measured in engines:
+        measured.engine.plan_kv(KVRequest("packed", max_sessions, 1 << 40, context, 0))
     return engines
 
 
@@ -69,42 +101,66 @@ def _median_ms(passes: list[float]) -> float:
     return round(statistics.median(passes) * 1000.0, 1)
 
 
-def _time_pass(engine: Engine, kvs: list[Any], blocks: list[list[int]], repeats: int) -> float:
-    """The median time of one pass feeding `blocks` after `kvs`, cropped back after each."""
+def _time_pass(measured: Measured, kvs: list[Any], blocks: Callable[[], list[list[int]]], repeats: int) -> float:
+    """The median time of one pass feeding fresh `blocks()` after `kvs`, cropped back after each."""
     lengths = [kv.get_seq_length() for kv in kvs]
     times = []
     for _ in range(repeats + 1):  # the first pass warms up
+        fed = blocks()
         start = time.perf_counter()
-        engine.forward(kvs, blocks, [len(b) for b in blocks])
+        measured.engine.forward(kvs, fed, [len(b) for b in fed], [measured.argmax_vocab] * len(fed))
         times.append(time.perf_counter() - start)
         for kv, length in zip(kvs, lengths, strict=True):
-            engine.crop(kv, length)
+            measured.engine.crop(kv, length)
     return _median_ms(times[1:])
 
 
-def measure(engine: Engine, args: PassTimingSettings, vocab: int) -> dict[str, Any]:
+def measure(measured: Measured, args: PassTimingSettings, vocab: int) -> dict[str, Any]:
+    engine = measured.engine
     gen = torch.Generator().manual_seed(0)
     low = min(100, vocab // 2)  # past the special tokens of a real vocabulary
 
     def tokens(n: int) -> list[int]:
         return torch.randint(low, vocab, (n,), generator=gen).tolist()
 
-    counts = [int(n) for n in args.sessions.split(",")]
+    counts, news = [int(n) for n in args.sessions.split(",")], args.new_tokens.split(",")
     kvs = [engine.new_kv() for _ in range(max(counts))]
     try:
         prefill = []
         for kv in kvs:
             start = time.perf_counter()
-            engine.forward([kv], [tokens(args.context)], [1])
+            engine.forward([kv], [tokens(args.context)], [1], [measured.argmax_vocab])
             prefill.append(time.perf_counter() - start)
-        by_new = {n: _time_pass(engine, kvs[:1], [tokens(int(n))], args.repeats) for n in args.new_tokens.split(",")}
+        by_new = {n: _time_pass(measured, kvs[:1], partial(_blocks, tokens, 1, int(n)), args.repeats) for n in news}
         by_sessions = {
-            str(s): _time_pass(engine, kvs[:s], [tokens(args.batch_new) for _ in range(s)], args.repeats) for s in counts
+            str(s): _time_pass(measured, kvs[:s], partial(_blocks, tokens, s, args.batch_new), args.repeats) for s in counts
         }
+        row: dict[str, Any] = {"prefill_ms": _median_ms(prefill), "ms_by_new_tokens": by_new, "ms_by_sessions": by_sessions}
+        if measured.argmax_vocab and hasattr(engine, "runtime"):
+            row["native_decode_ms"] = _native_decode_ms(engine.runtime, tokens(args.context))
     finally:
         for kv in kvs:
             engine.free(kv)
-    return {"prefill_ms": _median_ms(prefill), "ms_by_new_tokens": by_new, "ms_by_sessions": by_sessions}
+    return row
+
+
+def _blocks(tokens: Callable[[int], list[int]], sessions: int, new: int) -> list[list[int]]:
+    return [tokens(new) for _ in range(sessions)]
+
+
+def _native_decode_ms(runtime: Any, prompt: list[int], new: int = 33) -> float:
+    """vLLM decoding one request on its own: ms per token after the first (its KV stays put)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
+    runtime.llm.add_request("native-decode", TokensPrompt(prompt_token_ids=prompt), params)
+    arrivals, produced = [], 0
+    while runtime.llm.has_unfinished_requests():
+        for output in runtime.llm.step():
+            if len(output.outputs[0].token_ids) > produced:
+                produced = len(output.outputs[0].token_ids)
+                arrivals.append(time.perf_counter())
+    return round((arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1000.0, 1)
 
 
 def _report(result: dict[str, Any]) -> str:
@@ -120,14 +176,15 @@ def _report(result: dict[str, Any]) -> str:
         + " | ".join(f"{n} new" for n in new)
         + f" | prefill {result['context']} | "
         + " | ".join(f"{s} x {result['batch_new']}" for s in sessions)
-        + " | 5 new / 1 new |",
-        "|---" * (len(new) + len(sessions) + 3) + "|",
+        + " | 5 new / 1 new | own decoding, ms/token |",
+        "|---" * (len(new) + len(sessions) + 4) + "|",
     ]
     for name, row in result["engines"].items():
         by_new, by_s = row["ms_by_new_tokens"], row["ms_by_sessions"]
         ratio = by_new.get("5", 0) / by_new["1"] if "5" in by_new else float("nan")
         cells = [f"{by_new[n]:.0f}" for n in new] + [f"{row['prefill_ms']:.0f}"] + [f"{by_s[s]:.0f}" for s in sessions]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+        native = f"{row['native_decode_ms']:.0f}" if "native_decode_ms" in row else "–"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x | {native} |")
     return "\n".join(lines) + "\n\nms per pass. Command: `" + result["provenance"]["command"] + "`\n"
 
 
@@ -136,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     args = settings_from_args(PassTimingSettings, parser.parse_args(argv))
     counts = [int(n) for n in args.sessions.split(",")]
     engines = _engines(args, max(counts))
-    vocab = min(engine.logits_width for _, engine in engines)
+    vocab = min(m.engine.logits_width for m in engines)
     command = "python -m bench.studies.engine_pass_timing " + " ".join(argv if argv is not None else sys.argv[1:])
     result: dict[str, Any] = {
         "provenance": provenance(command),
@@ -144,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_new": args.batch_new,
         "repeats": args.repeats,
         "threads": args.threads,
-        "engines": {name: measure(engine, args, vocab) for name, engine in engines},
+        "engines": {m.name: measure(m, args, vocab) for m in engines},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "engine_pass_timing.json").write_text(json.dumps(result, indent=2) + "\n")
