@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
+
+from shared.protocol import GenerateRequest
 
 EngineName = Literal["transformers", "llama.cpp", "vllm"]
 ENGINES: tuple[EngineName, ...] = ("transformers", "llama.cpp", "vllm")
@@ -85,4 +87,15 @@ class Engine(Protocol):
 
     def describe(self) -> dict[str, str]:
         """What /healthz reports of it: the engine, its dtype and device."""
+        ...
+
+
+@runtime_checkable
+class OwnDecoding(Protocol):
+    """An engine that decodes a Generate stream with its own loop (vLLM's continuous batching)
+    instead of one pass per token: once a stream's KV is handed over, each pass over that KV
+    returns a row whose only finite entry is the next token the engine decoded."""
+
+    def decode_on_its_own(self, kv: SessionKV, req: GenerateRequest, vocab: int) -> None:
+        """Before its first pass: kv's passes follow req (sampling, seed, stops, length)."""
         ...

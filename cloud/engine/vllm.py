@@ -39,6 +39,7 @@ import torch
 from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV
 from shared import lm
 from shared.errors import ConfigError, VerifierFault
+from shared.protocol import GenerateRequest
 
 log = logging.getLogger("cloud-verifier")
 TOP_ROWS = 4  # raw logits an argmax row holds for a vocabulary of the model's full width
@@ -93,31 +94,60 @@ class VllmRuntime:
         self.options = options
         self.device = "cpu" if cpu else "cuda"
         self._ids = itertools.count()
+        self._pending: set[str] = set()  # requests of the pass in flight
+        self._done: dict[str, Any] = {}  # their outputs, until the pass takes them
+        self._streams: dict[str, Stream] = {}  # requests vLLM decodes on its own (Generate)
         self._closer = weakref.finalize(self, _shutdown, self.llm)
 
-    def run(self, requests: Sequence[tuple[list[int], str, Any]]) -> list[Any]:
+    def run(self, requests: Sequence[tuple[list[int], str, Any]], streams: Sequence[tuple[Stream, int]] = ()) -> list[Any]:
         """Each (prompt tokens, cache salt, SamplingParams) as one request, all in flight
-        together; their finished outputs in order. On failure none is left running."""
+        together, until each has finished and each (stream, n) has decoded n tokens (or
+        ended); the requests' outputs in order. On failure none of them is left running."""
         from vllm import TokensPrompt
 
         ids = [f"r{next(self._ids)}" for _ in requests]
-        done: dict[str, Any] = {}
         try:
             for request_id, (prompt, salt, params) in zip(ids, requests, strict=True):
+                self._pending.add(request_id)
                 self.llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
-            while len(done) < len(ids):
-                for output in self.llm.step():
-                    if output.finished:
-                        done[output.request_id] = output
+            while any(i in self._pending for i in ids) or any(len(s.tokens) < n and not s.ended for s, n in streams):
+                self._step()
         except Exception as err:
-            self._abort([i for i in ids if i not in done])
+            self._abort([i for i in ids if i in self._pending])
             raise VerifierFault(f"vLLM could not run the pass ({type(err).__name__})") from err
         except BaseException:
-            self._abort([i for i in ids if i not in done])
+            self._abort([i for i in ids if i in self._pending])
             raise
-        return [done[i] for i in ids]
+        return [self._done.pop(i) for i in ids]
+
+    def start_stream(self, prompt: list[int], salt: str, params: Any) -> Stream:
+        """A request vLLM decodes on its own, its tokens collected as the passes step vLLM."""
+        from vllm import TokensPrompt
+
+        stream = Stream(f"s{next(self._ids)}")
+        try:
+            self.llm.add_request(stream.request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
+        except Exception as err:
+            raise VerifierFault(f"vLLM could not start the stream ({type(err).__name__})") from err
+        self._streams[stream.request_id] = stream
+        return stream
+
+    def end_stream(self, stream: Stream) -> None:
+        if self._streams.pop(stream.request_id, None) is not None and not stream.ended:
+            self._abort([stream.request_id])
+
+    def _step(self) -> None:
+        for output in self.llm.step():
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.tokens = list(output.outputs[0].token_ids)  # cumulative
+                stream.ended = output.finished
+            elif output.finished and output.request_id in self._pending:
+                self._pending.discard(output.request_id)
+                self._done[output.request_id] = output
 
     def _abort(self, ids: list[str]) -> None:
+        self._pending.difference_update(ids)
         try:
             self.llm.abort_request(ids)
         except Exception:
@@ -136,6 +166,24 @@ def _shutdown(llm: Any) -> None:
 
 
 @dataclass
+class Stream:
+    """A Generate stream vLLM decodes on its own: the tokens it decoded so far."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    ended: bool = False
+
+
+@dataclass
+class OwnDecoding:
+    """A session whose passes read vLLM's own decoding: its prompt and sampling."""
+
+    prompt_length: int
+    params: Any  # vllm.SamplingParams
+    stream: Stream | None = None  # started by the pass that completes the prompt
+
+
+@dataclass
 class VllmKV:
     """One session as vLLM serves it: its tokens, and the salt that keeps its cached blocks
     its own."""
@@ -143,9 +191,18 @@ class VllmKV:
     salt: str = field(default_factory=lambda: uuid.uuid4().hex)
     tokens: list[int] = field(default_factory=list)
     released: bool = False
+    own: OwnDecoding | None = None  # a Generate stream vLLM decodes
 
     def get_seq_length(self) -> int:
         return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    """A step's token in a stream vLLM decodes: the stream, and the token's index in it."""
+
+    stream: Stream
+    index: int
 
 
 @dataclass(frozen=True)
@@ -197,6 +254,27 @@ class VllmEngine:
         kv = _own(kv)
         kv.released = True
         kv.tokens = []
+        if kv.own is not None and kv.own.stream is not None:
+            self.runtime.end_stream(kv.own.stream)
+
+    def decode_on_its_own(self, kv: SessionKV, req: GenerateRequest, vocab: int) -> None:
+        """A Generate stream becomes one vLLM request of req.max_new_tokens, decoded and sampled
+        by vLLM (seeded by the session's seed), started by the pass that completes its prompt."""
+        from vllm import SamplingParams
+
+        sampling = req.config.sampling
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            repetition_penalty=sampling.repetition_penalty,
+            seed=None if sampling.greedy else req.config.seed,
+            max_tokens=req.max_new_tokens,
+            ignore_eos=True,  # the stream ends at its own stop tokens (closing it ends the request)
+            detokenize=False,
+            allowed_token_ids=list(range(vocab)) if vocab < self.logits_width else None,
+        )
+        _own(kv).own = OwnDecoding(len(req.prompt_tokens), params)
 
     def freed(self, kv: SessionKV) -> bool:
         return _own(kv).released
@@ -221,29 +299,55 @@ class VllmEngine:
             _Rows(kv.tokens + list(block), keep or len(block), self._top(vocab))
             for kv, block, keep, vocab in zip(caches, blocks, keeps, vocabs, strict=True)
         ]
-        requests = [(p, kv.salt, params) for kv, step in zip(caches, steps, strict=True) for p, params in _requests(step)]
-        outputs = self.runtime.run(requests)
-        outputs = self._rerun_unset_rows(caches, steps, requests, outputs)
-        rows, taken = [], 0
-        for step in steps:
-            count = step.keep if step.full else 1
-            rows.append(self._rows(step, outputs[taken : taken + count]))
-            taken += count
+        decoded = [self._decoded(kv, step) for kv, step in zip(caches, steps, strict=True)]
+        asked = [(kv, step) for kv, step, by_vllm in zip(caches, steps, decoded, strict=True) if by_vllm is None]
+        requests = [(p, kv.salt, params) for kv, step in asked for p, params in _requests(step)]
+        waits = [(by_vllm.stream, by_vllm.index + 1) for by_vllm in decoded if by_vllm is not None]
+        outputs = iter(self._rerun_unset_rows(asked, requests, self.runtime.run(requests, waits)))
+        rows = []
+        for step, by_vllm in zip(steps, decoded, strict=True):
+            if by_vllm is not None:
+                rows.append(self._decoded_row(step, by_vllm))
+            else:
+                rows.append(self._rows(step, [next(outputs) for _ in range(step.keep if step.full else 1)]))
         for kv, step in zip(caches, steps, strict=True):
             kv.tokens = step.tokens
         return rows
+
+    def _decoded(self, kv: VllmKV, step: _Rows) -> _Decoded | None:
+        """Where a step of a stream vLLM decodes finds its token (None: the step is a request
+        of its own: not such a stream, or a chunk of its prompt)."""
+        own = kv.own
+        if own is None or len(step.tokens) < own.prompt_length:
+            return None
+        if step.keep != 1:
+            raise VerifierFault("a stream vLLM decodes reads one row a pass")
+        if own.stream is None:
+            own.stream = self.runtime.start_stream(step.tokens, kv.salt, own.params)
+        return _Decoded(own.stream, len(step.tokens) - own.prompt_length)
+
+    def _decoded_row(self, step: _Rows, decoded: _Decoded) -> torch.Tensor:
+        """The row of the token vLLM decoded after the step's tokens: 0 there, -inf elsewhere."""
+        stream, index = decoded.stream, decoded.index
+        if len(stream.tokens) <= index:
+            raise VerifierFault("vLLM ended the stream before its last token")
+        if index > 0 and stream.tokens[index - 1] != step.tokens[-1]:
+            raise VerifierFault("the stream fed a token vLLM did not decode")
+        row = torch.full((1, self.logits_width), float("-inf"), dtype=torch.float32)
+        row[0, stream.tokens[index]] = 0.0
+        return row
 
     def _top(self, argmax_vocab: int) -> int:
         """How many of a row's largest logits hold its argmax among the first argmax_vocab ids
         (0: full rows)."""
         return TOP_ROWS + max(0, self.logits_width - argmax_vocab) if argmax_vocab > 0 else 0
 
-    def _rerun_unset_rows(self, caches: list[VllmKV], steps: list[_Rows], requests: list[Any], outputs: list[Any]) -> list[Any]:
+    def _rerun_unset_rows(self, asked: list[tuple[VllmKV, _Rows]], requests: list[Any], outputs: list[Any]) -> list[Any]:
         """An argmax request whose cache hit covered a kept row (vLLM leaves such rows unset),
         again without reading the cache."""
         again: dict[int, tuple[list[int], str, Any]] = {}
         index = 0
-        for kv, step in zip(caches, steps, strict=True):
+        for kv, step in asked:
             if not step.full and (outputs[index].num_cached_tokens or 0) > len(step.tokens) - step.keep:
                 [(prompt, params)] = _requests(step, read_cache=False)
                 again[index] = (prompt, kv.salt, params)

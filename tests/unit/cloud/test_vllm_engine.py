@@ -1,7 +1,7 @@
 """The vLLM engine on a tiny random target: full rows equal transformers' logits for several
 sessions in one pass, argmax rows hold the argmax (also where vLLM's prefix cache served the
-kept positions), crop-and-continue, and a failed pass that changes nothing. Runs in the venv
-tools/vllm_env.sh builds (`make test-vllm`)."""
+kept positions), crop-and-continue, a failed pass that changes nothing, and Generate streams
+read from vLLM's own decoding. Runs in the venv tools/vllm_env.sh builds (`make test-vllm`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import torch
 from cloud.engine import KVRequest
 from shared import lm
 from shared.errors import ConfigError, VerifierFault
+from shared.protocol import GenerateRequest, SessionConfig
 from tests.harness import vllm_engine
+from tests.ops import greedy_continuation
 from tests.tiny_models import save_model, tiny_vllm_target
 
 pytestmark = pytest.mark.vllm
@@ -99,3 +101,27 @@ def test_limits_it_cannot_serve_are_one_line(folder: Path) -> None:
         engine.plan_kv(KVRequest("slots", max_sessions=2, max_kv_bytes=1 << 30, max_context_tokens=64, slot_tokens=64))
     plan = engine.plan_kv(KVRequest("packed", max_sessions=2, max_kv_bytes=1 << 30, max_context_tokens=1 << 20, slot_tokens=0))
     assert plan.max_context_tokens == 1000  # what the vLLM engine was started for
+
+
+def test_a_generate_stream_reads_vllms_own_decoding(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
+    """Greedy: the tokens vLLM decodes on its own are the target's greedy continuation; the
+    prompt may come in chunks; a crop re-reads the same token; freeing ends the request."""
+    engine = vllm_engine(folder)
+    prompt = _tokens(14, 40)
+    expected = greedy_continuation(target, prompt, 6)
+    kv = engine.new_kv()
+    engine.decode_on_its_own(kv, GenerateRequest(prompt, SessionConfig(vocab_size=VOCAB), 6), VOCAB)
+    engine.forward([kv], [prompt[:25]], [1], [VOCAB])  # a chunk of the prompt: a request of its own
+    tokens = [int(engine.forward([kv], [prompt[25:]], [1], [VOCAB])[0].argmax())]
+    engine.crop(kv, len(prompt) - 1)  # a failed step is undone: the same token again
+    assert int(engine.forward([kv], [prompt[-1:]], [1], [VOCAB])[0].argmax()) == tokens[0]
+    while len(tokens) < 6:
+        row = engine.forward([kv], [tokens[-1:]], [1], [VOCAB])[0]
+        assert int(torch.isfinite(row).sum()) == 1
+        tokens.append(int(row.argmax()))
+    assert tokens == expected
+    with pytest.raises(VerifierFault, match="before its last token"):  # it decoded max_new_tokens
+        engine.forward([kv], [tokens[-1:]], [1], [VOCAB])
+    stream = kv.own.stream
+    engine.free(kv)
+    assert stream.request_id not in engine.runtime._streams
