@@ -13,7 +13,7 @@ from edge.drafting.drafter import Drafter, DrafterConfig
 from edge.drafting.ngram import NGramDrafter, NGramStore
 from edge.drafting.runtime_transformers import TransformersDraftLM
 from shared import lm
-from shared.protocol import AcceptMode, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
+from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 from tests.harness import gguf_lm, vllm_engine
 from tests.tiny_models import save_model, tiny_draft, tiny_target
@@ -107,6 +107,21 @@ def test_exact_modes_follow_target_on_vllm(mode: AcceptMode, k: int, tmp_path) -
     first, first_ref = counts.view(V, V).sum(dim=1), joint.view(V, V).sum(dim=1)
     assert _pvalue(counts, joint) > 1e-3 and _pvalue(first, first_ref) > 1e-3
     assert 0.5 * (first / TRIALS - first_ref).abs().sum() < 0.05
+    assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1
+
+
+@pytest.mark.vllm
+def test_generate_on_vllm_follows_target(tmp_path) -> None:
+    """cloud_only on the vLLM engine is vLLM's own sampling, seeded per session."""
+    target = random_llama(4, vocab=V, hidden=128, mlp=256, layers=2, heads=2, kv_heads=1)
+    joint = _two_token_reference(target)
+    verifier = Verifier(vllm_engine(save_model(target, tmp_path / "target")), "tiny")
+    counts = torch.zeros(V * V)
+    for trial in range(TRIALS):
+        chunks = verifier.generate(GenerateRequest(PROMPT, SessionConfig(PARAMS, trial, vocab_size=V), 2))
+        first, second = [t for chunk in chunks for t in chunk.tokens]
+        counts[first * V + second] += 1
+    assert _pvalue(counts, joint) > 1e-3
     assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1
 
 
