@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the verifier's figures with the target's real shapes, in bf16.
-#   1. per-round batched pass time, packed against slot KV, 1/4/8/16 sessions x 1k/4k context;
+#   1. per-round batched pass time, packed against slot KV, 1/4/8/16 sessions x 1k/4k context
+#      (the transformers engine), and with --engine vllm the same passes on vLLM beside its own
+#      decoding (bench.studies.engine_pass_timing);
 #   2. the capacity search (python -m bench.loadtest --find-capacity), speculative against cloud_only, with the
-#      verifier on the GPU and the recorded sessions replayed from the machine's CPU cores.
+#      verifier on the GPU (on --engine) and the recorded sessions replayed from the machine's CPU cores.
 # The model is CONFIG_DIR's architecture with random weights (bench/random_weights.py) and the
 # shipped Qwen traces are rewritten for it round for round (bench/retarget_traces.py), so each
 # round accepts what the recorded pair accepted.
 #
-#   tools/gpu_capacity.sh CONFIG_DIR OUT_DIR [SLO_ITL_P95_MS] [MAX_SESSIONS] [STEP_S]
+#   tools/gpu_capacity.sh [--engine transformers|vllm] CONFIG_DIR OUT_DIR [SLO_ITL_P95_MS] [MAX_SESSIONS] [STEP_S]
+#
+# --engine vllm runs the verifier and its study under VLLM_PYTHON (default .venv-vllm/bin/python,
+# the venv tools/vllm_env.sh builds: on a CUDA box it installs vllm itself); TP=N splits the
+# target over N GPUs (--tensor-parallel-size), GPU_MEMORY=0.85 is vLLM's share of each GPU.
 set -euo pipefail
+engine=transformers
+if [ "${1:-}" = --engine ]; then engine=$2; shift 2; fi
 config_dir=$1 out=$2 slo=${3:-2500} max_sessions=${4:-256} step_s=${5:-15}
 py=${PYTHON:-python3}
+vpy=${VLLM_PYTHON:-.venv-vllm/bin/python}
 port=${PORT:-50071} http_port=${HTTP_PORT:-8091}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv"
@@ -18,13 +27,23 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 $py -m bench.random_weights --config-dir "$config_dir" --out "$out/model" --device cuda --dtype bfloat16
 $py -m bench.studies.kv_layout_timing --model "$out/model" --device cuda --dtype bfloat16 --sessions 1,4,8,16 \
     --contexts 1024,4096 --rounds 10 --output "$out/kv_layout.json"
+if [ "$engine" = vllm ]; then
+    $vpy -m bench.studies.engine_pass_timing --target "$out/model" --engines vllm --dtypes bfloat16 \
+        --context 1024 --sessions 1,4,8,16 --out "$out/vllm_pass_timing"
+fi
 $py -m bench.retarget_traces --traces bench/data/traces/qwen --model "$out/model" --out "$out/traces" --device cuda --dtype bfloat16
 
-$py -m cloud --model "$out/model" --device cuda --dtype bfloat16 --port "$port" --http-port "$http_port" \
-    --max-sessions 2048 --max-batch-size 64 --max-queue 4096 > "$out/verifier.log" 2>&1 &
+if [ "$engine" = vllm ]; then
+    $vpy -m cloud --engine vllm --model "$out/model" --dtype bfloat16 --port "$port" --http-port "$http_port" \
+        --tensor-parallel-size "${TP:-1}" --gpu-memory-utilization "${GPU_MEMORY:-0.85}" --max-context-tokens 8192 \
+        --max-sessions 2048 --max-batch-size 64 --max-queue 4096 > "$out/verifier.log" 2>&1 &
+else
+    $py -m cloud --model "$out/model" --device cuda --dtype bfloat16 --port "$port" --http-port "$http_port" \
+        --max-sessions 2048 --max-batch-size 64 --max-queue 4096 > "$out/verifier.log" 2>&1 &
+fi
 verifier=$!
 trap 'kill $verifier 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do
+for _ in $(seq 1 600); do  # vLLM compiles its graphs first: minutes
     $py -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http_port/readyz')" 2>/dev/null && break
     sleep 1
 done

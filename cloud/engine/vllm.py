@@ -76,7 +76,7 @@ class VllmRuntime:
             dtype=options.dtype,
             seed=options.seed,
             max_model_len=options.max_context_tokens + 1,  # the context, and the one token a request samples
-            max_num_seqs=max(options.max_sessions, 1) * 2,
+            max_num_seqs=min(max(options.max_sessions, 1) * 2, 1024),  # a round's requests, one a row at most
             block_size=options.block_size or (CPU_BLOCK if cpu else None),
             enable_prefix_caching=True,
             tensor_parallel_size=options.tensor_parallel_size,
