@@ -35,7 +35,7 @@ $(VLLM_VENV)/.installed: pyproject.toml tools/vllm_env.sh tools/build_llama_cpp.
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -m "vllm and not real_models"
 
 lint: install
 	$(PY) -m ruff check .

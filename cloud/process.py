@@ -88,6 +88,8 @@ async def shutdown(servers: Servers, grace_s: float) -> None:
     await _sessions_closed(servers.state, grace_s)
     await servers.grpc.stop(STOP_GRACE_S)  # in-flight rounds finish; new calls are refused
     await servers.http.stop()
+    if servers.state.verifier is not None:  # after the last pass (vLLM's processes stop with it)
+        await servers.state.worker.run(servers.state.verifier.engine.close)
     servers.state.worker.shutdown()
     log_event(log, logging.INFO, "stopped", left_open=len(servers.state.sessions()))
 

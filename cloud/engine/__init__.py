@@ -89,6 +89,10 @@ class Engine(Protocol):
         """What /healthz reports of it: the engine, its dtype and device."""
         ...
 
+    def close(self) -> None:
+        """Release what outlives the process's memory (vLLM's processes); after the last pass."""
+        ...
+
 
 @runtime_checkable
 class OwnDecoding(Protocol):

@@ -101,6 +101,9 @@ class LlamaCppEngine:
     def describe(self) -> dict[str, str]:
         return {"engine": self.name, "dtype": "gguf", "device": "cpu", "gguf": self.path.name}
 
+    def close(self) -> None:
+        pass  # the context and the model are freed with this object
+
     # ---- a session's KV -----------------------------------------------------------------
 
     def new_kv(self) -> LlamaCppKV:

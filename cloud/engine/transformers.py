@@ -46,6 +46,9 @@ class TransformersEngine:
         self.pool = SlotPool(self.model, slots, slot_tokens)
         return KVPlan(slot_tokens, self.pool.nbytes, self.pool.slot_bytes)
 
+    def close(self) -> None:
+        pass  # the model and its KV go with the process
+
     def new_kv(self) -> KVCache:
         return self.pool.acquire() if self.pool else lm.new_cache(self.model)
 

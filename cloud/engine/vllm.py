@@ -245,6 +245,9 @@ class VllmEngine:
 
         return {"engine": self.name, "dtype": self.dtype, "device": self.runtime.device, "vllm": vllm.__version__}
 
+    def close(self) -> None:
+        self.runtime.close()
+
     # ---- a session's KV -----------------------------------------------------------------
 
     def new_kv(self) -> VllmKV:
@@ -259,11 +262,23 @@ class VllmEngine:
 
     def decode_on_its_own(self, kv: SessionKV, req: GenerateRequest, vocab: int) -> None:
         """A Generate stream becomes one vLLM request of req.max_new_tokens, decoded and sampled
-        by vLLM (seeded by the session's seed), started by the pass that completes its prompt."""
+        by vLLM (seeded by the session's seed), started by the pass that completes its prompt.
+        Settings vLLM does not sample with (a temperature over 2) keep the stream on one pass
+        per token, sampled here."""
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            params = self._sampling(req, vocab)
+        except (VLLMValidationError, ValueError):
+            log.debug("vLLM does not sample with %s: one pass per token", req.config.sampling)
+            return
+        _own(kv).own = OwnDecoding(len(req.prompt_tokens), params)
+
+    def _sampling(self, req: GenerateRequest, vocab: int) -> Any:
         from vllm import SamplingParams
 
         sampling = req.config.sampling
-        params = SamplingParams(
+        return SamplingParams(
             temperature=sampling.temperature,
             top_k=sampling.top_k,
             top_p=sampling.top_p,
@@ -274,7 +289,6 @@ class VllmEngine:
             detokenize=False,
             allowed_token_ids=list(range(vocab)) if vocab < self.logits_width else None,
         )
-        _own(kv).own = OwnDecoding(len(req.prompt_tokens), params)
 
     def freed(self, kv: SessionKV) -> bool:
         return _own(kv).released

@@ -1,0 +1,101 @@
+"""cloud-verifier --engine vllm, a real process (vLLM's own processes beneath it), answering the
+real edge-agent: greedy speculative output equals cloud_only (vLLM's own decoding) on the same
+engine, token for token, for a batch of prompts; /healthz names the engine. On the tiny target
+in the vLLM venv (`make test-vllm`); the same on the real 0.5B as the target is marked
+`real_models` too (`.venv-vllm/bin/python -m pytest -m "vllm and real_models"`, after
+`specedge-models fetch`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.serve_procs import edge_command, verifier_command
+from tests.tiny_models import save_pair
+
+pytestmark = pytest.mark.vllm
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _serve(model: Path, *flags: str) -> Iterator[tuple[str, int]]:
+    cmd = verifier_command(model, "--engine", "vllm", "--max-sessions", "8", *flags)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
+    assert proc.stderr is not None
+    address, http = None, None
+    for line in proc.stderr:
+        if match := re.search(r"http on \S+:(\d+)", line):
+            http = int(match.group(1))
+        if match := re.search(r"serving .* on (\S+:\d+)", line):
+            address = match.group(1)
+            break
+    assert address and http, "cloud-verifier --engine vllm did not start"
+    yield address, http
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+
+
+def _generate(
+    edge: list[str], address: str, prompts: list[str], out_dir: Path, new_tokens: int
+) -> dict[str, dict[str, list[int]]]:
+    """Each prompt through edge-agent in both modes."""
+    path = out_dir / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    outputs = {}
+    for mode in ("speculative", "cloud_only"):
+        out = out_dir / f"{mode}.jsonl"
+        flags = [*edge, "--cloud", address, "--prompts", str(path), "--output", str(out), "--mode", mode]
+        done = subprocess.run(
+            edge_command(*flags, "--max-new-tokens", str(new_tokens), "--k", "4"),
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[mode] = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_pair(tmp_path_factory.mktemp("models"), vllm=True)
+
+
+@pytest.fixture(scope="module")
+def verifier(models: tuple[Path, Path]) -> Iterator[tuple[str, int]]:
+    yield from _serve(models[1], "--enforce-eager", "--max-context-tokens", "1000", "--max-kv-bytes", str(64 << 20))
+
+
+def test_greedy_speculative_equals_cloud_only_on_vllm(
+    models: tuple[Path, Path], verifier: tuple[str, int], tmp_path: Path
+) -> None:
+    prompts = [f"w{i} w{i + 3} w{3 * i + 1}" for i in range(4)]
+    outputs = _generate(["--draft-model", str(models[0])], verifier[0], prompts, tmp_path, 24)
+    assert outputs["speculative"] == outputs["cloud_only"]
+    assert all(len(tokens) == 24 for tokens in outputs["cloud_only"].values())
+
+
+def test_healthz_names_the_engine(verifier: tuple[str, int]) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{verifier[1]}/healthz", timeout=10) as reply:
+        health = json.load(reply)
+    assert health["engine"] == "vllm" and health["model_ids"] == ["target"]
+
+
+@pytest.mark.real_models
+def test_greedy_speculative_equals_cloud_only_on_vllm_with_the_real_0_5b(tmp_path: Path) -> None:
+    """The packaged 0.5B as the target in vLLM (fp32) and as the draft in llama.cpp."""
+    from shared.models import DRAFT_MODEL
+    from shared.models.store import ensure_model
+
+    folder = ensure_model(DRAFT_MODEL)
+    prompts = ["Write a Python function that reverses a string.", "What is the capital of France? Answer in one sentence."]
+    for address, _ in _serve(folder, "--max-context-tokens", "2048", "--max-kv-bytes", str(1 << 30)):
+        outputs = _generate(["--draft-model", str(folder)], address, prompts, tmp_path, 32)
+        assert outputs["speculative"] == outputs["cloud_only"]
