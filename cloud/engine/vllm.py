@@ -19,6 +19,10 @@ Rows come back in one of two ways:
   model's own logits, so every accept mode reads exact distributions, at the price of one
   request (a full sort of the vocabulary and its transfer) per row.
 
+A Generate stream (cloud_only) is vLLM's own decoding: one request of its max_new_tokens,
+decoded and sampled by vLLM with continuous batching beside the rounds; each pass over the
+stream reads the next token it decoded (OwnDecoding in cloud/engine/__init__.py).
+
 vLLM's engine core runs in processes of its own (on a CPU: one for the scheduler, one for
 the model), started by VllmRuntime and stopped with it.
 """
