@@ -9,11 +9,12 @@ its blocks age out of vLLM's cache.
 
 Rows come back in one of two ways:
 - argmax rows (a step that reads only each row's argmax over a vocabulary: greedy without a
-  penalty): ONE request with prompt log-probabilities, whose rows hold the largest raw logits
-  (the rest -inf): TOP_ROWS of them, plus one for each id past that vocabulary (padded
-  embedding rows), so the argmax inside it is always among them. vLLM leaves the rows of
-  positions its cache served unset, so a request whose cache hit reaches a kept row runs
-  again without reading the cache.
+  penalty): ONE request with prompt log-probabilities, whose rows hold the TOP_ROWS largest
+  raw logits (the rest -inf). The argmax inside the vocabulary is among them whenever one of
+  them lies inside it; a step with a row whose largest logits all lie past it (padded
+  embedding rows) runs again for full rows. vLLM leaves the rows of positions its cache
+  served unset, so a request whose cache hit reaches a kept row runs again without reading
+  the cache.
 - full rows (every other step: sampling, penalties): one request per kept row, ending at
   that row, asking for the raw logits of every token of its sampled row. They are the
   model's own logits, so every accept mode reads exact distributions, at the price of one
@@ -30,11 +31,13 @@ the model), started by VllmRuntime and stopped with it.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import sys
 import uuid
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,7 @@ from shared.errors import ConfigError, VerifierFault
 from shared.protocol import GenerateRequest
 
 log = logging.getLogger("cloud-verifier")
-TOP_ROWS = 4  # raw logits an argmax row holds for a vocabulary of the model's full width
+TOP_ROWS = 4  # the largest raw logits an argmax row holds
 CPU_BLOCK = 32  # vLLM's CPU attention wants blocks of a multiple of 32 tokens
 
 
@@ -75,11 +78,13 @@ class VllmRuntime:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         cpu = not torch.cuda.is_available()
+        # The context, and the one token a request samples; at most the model's positions.
+        self.max_context_tokens = min(options.max_context_tokens, _positions(options.model) - 1)
         args = EngineArgs(
             model=options.model,
             dtype=options.dtype,
             seed=options.seed,
-            max_model_len=options.max_context_tokens + 1,  # the context, and the one token a request samples
+            max_model_len=self.max_context_tokens + 1,
             max_num_seqs=min(max(options.max_sessions, 1) * 2, 1024),  # a round's requests, one a row at most
             block_size=options.block_size or (CPU_BLOCK if cpu else None),
             enable_prefix_caching=True,
@@ -161,6 +166,13 @@ class VllmRuntime:
         self._closer()
 
 
+def _positions(folder: str) -> int:
+    """The positions the model was made for (config.json), or no limit when it does not say."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return int(config.get("max_position_embeddings") or sys.maxsize)
+
+
 def _shutdown(llm: Any) -> None:
     """Stop vLLM's engine-core processes (at exit too: a process that leaves them aborts)."""
     try:
@@ -215,11 +227,15 @@ class _Rows:
 
     tokens: list[int]  # the session's tokens after this step
     keep: int
-    top: int  # argmax rows: the largest logits each holds; 0: full rows (one request per row)
+    vocab: int  # argmax rows: the argmax is read among these ids; 0: full rows (one request per row)
 
     @property
     def full(self) -> bool:
-        return self.top == 0
+        return self.vocab == 0
+
+    @property
+    def requests(self) -> int:
+        return self.keep if self.full else 1
 
 
 class VllmEngine:
@@ -241,7 +257,7 @@ class VllmEngine:
         """vLLM holds the KV (sized when it started): the context it serves and the cap asked."""
         if request.layout != "packed":
             raise ConfigError("--engine vllm keeps its own KV: --kv-layout slots is for the transformers engine")
-        context = min(request.max_context_tokens, self.runtime.options.max_context_tokens)
+        context = min(request.max_context_tokens, self.runtime.max_context_tokens)
         return KVPlan(context, request.max_kv_bytes)
 
     def describe(self) -> dict[str, str]:
@@ -314,7 +330,7 @@ class VllmEngine:
         caches = [_own(kv) for kv in kvs]
         vocabs = list(argmax_vocab) or [0] * len(caches)
         steps = [
-            _Rows(kv.tokens + list(block), keep or len(block), self._top(vocab))
+            _Rows(kv.tokens + list(block), keep or len(block), vocab)
             for kv, block, keep, vocab in zip(caches, blocks, keeps, vocabs, strict=True)
         ]
         decoded = [self._decoded(kv, step) for kv, step in zip(caches, steps, strict=True)]
@@ -322,12 +338,12 @@ class VllmEngine:
         requests = [(p, kv.salt, params) for kv, step in asked for p, params in _requests(step)]
         waits = [(by_vllm.stream, by_vllm.index + 1) for by_vllm in decoded if by_vllm is not None]
         outputs = iter(self._rerun_unset_rows(asked, requests, self.runtime.run(requests, waits)))
-        rows = []
-        for step, by_vllm in zip(steps, decoded, strict=True):
-            if by_vllm is not None:
-                rows.append(self._decoded_row(step, by_vllm))
-            else:
-                rows.append(self._rows(step, [next(outputs) for _ in range(step.keep if step.full else 1)]))
+        got = [self._rows(step, [next(outputs) for _ in range(step.requests)]) for _, step in asked]
+        asked_rows = iter(self._argmax_checked(asked, got))
+        rows = [
+            self._decoded_row(step, by_vllm) if by_vllm is not None else next(asked_rows)
+            for step, by_vllm in zip(steps, decoded, strict=True)
+        ]
         for kv, step in zip(caches, steps, strict=True):
             kv.tokens = step.tokens
         return rows
@@ -355,10 +371,21 @@ class VllmEngine:
         row[0, stream.tokens[index]] = 0.0
         return row
 
-    def _top(self, argmax_vocab: int) -> int:
-        """How many of a row's largest logits hold its argmax among the first argmax_vocab ids
-        (0: full rows)."""
-        return TOP_ROWS + max(0, self.logits_width - argmax_vocab) if argmax_vocab > 0 else 0
+    def _argmax_checked(self, asked: list[tuple[VllmKV, _Rows]], rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """An argmax row holds the argmax among its step's vocabulary when one of its largest
+        logits lies inside it (any id outside them is smaller); a step with a row whose
+        largest logits are all past it (padded embedding rows) runs again for full rows."""
+        redo = [
+            i
+            for i, ((_, step), got) in enumerate(zip(asked, rows, strict=True))
+            if not step.full and not bool(torch.isfinite(got[:, : step.vocab]).any(dim=-1).all())
+        ]
+        if not redo:
+            return rows
+        full = [(kv, replace(step, vocab=0)) for kv, step in (asked[i] for i in redo)]
+        outputs = iter(self.runtime.run([(p, kv.salt, params) for kv, step in full for p, params in _requests(step)]))
+        again = dict(zip(redo, (self._rows(step, [next(outputs) for _ in range(step.keep)]) for _, step in full), strict=True))
+        return [again.get(i, got) for i, got in enumerate(rows)]
 
     def _rerun_unset_rows(self, asked: list[tuple[VllmKV, _Rows]], requests: list[Any], outputs: list[Any]) -> list[Any]:
         """An argmax request whose cache hit covered a kept row (vLLM leaves such rows unset),
@@ -369,7 +396,7 @@ class VllmEngine:
             if not step.full and (outputs[index].num_cached_tokens or 0) > len(step.tokens) - step.keep:
                 [(prompt, params)] = _requests(step, read_cache=False)
                 again[index] = (prompt, kv.salt, params)
-            index += step.keep if step.full else 1
+            index += step.requests
         if not again:
             return outputs
         fresh = dict(zip(again, self.runtime.run(list(again.values())), strict=True))
@@ -384,8 +411,8 @@ class VllmEngine:
         output = outputs[0]
         first = len(step.tokens) - step.keep  # the token whose row is the first kept
         for r in range(step.keep - 1):  # a prompt row: the distribution after token first + r
-            _fill(rows[r], output.prompt_logprobs, first + r + 1)
-        _fill(rows[-1], output.outputs[0].logprobs, 0)  # the last row: the sampled one
+            _fill(rows[r], output.prompt_logprobs, first + r + 1, TOP_ROWS)
+        _fill(rows[-1], output.outputs[0].logprobs, 0, TOP_ROWS)  # the last row: the sampled one
         return rows
 
 
@@ -400,16 +427,22 @@ def _requests(step: _Rows, read_cache: bool = True) -> list[tuple[list[int], Any
         params = SamplingParams(logprobs=-1, **common)
         n = len(step.tokens)
         return [(step.tokens[: i + 1], params) for i in range(n - step.keep, n)]
-    prompt_rows = step.top if step.keep > 1 else None
-    return [(step.tokens, SamplingParams(logprobs=step.top, prompt_logprobs=prompt_rows, **common))]
+    prompt_rows = TOP_ROWS if step.keep > 1 else None
+    return [(step.tokens, SamplingParams(logprobs=TOP_ROWS, prompt_logprobs=prompt_rows, **common))]
 
 
-def _fill(row: torch.Tensor, flat: Any, position: int) -> None:
-    """Write a FlatLogprobs position's (token, raw logit) pairs into a row."""
+def _fill(row: torch.Tensor, flat: Any, position: int, top: int = 0) -> None:
+    """Write a FlatLogprobs position's (token, raw logit) pairs into a row: all of them, or
+    (top > 0) those of the `top` largest only (vLLM adds the prompt's or sampled token's own,
+    whatever its rank)."""
     start, end = flat.start_indices[position], flat.end_indices[position]
-    if end <= start:
+    ids, values = flat.token_ids[start:end], flat.logprobs[start:end]
+    if top:
+        kept = [i for i, rank in enumerate(flat.ranks[start:end]) if rank is not None and rank <= top]
+        ids, values = [ids[i] for i in kept], [values[i] for i in kept]
+    if not ids:
         raise VerifierFault("vLLM returned an empty row of logits")
-    row[torch.tensor(flat.token_ids[start:end])] = torch.tensor(flat.logprobs[start:end], dtype=torch.float32)
+    row[torch.tensor(ids)] = torch.tensor(values, dtype=torch.float32)
 
 
 def _own(kv: SessionKV) -> VllmKV:

@@ -72,11 +72,12 @@ def test_argmax_rows_hold_the_argmax_also_where_the_cache_served_them(folder: Pa
     assert kv.get_seq_length() == 70
 
 
-def test_argmax_rows_of_a_narrower_vocabulary_hold_its_argmax(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("vocab", [VOCAB - 40, 2])  # as if ids past it were padded embedding rows
+def test_argmax_rows_of_a_narrower_vocabulary_hold_its_argmax(folder: Path, target, vocab: int) -> None:  # type: ignore[no-untyped-def]
+    """With 2 ids, a row's largest logits lie past the vocabulary: the step reads full rows."""
     engine = vllm_engine(folder)
     tokens = _tokens(8, 20)
     logits = lm.forward(target, lm.new_cache(target), tokens, 5)
-    vocab = VOCAB - 40  # as if 40 padded ids were past the tokenizer's vocabulary
     rows = engine.forward([engine.new_kv()], [tokens], [5], [vocab])[0]
     assert torch.equal(rows[:, :vocab].argmax(dim=-1), logits[:, :vocab].argmax(dim=-1))
 
