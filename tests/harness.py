@@ -104,8 +104,8 @@ def vllm_engine(folder: Path) -> Engine:
     if folder not in _VLLM_RUNTIMES:
         options = VllmOptions(str(folder), "float32", VLLM_CONTEXT, max_sessions=32, max_kv_bytes=64 << 20, enforce_eager=True)
         _VLLM_RUNTIMES[folder] = VllmRuntime(options)
-        measure_decode_step(VllmEngine(_VLLM_RUNTIMES[folder]))  # its first passes take seconds, as the verifier's warm-up
-    return VllmEngine(_VLLM_RUNTIMES[folder])
+        measure_decode_step(VllmEngine(_VLLM_RUNTIMES[folder], owns_runtime=False))  # as the verifier's warm-up
+    return VllmEngine(_VLLM_RUNTIMES[folder], owns_runtime=False)
 
 
 def close_vllm_runtimes() -> None:

@@ -239,13 +239,15 @@ class _Rows:
 
 
 class VllmEngine:
-    """A model served by a VllmRuntime; several engines may share one runtime (tests do)."""
+    """A model served by a VllmRuntime. Several engines may share one runtime (tests do): only
+    the engine that owns it stops it on close."""
 
     name: EngineName = "vllm"
 
-    def __init__(self, runtime: VllmRuntime) -> None:
+    def __init__(self, runtime: VllmRuntime, owns_runtime: bool = True) -> None:
         config = runtime.llm.model_config
         self.runtime = runtime
+        self.owns_runtime = owns_runtime
         self.logits_width = int(config.get_vocab_size())
         width = torch.empty(0, dtype=config.dtype).element_size()
         layers, heads = config.get_total_num_hidden_layers(), config.get_total_num_kv_heads()
@@ -266,7 +268,8 @@ class VllmEngine:
         return {"engine": self.name, "dtype": self.dtype, "device": self.runtime.device, "vllm": vllm.__version__}
 
     def close(self) -> None:
-        self.runtime.close()
+        if self.owns_runtime:
+            self.runtime.close()
 
     # ---- a session's KV -----------------------------------------------------------------
 
