@@ -15,7 +15,7 @@
 #   tools/gpu_capacity.sh [--engine transformers|vllm] CONFIG_DIR OUT_DIR [SLO_ITL_P95_MS] [MAX_SESSIONS] [STEP_S]
 #
 # A step whose result is already in OUT_DIR is not run again, so a run cut short goes on where
-# it stopped. --engine vllm runs the verifier and its studies under VLLM_PYTHON (default
+# it stopped. --engine vllm runs the verifier and its studies under ENGINE_PYTHON (default
 # .venv-vllm/bin/python, the venv tools/vllm_env.sh builds: on a CUDA box it installs vllm
 # itself); TP=N splits the target over N GPUs (--tensor-parallel-size), GPU_MEMORY=0.85 is
 # vLLM's share of each GPU; SLO_TPOT=MS adds a target on the time per output token.
@@ -24,7 +24,7 @@ engine=transformers
 if [ "${1:-}" = --engine ]; then engine=$2; shift 2; fi
 config_dir=$1 out=$2 slo=${3:-2500} max_sessions=${4:-256} step_s=${5:-15}
 py=${PYTHON:-python3}
-vpy=${VLLM_PYTHON:-.venv-vllm/bin/python}
+vpy=${ENGINE_PYTHON:-.venv-vllm/bin/python}  # not VLLM_*: vLLM warns of VLLM_ variables it does not know
 port=${PORT:-50071} http_port=${HTTP_PORT:-8091}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv"
@@ -39,7 +39,7 @@ if [ "$engine" = vllm ]; then
             --dtypes bfloat16 --context 1024 --sessions 1,4,16 --repeats 10 --out "$out/pass_timing"
     [ -f "$out/batch_invariance/report.md" ] ||
         $vpy -m bench.studies.vllm_batch_invariance --target "$out/model" --draft-device cuda --dtype bfloat16 \
-            --prompts bench/data/spec_bench_3short.jsonl --max-new-tokens 96 --verifier-flags "--enforce-eager" \
+            --prompts bench/data/spec_bench_3short.jsonl --max-new-tokens 64 --verifier-flags=--enforce-eager \
             --out "$out/batch_invariance"
 else
     [ -f "$out/kv_layout.json" ] ||

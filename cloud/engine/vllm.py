@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import sys
 import uuid
 import weakref
@@ -78,6 +79,8 @@ class VllmRuntime:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         cpu = not torch.cuda.is_available()
+        if not cpu:  # vLLM forks its engine core unless told not to, and the verifier may have touched CUDA
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         # The context, and the one token a request samples; at most the model's positions.
         self.max_context_tokens = min(options.max_context_tokens, _positions(options.model) - 1)
         args = EngineArgs(
@@ -413,8 +416,11 @@ class VllmEngine:
             return rows
         output = outputs[0]
         first = len(step.tokens) - step.keep  # the token whose row is the first kept
+        # vLLM's GPU model runner returns the rows of the computed positions only (those the
+        # cache served are left out); its CPU runner returns every position's.
+        missing = len(step.tokens) - len(output.prompt_logprobs or step.tokens)
         for r in range(step.keep - 1):  # a prompt row: the distribution after token first + r
-            _fill(rows[r], output.prompt_logprobs, first + r + 1, TOP_ROWS)
+            _fill(rows[r], output.prompt_logprobs, first + r + 1 - missing, TOP_ROWS)
         _fill(rows[-1], output.outputs[0].logprobs, 0, TOP_ROWS)  # the last row: the sampled one
         return rows
 
