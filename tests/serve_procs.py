@@ -51,10 +51,10 @@ def start(cmd: list[str], log: Path, ready: str, timeout_s: float = 180) -> Serv
     raise AssertionError(f"no {ready!r} in {log}:\n{log.read_text()[-3000:]}")
 
 
-def start_verifier(target: Path, log: Path) -> tuple[Server, str, int]:
-    """A cloud-verifier of `target`: (server, gRPC address, HTTP port)."""
-    cmd = verifier_command(target, "--drain-grace-s", "1")  # sessions cut off by a test expire
-    server = start(cmd, log, r"serving .* on (\S+:\d+)")
+def start_verifier(target: Path, log: Path, *flags: str, timeout_s: float = 180) -> tuple[Server, str, int]:
+    """A cloud-verifier of `target` (and `flags`): (server, gRPC address, HTTP port)."""
+    cmd = verifier_command(target, "--drain-grace-s", "1", *flags)  # sessions cut off by a test expire
+    server = start(cmd, log, r"serving .* on (\S+:\d+)", timeout_s)
     http = re.search(r"http on \S+:(\d+)", log.read_text())
     assert http, log.read_text()
     return server, server.match.group(1), int(http.group(1))

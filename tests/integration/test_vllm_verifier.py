@@ -8,37 +8,24 @@ in the vLLM venv (`make test-vllm`); the same on the real 0.5B as the target is 
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.serve_procs import edge_command, verifier_command
+from tests.serve_procs import ENV, edge_command, start_verifier
 from tests.tiny_models import save_pair
 
 pytestmark = pytest.mark.vllm
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _serve(model: Path, *flags: str) -> Iterator[tuple[str, int]]:
-    cmd = verifier_command(model, "--engine", "vllm", "--max-sessions", "8", *flags)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
-    assert proc.stderr is not None
-    address, http = None, None
-    for line in proc.stderr:
-        if match := re.search(r"http on \S+:(\d+)", line):
-            http = int(match.group(1))
-        if match := re.search(r"serving .* on (\S+:\d+)", line):
-            address = match.group(1)
-            break
-    assert address and http, "cloud-verifier --engine vllm did not start"
+def _serve(model: Path, log: Path, *flags: str) -> Iterator[tuple[str, int]]:
+    server, address, http = start_verifier(model, log, "--engine", "vllm", "--max-sessions", "8", *flags, timeout_s=600)
     yield address, http
-    proc.terminate()
-    assert proc.wait(timeout=60) == 0
+    assert server.stop() == 0, log.read_text()[-3000:]
 
 
 def _generate(
@@ -69,8 +56,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def verifier(models: tuple[Path, Path]) -> Iterator[tuple[str, int]]:
-    yield from _serve(models[1], "--enforce-eager", "--max-context-tokens", "1000", "--max-kv-bytes", str(64 << 20))
+def verifier(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    log = tmp_path_factory.mktemp("verifier") / "verifier.log"
+    yield from _serve(models[1], log, "--enforce-eager", "--max-context-tokens", "1000", "--max-kv-bytes", str(64 << 20))
 
 
 def test_greedy_speculative_equals_cloud_only_on_vllm(
@@ -88,6 +76,29 @@ def test_healthz_names_the_engine(verifier: tuple[str, int]) -> None:
     assert health["engine"] == "vllm" and health["model_ids"] == ["target"]
 
 
+def test_the_batch_invariance_study_runs_and_finds_fp32_answers_equal(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """bench.studies.vllm_batch_invariance end to end on the tiny pair in fp32, with
+    VLLM_BATCH_INVARIANT=0 (its kernels need a GPU): its own verifier and edge-agents, and
+    the answers of both modes equal, as the report says."""
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "study"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 2} w{i + 5}"}) + "\n" for i in range(2)))
+    flags = "--enforce-eager --max-context-tokens 1000 --max-kv-bytes 67108864"
+    study = ["-m", "bench.studies.vllm_batch_invariance", "--target", str(models[1]), "--draft", str(models[0])]
+    options = ["--dtype", "float32", "--draft-device", "cpu", "--settings", "0", "--prompts", str(prompts)]
+    done = subprocess.run(
+        [sys.executable, *study, *options, "--max-new-tokens", "16", f"--verifier-flags={flags}", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads((out / "vllm_batch_invariance.json").read_text())["settings"]["0"]
+    assert row["prompts"] == 2 and row["tokens"] == {"speculative": 32, "cloud_only": 32}
+    assert row["identical"] == 2 and row["first_difference"] == {"p0": None, "p1": None}
+    assert "| 0 | 2 / 2 |" in (out / "report.md").read_text()
+
+
 @pytest.mark.real_models
 def test_greedy_speculative_equals_cloud_only_on_vllm_with_the_real_0_5b(tmp_path: Path) -> None:
     """The packaged 0.5B as the target in vLLM (fp32) and as the draft in llama.cpp."""
@@ -96,6 +107,6 @@ def test_greedy_speculative_equals_cloud_only_on_vllm_with_the_real_0_5b(tmp_pat
 
     folder = ensure_model(DRAFT_MODEL)
     prompts = ["Write a Python function that reverses a string.", "What is the capital of France? Answer in one sentence."]
-    for address, _ in _serve(folder, "--max-context-tokens", "2048", "--max-kv-bytes", str(1 << 30)):
+    for address, _ in _serve(folder, tmp_path / "verifier.log", "--max-context-tokens", "2048", "--max-kv-bytes", str(1 << 30)):
         outputs = _generate(["--draft-model", str(folder)], address, prompts, tmp_path, 32)
         assert outputs["speculative"] == outputs["cloud_only"]
