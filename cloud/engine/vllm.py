@@ -125,12 +125,18 @@ class VllmRuntime:
             while any(i in self._pending for i in ids) or any(len(s.tokens) < n and not s.ended for s, n in streams):
                 self._step()
         except Exception as err:
-            self._abort([i for i in ids if i in self._pending])
+            self._forget(ids)
             raise VerifierFault(f"vLLM could not run the pass ({type(err).__name__})") from err
         except BaseException:
-            self._abort([i for i in ids if i in self._pending])
+            self._forget(ids)
             raise
         return [self._done.pop(i) for i in ids]
+
+    def _forget(self, ids: list[str]) -> None:
+        """A failed pass's requests: the running ones aborted, the finished ones' outputs dropped."""
+        self._abort([i for i in ids if i in self._pending])
+        for request_id in ids:
+            self._done.pop(request_id, None)
 
     def start_stream(self, prompt: list[int], salt: str, params: Any) -> Stream:
         """A request vLLM decodes on its own, its tokens collected as the passes step vLLM."""
