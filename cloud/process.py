@@ -8,6 +8,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -20,11 +21,13 @@ from cloud.logs import log_event
 from cloud.state import ServerState
 from cloud.tls import ServerTls, check_exposure
 from cloud.verifier import Verifier
+from shared.errors import EngineFailed
 from shared.http_server import stop_signal
 
 log = logging.getLogger("cloud-verifier")
 Loader = Callable[[VerifierSettings], Verifier]
 STOP_GRACE_S = 1.0  # for rounds still running once the drain period is over
+ENGINE_CHECK_S = 1.0  # how often the engine's health is read (an attribute: no pass, no lock)
 
 
 @dataclass
@@ -94,23 +97,40 @@ async def shutdown(servers: Servers, grace_s: float) -> None:
     log_event(log, logging.INFO, "stopped", left_open=len(servers.state.sessions()))
 
 
-async def _until_stopped(loading: asyncio.Task[None]) -> None:
-    """Return on SIGINT/SIGTERM; raise if the model fails to load."""
+async def _engine_failed(state: ServerState) -> None:
+    """Raise EngineFailed once the loaded engine can run no more passes."""
+    while True:
+        reason = state.verifier.engine.failure() if state.verifier is not None else None
+        if reason:
+            raise EngineFailed(f"{reason}; no session can go on, so the verifier stops")
+        await asyncio.sleep(ENGINE_CHECK_S)
+
+
+async def _until_stopped(loading: asyncio.Task[None], failed: asyncio.Task[None]) -> None:
+    """Return on SIGINT/SIGTERM; raise if the model fails to load or its engine fails."""
     stopping = stop_signal()
-    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if loading.done() and loading.exception() is not None:
-        stopping.cancel()
-        loading.result()
-    await stopping
+    waiting: set[asyncio.Future[Any]] = {loading, failed, stopping}
+    while stopping in waiting:  # a load that succeeds leaves the engine's watch and the signal
+        done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        for task in done - {stopping}:
+            if task.exception() is not None:
+                stopping.cancel()
+                task.result()
 
 
 async def serve(settings: VerifierSettings, load: Loader) -> None:
     servers = await start_servers(settings)
     loading = asyncio.create_task(load_model(servers, settings, load))
     trimming = asyncio.create_task(trim_when_idle(servers.state))
+    failed = asyncio.create_task(_engine_failed(servers.state))
+    grace_s = settings.drain_grace_s
     try:
-        await _until_stopped(loading)
+        await _until_stopped(loading, failed)
+    except EngineFailed:
+        grace_s = 0.0  # open sessions cannot finish
+        raise
     finally:
         trimming.cancel()
+        failed.cancel()
         loading.cancel()  # a load still running finishes on its thread; the process waits for it
-        await shutdown(servers, settings.drain_grace_s)
+        await shutdown(servers, grace_s)

@@ -60,6 +60,13 @@ class VerifierFault(SpecDecError):
     status = "INTERNAL"
 
 
+class EngineFailed(SpecDecError):
+    """The target's engine can run no more passes (its own processes died): the verifier
+    process stops, with a non-zero exit status, so that its supervisor starts it again."""
+
+    status = "UNAVAILABLE"
+
+
 class ServerDraining(SpecDecError):
     status = "UNAVAILABLE"
 

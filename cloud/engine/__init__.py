@@ -89,6 +89,10 @@ class Engine(Protocol):
         """What /healthz reports of it: the engine, its dtype and device."""
         ...
 
+    def failure(self) -> str | None:
+        """Why the engine can run no more passes (its own processes died), or None."""
+        ...
+
     def close(self) -> None:
         """Release what outlives the process's memory (vLLM's processes); after the last pass."""
         ...

@@ -98,6 +98,9 @@ class LlamaCppEngine:
         heads, kv_heads = llama.llama_model_n_head(model), llama.llama_model_n_head_kv(model)
         return int(layers * 2 * (embd // heads) * kv_heads * _F16_BYTES)
 
+    def failure(self) -> str | None:
+        return None  # in-process: a failure raises from its pass
+
     def describe(self) -> dict[str, str]:
         return {"engine": self.name, "dtype": "gguf", "device": "cpu", "gguf": self.path.name}
 

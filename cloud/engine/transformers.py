@@ -71,6 +71,9 @@ class TransformersEngine:
     ) -> list[torch.Tensor]:
         return forward_packed(self.model, [_own(kv) for kv in kvs], blocks, keeps)
 
+    def failure(self) -> str | None:
+        return None  # in-process: a failure raises from its pass
+
     def describe(self) -> dict[str, str]:
         return {"engine": self.name, "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device)}
 

@@ -171,6 +171,11 @@ class VllmRuntime:
         except Exception:
             log.exception("vLLM could not abort the requests of a failed pass")
 
+    def failure(self) -> str | None:
+        """vLLM's client notices its engine-core process dying and then fails every call."""
+        dead = getattr(getattr(self.llm.engine_core, "resources", None), "engine_dead", False)
+        return "vLLM's engine core died" if dead else None
+
     def close(self) -> None:
         self._closer()
 
@@ -270,6 +275,9 @@ class VllmEngine:
             raise ConfigError("--engine vllm keeps its own KV: --kv-layout slots is for the transformers engine")
         context = min(request.max_context_tokens, self.runtime.max_context_tokens)
         return KVPlan(context, request.max_kv_bytes)
+
+    def failure(self) -> str | None:
+        return self.runtime.failure()
 
     def describe(self) -> dict[str, str]:
         import vllm
