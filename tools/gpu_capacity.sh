@@ -18,7 +18,8 @@
 # it stopped. --engine vllm runs the verifier and its studies under ENGINE_PYTHON (default
 # .venv-vllm/bin/python, the venv tools/vllm_env.sh builds: on a CUDA box it installs vllm
 # itself); TP=N splits the target over N GPUs (--tensor-parallel-size), GPU_MEMORY=0.85 is
-# vLLM's share of each GPU; SLO_TPOT=MS adds a target on the time per output token.
+# vLLM's share of each GPU; SLO_TPOT=MS adds a target on the time per output token; SKIP_STUDIES=1
+# goes straight to the capacity search.
 set -euo pipefail
 engine=transformers
 if [ "${1:-}" = --engine ]; then engine=$2; shift 2; fi
@@ -33,7 +34,7 @@ if [ ! -d "$out/model" ]; then
     $py -m bench.random_weights --config-dir "$config_dir" --out "$out/model.part" --device cuda --dtype bfloat16
     mv "$out/model.part" "$out/model"
 fi
-if [ "$engine" = vllm ]; then
+if [ "$engine" = vllm ] && [ -z "${SKIP_STUDIES:-}" ]; then
     [ -f "$out/pass_timing/engine_pass_timing.json" ] ||
         $vpy -m bench.studies.engine_pass_timing --target "$out/model" --engines vllm,transformers --device cuda \
             --dtypes bfloat16 --context 1024 --sessions 1,4,16 --repeats 10 --out "$out/pass_timing"
@@ -41,7 +42,7 @@ if [ "$engine" = vllm ]; then
         $vpy -m bench.studies.vllm_batch_invariance --target "$out/model" --draft-device cuda --dtype bfloat16 \
             --prompts bench/data/spec_bench_3short.jsonl --max-new-tokens 64 --verifier-flags=--enforce-eager \
             --out "$out/batch_invariance"
-else
+elif [ "$engine" != vllm ]; then
     [ -f "$out/kv_layout.json" ] ||
         $py -m bench.studies.kv_layout_timing --model "$out/model" --device cuda --dtype bfloat16 --sessions 1,4,8,16 \
             --contexts 1024,4096 --rounds 10 --output "$out/kv_layout.json"
