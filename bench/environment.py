@@ -52,7 +52,8 @@ def _gpus() -> str:
         return ""
     try:
         query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
-        return "; ".join(subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.split("\n")).strip("; ")
+        listed = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
+        return "; ".join(line for line in listed.splitlines() if line)
     except (OSError, subprocess.SubprocessError):
         return ""
 

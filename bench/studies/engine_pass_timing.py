@@ -15,7 +15,6 @@ request is timed beside them (ms per token of a 33-token greedy generation after
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import settings_parser
-from bench.environment import machine_line, provenance
+from bench.environment import machine_line, provenance, write_result
 from cloud.engine import Engine, KVRequest
 from shared.cli import settings_from_args
 
@@ -228,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "engines": {m.name: measure(m, args, vocab) for m in engines},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine_pass_timing.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "report.md").write_text(_report(result))
-    print(_report(result))  # noqa: T201
+    write_result(args.out, "engine_pass_timing", result, _report(result))
     return 0
 
 

@@ -30,7 +30,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import settings_parser
-from bench.environment import machine_line, provenance
+from bench.environment import machine_line, provenance, write_result
 from bench.processes import BenchError, running
 from shared.cli import settings_from_args
 
@@ -148,9 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for setting in filter(None, args.settings.split(",")):
         result["settings"][setting] = run_setting(args, setting)
-        (args.out / "vllm_batch_invariance.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "report.md").write_text(_report(result))
-    print(_report(result))  # noqa: T201
+        (args.out / "vllm_batch_invariance.json").write_text(json.dumps(result, indent=2) + "\n")  # so far
+    write_result(args.out, "vllm_batch_invariance", result, _report(result))
     return 0
 
 
