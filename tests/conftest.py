@@ -45,14 +45,21 @@ def draft_lm(request, draft_model) -> DraftLM:  # type: ignore[no-untyped-def]
     return TransformersDraftLM(draft_model)
 
 
+@pytest.fixture(scope="session")
+def vllm_target(tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-def]
+    """The tiny target of vLLM's shape (its CPU attention needs heads of 64) in one folder for
+    the whole run: every vLLM engine of it shares one vLLM (seconds to start)."""
+    model = tiny_vllm_target()
+    return TargetEngine("vllm", model, folder=save_model(model, tmp_path_factory.mktemp("vllm") / "target"))
+
+
 @pytest.fixture(scope="session", params=[pytest.param(e, marks=pytest.mark.vllm) if e == "vllm" else e for e in ENGINES])
 def target_engine(request, target_model, tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-def]
     """The tiny target in each verifier engine: call it for a fresh Engine. Session-scoped so that
     module fixtures (a served verifier) can take it; every call builds a new Engine. vLLM runs
-    a tiny target of its own shape (its CPU attention needs heads of 64), from its own venv."""
+    its own tiny target, from its own venv."""
     if request.param == "vllm":
-        model = tiny_vllm_target()
-        return TargetEngine("vllm", model, folder=save_model(model, tmp_path_factory.mktemp("vllm") / "target"))
+        return request.getfixturevalue("vllm_target")  # type: ignore[no-any-return]
     if request.param == "llama.cpp":
         return TargetEngine("llama.cpp", target_model, save_gguf(target_model, tmp_path_factory.mktemp("gguf") / "target.gguf"))
     return TargetEngine("transformers", target_model)

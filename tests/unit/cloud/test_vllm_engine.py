@@ -15,9 +15,8 @@ from cloud.engine import KVRequest
 from shared import lm
 from shared.errors import ConfigError, VerifierFault
 from shared.protocol import GenerateRequest, SessionConfig
-from tests.harness import vllm_engine
+from tests.harness import TargetEngine, vllm_engine
 from tests.ops import greedy_continuation
-from tests.tiny_models import save_model, tiny_vllm_target
 
 pytestmark = pytest.mark.vllm
 ATOL = 1e-4  # fp32 on both sides; vLLM's CPU attention sums in another order
@@ -25,13 +24,14 @@ VOCAB = 96
 
 
 @pytest.fixture(scope="module")
-def target():  # type: ignore[no-untyped-def]
-    return tiny_vllm_target()
+def target(vllm_target: TargetEngine):  # type: ignore[no-untyped-def]
+    return vllm_target.model
 
 
 @pytest.fixture(scope="module")
-def folder(target, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
-    return save_model(target, tmp_path_factory.mktemp("vllm") / "target")
+def folder(vllm_target: TargetEngine) -> Path:
+    assert vllm_target.folder is not None
+    return vllm_target.folder
 
 
 def _tokens(seed: int, n: int) -> list[int]:
