@@ -31,14 +31,15 @@ test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The verifier on vLLM, from its own venv (vLLM pins its own transformers and FastAPI): the
-# tests marked vllm (`make test` deselects them). The venv takes a few minutes and 3.5 GB.
+# tests marked vllm (`make test` deselects them), in one process: each vLLM starts processes of
+# its own, which take the cores. The venv takes a few minutes and 3.5 GB.
 VLLM_VENV ?= .venv-vllm
 $(VLLM_VENV)/.installed: pyproject.toml tools/vllm_env.sh tools/build_llama_cpp.sh
 	PYTHON=$(PYTHON) bash tools/vllm_env.sh $(VLLM_VENV)
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "vllm and not real_models"
+	$(VLLM_VENV)/bin/python -m pytest -q -m "vllm and not real_models"
 
 lint: install
 	$(PY) -m ruff check .

@@ -83,18 +83,19 @@ def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
 
 
 def _vllm_verifier(settings: VerifierSettings) -> Verifier:
-    """The target folder in vLLM, which holds the KV itself (sized by --max-kv-bytes on a CPU,
-    by --gpu-memory-utilization on a GPU) and serves up to --max-context-tokens a session."""
+    """The target folder in vLLM, which holds the KV itself and serves up to
+    --max-context-tokens a session. Admission counts sessions against the KV vLLM allocated."""
     from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
 
     folder = model_folder(settings.model, TARGET_MODEL)
-    dtype = choose_dtype(settings.dtype, "cuda" if _cuda() else "cpu")
+    cuda = _cuda()
+    dtype = choose_dtype(settings.dtype, "cuda" if cuda else "cpu")
     options = VllmOptions(
         folder,
         dtype=dtype.name,
         max_context_tokens=settings.max_context_tokens,
         max_sessions=settings.max_sessions,
-        max_kv_bytes=settings.max_kv_bytes,
+        max_kv_bytes=vllm_kv_bytes(settings, cuda),
         tensor_parallel_size=settings.tensor_parallel_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enforce_eager=settings.enforce_eager,
@@ -102,8 +103,18 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     engine = VllmEngine(VllmRuntime(options))
     log_event(log, logging.INFO, f"vLLM on {folder}, {dtype.name} ({dtype.reason})", engine="vllm", dtype=dtype.name)
     card = TokenizerCard.from_folder(folder)
-    verifier = Verifier(engine, describe_model(folder), settings.limits(), dtype_reason=dtype.reason, tokenizer=card)
+    held = engine.kv_bytes_held()
+    log_event(log, logging.INFO, f"vLLM holds KV for {engine.runtime.kv_tokens()} tokens, {held / 2**30:.2f} GiB", kv_bytes=held)
+    limits = settings.limits().with_max_kv_bytes(held)  # the KV asked for, in whole blocks, or what a GPU had left
+    verifier = Verifier(engine, describe_model(folder), limits, dtype_reason=dtype.reason, tokenizer=card)
     return _warmed(verifier)
+
+
+def vllm_kv_bytes(settings: VerifierSettings, cuda: bool) -> int:
+    """The KV vLLM allocates: --max-kv-bytes on a CPU, and on a GPU when it is given; else 0,
+    what --gpu-memory-utilization leaves after the weights (the default --max-kv-bytes, sized
+    for a CPU, would leave most of a GPU idle)."""
+    return settings.max_kv_bytes if not cuda or "max_kv_bytes" in settings.model_fields_set else 0
 
 
 def _cuda() -> bool:

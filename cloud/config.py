@@ -97,7 +97,8 @@ class VerifierSettings(BaseSettings):
         4 << 30,
         ge=1,
         description="KV-cache bytes across sessions; past it a key's own least recently used idle sessions "
-        "are evicted (never another key's) or the call is refused",
+        "are evicted (never another key's) or the call is refused. --engine vllm allocates this much KV; "
+        "on a GPU, left out, vLLM takes what --gpu-memory-utilization leaves and admission counts against that",
     )
     kv_layout: Literal["packed", "slots"] = Field(
         "packed",

@@ -20,15 +20,19 @@ from shared.http_server import HttpServer
 
 
 def _model_info(state: ServerState) -> dict[str, Any]:
+    """The model, and the caps admission enforces: the context of a session and the KV of all."""
     if state.verifier is None:
-        return {"model_ids": [], "engine": None, "dtype": None, "dtype_reason": None, "device": None}
-    engine = state.verifier.engine.describe()
+        keys = ("engine", "dtype", "dtype_reason", "device", "max_context_tokens", "max_kv_bytes")
+        return {"model_ids": [], **dict.fromkeys(keys)}
+    engine, limits = state.verifier.engine.describe(), state.verifier.limits
     return {
         "model_ids": [state.verifier.model_id],
         "engine": engine["engine"],
         "dtype": engine["dtype"],
         "dtype_reason": state.verifier.dtype_reason,
         "device": engine["device"],
+        "max_context_tokens": limits.max_context_tokens,
+        "max_kv_bytes": limits.sessions.max_kv_bytes,
     }
 
 

@@ -62,7 +62,7 @@ class VllmOptions:
     dtype: str = "auto"
     max_context_tokens: int = 32768
     max_sessions: int = 64
-    max_kv_bytes: int = 0  # the KV's size on a CPU (0: vLLM's default)
+    max_kv_bytes: int = 0  # the KV's size across GPUs (0: what gpu_memory_utilization leaves; on a CPU, vLLM's default)
     block_size: int = 0  # 0: 32 on a CPU, vLLM's default on a GPU
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
@@ -93,7 +93,7 @@ class VllmRuntime:
             enable_prefix_caching=True,
             tensor_parallel_size=options.tensor_parallel_size,
             gpu_memory_utilization=options.gpu_memory_utilization,
-            kv_cache_memory_bytes=(options.max_kv_bytes or None) if cpu else None,
+            kv_cache_memory_bytes=(options.max_kv_bytes // options.tensor_parallel_size) or None,  # per GPU
             enforce_eager=options.enforce_eager,
             max_logprobs=-1,  # full rows: every token's raw logit of a sampled row
             logprobs_mode="raw_logits",  # the model's logits, before vLLM's own processors
@@ -170,6 +170,11 @@ class VllmRuntime:
             self.llm.abort_request(ids)
         except Exception:
             log.exception("vLLM could not abort the requests of a failed pass")
+
+    def kv_tokens(self) -> int:
+        """The tokens of KV vLLM allocated (its engine core reports the blocks once it started)."""
+        cache = self.llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
 
     def failure(self) -> str | None:
         """vLLM's client notices its engine-core process dying and then fails every call."""
@@ -270,11 +275,15 @@ class VllmEngine:
         self.dtype = str(config.dtype).removeprefix("torch.")
 
     def plan_kv(self, request: KVRequest) -> KVPlan:
-        """vLLM holds the KV (sized when it started): the context it serves and the cap asked."""
+        """vLLM holds the KV (sized when it started): the context it serves, and the cap asked
+        or the KV vLLM allocated, whichever is smaller."""
         if request.layout != "packed":
             raise ConfigError("--engine vllm keeps its own KV: --kv-layout slots is for the transformers engine")
         context = min(request.max_context_tokens, self.runtime.max_context_tokens)
-        return KVPlan(context, request.max_kv_bytes)
+        return KVPlan(context, min(request.max_kv_bytes, self.kv_bytes_held()))
+
+    def kv_bytes_held(self) -> int:
+        return self.runtime.kv_tokens() * self.kv_bytes_per_token
 
     def failure(self) -> str | None:
         return self.runtime.failure()

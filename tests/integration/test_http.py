@@ -40,7 +40,8 @@ def test_probes_go_503_to_200_across_model_loading(target_model) -> None:
             assert (await http_get(http, "/livez"))[0] == 200
             status, body = await http_json(http, "/readyz")
             assert status == 503 and body["detail"] == "loading"
-            assert (await http_json(http, "/healthz"))[1]["status"] == "loading"
+            loading_health = (await http_json(http, "/healthz"))[1]
+            assert loading_health["status"] == "loading" and loading_health["max_kv_bytes"] is None
             assert await _health(servers.grpc_port) == NOT_SERVING
             channel, verifier = stub(servers.grpc_port)
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -56,6 +57,8 @@ def test_probes_go_503_to_200_across_model_loading(target_model) -> None:
             assert health["model_ids"] == ["tiny-target"] and health["dtype"] == "float32"
             assert health["engine"] == "transformers"
             assert health["device"] == "cpu" and health["sessions"] == 0 and health["uptime_s"] > 0
+            limits = servers.state.verifier.limits
+            assert (health["max_kv_bytes"], health["max_context_tokens"]) == (4 << 30, limits.max_context_tokens)
             assert re.fullmatch(r"\d+\.\d+\.\d+.*|unknown", health["version"])
 
             await servers.state.drain()

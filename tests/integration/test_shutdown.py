@@ -59,6 +59,14 @@ class Verifier:
             time.sleep(0.05)
         raise AssertionError(f"no {prefix!r} line in:\n" + "\n".join(self.seen))
 
+    def exit_code(self, timeout: float) -> int:
+        """The process's exit status; past `timeout`, a failure that shows its last log lines."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.events()
+            raise AssertionError(f"still running {timeout} s on; its last lines:\n" + "\n".join(self.seen[-40:])) from None
+
     def port(self, field: str) -> int:
         return next(e[field] for e in self.events() if field in e)
 
@@ -123,7 +131,7 @@ def test_sigterm_finishes_rounds_refuses_sessions_and_exits_zero(verifier: Verif
 
     stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=30)
     started = time.monotonic()
-    assert verifier.proc.wait(timeout=30) == 0
+    assert verifier.exit_code(timeout=30) == 0
     assert time.monotonic() - started < 20  # left once the last session closed, long before the 60 s grace
     assert verifier.wait_for("stopped")["left_open"] == 0
     channel.close()
@@ -137,7 +145,7 @@ def test_grace_period_ends_the_drain(target: tuple[Path, tuple[str, ...]]) -> No
         with grpc.insecure_channel(f"127.0.0.1:{process.port('grpc_port')}") as channel:
             pb_grpc.VerifierStub(channel).OpenSession(pb.OpenSessionRequest(prompt_tokens=[5, 6]), timeout=30)
         process.proc.send_signal(signal.SIGTERM)
-        assert process.proc.wait(timeout=30) == 0
+        assert process.exit_code(timeout=30) == 0
         assert process.wait_for("stopped")["left_open"] == 1
     finally:
         if process.proc.poll() is None:
@@ -147,7 +155,7 @@ def test_grace_period_ends_the_drain(target: tuple[Path, tuple[str, ...]]) -> No
 def test_model_load_failure_is_one_line(tmp_path: Path) -> None:
     """One engine: both engines resolve --model through the same model_folder, whose message this checks."""
     process = Verifier(tmp_path / "missing")
-    assert process.proc.wait(timeout=120) == 1
+    assert process.exit_code(timeout=120) == 1
     process.reader.join(timeout=10)
     process.events()
     assert process.seen[-1].startswith("cloud-verifier: error: model folder") and "Traceback" not in "\n".join(process.seen)

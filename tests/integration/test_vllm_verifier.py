@@ -75,6 +75,7 @@ def test_healthz_names_the_engine(verifier: tuple[str, int]) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{verifier[1]}/healthz", timeout=10) as reply:
         health = json.load(reply)
     assert health["engine"] == "vllm" and health["model_ids"] == ["target"]
+    assert (60 << 20) < health["max_kv_bytes"] <= 64 << 20  # the KV vLLM allocated for --max-kv-bytes, in whole blocks
 
 
 def test_the_batch_invariance_study_runs_and_finds_fp32_answers_equal(models: tuple[Path, Path], tmp_path: Path) -> None:

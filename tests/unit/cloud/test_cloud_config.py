@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cloud.__main__ import main
+from cloud.__main__ import main, vllm_kv_bytes
 from cloud.config import VerifierSettings, load_settings
 from shared.errors import ConfigError
 
@@ -73,3 +73,16 @@ def test_the_engine_is_a_setting_of_the_known_engines() -> None:
     assert load_settings({"engine": "vllm"}).engine == "vllm"
     with pytest.raises(ValidationError):
         load_settings({"engine": "sglang"})
+
+
+def test_vllm_takes_the_kv_it_is_given_and_on_a_gpu_else_what_its_memory_share_leaves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert vllm_kv_bytes(load_settings({}), cuda=False) == 4 << 30  # a CPU: the default size
+    assert vllm_kv_bytes(load_settings({}), cuda=True) == 0  # a GPU: vLLM sizes it (--gpu-memory-utilization)
+    assert vllm_kv_bytes(load_settings({"max_kv_bytes": 1 << 30}), cuda=True) == 1 << 30
+    path = tmp_path / "verifier.toml"
+    path.write_text("max-kv-bytes = 123456\n")
+    assert vllm_kv_bytes(load_settings({"config": str(path)}), cuda=True) == 123456
+    monkeypatch.setenv("SPECDEC_CLOUD_MAX_KV_BYTES", "654321")
+    assert vllm_kv_bytes(load_settings({}), cuda=True) == 654321

@@ -102,6 +102,10 @@ def test_limits_it_cannot_serve_are_one_line(folder: Path) -> None:
         engine.plan_kv(KVRequest("slots", max_sessions=2, max_kv_bytes=1 << 30, max_context_tokens=64, slot_tokens=64))
     plan = engine.plan_kv(KVRequest("packed", max_sessions=2, max_kv_bytes=1 << 30, max_context_tokens=1 << 20, slot_tokens=0))
     assert plan.max_context_tokens == 1000  # what the vLLM engine was started for
+    # Admission counts against the KV vLLM allocated (64 MiB asked, in whole blocks), or a smaller cap.
+    assert plan.max_kv_bytes == engine.kv_bytes_held() and (60 << 20) < plan.max_kv_bytes <= 64 << 20
+    plan = engine.plan_kv(KVRequest("packed", max_sessions=2, max_kv_bytes=1 << 20, max_context_tokens=64, slot_tokens=0))
+    assert plan.max_kv_bytes == 1 << 20
 
 
 def test_a_generate_stream_reads_vllms_own_decoding(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
