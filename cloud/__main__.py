@@ -105,8 +105,7 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     card = TokenizerCard.from_folder(folder)
     held = engine.kv_bytes_held()
     log_event(log, logging.INFO, f"vLLM holds KV for {engine.runtime.kv_tokens()} tokens, {held / 2**30:.2f} GiB", kv_bytes=held)
-    limits = settings.limits().with_max_kv_bytes(held)  # the KV asked for, in whole blocks, or what a GPU had left
-    verifier = Verifier(engine, describe_model(folder), limits, dtype_reason=dtype.reason, tokenizer=card)
+    verifier = Verifier(engine, describe_model(folder), settings.limits(), dtype_reason=dtype.reason, tokenizer=card)
     return _warmed(verifier)
 
 

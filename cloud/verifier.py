@@ -54,9 +54,6 @@ class VerifierLimits:
     # max_kv_bytes / slot bytes) slots
     kv_slot_tokens: int = 4096
 
-    def with_max_kv_bytes(self, max_kv_bytes: int) -> VerifierLimits:
-        return replace(self, sessions=replace(self.sessions, max_kv_bytes=max_kv_bytes))
-
 
 def _kv_request(limits: VerifierLimits) -> KVRequest:
     sessions = limits.sessions
@@ -67,7 +64,8 @@ def _kv_request(limits: VerifierLimits) -> KVRequest:
 
 def _fitted(limits: VerifierLimits, plan: KVPlan) -> VerifierLimits:
     """The limits with the context and KV caps of the KV the engine holds."""
-    return replace(limits.with_max_kv_bytes(plan.max_kv_bytes), max_context_tokens=plan.max_context_tokens)
+    sessions = replace(limits.sessions, max_kv_bytes=plan.max_kv_bytes)
+    return replace(limits, max_context_tokens=plan.max_context_tokens, sessions=sessions)
 
 
 def _ms_since(start: float) -> float:

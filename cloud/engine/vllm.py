@@ -275,12 +275,14 @@ class VllmEngine:
         self.dtype = str(config.dtype).removeprefix("torch.")
 
     def plan_kv(self, request: KVRequest) -> KVPlan:
-        """vLLM holds the KV (sized when it started): the context it serves, and the cap asked
-        or the KV vLLM allocated, whichever is smaller."""
+        """vLLM holds the KV (sized when it started): the context it serves, and the KV it
+        allocated, or the cap asked where smaller. A vLLM that sized its own KV (no bytes given:
+        what a GPU had left) sets the cap alone; the default cap is sized for a CPU."""
         if request.layout != "packed":
             raise ConfigError("--engine vllm keeps its own KV: --kv-layout slots is for the transformers engine")
         context = min(request.max_context_tokens, self.runtime.max_context_tokens)
-        return KVPlan(context, min(request.max_kv_bytes, self.kv_bytes_held()))
+        held = self.kv_bytes_held()
+        return KVPlan(context, min(request.max_kv_bytes, held) if self.runtime.options.max_kv_bytes else held)
 
     def kv_bytes_held(self) -> int:
         return self.runtime.kv_tokens() * self.kv_bytes_per_token
