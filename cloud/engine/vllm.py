@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -72,7 +73,9 @@ class VllmOptions:
 
 class VllmRuntime:
     """One vLLM engine (its engine-core processes) and the requests of one pass at a time.
-    Called from one thread at a time (the verifier's model worker)."""
+    A verifier calls it from its model worker alone; engines sharing it (tests) may call from
+    several threads, so calls that reach vLLM's client (whose ZeroMQ sockets abort the process
+    when two threads use them at once) take turns."""
 
     def __init__(self, options: VllmOptions) -> None:
         from vllm.engine.arg_utils import EngineArgs
@@ -109,12 +112,17 @@ class VllmRuntime:
         self._pending: set[str] = set()  # requests of the pass in flight
         self._done: dict[str, Any] = {}  # their outputs, until the pass takes them
         self._streams: dict[str, Stream] = {}  # requests vLLM decodes on its own (Generate)
+        self._turn = threading.RLock()  # one caller of vLLM's client at a time
         self._closer = weakref.finalize(self, _shutdown, self.llm)
 
     def run(self, requests: Sequence[tuple[list[int], str, Any]], streams: Sequence[tuple[Stream, int]] = ()) -> list[Any]:
         """Each (prompt tokens, cache salt, SamplingParams) as one request, all in flight
         together, until each has finished and each (stream, n) has decoded n tokens (or
         ended); the requests' outputs in order. On failure none of them is left running."""
+        with self._turn:
+            return self._run(requests, streams)
+
+    def _run(self, requests: Sequence[tuple[list[int], str, Any]], streams: Sequence[tuple[Stream, int]]) -> list[Any]:
         from vllm import TokensPrompt
 
         ids = [f"r{next(self._ids)}" for _ in requests]
@@ -144,15 +152,17 @@ class VllmRuntime:
 
         stream = Stream(f"s{next(self._ids)}")
         try:
-            self.llm.add_request(stream.request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
+            with self._turn:
+                self.llm.add_request(stream.request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
         except Exception as err:
             raise VerifierFault(f"vLLM could not start the stream ({type(err).__name__})") from err
         self._streams[stream.request_id] = stream
         return stream
 
     def end_stream(self, stream: Stream) -> None:
-        if self._streams.pop(stream.request_id, None) is not None and not stream.ended:
-            self._abort([stream.request_id])
+        with self._turn:
+            if self._streams.pop(stream.request_id, None) is not None and not stream.ended:
+                self._abort([stream.request_id])
 
     def _step(self) -> None:
         for output in self.llm.step():
