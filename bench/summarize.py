@@ -110,6 +110,7 @@ def summarize(records: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]
         "latency_s_p50": percentile(latencies, 50),
         "latency_s_p95": percentile(latencies, 95),
         "tau": ratio(sum(_speculative_tokens(r) for r in records), round_count),
+        "mean_k": ratio(drafted, round_count),  # drafts per Verify round: the k the policy chose
         "acceptance_rate": ratio(sum(r.get("accepted_tokens", 0) for r in records), drafted),
         "acceptance_by_position": acceptance_by_position(rounds),
         "target_passes_per_token": ratio(sum(r["target_forward_passes"] for r in records), tokens),

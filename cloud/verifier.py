@@ -284,6 +284,7 @@ class _Round:
             queue_ms=queue_ms,
             forward_ms=forward_ms,
             hard_tokens=sum(req.hard_mask),
+            alpha_prefix=_prefix_acceptance(outcome.accept_probs, outcome.accepted_len),
         )
         top_k = _top_k(accepted.probs[: outcome.accepted_len + 1], req.want_top_k)
         return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus, len(session.tokens), metrics, top_k)
@@ -311,6 +312,16 @@ class _OpenedRound:
 
     def undo(self) -> None:
         self.prefill.undo()
+
+
+def _prefix_acceptance(accept_probs: torch.Tensor, accepted_len: int) -> float | None:
+    """Mean acceptance over the drafts verified on an accepted prefix (the accepted ones and the
+    first rejected one): what a k policy's i.i.d. model means by acceptance. The drafts after the
+    first rejection were verified on a wrong prefix and are left out."""
+    k = accept_probs.shape[0]
+    if k == 0:
+        return None
+    return float(accept_probs[: min(accepted_len + 1, k)].mean())
 
 
 def _top_k(probs: torch.Tensor, k: int) -> list[SparseDistribution]:

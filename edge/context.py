@@ -15,6 +15,7 @@ from edge.drafting.drafter import Drafter, DrafterConfig, DraftLM, DraftSource
 from edge.drafting.gating import EscalationRules, GatingThresholds, load_gating_config
 from edge.drafting.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
 from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
+from edge.drafting.round_costs import RoundCosts
 from edge.drafting.runtime_llamacpp import LlamaCppDraftLM
 from edge.metrics import EdgeMetrics, MeteredObserver
 from edge.round.generation import Gating, GenerationConfig, Observer, TimeoutPolicy
@@ -43,6 +44,8 @@ class EdgeContext:
     metrics: EdgeMetrics | None = None
     draft_name: str = ""  # the draft model folder's name, for recorded traces
     mode_memory: ModeMemory = field(default_factory=ModeMemory)  # auto mode, from one generation to the next
+    # the cost policy's measured acceptance and costs, from one generation to the next
+    round_costs: RoundCosts = field(default_factory=RoundCosts)
 
     def observer(self, inner: Observer | None) -> Observer | None:
         return MeteredObserver(self.metrics, inner) if self.metrics else inner
@@ -90,7 +93,7 @@ class EdgeContext:
         if policy == "egag":
             return EgagK(s.k_min, s.k_max, s.egag_ema_beta, stop_bits=s.egag_stop_bits)
         if policy == "cost":
-            return CostK(1, s.k_max, overlap=s.overlap)
+            return CostK(self.round_costs, 1, s.k_max, overlap=s.overlap)
         return FixedK(s.fixed_k())
 
     def draft_source(self, seed: int) -> DraftSource:

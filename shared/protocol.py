@@ -118,6 +118,7 @@ class RoundMetrics:
     queue_ms: float = 0.0
     forward_ms: float = 0.0
     hard_tokens: int = 0
+    alpha_prefix: float | None = None  # over the drafts verified on an accepted prefix; None: no drafts
 
 
 @dataclass(frozen=True)

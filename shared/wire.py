@@ -149,6 +149,7 @@ def verify_result_to_pb(res: protocol.VerifyResult) -> pb.VerifyResponse:
             queue_ms=m.queue_ms,
             forward_ms=m.forward_ms,
             hard_tokens=m.hard_tokens,
+            alpha_prefix=m.alpha_prefix,
         ),
         target_top_k=[pb.TopK(token_ids=t.token_ids, probs=t.probs) for t in res.target_top_k],
     )
@@ -161,7 +162,15 @@ def verify_result_from_pb(msg: pb.VerifyResponse) -> protocol.VerifyResult:
         next_token=msg.next_token,
         bonus=msg.bonus,
         new_base_position=msg.new_base_position,
-        metrics=protocol.RoundMetrics(m.alpha_mean, m.la_over_k, m.verify_ms, m.queue_ms, m.forward_ms, m.hard_tokens),
+        metrics=protocol.RoundMetrics(
+            m.alpha_mean,
+            m.la_over_k,
+            m.verify_ms,
+            m.queue_ms,
+            m.forward_ms,
+            m.hard_tokens,
+            m.alpha_prefix if m.HasField("alpha_prefix") else None,
+        ),
         target_top_k=[protocol.SparseDistribution(list(t.token_ids), list(t.probs)) for t in msg.target_top_k],
     )
 

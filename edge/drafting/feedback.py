@@ -15,7 +15,7 @@ from shared.protocol import SparseDistribution
 class RoundFeedback:
     k: int  # tokens drafted this round
     accepted_len: int
-    alpha_mean: float  # the cloud's mean min(1, p/q) over the drafts
+    alpha_mean: float  # the cloud's mean min(1, p/q) over all the drafts (its round log's figure)
     draft_ms: float  # edge time spent drafting the block
     rtt_ms: float  # wall time of the Verify call (network + cloud)
     verify_ms: float  # cloud time of the round
@@ -25,6 +25,11 @@ class RoundFeedback:
     context: list[int] = field(default_factory=list)  # the last committed tokens before the block
     draft_tokens: list[int] = field(default_factory=list)
     target_top_k: list[SparseDistribution] = field(default_factory=list)  # per verified position, when asked for
+    # The cloud's mean min(1, p/q) over the drafts verified on an accepted prefix (the accepted
+    # ones and the first rejected one); None: not reported, the round's outcome stands for it.
+    alpha_prefix: float | None = None
+    drafted: int | None = None  # tokens drafted in draft_ms (a block may start from tokens drafted earlier); None: k
+    catchup: int = 0  # committed tokens the round's pass verified before the drafts
 
     def top_k_contexts(self) -> list[list[int]]:
         """The tokens before each position the target's top-k describes."""

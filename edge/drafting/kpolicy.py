@@ -3,11 +3,13 @@ much is drafted, never what is committed."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
 from edge.drafting.feedback import RoundFeedback
+from edge.drafting.round_costs import RoundCosts
 
 
 class KPolicy(Protocol):
@@ -90,61 +92,71 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class CostK:
-    """Pick k to maximise expected tokens per second, from running estimates (EMA) of the
-    acceptance rate, the draft time per token, the cloud's verify time (fixed part + per
-    token) and the network round trip. A slower link makes each round dearer, so longer
-    blocks pay: on 100 ms RTT it picks a larger k than on loopback.
+    """Pick k to maximise the expected tokens per second of the next rounds, from measured
+    estimates (RoundCosts: acceptance given an accepted prefix, draft time per token, the verify
+    time's fixed and per-row parts, the network's share of a round). A slower link makes each
+    round dearer, so longer blocks pay: on 100 ms RTT it picks a larger k than on loopback.
 
-    round_time(k) = k * t_draft + t_verify0 + k * t_verify_per_token + rtt
-    With overlap the next block is drafted while the cloud works, so a round costs the
-    longer of the two: max(k * t_draft, t_verify(k) + rtt) — drafting that fits inside the
-    wait is free, and a slower link buys a longer block.
+    tokens(k) = (1 - a^(k+1)) / (1 - a), the accepted prefix plus the recovered/bonus token;
+    cloud(k) = verify(k + 1 rows) + network;
+    round(k) = k * t_draft + cloud(k).
+    With overlap the edge drafts ahead while the cloud works (up to k + 1 tokens: a guess of the
+    bonus, then the next block) and reads the reply once the token it is drafting is done, so
+    the wait is max(cloud(k), tokens drafted ahead * t_draft). What it drafted ahead is kept only
+    when the whole block passed and the bonus is the token guessed (probability a^(k+1)); then
+    the next block needs only the rest drafted, else all k as without overlap.
+
+    Every `explore_every`-th round drafts one token more or fewer than the best k (alternately),
+    so the verify time is measured at more than one size even when the best k holds still.
     """
 
     def __init__(
         self,
+        costs: RoundCosts | None = None,
         k_min: int = 1,
         k_max: int = 12,
-        ema_beta: float = 0.8,
-        alpha0: float = 0.7,
-        draft_ms0: float = 50.0,
-        verify_ms0: float = 150.0,
-        rtt_ms0: float = 1.0,
         overlap: bool = False,
+        explore_every: int = 16,
     ) -> None:
-        self.overlap = overlap
-        self.k_min, self.k_max, self.beta = k_min, k_max, ema_beta
-        self.alpha = alpha0
-        self.draft_ms_per_token = draft_ms0
-        self.verify_ms_fixed = verify_ms0
-        self.verify_ms_per_token = 0.0
-        self.net_ms = rtt_ms0  # rtt minus the cloud's own time
-        self._k = k_min
+        if not 0 < k_min <= k_max:
+            raise ValueError("need 0 < k_min <= k_max")
+        self.costs = costs if costs is not None else RoundCosts()
+        self.k_min, self.k_max, self.overlap = k_min, k_max, overlap
+        self.explore_every = explore_every
+        self._rounds = 0
 
     def round_ms(self, k: int) -> float:
-        drafting = k * self.draft_ms_per_token
-        cloud = self.verify_ms_fixed + k * self.verify_ms_per_token + self.net_ms
-        return max(drafting, cloud) if self.overlap else drafting + cloud
+        c = self.costs
+        per_token = c.draft_ms_per_token
+        cloud = c.verify_ms(k + 1) + c.net_ms
+        if not self.overlap:
+            return k * per_token + cloud
+        # While the call is out the edge drafts ahead a token at a time (a bonus guess, then the
+        # next block) and reads the reply at the end of the token it is drafting.
+        ahead = min(k + 1, max(math.ceil(cloud / per_token), 1)) if per_token > 0 else k + 1
+        wait = max(cloud, ahead * per_token)
+        kept = c.acceptance ** (k + 1) if ahead > 1 else 0.0
+        return wait + kept * (k - (ahead - 1)) * per_token + (1 - kept) * k * per_token
+
+    def tokens_per_s(self, k: int) -> float:
+        """Expected committed tokens per second at k, by the current estimates."""
+        acceptance = min(self.costs.acceptance, 0.99)  # a block never passes for certain
+        return 1000.0 * expected_tokens(acceptance, k) / self.round_ms(k)
+
+    def best_k(self) -> int:
+        return max(range(self.k_min, self.k_max + 1), key=self.tokens_per_s)
 
     def next_k(self) -> int:
-        return max(range(self.k_min, self.k_max + 1), key=lambda k: expected_tokens(self.alpha, k) / self.round_ms(k))
-
-    def _ema(self, old: float, new: float) -> float:
-        return self.beta * old + (1 - self.beta) * new
+        best = self.best_k()
+        if self.explore_every <= 0 or self._rounds % self.explore_every != self.explore_every - 1:
+            return best
+        step = 1 if (self._rounds // self.explore_every) % 2 == 0 else -1
+        if not self.k_min <= best + step <= self.k_max:
+            step = -step
+        return min(max(best + step, self.k_min), self.k_max)
 
     def update(self, feedback: RoundFeedback) -> None:
         if feedback.k <= 0:
             return
-        self.alpha = min(self._ema(self.alpha, feedback.alpha_mean), 0.99)
-        self.draft_ms_per_token = self._ema(self.draft_ms_per_token, feedback.draft_ms / feedback.k)
-        self.net_ms = self._ema(self.net_ms, max(feedback.rtt_ms - feedback.verify_ms, 0.0))
-        # Split the verify time into a fixed and a per-token part from two k's seen so far.
-        self._fit_verify(feedback.k + 1, feedback.verify_ms)
-
-    def _fit_verify(self, tokens: int, verify_ms: float) -> None:
-        predicted = self.verify_ms_fixed + tokens * self.verify_ms_per_token
-        error = verify_ms - predicted
-        # One step of least-mean-squares on (fixed, per_token); the step is scaled per input.
-        rate = 1 - self.beta
-        self.verify_ms_fixed = max(self.verify_ms_fixed + rate * error / 2, 0.0)
-        self.verify_ms_per_token = max(self.verify_ms_per_token + rate * error / (2 * tokens), 0.0)
+        self.costs.update(feedback)
+        self._rounds += 1

@@ -87,6 +87,9 @@ class RoundRecord:
     mode: str = "speculative"  # cloud_only: a Decode stretch of the target's own tokens (`decoded`)
     decoded: list[int] = field(default_factory=list)
     switch: str = ""  # why auto mode changed to this record's mode here (empty: it did not)
+    # the cloud's mean min(1, p/q) over the drafts verified on an accepted prefix (alpha_mean is
+    # over all the drafts, those after the first rejection included); None: not reported
+    alpha_prefix: float | None = None
 
 
 @dataclass

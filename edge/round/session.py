@@ -83,6 +83,7 @@ class SentBlock:
     req: VerifyRequest
     draft: Draft  # the pending block as sent (sources, signals)
     draft_ms: float
+    drafted: int  # tokens drafted in draft_ms (the block may start from tokens drafted earlier)
     hard_ratio: float
     sent_at: float  # perf_counter when the Verify call started
 
@@ -269,10 +270,10 @@ class SpeculativeRun:
 
     # ---- drafting a block ---------------------------------------------------------------
 
-    def _draft(self) -> float:
-        """Top the pending block up to k tokens (in a worker thread); the drafting time in ms.
-        The block starts from the tokens drafted ahead during the last round and still valid,
-        else from the tokens already shown."""
+    def _draft(self) -> tuple[float, int]:
+        """Top the pending block up to k tokens (in a worker thread); the drafting time in ms and
+        the tokens drafted in it. The block starts from the tokens drafted ahead during the last
+        round and still valid, else from the tokens already shown."""
         tokens, limit = self.tokens, self.session.current().max_draft_tokens
         carry = self.overlap.take_carry()
         tokens.pending = carry if carry is not None else tokens.pending.head(tokens.provisional)
@@ -280,10 +281,12 @@ class SpeculativeRun:
         room = self.blocks.room(self.out.remaining(), limit)
         if len(tokens.pending) > max(room, tokens.provisional):
             tokens.pending = tokens.pending.head(max(room, tokens.provisional))
-        start = time.perf_counter()
+        start, drafted = time.perf_counter(), 0
         if room > len(tokens.pending):
-            self.result.mc_dropout_ms += self._top_up(room).mc_ms
-        return ms_since(start)
+            block = self._top_up(room)
+            self.result.mc_dropout_ms += block.mc_ms
+            drafted = len(block)
+        return ms_since(start), drafted
 
     def _top_up(self, room: int) -> Draft:
         """Draft after the pending block until it holds `room` tokens; the new tokens."""
@@ -337,7 +340,7 @@ class SpeculativeRun:
     # ---- one round ----------------------------------------------------------------------
 
     async def _round(self) -> None:
-        draft_ms = await asyncio.to_thread(self._draft)
+        draft_ms, drafted = await asyncio.to_thread(self._draft)
         mask, rule_hit = self._hard_mask()
         hard_ratio = sum(mask) / len(mask) if mask else 0.0
         if self.local_commit is not None and self._commit_locally(hard_ratio, rule_hit, draft_ms):
@@ -355,16 +358,17 @@ class SpeculativeRun:
             sparse_draft=tokens.pending.sparse,
             want_top_k=self.drafter.filler_top_k,
         )
-        sent = SentBlock(req, tokens.pending, draft_ms, hard_ratio, time.perf_counter())
-        reply = await self._verify(req)
-        if reply is not None:
-            self._apply(sent, reply)
+        sent = SentBlock(req, tokens.pending, draft_ms, drafted, hard_ratio, time.perf_counter())
+        replied = await self._verify(req)
+        if replied is not None:
+            self._apply(sent, *replied)
 
-    async def _verify(self, req: VerifyRequest) -> VerifyResult | None:
-        """The Verify call with the soft deadline; None when the round was lost (and the
-        session recovered, or the block given up in accept-unverified mode). With overlap the
-        wait is spent drafting the next block."""
-        call = asyncio.ensure_future(self.session.verify(req))
+    async def _verify(self, req: VerifyRequest) -> tuple[VerifyResult, float] | None:
+        """The Verify call with the soft deadline: its reply and when it came (perf_counter);
+        None when the round was lost (and the session recovered, or the block given up in
+        accept-unverified mode). With overlap the wait is spent drafting the next block, and
+        the reply is read once the token being drafted is done."""
+        call = asyncio.ensure_future(self._timed_verify(req))
         deadline = SoftDeadline(self.cfg.timeouts)
         tokens = self.tokens
         self.overlap.drop()
@@ -384,16 +388,20 @@ class SpeculativeRun:
             deadline.rearm(self._more_to_show())
         return await self._reply(call)
 
-    async def _reply(self, call: asyncio.Future[VerifyResult]) -> VerifyResult | None:
-        """The finished call's reply, or None once its failure was dealt with."""
+    async def _timed_verify(self, req: VerifyRequest) -> tuple[VerifyResult, float]:
+        reply = await self.session.verify(req)
+        return reply, time.perf_counter()
+
+    async def _reply(self, call: asyncio.Future[tuple[VerifyResult, float]]) -> tuple[VerifyResult, float] | None:
+        """The finished call's reply and when it came, or None once its failure was dealt with."""
         try:
-            reply = call.result()
+            replied = call.result()
         except SpecDecError as err:
             self.result.count_wire(err.wire)  # a failed call's bytes count too
             await self._failed(err)
             return None
-        self.result.count_wire(reply.wire)
-        return reply
+        self.result.count_wire(replied[0].wire)
+        return replied
 
     async def _failed(self, err: SpecDecError) -> None:
         """Deal with a failed Verify: reopen after a recoverable loss; when a full verifier still
@@ -412,10 +420,10 @@ class SpeculativeRun:
             self.tokens.pending = self.drafter.propose(1)
         self._accept_unverified(self.unverified)
 
-    def _apply(self, sent: SentBlock, reply: VerifyResult) -> None:
+    def _apply(self, sent: SentBlock, reply: VerifyResult, replied_at: float) -> None:
         """Commit the cloud's verdict (the accepted prefix and the recovered or bonus token),
         tell every learner, count the round and record it."""
-        rtt_ms, traffic = ms_since(sent.sent_at), reply.wire
+        rtt_ms, traffic = 1000.0 * (replied_at - sent.sent_at), reply.wire
         drafts, accepted = sent.req.draft_tokens, reply.accepted_len
         shown = self.tokens.provisional  # on screen, unverified, when the reply came
         feedback = _feedback(sent, reply, rtt_ms, self.tokens.committed[-NGRAM_CONTEXT:])
@@ -484,6 +492,9 @@ def _feedback(sent: SentBlock, reply: VerifyResult, rtt_ms: float, context: list
         draft_ms=sent.draft_ms,
         rtt_ms=rtt_ms,
         verify_ms=reply.metrics.verify_ms,
+        alpha_prefix=reply.metrics.alpha_prefix,
+        drafted=sent.drafted,
+        catchup=len(sent.req.committed_tokens),
         mean_entropy_bits=sum(s.entropy_bits for s in signals) / len(signals) if signals else 0.0,
         next_token=reply.next_token,
         bonus=reply.bonus,
@@ -529,4 +540,5 @@ def _verified_record(
         sources=sent.draft.sources,
         ahead_drafted=ahead[0],
         ahead_used=ahead[1],
+        alpha_prefix=reply.metrics.alpha_prefix,
     )

@@ -96,20 +96,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., base_position: _Optional[int] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., hard_mask: _Optional[bytes] = ..., sparse_draft: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., want_top_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RoundMetrics(_message.Message):
-    __slots__ = ("alpha_mean", "la_over_k", "verify_ms", "queue_ms", "forward_ms", "hard_tokens")
+    __slots__ = ("alpha_mean", "la_over_k", "verify_ms", "queue_ms", "forward_ms", "hard_tokens", "alpha_prefix")
     ALPHA_MEAN_FIELD_NUMBER: _ClassVar[int]
     LA_OVER_K_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     HARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_PREFIX_FIELD_NUMBER: _ClassVar[int]
     alpha_mean: float
     la_over_k: float
     verify_ms: float
     queue_ms: float
     forward_ms: float
     hard_tokens: int
-    def __init__(self, alpha_mean: _Optional[float] = ..., la_over_k: _Optional[float] = ..., verify_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., hard_tokens: _Optional[int] = ...) -> None: ...
+    alpha_prefix: float
+    def __init__(self, alpha_mean: _Optional[float] = ..., la_over_k: _Optional[float] = ..., verify_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., hard_tokens: _Optional[int] = ..., alpha_prefix: _Optional[float] = ...) -> None: ...
 
 class TopK(_message.Message):
     __slots__ = ("token_ids", "probs")

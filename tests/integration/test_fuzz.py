@@ -961,6 +961,8 @@ class Fuzz:
         assert m.hard_tokens == sum(mask_bits), (m, where)
         assert all(math.isfinite(x) for x in (m.alpha_mean, m.la_over_k, m.verify_ms, m.queue_ms, m.forward_ms)), where
         assert -1e-6 <= m.alpha_mean <= 1 + 1e-6 and 0 <= m.la_over_k <= 1, (m, where)
+        assert m.HasField("alpha_prefix") == (k > 0), (m, where)
+        assert not k or (math.isfinite(m.alpha_prefix) and -1e-6 <= m.alpha_prefix <= 1 + 1e-6), (m, where)
         want = min(req.want_top_k, vocab)
         assert len(reply.target_top_k) == (reply.accepted_len + 1 if want else 0), (reply, where)
         for top in reply.target_top_k:
