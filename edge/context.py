@@ -93,7 +93,7 @@ class EdgeContext:
         if policy == "egag":
             return EgagK(s.k_min, s.k_max, s.egag_ema_beta, stop_bits=s.egag_stop_bits)
         if policy == "cost":
-            return CostK(self.round_costs, 1, s.k_max, overlap=s.overlap)
+            return CostK(1, s.k_max, s.overlap, self.round_costs)
         return FixedK(s.fixed_k())
 
     def draft_source(self, seed: int) -> DraftSource:

@@ -93,8 +93,9 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 class CostK:
     """Pick k to maximise the expected tokens per second of the next rounds, from measured
-    estimates (RoundCosts: acceptance given an accepted prefix, draft time per token, the verify
-    time's fixed and per-row parts, the network's share of a round). A slower link makes each
+    estimates (RoundCosts: acceptance given an accepted prefix, this generation's own, and the
+    process's draft time per token, verify time's fixed and per-row parts and the network's share
+    of a round). A slower link makes each
     round dearer, so longer blocks pay: on 100 ms RTT it picks a larger k than on loopback.
 
     tokens(k) = (1 - a^(k+1)) / (1 - a), the accepted prefix plus the recovered/bonus token;
@@ -112,15 +113,16 @@ class CostK:
 
     def __init__(
         self,
-        costs: RoundCosts | None = None,
         k_min: int = 1,
         k_max: int = 12,
         overlap: bool = False,
+        costs: RoundCosts | None = None,
         explore_every: int = 16,
     ) -> None:
         if not 0 < k_min <= k_max:
             raise ValueError("need 0 < k_min <= k_max")
-        self.costs = costs if costs is not None else RoundCosts()
+        self.costs = costs if costs is not None else RoundCosts()  # the machine's and the link's, shared
+        self.text_acceptance = self.costs.generation_acceptance()  # this generation's own
         self.k_min, self.k_max, self.overlap = k_min, k_max, overlap
         self.explore_every = explore_every
         self._rounds = 0
@@ -135,13 +137,16 @@ class CostK:
         # next block) and reads the reply at the end of the token it is drafting.
         ahead = min(k + 1, max(math.ceil(cloud / per_token), 1)) if per_token > 0 else k + 1
         wait = max(cloud, ahead * per_token)
-        kept = c.acceptance ** (k + 1) if ahead > 1 else 0.0
+        kept = self.acceptance ** (k + 1) if ahead > 1 else 0.0
         return wait + kept * (k - (ahead - 1)) * per_token + (1 - kept) * k * per_token
 
     def tokens_per_s(self, k: int) -> float:
         """Expected committed tokens per second at k, by the current estimates."""
-        acceptance = min(self.costs.acceptance, 0.99)  # a block never passes for certain
-        return 1000.0 * expected_tokens(acceptance, k) / self.round_ms(k)
+        return 1000.0 * expected_tokens(self.acceptance, k) / self.round_ms(k)
+
+    @property
+    def acceptance(self) -> float:
+        return min(self.text_acceptance.value, 0.99)  # a block never passes for certain
 
     def best_k(self) -> int:
         return max(range(self.k_min, self.k_max + 1), key=self.tokens_per_s)
@@ -159,4 +164,5 @@ class CostK:
         if feedback.k <= 0:
             return
         self.costs.update(feedback)
+        self.text_acceptance.add(feedback)
         self._rounds += 1

@@ -7,7 +7,10 @@
   nothing about this parameter (in greedy mode it matches far less often), so it is left out.
   The estimate is the censored count, accepted / (accepted + one per rejected round), with the
   cloud's min(1, p/q) of each such position in place of its 0/1 outcome where the cloud reports
-  it (`alpha_prefix`: the same expectation, less noise when sampling);
+  it (`alpha_prefix`: the same expectation, less noise when sampling). Acceptance belongs to
+  the text more than to the machine: each generation keeps its own (`Acceptance`), starting
+  from the process's figure with the weight of a couple of rounds, so a predictable text after
+  a hard one drafts long blocks from its first rounds;
 - the draft time per token: drafting time over the tokens drafted in it (a block topped up from
   tokens drafted ahead counts only the tokens drafted for it);
 - the verify time as a function of the rows in the target's pass (the last committed token, any
@@ -37,6 +40,7 @@ class CostPrior:
     verify_ms: float = 150.0
     net_ms: float = 1.0
     weight: float = 1.0  # in rounds (acceptance: in verified positions, times 4)
+    generation_weight: float = 8.0  # verified positions a generation's acceptance gives the process's figure
 
 
 @dataclass
@@ -80,6 +84,30 @@ class _Line:
 
 
 @dataclass
+class Acceptance:
+    """The censored count of acceptance given an accepted prefix, discounted per round."""
+
+    value_prior: float
+    weight: float  # in verified positions
+    decay: float
+    _accepted: float = 0.0
+    _positions: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._accepted, self._positions = self.value_prior * self.weight, self.weight
+
+    @property
+    def value(self) -> float:
+        """P(a draft is accepted | every draft before it was)."""
+        return self._accepted / self._positions
+
+    def add(self, feedback: RoundFeedback) -> None:
+        reached = min(feedback.accepted_len + 1, feedback.k)  # positions verified on an accepted prefix
+        self._accepted = self.decay * self._accepted + _prefix_acceptance(feedback) * reached
+        self._positions = self.decay * self._positions + reached
+
+
+@dataclass
 class RoundCosts:
     """The running estimates; `update` takes one verified round. One edge process keeps one
     (EdgeContext owns it), so a generation starts from what the last ones measured."""
@@ -87,8 +115,7 @@ class RoundCosts:
     decay: float = 0.98
     prior: CostPrior = field(default_factory=CostPrior)
     rounds: int = 0  # verified rounds seen
-    _accepted: float = 0.0  # sum of acceptance over the positions verified on an accepted prefix
-    _positions: float = 0.0
+    _acceptance: Acceptance = field(init=False)
     _draft_ms: float = 0.0
     _drafted: float = 0.0
     _net_ms: float = 0.0
@@ -97,7 +124,7 @@ class RoundCosts:
 
     def __post_init__(self) -> None:
         p = self.prior
-        self._accepted, self._positions = 4 * p.weight * p.acceptance, 4 * p.weight
+        self._acceptance = Acceptance(p.acceptance, 4 * p.weight, self.decay)
         self._draft_ms, self._drafted = p.weight * p.draft_ms_per_token, p.weight
         self._net_ms, self._net_rounds = p.weight * p.net_ms, p.weight
 
@@ -105,8 +132,12 @@ class RoundCosts:
 
     @property
     def acceptance(self) -> float:
-        """P(a draft is accepted | every draft before it was)."""
-        return self._accepted / self._positions
+        """P(a draft is accepted | every draft before it was), over the process's rounds."""
+        return self._acceptance.value
+
+    def generation_acceptance(self) -> Acceptance:
+        """A new generation's own acceptance, starting from the process's figure."""
+        return Acceptance(self.acceptance, self.prior.generation_weight, self.decay)
 
     @property
     def draft_ms_per_token(self) -> float:
@@ -130,28 +161,16 @@ class RoundCosts:
     def update(self, feedback: RoundFeedback) -> None:
         if feedback.k <= 0:
             return
-        self._discount()
-        self.rounds += 1
-        reached = min(feedback.accepted_len + 1, feedback.k)  # positions verified on an accepted prefix
-        self._accepted += _prefix_acceptance(feedback) * reached
-        self._positions += reached
-        drafted = feedback.k if feedback.drafted is None else feedback.drafted
-        if drafted > 0:
-            self._draft_ms += feedback.draft_ms
-            self._drafted += drafted
-        self._net_ms += max(feedback.rtt_ms - feedback.verify_ms, 0.0)
-        self._net_rounds += 1
-        self._verify.add(feedback.k + 1 + feedback.catchup, feedback.verify_ms)
-
-    def _discount(self) -> None:
         d = self.decay
-        self._accepted *= d
-        self._positions *= d
-        self._draft_ms *= d
-        self._drafted *= d
-        self._net_ms *= d
-        self._net_rounds *= d
+        self.rounds += 1
+        self._acceptance.add(feedback)
+        drafted = feedback.k if feedback.drafted is None else feedback.drafted
+        self._draft_ms = d * self._draft_ms + (feedback.draft_ms if drafted > 0 else 0.0)
+        self._drafted = d * self._drafted + drafted
+        self._net_ms = d * self._net_ms + max(feedback.rtt_ms - feedback.verify_ms, 0.0)
+        self._net_rounds = d * self._net_rounds + 1
         self._verify.decay(d)
+        self._verify.add(feedback.k + 1 + feedback.catchup, feedback.verify_ms)
 
 
 def _prefix_acceptance(feedback: RoundFeedback) -> float:

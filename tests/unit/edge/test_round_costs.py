@@ -204,15 +204,15 @@ CASE_IDS = [f"{v}-rtt{r:g}-{'overlap' if o else 'serial'}" for v, r, o in CASES]
 
 @pytest.mark.parametrize(("verifier", "rtt_ms", "overlap"), CASES, ids=CASE_IDS)
 def test_the_policy_settles_on_the_best_k(verifier: str, rtt_ms: float, overlap: bool) -> None:
-    """Once its estimates have converged (a long memory, 2000 rounds), the k chosen is the argmax
+    """Once its estimates have converged (a long memory, 3000 rounds), the k chosen is the argmax
     of the simulated tokens per second over k = 1..12, or within 1% of it where two k's are
     that close. (After fewer rounds the estimates' noise can tip a near tie: the next test
     measures what that costs.)"""
     world = _world(verifier, rtt_ms, overlap)
     rates = {k: true_rate(world, k, rounds=10000) for k in range(1, 13)}
     best = max(rates, key=rates.__getitem__)
-    policy = CostK(RoundCosts(decay=0.9995), k_max=12, overlap=overlap)
-    learn(policy, world, 2000, seed=11)
+    policy = CostK(k_max=12, overlap=overlap, costs=RoundCosts(decay=0.9997))
+    learn(policy, world, 3000, seed=11)
     chosen = policy.best_k()
     assert chosen == best or rates[chosen] >= 0.99 * rates[best], (chosen, best, rates)
     runner_up = max(rate for k, rate in rates.items() if k != best)
@@ -264,9 +264,29 @@ def test_the_model_matches_the_simulation() -> None:
     predicts the simulated rate of each k."""
     for verifier, rtt, overlap in CASES:
         world = _world(verifier, rtt, overlap)
-        policy = CostK(RoundCosts(decay=0.999), k_max=12, overlap=overlap)
+        policy = CostK(k_max=12, overlap=overlap, costs=RoundCosts(decay=0.9997))
         sim = Simulation(world, random.Random(15))
-        for i in range(1200):
+        for i in range(3600):
             policy.update(sim.round(1 + i % 12))
-        for k in (1, 2, 4, 8, 12):
-            assert policy.tokens_per_s(k) == pytest.approx(true_rate(world, k), rel=0.03), (verifier, rtt, overlap, k)
+        for k in (1, 4, 8, 12):
+            # Both sides are estimates (the simulated rate over 20000 rounds, about 1% apart
+            # from seed to seed; the policy's own from its rounds): 4% holds them.
+            truth = true_rate(world, k, rounds=20000)
+            assert policy.tokens_per_s(k) == pytest.approx(truth, rel=0.04), (verifier, rtt, overlap, k)
+
+
+def test_a_generation_starts_from_the_process_and_follows_its_own_text() -> None:
+    """Costs and acceptance carry from one generation to the next; acceptance then follows the
+    new text within a few rounds, while the process's figure moves slowly."""
+    costs = RoundCosts()
+    hard = CostK(k_max=12, costs=costs)
+    learn(hard, _world("gpu", 100.0, False, acceptance=0.5), 100, seed=16)
+    easy = CostK(k_max=12, costs=costs)
+    assert easy.acceptance == pytest.approx(hard.acceptance, abs=0.05)
+    assert costs.net_ms == pytest.approx(100.0, rel=0.1)
+    assert easy.best_k() == hard.best_k()
+    for _ in range(6):
+        k = easy.next_k()
+        easy.update(RoundFeedback(k, k, 1.0, 25.0 * k, 131.0 + k, 31.0 + k))
+    assert easy.best_k() > hard.best_k() + 2
+    assert costs.acceptance < 0.65
