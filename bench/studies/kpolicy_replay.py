@@ -1,0 +1,161 @@
+"""k policies played on real acceptance, without the machine's noise. A study of the edge's k
+policies (edge/drafting/kpolicy.py).
+
+In greedy mode a round of k drafts starting at output position p accepts min(k, L(p)), where
+L(p) is how many tokens from p on the draft model's own greedy choice matches the target's
+output. One teacher-forced pass of the draft over each prompt and the target's output (read
+from a `python -m bench` run's outputs) gives L at every position. Each policy is then played
+over the same outputs, in the same prompt order, with a configuration's round costs (draft ms
+per token, the verify pass's fixed and per-row ms, the network), and fed its rounds as the round
+loop feeds it. Rates are expected tokens per second of the decode (after the first token); the
+costs are fixed, so two policies differ only in the k they chose.
+
+    python -m bench.studies.kpolicy_replay --run-files results/bench_files --outputs k4.unpinned.rtt0.jsonl \\
+        --config "loopback=20,140,3,3" --config "rtt100=20,140,3,104" [--out docs/kpolicy_replay]
+
+A --config is NAME=DRAFT_MS_PER_TOKEN,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS (the figures
+a run's round log gives; `python -m bench` reports them per system).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bench.cli import settings_parser
+from bench.environment import provenance, write_result
+from edge.drafting.feedback import RoundFeedback
+from edge.drafting.kpolicy import CostK, FixedK, KPolicy
+from edge.drafting.round_costs import RoundCosts
+from shared.cli import settings_from_args
+from shared.errors import ConfigError
+
+FIXED_KS = (2, 3, 4, 5, 6, 8)
+
+
+class ReplaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_KPOLICY_REPLAY_")
+
+    run_files: Path = Field(description="a `python -m bench` run's files folder (prompts.jsonl and the outputs)")
+    outputs: str = Field(description="the outputs file in it whose tokens are the target's (any greedy system's)")
+    draft_gguf: Path | None = Field(None, description="the draft's GGUF (default: the packaged Qwen 0.5B)")
+    draft_window: int = Field(512, ge=1, description="prompt tokens the draft reads, as edge-agent's --draft-window")
+    config: list[str] = Field(description="NAME=DRAFT_MS,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS (repeatable)")
+    out: Path = Field(Path("docs/kpolicy_replay"), description="folder for the JSON result and report.md")
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    draft_ms: float  # per token
+    verify_fixed_ms: float
+    verify_per_row_ms: float
+    net_ms: float
+
+    def verify_ms(self, k: int) -> float:
+        return self.verify_fixed_ms + self.verify_per_row_ms * (k + 1)
+
+
+def match_runs(draft_choices: Sequence[int], output: Sequence[int]) -> list[int]:
+    """L(p): how many tokens from p on the draft's greedy choice (given the target's prefix)
+    equals the target's token."""
+    runs = [0] * (len(output) + 1)
+    for p in range(len(output) - 1, -1, -1):
+        runs[p] = runs[p + 1] + 1 if draft_choices[p] == output[p] else 0
+    return runs[: len(output)]
+
+
+def play(policy_for: Callable[[], KPolicy], outputs: Sequence[Sequence[int]], cost: RoundCost) -> dict[str, float]:
+    """One policy over every output in turn (`policy_for` is called per generation, as edge-agent
+    does): expected decode tokens per second and the mean k it drafted."""
+    ms = tokens = drafted = rounds = 0.0
+    for runs in outputs:
+        policy, p = policy_for(), 1  # the first token comes with the prefill
+        while p < len(runs):
+            k = min(policy.next_k(), len(runs) - p - 1)  # one token of what is left goes to the bonus
+            accepted = min(k, runs[p])
+            verify = cost.verify_ms(k)
+            ms += k * cost.draft_ms + verify + cost.net_ms
+            tokens, drafted, rounds, p = tokens + accepted + 1, drafted + k, rounds + 1, p + accepted + 1
+            if k:
+                policy.update(RoundFeedback(k, accepted, 0.0, k * cost.draft_ms, verify + cost.net_ms, verify))
+    return {"tokens_per_s": 1000.0 * tokens / ms, "mean_k": drafted / rounds}
+
+
+def compare(outputs: Sequence[Sequence[int]], cost: RoundCost) -> dict[str, dict[str, float]]:
+    rows = {f"k{k}": play(lambda k=k: FixedK(k), outputs, cost) for k in FIXED_KS}
+    costs = RoundCosts()  # one edge process: shared by its generations
+    rows["cost (default)"] = play(lambda: CostK(costs=costs), outputs, cost)
+    return rows
+
+
+def _parse_config(spec: str) -> tuple[str, RoundCost]:
+    name, _, numbers = spec.partition("=")
+    try:
+        values = [float(x) for x in numbers.split(",")]
+    except ValueError:
+        values = []
+    if not name or len(values) != 4:
+        raise ConfigError(f"--config {spec[:80]!r}: expected NAME=DRAFT_MS,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS")
+    return name, RoundCost(*values)
+
+
+def draft_match_runs(s: ReplaySettings) -> list[list[int]]:
+    """L for every prompt of the run, in its order: one teacher-forced draft pass each."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    from edge.prompts import encode_prompt
+    from edge.tokenizer import EdgeTokenizer
+    from shared.models import DRAFT_MODEL
+    from shared.models.store import model_folder
+
+    folder = Path(model_folder(None, DRAFT_MODEL))
+    gguf = s.draft_gguf or next(folder.glob("*.gguf"))
+    tokenizer = EdgeTokenizer(folder)
+    prompts = [json.loads(line) for line in (s.run_files / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    outputs = {r["id"]: r["token_ids"] for r in map(json.loads, (s.run_files / s.outputs).read_text().splitlines()) if r}
+    llm = Llama(str(gguf), n_ctx=4096, logits_all=True, verbose=False)
+    runs = []
+    for prompt in prompts:
+        ids, output = encode_prompt(tokenizer, prompt["prompt"], True)[-s.draft_window :], outputs[prompt["id"]]
+        llm.reset()
+        llm.eval(ids + output)
+        choices = np.asarray(llm.scores[len(ids) - 1 : len(ids) - 1 + len(output)]).argmax(-1).tolist()
+        runs.append(match_runs(choices, output))
+    return runs
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = ["# k policies on replayed acceptance", "", f"`{result['provenance']['command']}`", ""]
+    lines += ["| costs | " + " | ".join(next(iter(result["configs"].values()))["rates"]) + " | cost / best fixed |"]
+    lines += ["|---" * (len(next(iter(result["configs"].values()))["rates"]) + 2) + "|"]
+    for name, config in result["configs"].items():
+        rates = config["rates"]
+        best = max(v["tokens_per_s"] for n, v in rates.items() if n.startswith("k"))
+        cells = [f"{v['tokens_per_s']:.2f} (k {v['mean_k']:.1f})" for v in rates.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {rates['cost (default)']['tokens_per_s'] / best:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = settings_parser("python -m bench.studies.kpolicy_replay", __doc__, ReplaySettings)
+    s = settings_from_args(ReplaySettings, parser.parse_args(argv))
+    configs = dict(map(_parse_config, s.config))
+    outputs = draft_match_runs(s)
+    command = "python -m bench.studies.kpolicy_replay " + " ".join(argv if argv is not None else sys.argv[1:])
+    result: dict[str, Any] = {"provenance": provenance(command), "prompts": len(outputs), "configs": {}}
+    for name, cost in configs.items():
+        result["configs"][name] = {"costs": vars(cost), "rates": compare(outputs, cost)}
+    write_result(s.out, "kpolicy_replay", result, report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
