@@ -4,8 +4,8 @@
              [--sessions N] [--scale X] [--max-prompt-tokens N] [--max-output-tokens N]
              [--max-sessions N] [--duration S] [--mode speculative|cloud_only] [--report DIR]
              [--metrics-url http://127.0.0.1:8080/metrics] [--api-key KEY] [--tls-ca CA.pem]
-    python -m bench.loadtest --cloud ... --output capacity.json --find-capacity --slo-itl-p95-ms X [--slo-ttft-p95-ms Y]
-             [--capacity-max-sessions N] [--capacity-step-s S] [--metrics-url ...] [--report DIR]
+    python -m bench.loadtest --cloud ... --output capacity.json --find-capacity [--slo-tpot-p95-ms X] [--slo-ttft-p95-ms Y]
+             [--slo-itl-p95-ms Z] [--capacity-max-sessions N] [--capacity-step-s S] [--metrics-url ...] [--report DIR]
 
 Sessions come from the traces `edge-agent --record DIR` writes (default: the Qwen traces shipped
 in bench/data/traces/qwen). Arrivals (loadtest_arrivals.py): the traces' own start times
@@ -14,7 +14,9 @@ Poisson at `--rate` per second. Each session is replayed as loadtest_replay.py s
 task and on its own channel, like one edge each; arrivals never wait for completions (the
 pattern of vLLM's benchmark_serving). Loopback only: this is a tool for a verifier on this machine.
 --find-capacity searches the largest number of concurrent sessions within a latency target, in
-both modes (loadtest_capacity.py); --metrics-url adds the verifier's busy fraction to it.
+both modes (loadtest_capacity.py); --metrics-url adds the verifier's busy fraction to it. The
+default target is the pace a reader feels: TPOT p95 <= 50 ms (20 tokens/s per session) and TTFT
+p95 <= 1 s, with ITL reported beside it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ SHIPPED_TRACES = Path(__file__).resolve().parent / "data" / "traces" / "qwen"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 DRAIN_TIMEOUT_CODE = "LOADTEST_DRAIN_TIMEOUT"  # sessions still running when the drain time ran out
 
+
+# The capacity target a reader feels, when none is given: 20 tokens/s per session, the first
+# token within a second.
+DEFAULT_SLO_TPOT_P95_MS = 50.0
+DEFAULT_SLO_TTFT_P95_MS = 1000.0
 
 class LoadtestSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_LOADTEST_")
@@ -96,8 +103,9 @@ class LoadtestSettings(BaseSettings):
     progress: bool = Field(True, description="progress bar on stderr")
     find_capacity: bool = Field(
         False,
-        description="search the most concurrent sessions within --slo-itl-p95-ms, "
-        "speculative and cloud_only (each session: its trace, recorded lengths under the caps)",
+        description="search the most concurrent sessions within the latency target (default: TPOT p95 "
+        f"<= {DEFAULT_SLO_TPOT_P95_MS:g} ms and TTFT p95 <= {DEFAULT_SLO_TTFT_P95_MS:g} ms), speculative and cloud_only "
+        "(each session: its trace, recorded lengths under the caps)",
     )
     slo_itl_p95_ms: float | None = Field(None, gt=0, description="capacity target: inter-token latency p95, ms")
     slo_ttft_p95_ms: float | None = Field(None, gt=0, description="capacity target: time to first token p95, ms")
@@ -155,7 +163,8 @@ class LoadtestSettings(BaseSettings):
         if self.api_key and self.api_keys_file:
             raise ValueError("give at most one of --api-key and --api-keys-file")
         if self.find_capacity and self.slo_itl_p95_ms is None and self.slo_tpot_p95_ms is None:
-            raise ValueError("--find-capacity needs --slo-itl-p95-ms or --slo-tpot-p95-ms")
+            self.slo_tpot_p95_ms = DEFAULT_SLO_TPOT_P95_MS
+            self.slo_ttft_p95_ms = self.slo_ttft_p95_ms or DEFAULT_SLO_TTFT_P95_MS
         return self
 
     def arrivals(self) -> str:

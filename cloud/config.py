@@ -93,6 +93,13 @@ class VerifierSettings(BaseSettings):
         description="open sessions; past it a new session evicts its own key's least recently used idle one "
         "(never another key's) or is refused",
     )
+    prefer_speculation_above: int | None = Field(
+        None,
+        ge=0,
+        description="while more than N sessions are open, ask edges in auto mode to speculate (each Verify reply "
+        "and Decode chunk says so) rather than have the target decode for them: the GPU serves more sessions when "
+        "their edges draft (unset: never ask; each edge picks the faster mode for its own user)",
+    )
     max_kv_bytes: int = Field(
         4 << 30,
         ge=1,

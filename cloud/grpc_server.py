@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -45,13 +46,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         with calls.verifier.sessions.holding(req.session_id):  # no eviction while its round waits or runs
             result = await calls.verify(req)
         self.state.record_round(len(req.draft_tokens), result, calls.key)
-        return wire.verify_result_to_pb(result)
+        return wire.verify_result_to_pb(replace(result, prefer_speculation=self.state.prefers_speculation()))
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeChunk]:
         req = wire.decode_request_from_pb(request)
         async for chunk in self._calls(context, new_session=req.open is not None).decode(req):
             self.state.metrics.decode_tokens.inc(len(chunk.tokens))
-            yield wire.decode_chunk_to_pb(chunk)
+            yield wire.decode_chunk_to_pb(replace(chunk, prefer_speculation=self.state.prefers_speculation()))
 
     def _calls(self, context: grpc.aio.ServicerContext, *, new_session: bool) -> SessionCalls:
         """The verifier as this call sees it. The key is read here: steps run on the model

@@ -49,7 +49,11 @@ async def start_servers(settings: VerifierSettings) -> Servers:
     check_exposure(settings.host, tls, settings.insecure)
     keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
     state = ServerState(
-        settings.max_draft_tokens, log_prompts=settings.log_prompts, batch_limits=settings.batch_limits(), api_keys=keys
+        settings.max_draft_tokens,
+        log_prompts=settings.log_prompts,
+        batch_limits=settings.batch_limits(),
+        api_keys=keys,
+        prefer_speculation_above=settings.prefer_speculation_above,
     )
     security = {"tls": tls is not None, "mtls": bool(tls and tls.client_ca), "api_keys": len(keys.entries) if keys else 0}
     http = await start_http(create_app(state, settings.public_metrics), settings.host, settings.http_port, tls)

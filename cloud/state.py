@@ -56,6 +56,7 @@ class ServerState:
         log_prompts: bool = False,
         batch_limits: BatchLimits | None = None,
         api_keys: ApiKeys | None = None,
+        prefer_speculation_above: int | None = None,
     ) -> None:
         self.verifier: Verifier | None = None
         self.batcher: ForwardBatcher | None = None
@@ -70,13 +71,17 @@ class ServerState:
         self.live = LiveStats(max_draft_tokens)  # every key's rounds
         self.live_by_key: dict[str, LiveStats] = {}  # each key's own (keys come from the keys file: bounded)
         self.refusals = RefusalLog()  # refused calls: a bounded log under a flood
+        self.prefer_speculation_above = prefer_speculation_above  # None: never ask edges to speculate
         self._listeners: list[ReadinessListener] = []
         if verifier is not None:
             self._serve(verifier)
 
     @classmethod
-    def for_verifier(cls, verifier: Verifier, batch_limits: BatchLimits | None = None) -> ServerState:
-        return cls(verifier.limits.max_draft_tokens, verifier, batch_limits=batch_limits)
+    def for_verifier(
+        cls, verifier: Verifier, batch_limits: BatchLimits | None = None, prefer_speculation_above: int | None = None
+    ) -> ServerState:
+        max_k = verifier.limits.max_draft_tokens
+        return cls(max_k, verifier, batch_limits=batch_limits, prefer_speculation_above=prefer_speculation_above)
 
     def _serve(self, verifier: Verifier) -> None:
         self.batcher = ForwardBatcher(verifier, self.worker, self.batch_limits, self.metrics)
@@ -102,6 +107,13 @@ class ServerState:
         if new_session and self.draining:
             raise ServerDraining("the verifier is shutting down and takes no new sessions")
         return self.verifier, self.batcher
+
+    def prefers_speculation(self) -> bool:
+        """Whether edges in auto mode are asked to speculate: more sessions are open than
+        --prefer-speculation-above. Open sessions count speculating and decoding users alike, so
+        the answer does not flip as edges follow it."""
+        limit, verifier = self.prefer_speculation_above, self.verifier
+        return limit is not None and verifier is not None and len(verifier.sessions) > limit
 
     # ---- readiness ----------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ class EdgeMetrics:
         self.mode_switches = Counter(
             "specdec_edge_mode_switches",
             "auto mode's switches by the mode switched to and why "
-            "(start, drafter_ready, slower, probe_speculation, probe_target)",
+            "(start, drafter_ready, slower, probe_speculation, probe_target, verifier_loaded)",
             ["to", "why"],
             registry=r,
         )

@@ -129,6 +129,7 @@ class VerifyResult:
     new_base_position: int
     metrics: RoundMetrics = RoundMetrics()
     target_top_k: list[SparseDistribution] = field(default_factory=list)
+    prefer_speculation: bool = False  # the verifier is loaded: an edge in auto mode speculates
     wire: WireBytes = WireBytes()  # set by the edge's client
 
 
@@ -177,6 +178,7 @@ class DecodeChunk:
     step_ms: float  # server time for these tokens, queue included
     finished: bool
     opened: OpenSessionResult | None = None  # the first chunk of a call that opened its session
+    prefer_speculation: bool = False  # the verifier is loaded: an edge in auto mode speculates
     wire: WireBytes = WireBytes()  # set by the edge's client
 
 

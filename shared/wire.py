@@ -152,6 +152,7 @@ def verify_result_to_pb(res: protocol.VerifyResult) -> pb.VerifyResponse:
             alpha_prefix=m.alpha_prefix,
         ),
         target_top_k=[pb.TopK(token_ids=t.token_ids, probs=t.probs) for t in res.target_top_k],
+        prefer_speculation=res.prefer_speculation,
     )
 
 
@@ -172,6 +173,7 @@ def verify_result_from_pb(msg: pb.VerifyResponse) -> protocol.VerifyResult:
             m.alpha_prefix if m.HasField("alpha_prefix") else None,
         ),
         target_top_k=[protocol.SparseDistribution(list(t.token_ids), list(t.probs)) for t in msg.target_top_k],
+        prefer_speculation=msg.prefer_speculation,
     )
 
 
@@ -243,6 +245,7 @@ def decode_chunk_to_pb(chunk: protocol.DecodeChunk) -> pb.DecodeChunk:
         forward_ms=chunk.forward_ms,
         step_ms=chunk.step_ms,
         finished=chunk.finished,
+        prefer_speculation=chunk.prefer_speculation,
     )
     if chunk.opened is not None:
         msg.opened.CopyFrom(open_result_to_pb(chunk.opened))
@@ -251,7 +254,9 @@ def decode_chunk_to_pb(chunk: protocol.DecodeChunk) -> pb.DecodeChunk:
 
 def decode_chunk_from_pb(msg: pb.DecodeChunk) -> protocol.DecodeChunk:
     opened = open_result_from_pb(msg.opened) if msg.HasField("opened") else None
-    return protocol.DecodeChunk(list(msg.tokens), msg.position, msg.forward_ms, msg.step_ms, msg.finished, opened)
+    return protocol.DecodeChunk(
+        list(msg.tokens), msg.position, msg.forward_ms, msg.step_ms, msg.finished, opened, msg.prefer_speculation
+    )
 
 
 def description_to_pb(d: protocol.ModelDescription) -> pb.DescribeResponse:

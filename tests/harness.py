@@ -137,10 +137,12 @@ async def serving(state: ServerState, verify_timeout_s: float = 10) -> AsyncIter
 async def running_verifier(
     target: PreTrainedModel | TargetEngine,
     limits: VerifierLimits | None = None,
+    prefer_speculation_above: int | None = None,
 ) -> AsyncIterator[tuple[VerifierClient, Verifier]]:
     """A verifier of a transformers model, or of a fresh Engine of the target in one engine."""
     verifier = Verifier(engine_of(target), "tiny-target", limits)
-    async with serving(ServerState.for_verifier(verifier)) as client:
+    state = ServerState.for_verifier(verifier, prefer_speculation_above=prefer_speculation_above)
+    async with serving(state) as client:
         yield client, verifier
 
 

@@ -26,6 +26,13 @@ only keeps the rates and returns decisions. The rule, as docs/edge.md explains:
 - While speculation wins, the target's rate is re-measured now and then (a stretch of
   `reprobe_target_tokens` after `reprobe_after_tokens` speculative tokens, that interval doubling
   each time): rates change with the verifier's load and with the text.
+- A loaded verifier (cloud-verifier --prefer-speculation-above) asks for speculation with each
+  Verify reply and Decode chunk. While it asks, the generation speculates as soon as the drafter
+  is ready (at the end of the stretch under way), whatever the rates say: a hold after a lost
+  probe is dropped, and speculation is neither judged slower nor interrupted to re-measure the
+  target. The next generation starts from the verifier's last answer. One GPU then serves more
+  sessions, each drafting on its own edge, at a pace the user may find a little slower than the
+  target's own decoding on an idle GPU.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class ModeMemory:
     target_rate: float = 0.0  # tokens/s of the target's own decoding (0: not measured)
     backoff: int = 0  # the stretch after the next lost probe (0: the rules' first)
     hold: int = 0  # the target's tokens still due before speculation is probed again
+    verifier_asked: bool = False  # the verifier's last reply asked for speculation (it is loaded)
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class Plan:
 class Switch:
     at_token: int  # generated tokens before the switch
     to: Mode
-    why: str  # start | drafter_ready | slower | probe_speculation | probe_target (a metric label)
+    why: str  # start | drafter_ready | slower | probe_speculation | probe_target | verifier_loaded (a metric label)
     reason: str  # the same in words, with the rates that decided it
 
 
@@ -95,6 +103,9 @@ class ModeSwitch:
         self._hold = memory.hold if memory else 0  # the target's tokens due before the next probe
         self._spec_tokens = 0  # since speculation last started
         self._reprobe_after = self.rules.reprobe_after_tokens
+        self._asked = False  # the verifier's last word: it is loaded and asks for speculation
+        if memory is not None:
+            self.verifier_asks(memory.verifier_asked)
         self.switches: list[Switch] = []
 
     @property
@@ -126,6 +137,13 @@ class ModeSwitch:
             rate = steps / seconds
             self.target_rate = rate if not self.target_rate else 0.5 * self.target_rate + 0.5 * rate
 
+    def verifier_asks(self, prefer_speculation: bool) -> None:
+        """What the verifier's last reply or chunk said: whether it is loaded and asks edges to
+        speculate."""
+        self._asked = prefer_speculation
+        if prefer_speculation:
+            self._hold = 0
+
     def round_done(self, tokens: int, seconds: float) -> None:
         """A speculative round committed `tokens` in `seconds` of wall time, drafting included."""
         self._rounds.append((tokens, seconds))
@@ -135,6 +153,7 @@ class ModeSwitch:
         """The generation ended: what it measured is where the next one starts."""
         if self.memory is not None:
             self.memory.target_rate, self.memory.backoff, self.memory.hold = self.target_rate, self._backoff, self._hold
+            self.memory.verifier_asked = self._asked
 
     # ---- the two boundaries -------------------------------------------------------------
 
@@ -149,6 +168,9 @@ class ModeSwitch:
             return self._switch(CLOUD_ONLY, generated, ("start", reason), self._warmup_stretch())
         if not drafter_ready:
             return Plan(CLOUD_ONLY, self._warmup_stretch())
+        if self._asked:
+            reason = "the verifier is loaded and asks edges to speculate"
+            return self._switch(SPECULATIVE, generated, ("verifier_loaded", reason))
         self._probing = True
         if self.speculative_rate:
             return self._switch(SPECULATIVE, generated, ("probe_speculation", "probing speculation again"))
@@ -161,7 +183,7 @@ class ModeSwitch:
 
     def _after_round(self, generated: int) -> Plan:
         rules = self.rules
-        if len(self._rounds) < min(rules.min_rounds, rules.window):
+        if self._asked or len(self._rounds) < min(rules.min_rounds, rules.window):
             return Plan(SPECULATIVE)
         if not self.target_rate:
             reason = "measuring the target's decoding rate, unknown so far"

@@ -194,6 +194,7 @@ class SpeculativeRun:
                 elif chunk.opened is None:  # an opening chunk's step is the prompt's prefill: no decoding rate
                     first_step_s = chunk.step_ms / 1000.0
                 last, traffic, server_ms = now, traffic + chunk.wire, server_ms + chunk.step_ms
+                switch.verifier_asks(chunk.prefer_speculation)
                 self._outage = None
                 if chunk.opened is not None:  # its prefill was a pass too, as OpenSession's is
                     self.session.adopt(chunk.opened)
@@ -429,6 +430,8 @@ class SpeculativeRun:
         feedback = _feedback(sent, reply, rtt_ms, self.tokens.committed[-NGRAM_CONTEXT:])
         new = [*drafts[:accepted], reply.next_token]
         self.tokens.commit_verified(new)
+        if self.switch is not None:
+            self.switch.verifier_asks(reply.prefer_speculation)
         ahead_drafted = self.overlap.drafted()
         for learner in self.learners:
             learner.update(feedback)

@@ -122,20 +122,22 @@ class TopK(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_len", "next_token", "bonus", "new_base_position", "metrics", "target_top_k")
+    __slots__ = ("accepted_len", "next_token", "bonus", "new_base_position", "metrics", "target_top_k", "prefer_speculation")
     ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     NEW_BASE_POSITION_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    PREFER_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     accepted_len: int
     next_token: int
     bonus: bool
     new_base_position: int
     metrics: RoundMetrics
     target_top_k: _containers.RepeatedCompositeFieldContainer[TopK]
-    def __init__(self, accepted_len: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., new_base_position: _Optional[int] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ..., target_top_k: _Optional[_Iterable[_Union[TopK, _Mapping]]] = ...) -> None: ...
+    prefer_speculation: bool
+    def __init__(self, accepted_len: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., new_base_position: _Optional[int] = ..., metrics: _Optional[_Union[RoundMetrics, _Mapping]] = ..., target_top_k: _Optional[_Iterable[_Union[TopK, _Mapping]]] = ..., prefer_speculation: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -194,20 +196,22 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., base_position: _Optional[int] = ..., committed_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("opened", "tokens", "position", "forward_ms", "step_ms", "finished")
+    __slots__ = ("opened", "tokens", "position", "forward_ms", "step_ms", "finished", "prefer_speculation")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PREFER_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     opened: OpenSessionResponse
     tokens: _containers.RepeatedScalarFieldContainer[int]
     position: int
     forward_ms: float
     step_ms: float
     finished: bool
-    def __init__(self, opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., forward_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
+    prefer_speculation: bool
+    def __init__(self, opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., forward_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., prefer_speculation: _Optional[bool] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("tokens_from", "tokens_count", "chat_template")

@@ -79,6 +79,35 @@ def test_a_lost_probe_carries_to_the_next_generation_of_the_process(target_engin
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("above", [None, 1, 0], ids=["never-asks", "not-loaded", "loaded"])
+def test_a_loaded_verifier_keeps_auto_mode_speculating(target_engine: TargetEngine, draft_model, above: int | None) -> None:
+    """cloud-verifier --prefer-speculation-above N: while more than N sessions are open, each reply
+    asks for speculation, and auto mode speculates even where its own rates say the target is
+    faster (a keep ratio no speculation meets), dropping the hold a lost probe left; the next
+    generation starts from that answer. The output is cloud_only's either way."""
+    losing = SwitchRules(min_rounds=1, window=1, keep_ratio=1e9, backoff_tokens=40, max_backoff_tokens=80)
+
+    async def run() -> None:
+        cfg = gen_config(max_new_tokens=24)
+        memory = ModeMemory(target_rate=100.0, backoff=80, hold=8)  # a probe lost before the load came
+        auto = replace(cfg, mode_switch=losing, mode_memory=memory, prefill_beside=False)
+        async with running_verifier(target_engine, prefer_speculation_above=above) as (client, _):
+            first = await speculative_generate(PROMPTS[2], make_drafter(draft_model), client, FixedK(3), auto)
+            second = await speculative_generate(PROMPTS[3], make_drafter(draft_model), client, FixedK(3), auto)
+            references = [await cloud_only_generate(p, client, cfg) for p in PROMPTS[2:4]]
+        assert [first.token_ids, second.token_ids] == [r.token_ids for r in references]
+        reasons = {s["why"] for r in (first, second) for s in r.mode_switches}
+        if above == 0:  # one open session is more than 0: loaded
+            assert memory.verifier_asked and "verifier_loaded" in reasons and "slower" not in reasons, reasons
+            assert first.tokens_by_mode[SPECULATIVE] > 0 and second.tokens_by_mode[SPECULATIVE] > 16
+            assert second.mode_switches[0]["why"] == "start" and second.mode_switches[1]["why"] == "verifier_loaded"
+            assert len(second.mode_switches) == 2  # speculation to the end
+        else:
+            assert not memory.verifier_asked and "verifier_loaded" not in reasons and "slower" in reasons, reasons
+
+    asyncio.run(run())
+
+
 def test_round_log_and_result_say_which_mode_made_each_token(target_engine: TargetEngine, draft_model) -> None:
     async def run() -> None:
         cfg = replace(gen_config(max_new_tokens=24), mode_switch=FLIPPING)

@@ -81,3 +81,14 @@ def test_a_tpot_target_judges_the_rate_a_reader_sees_where_the_itl_target_judges
     assert not meets(CapacitySearch(slo_itl_p95_ms=500, step_s=100.0))
     assert meets(CapacitySearch(slo_itl_p95_ms=None, slo_tpot_p95_ms=500, step_s=100.0))
     assert not meets(CapacitySearch(slo_itl_p95_ms=None, slo_tpot_p95_ms=250, step_s=100.0))
+
+
+def test_the_default_target_is_the_pace_a_reader_feels(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--find-capacity without a latency target: TPOT p95 <= 50 ms (20 tokens/s) and TTFT p95 <= 1 s;
+    a target given is kept as given."""
+    from bench.loadtest import LoadtestSettings
+
+    plain = LoadtestSettings(cloud="127.0.0.1:1", output=str(tmp_path / "c.json"), find_capacity=True)
+    assert (plain.slo_tpot_p95_ms, plain.slo_ttft_p95_ms, plain.slo_itl_p95_ms) == (50.0, 1000.0, None)
+    itl = LoadtestSettings(cloud="127.0.0.1:1", output=str(tmp_path / "c.json"), find_capacity=True, slo_itl_p95_ms=80)
+    assert (itl.slo_tpot_p95_ms, itl.slo_ttft_p95_ms, itl.slo_itl_p95_ms) == (None, None, 80)

@@ -23,3 +23,18 @@ def test_a_folder_without_config_is_one_line(tmp_path: Path, capsys) -> None:  #
     assert main(["--config-dir", str(tmp_path), "--out", str(tmp_path / "model")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no config.json" in err
+
+
+def test_the_shipped_7b_configuration_is_qwen2_5_coder_7b() -> None:
+    """bench/data/configs/qwen2.5-coder-7b: the published architecture (7.62B parameters, 28
+    layers, GQA 28/4 heads, a 152,064-row vocabulary padded past the tokenizer's 151,936), built
+    on the meta device: no memory, no weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(Path(__file__).parents[3] / "bench/data/configs/qwen2.5-coder-7b")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 7_615_616_512
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (28, 28, 4)
+    assert config.vocab_size == 152_064 and not config.tie_word_embeddings
