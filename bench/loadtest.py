@@ -61,6 +61,7 @@ DRAIN_TIMEOUT_CODE = "LOADTEST_DRAIN_TIMEOUT"  # sessions still running when the
 DEFAULT_SLO_TPOT_P95_MS = 50.0
 DEFAULT_SLO_TTFT_P95_MS = 1000.0
 
+
 class LoadtestSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_LOADTEST_")
 
