@@ -23,6 +23,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,7 @@ def play(policy_for: Callable[[], KPolicy], outputs: Sequence[Sequence[int]], co
 
 
 def compare(outputs: Sequence[Sequence[int]], cost: RoundCost) -> dict[str, dict[str, float]]:
-    rows = {f"k{k}": play(lambda k=k: FixedK(k), outputs, cost) for k in FIXED_KS}
+    rows = {f"k{k}": play(partial(FixedK, k), outputs, cost) for k in FIXED_KS}
     costs = RoundCosts()  # one edge process: shared by its generations
     rows["cost (default)"] = play(lambda: CostK(costs=costs), outputs, cost)
     return rows
