@@ -60,6 +60,8 @@ class EdgeSettings(BaseSettings):
             "k_policy",
             "k_min",
             "k_max",
+            "cost_plan_verify_ms",
+            "cost_plan_network_ms",
             "la_raise_at",
             "la_lower_at",
             "la_window",
@@ -190,6 +192,16 @@ class EdgeSettings(BaseSettings):
     )
     k_min: int = Field(3, ge=1, description="la-ratio: smallest k (egag: gamma_min)")
     k_max: int = Field(12, ge=1, description="la-ratio, egag, cost: largest k")
+    cost_plan_verify_ms: float | None = Field(
+        None,
+        gt=0,
+        description="cost: plan k as if the verifier's pass took this many ms whatever its size (a GPU verifier's "
+        "pass is about flat in k) instead of the verify time measured; with --cost-plan-network-ms, to record "
+        "sessions that draft as a laptop drafts for a GPU verifier while a CPU verifier checks them",
+    )
+    cost_plan_network_ms: float | None = Field(
+        None, ge=0, description="cost: plan k as if each round also spent this many ms on the network, instead of the measured"
+    )
     la_raise_at: float = Field(0.8, description="la-ratio: +1 when accepted/k over the window >= this")
     la_lower_at: float = Field(0.4, description="la-ratio: -1 when accepted/k over the window <= this")
     la_window: int = Field(1, ge=1, description="la-ratio: rounds averaged")

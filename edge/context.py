@@ -15,7 +15,7 @@ from edge.drafting.drafter import Drafter, DrafterConfig, DraftLM, DraftSource
 from edge.drafting.gating import EscalationRules, GatingThresholds, load_gating_config
 from edge.drafting.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
 from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
-from edge.drafting.round_costs import RoundCosts
+from edge.drafting.round_costs import PlannedCosts, RoundCosts
 from edge.drafting.runtime_llamacpp import LlamaCppDraftLM
 from edge.metrics import EdgeMetrics, MeteredObserver
 from edge.round.generation import Gating, GenerationConfig, Observer, TimeoutPolicy
@@ -157,7 +157,16 @@ def load_edge(settings: EdgeSettings) -> EdgeContext:
     # An n-gram edge never loads a model: only the tokenizer.
     draft_lm = load_draft_lm(settings, folder) if needs_model else None
     vocab = len(tokenizer) if draft_lm is None else min(len(tokenizer), draft_lm.logits_width)
-    return EdgeContext(settings, tokenizer, draft_lm, vocab, tokenizer.stop_token_ids, draft_name=describe_model(folder))
+    planned = PlannedCosts(settings.cost_plan_verify_ms, settings.cost_plan_network_ms)
+    return EdgeContext(
+        settings,
+        tokenizer,
+        draft_lm,
+        vocab,
+        tokenizer.stop_token_ids,
+        draft_name=describe_model(folder),
+        round_costs=RoundCosts(planned=planned),
+    )
 
 
 @asynccontextmanager

@@ -43,6 +43,15 @@ class CostPrior:
     generation_weight: float = 8.0  # verified positions a generation's acceptance gives the process's figure
 
 
+@dataclass(frozen=True)
+class PlannedCosts:
+    """Figures the policy plans with in place of the measured ones (None: measured), e.g. a
+    GPU verifier's flat pass while a CPU verifier does the checking."""
+
+    verify_ms: float | None = None  # the pass, whatever its size
+    network_ms: float | None = None  # each round's time on the network
+
+
 @dataclass
 class _Line:
     """A discounted weighted least-squares line y = fixed + slope * x, its slope shrunk towards
@@ -114,6 +123,7 @@ class RoundCosts:
 
     decay: float = 0.98
     prior: CostPrior = field(default_factory=CostPrior)
+    planned: PlannedCosts = field(default_factory=PlannedCosts)
     rounds: int = 0  # verified rounds seen
     _acceptance: Acceptance = field(init=False)
     _draft_ms: float = 0.0
@@ -145,6 +155,8 @@ class RoundCosts:
 
     @property
     def net_ms(self) -> float:
+        if self.planned.network_ms is not None:
+            return self.planned.network_ms
         return self._net_ms / self._net_rounds
 
     def verify_ms(self, rows: int) -> float:
@@ -154,6 +166,8 @@ class RoundCosts:
 
     def verify_line(self) -> tuple[float, float]:
         """(fixed ms, ms per row) of the verify time; the prior, flat, before any round."""
+        if self.planned.verify_ms is not None:
+            return self.planned.verify_ms, 0.0
         return self._verify.fit() if self._verify.w > 0 else (self.prior.verify_ms, 0.0)
 
     # ---- learning -----------------------------------------------------------------------

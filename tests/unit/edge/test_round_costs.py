@@ -14,7 +14,7 @@ import pytest
 
 from edge.drafting.feedback import RoundFeedback
 from edge.drafting.kpolicy import CostK
-from edge.drafting.round_costs import RoundCosts
+from edge.drafting.round_costs import PlannedCosts, RoundCosts
 
 
 @dataclass(frozen=True)
@@ -290,3 +290,18 @@ def test_a_generation_starts_from_the_process_and_follows_its_own_text() -> None
         easy.update(RoundFeedback(k, k, 1.0, 25.0 * k, 131.0 + k, 31.0 + k))
     assert easy.best_k() > hard.best_k() + 2
     assert costs.acceptance < 0.65
+
+
+def test_planned_costs_stand_in_for_the_measured_ones() -> None:
+    """--cost-plan-verify-ms / --cost-plan-network-ms: a CPU verifier checks the rounds, the
+    policy plans for a flat GPU pass and a laptop's link; acceptance and drafting stay measured."""
+    measured, planned = CostK(k_max=12), CostK(k_max=12, costs=RoundCosts(planned=PlannedCosts(20.0, 50.0)))
+    world = _world("cpu", 1.0, False)
+    for policy in (measured, planned):
+        learn(policy, world, 100, seed=17)
+    assert planned.costs.verify_line() == (20.0, 0.0) and planned.costs.net_ms == 50.0
+    assert planned.costs.draft_ms_per_token == pytest.approx(world.draft_ms, rel=0.05)
+    flat = _world("gpu", 50.0, False)  # what the plan describes
+    rates = {k: true_rate(flat, k) for k in range(1, 13)}
+    assert rates[planned.best_k()] >= 0.98 * max(rates.values())
+    assert planned.best_k() != measured.best_k()
