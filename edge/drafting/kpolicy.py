@@ -164,5 +164,5 @@ class CostK:
         if feedback.k <= 0:
             return
         self.costs.update(feedback)
-        self.text_acceptance.add(feedback)
+        self.text_acceptance.add_round(feedback)
         self._rounds += 1

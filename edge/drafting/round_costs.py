@@ -93,27 +93,36 @@ class _Line:
 
 
 @dataclass
-class Acceptance:
-    """The censored count of acceptance given an accepted prefix, discounted per round."""
+class DiscountedRatio:
+    """sum(numerators) / sum(denominators), both discounted by `decay` at each addition, starting
+    from `value_prior` with `weight` (in the denominator's units)."""
 
     value_prior: float
-    weight: float  # in verified positions
+    weight: float
     decay: float
-    _accepted: float = 0.0
-    _positions: float = 0.0
+    _numerator: float = 0.0
+    _denominator: float = 0.0
 
     def __post_init__(self) -> None:
-        self._accepted, self._positions = self.value_prior * self.weight, self.weight
+        self._numerator, self._denominator = self.value_prior * self.weight, self.weight
 
     @property
     def value(self) -> float:
-        """P(a draft is accepted | every draft before it was)."""
-        return self._accepted / self._positions
+        return self._numerator / self._denominator
 
-    def add(self, feedback: RoundFeedback) -> None:
+    def add(self, numerator: float, denominator: float) -> None:
+        self._numerator = self.decay * self._numerator + numerator
+        self._denominator = self.decay * self._denominator + denominator
+
+
+class Acceptance(DiscountedRatio):
+    """The censored count of acceptance given an accepted prefix, over verified positions."""
+
+    def add_round(self, feedback: RoundFeedback) -> None:
         reached = min(feedback.accepted_len + 1, feedback.k)  # positions verified on an accepted prefix
-        self._accepted = self.decay * self._accepted + _prefix_acceptance(feedback) * reached
-        self._positions = self.decay * self._positions + reached
+        # The cloud's min(1, p/q) of those positions where it sent them, else their 0/1 outcomes.
+        accepted = feedback.accepted_len if feedback.alpha_prefix is None else feedback.alpha_prefix * reached
+        self.add(accepted, reached)
 
 
 @dataclass
@@ -124,19 +133,16 @@ class RoundCosts:
     decay: float = 0.98
     prior: CostPrior = field(default_factory=CostPrior)
     planned: PlannedCosts = field(default_factory=PlannedCosts)
-    rounds: int = 0  # verified rounds seen
     _acceptance: Acceptance = field(init=False)
-    _draft_ms: float = 0.0
-    _drafted: float = 0.0
-    _net_ms: float = 0.0
-    _net_rounds: float = 0.0
+    _draft_ms: DiscountedRatio = field(init=False)  # per token drafted
+    _net_ms: DiscountedRatio = field(init=False)  # per round
     _verify: _Line = field(default_factory=_Line)
 
     def __post_init__(self) -> None:
         p = self.prior
         self._acceptance = Acceptance(p.acceptance, 4 * p.weight, self.decay)
-        self._draft_ms, self._drafted = p.weight * p.draft_ms_per_token, p.weight
-        self._net_ms, self._net_rounds = p.weight * p.net_ms, p.weight
+        self._draft_ms = DiscountedRatio(p.draft_ms_per_token, p.weight, self.decay)
+        self._net_ms = DiscountedRatio(p.net_ms, p.weight, self.decay)
 
     # ---- the estimates ------------------------------------------------------------------
 
@@ -151,13 +157,13 @@ class RoundCosts:
 
     @property
     def draft_ms_per_token(self) -> float:
-        return self._draft_ms / self._drafted
+        return self._draft_ms.value
 
     @property
     def net_ms(self) -> float:
         if self.planned.network_ms is not None:
             return self.planned.network_ms
-        return self._net_ms / self._net_rounds
+        return self._net_ms.value
 
     def verify_ms(self, rows: int) -> float:
         """The cloud's time for a round whose pass holds `rows` rows (drafts + 1, plus catch-up)."""
@@ -175,22 +181,9 @@ class RoundCosts:
     def update(self, feedback: RoundFeedback) -> None:
         if feedback.k <= 0:
             return
-        d = self.decay
-        self.rounds += 1
-        self._acceptance.add(feedback)
+        self._acceptance.add_round(feedback)
         drafted = feedback.k if feedback.drafted is None else feedback.drafted
-        self._draft_ms = d * self._draft_ms + (feedback.draft_ms if drafted > 0 else 0.0)
-        self._drafted = d * self._drafted + drafted
-        self._net_ms = d * self._net_ms + max(feedback.rtt_ms - feedback.verify_ms, 0.0)
-        self._net_rounds = d * self._net_rounds + 1
-        self._verify.decay(d)
+        self._draft_ms.add(feedback.draft_ms if drafted > 0 else 0.0, drafted)
+        self._net_ms.add(max(feedback.rtt_ms - feedback.verify_ms, 0.0), 1)
+        self._verify.decay(self.decay)
         self._verify.add(feedback.k + 1 + feedback.catchup, feedback.verify_ms)
-
-
-def _prefix_acceptance(feedback: RoundFeedback) -> float:
-    """Mean acceptance over the positions verified on an accepted prefix: the cloud's figure
-    when it sent one, else the round's own outcome (accepted drafts over those positions)."""
-    if feedback.alpha_prefix is not None:
-        return feedback.alpha_prefix
-    reached = min(feedback.accepted_len + 1, feedback.k)
-    return feedback.accepted_len / reached
