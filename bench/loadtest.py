@@ -6,6 +6,7 @@
              [--metrics-url http://127.0.0.1:8080/metrics] [--api-key KEY] [--tls-ca CA.pem]
     python -m bench.loadtest --cloud ... --output capacity.json --find-capacity [--slo-tpot-p95-ms X] [--slo-ttft-p95-ms Y]
              [--slo-itl-p95-ms Z] [--capacity-max-sessions N] [--capacity-step-s S] [--metrics-url ...] [--report DIR]
+             [--systems speculative,auto,cloud_only,vllm_alone --vllm-url http://127.0.0.1:8000] [--resume]
 
 Sessions come from the traces `edge-agent --record DIR` writes (default: the Qwen traces shipped
 in bench/data/traces/qwen). Arrivals (loadtest_arrivals.py): the traces' own start times
@@ -13,10 +14,14 @@ in bench/data/traces/qwen). Arrivals (loadtest_arrivals.py): the traces' own sta
 Poisson at `--rate` per second. Each session is replayed as loadtest_replay.py says, in its own
 task and on its own channel, like one edge each; arrivals never wait for completions (the
 pattern of vLLM's benchmark_serving). Loopback only: this is a tool for a verifier on this machine.
---find-capacity searches the largest number of concurrent sessions within a latency target, in
-both modes (loadtest_capacity.py); --metrics-url adds the verifier's busy fraction to it. The
-default target is the pace a reader feels: TPOT p95 <= 50 ms (20 tokens/s per session) and TTFT
-p95 <= 1 s, with ITL reported beside it.
+--find-capacity searches the largest number of concurrent sessions within a latency target for
+each of --systems (loadtest_capacity.py): speculative, auto and cloud_only sessions through the
+verifier, and vllm_alone, the same sessions as streaming generations on vLLM's own server at
+--vllm-url (loadtest_vllm.py); --metrics-url adds the verifier's busy fraction to it. Each level
+is appended to OUTPUT.levels.jsonl as it finishes; --resume takes the levels found there (same
+target, step and sessions) instead of measuring them again. The default target is the pace a
+reader feels: TPOT p95 <= 50 ms (20 tokens/s per session) and TTFT p95 <= 1 s, with ITL
+reported beside it.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import logging
 import ssl
 import sys
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlparse
@@ -42,9 +48,10 @@ from tqdm import tqdm
 
 from bench.cli import settings_parser
 from bench.loadtest_arrivals import Caps, PlannedSession, azure_plan, poisson_plan, read_azure, trace_plan
-from bench.loadtest_capacity import CapacitySearch, find_capacity, slo_line, write_capacity_report
+from bench.loadtest_capacity import CapacitySearch, System, find_capacity, ratio_line, slo_line, write_capacity_report
 from bench.loadtest_replay import LoadClock, SessionOutcome, replay
 from bench.loadtest_report import ServerSample, ended_by_line, machine, summarize, write_report
+from bench.loadtest_vllm import PeerServer, replay_on_peer
 from edge.trace import read_traces
 from edge.transport.client import CapacityRetry, ClientTls, VerifierClient
 from shared.cli import run_cli, settings_from_args
@@ -60,6 +67,8 @@ DRAIN_TIMEOUT_CODE = "LOADTEST_DRAIN_TIMEOUT"  # sessions still running when the
 # token within a second.
 DEFAULT_SLO_TPOT_P95_MS = 50.0
 DEFAULT_SLO_TTFT_P95_MS = 1000.0
+VERIFIER_SYSTEMS = ("speculative", "auto", "cloud_only")
+SYSTEMS = (*VERIFIER_SYSTEMS, "vllm_alone")
 
 
 class LoadtestSettings(BaseSettings):
@@ -89,7 +98,9 @@ class LoadtestSettings(BaseSettings):
     max_sessions: int | None = Field(None, ge=1, description="stop planning arrivals after this many sessions")
     duration: float | None = Field(None, gt=0, description="no arrivals after this many seconds (scaled time)")
     drain_timeout: float = Field(600.0, gt=0, description="after the last arrival, seconds to wait for sessions to end")
-    mode: Literal["speculative", "cloud_only"] = Field("speculative", description="replay Verify rounds or Generate")
+    mode: Literal["speculative", "auto", "cloud_only"] = Field(
+        "speculative", description="replay Verify rounds, Decode until the verifier asks for speculation (auto), or Generate"
+    )
     seed: int = Field(0, ge=0, description="seeds the Poisson arrivals")
     capacity_retries: int = Field(
         0, ge=0, description="resend RESOURCE_EXHAUSTED after the server's hint (0: count it, end the session)"
@@ -117,6 +128,19 @@ class LoadtestSettings(BaseSettings):
     )
     capacity_max_sessions: int = Field(64, ge=1, description="capacity search: most concurrent sessions tried")
     capacity_step_s: float = Field(30.0, gt=0, description="capacity search: seconds each level keeps N sessions going")
+    capacity_resolution: float = Field(
+        0.0, ge=0, lt=1, description="capacity search: stop once the first level missed is within this fraction of the last met"
+    )
+    systems: str = Field(
+        "speculative,cloud_only",
+        description="capacity search: the systems, in order, from speculative, auto (Decode until the verifier asks for "
+        "speculation), cloud_only and vllm_alone (the same sessions on vLLM's own server at --vllm-url)",
+    )
+    vllm_url: str | None = Field(
+        None,
+        description="vLLM's OpenAI-compatible server (`vllm serve`, same model and GPU share) on this machine, http://HOST:PORT",
+    )
+    resume: bool = Field(False, description="capacity search: take the levels OUTPUT.levels.jsonl already holds")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "the verifier": (
@@ -151,6 +175,10 @@ class LoadtestSettings(BaseSettings):
             "slo_ttft_p95_ms",
             "capacity_max_sessions",
             "capacity_step_s",
+            "capacity_resolution",
+            "systems",
+            "vllm_url",
+            "resume",
         ),
         "results": ("output", "report", "bin_s", "progress"),
     }
@@ -163,10 +191,18 @@ class LoadtestSettings(BaseSettings):
             raise ValueError("--azure and --rate need --max-sessions or --duration to end")
         if self.api_key and self.api_keys_file:
             raise ValueError("give at most one of --api-key and --api-keys-file")
+        unknown = [name for name in self.system_names() if name not in SYSTEMS]
+        if unknown or not self.system_names():
+            raise ValueError(f"--systems: each one of {', '.join(SYSTEMS)}")
+        if "vllm_alone" in self.system_names() and not self.vllm_url:
+            raise ValueError("--systems vllm_alone needs --vllm-url")
         if self.find_capacity and self.slo_itl_p95_ms is None and self.slo_tpot_p95_ms is None:
             self.slo_tpot_p95_ms = DEFAULT_SLO_TPOT_P95_MS
             self.slo_ttft_p95_ms = self.slo_ttft_p95_ms or DEFAULT_SLO_TTFT_P95_MS
         return self
+
+    def system_names(self) -> list[str]:
+        return [name.strip() for name in self.systems.split(",") if name.strip()]
 
     def arrivals(self) -> str:
         if self.azure:
@@ -273,6 +309,8 @@ def check_targets(s: LoadtestSettings) -> None:
     _check_loopback(s.cloud.rsplit(":", 1)[0], "--cloud")
     if s.metrics_url:
         _check_loopback(urlparse(s.metrics_url).hostname, "--metrics-url")
+    if s.vllm_url:
+        _check_loopback(urlparse(s.vllm_url).hostname, "--vllm-url")
 
 
 def _connect(s: LoadtestSettings, key: str | None) -> VerifierClient:
@@ -312,20 +350,87 @@ async def _serving(health: health_pb2_grpc.HealthStub) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+def _verifier_session(s: LoadtestSettings, mode: str) -> Callable[[PlannedSession, LoadClock], Awaitable[SessionOutcome]]:
+    async def run(plan: PlannedSession, clock: LoadClock) -> SessionOutcome:
+        client = _connect(s, s.keys()[0])
+        try:
+            return await replay(plan, client, clock, mode, s.think_scale)
+        finally:
+            await client.close()
+
+    return run
+
+
+async def capacity_systems(s: LoadtestSettings) -> list[System]:
+    """The systems of --systems, each ready: the verifier SERVING, vLLM's server listing its model."""
+    names = s.system_names()
+    if any(name in VERIFIER_SYSTEMS for name in names):
+        await wait_until_serving(s)
+    peer = None
+    if "vllm_alone" in names and s.vllm_url:
+        peer = await PeerServer.from_url(s.vllm_url, s.keys()[0]).wait_ready(s.ready_timeout)
+    return [
+        System(name, partial(replay_on_peer, server=peer))
+        if name == "vllm_alone" and peer is not None
+        else System(name, _verifier_session(s, name), partial(busy_counters, s))
+        for name in names
+    ]
+
+
+def levels_file(s: LoadtestSettings) -> Path:
+    return Path(s.output).with_suffix(".levels.jsonl")
+
+
+def _level_key(s: LoadtestSettings) -> dict[str, Any]:
+    """What a stored level must share with this run to be taken as measured by it."""
+    return {
+        "slo": [s.slo_itl_p95_ms, s.slo_ttft_p95_ms, s.slo_tpot_p95_ms],
+        "step_s": s.capacity_step_s,
+        "think_scale": s.think_scale,
+        "trace": s.trace or str(SHIPPED_TRACES),
+        "max_output_tokens": s.max_output_tokens,
+        "max_prompt_tokens": s.max_prompt_tokens,
+    }
+
+
+def known_levels(s: LoadtestSettings) -> dict[str, dict[int, dict[str, Any]]]:
+    """--resume: the levels OUTPUT.levels.jsonl holds for this run's target, step and sessions."""
+    path, key = levels_file(s), _level_key(s)
+    if not s.resume or not path.exists():
+        return {}
+    known: dict[str, dict[int, dict[str, Any]]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short when the run was stopped
+        if record.get("key") == key:
+            known.setdefault(record["system"], {})[record["level"]["sessions"]] = record["level"]
+    return known
+
+
 async def run_capacity(s: LoadtestSettings) -> dict[str, Any]:
-    """--find-capacity: one session per recorded trace (lengths under the caps), both modes."""
+    """--find-capacity: one session per recorded trace (lengths under the caps), each system."""
     check_targets(s)
-    await wait_until_serving(s)
     traces = read_traces(Path(s.trace) if s.trace else SHIPPED_TRACES)
     if any(t.header.mode != "speculative" for t in traces):
-        raise ConfigError("--find-capacity replays both modes: it needs traces recorded in speculative mode")
+        raise ConfigError("--find-capacity replays speculative rounds: it needs traces recorded in speculative mode")
     plans = trace_plan(traces, 1, 0.0, s.caps())
     if not plans:
         raise ConfigError("no session to replay within the given bounds")
-    search = CapacitySearch(
-        s.slo_itl_p95_ms, s.slo_ttft_p95_ms, s.capacity_max_sessions, s.capacity_step_s, s.think_scale, s.slo_tpot_p95_ms
-    )
-    result = await find_capacity(plans, search, lambda: _connect(s, s.keys()[0]), lambda: busy_counters(s))
+    search = CapacitySearch(s.slo_itl_p95_ms, s.slo_ttft_p95_ms, s.capacity_max_sessions, s.capacity_step_s, s.slo_tpot_p95_ms)
+    known, key = known_levels(s), _level_key(s)
+    path = levels_file(s)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not s.resume:
+        path.write_text("")
+
+    def keep(system: str, level: dict[str, Any]) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps({"key": key, "system": system, "level": level}) + "\n")
+        log.info("%s at %d sessions: %s", system, level["sessions"], "meets" if level["meets_slo"] else "misses")
+
+    result = await find_capacity(plans, search, await capacity_systems(s), known, keep)
     return result | {"settings": result_settings(s), "machine": machine()}
 
 
@@ -428,15 +533,8 @@ def _capacity_cli(settings: LoadtestSettings) -> int:
     Path(settings.output).write_text(json.dumps(result, indent=1) + "\n")
     if settings.report:
         write_capacity_report(result, Path(settings.report))
-    cap = result["capacity"]
-    log.info(
-        "capacity at %s: speculative %d, cloud_only %d sessions (ratio %s) -> %s",
-        slo_line(result["slo"]),
-        cap["speculative"]["sessions"],
-        cap["cloud_only"]["sessions"],
-        result["capacity_ratio"],
-        settings.output,
-    )
+    sessions = ", ".join(f"{name} {c['sessions']}" for name, c in result["capacity"].items())
+    log.info("capacity at %s: %s sessions (%s) -> %s", slo_line(result["slo"]), sessions, ratio_line(result), settings.output)
     return 0
 
 

@@ -1,5 +1,7 @@
-"""`python -m bench.loadtest --find-capacity`: how many concurrent sessions one verifier serves within a latency
-target, speculative against cloud_only, on the same verifier, trace and run.
+"""`python -m bench.loadtest --find-capacity`: how many concurrent sessions one GPU (or CPU) serves within a
+latency target, for each system in the same run on the same sessions: speculative, auto and cloud_only
+sessions through the verifier, and the same sessions as plain streaming generations on vLLM's own
+server (loadtest_vllm.py), what an operator would run instead.
 
 A level of N sessions is closed-loop: N workers each replay recorded sessions back to back
 (loadtest_replay.py, with the recorded edge think-time) for `step_s` seconds, so about N
@@ -27,17 +29,16 @@ session already misses).
 from __future__ import annotations
 
 import asyncio
+import resource
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.loadtest_arrivals import PlannedSession
-from bench.loadtest_replay import Delivery, LoadClock, SessionOutcome, replay
+from bench.loadtest_replay import Delivery, LoadClock, SessionOutcome
 from bench.loadtest_report import percentiles
-from edge.transport.client import VerifierClient
 
-MODES = ("speculative", "cloud_only")
 START_SPREAD = 0.1  # worker starts are spread over this fraction of a level
 
 
@@ -47,8 +48,8 @@ class CapacitySearch:
     slo_ttft_p95_ms: float | None = None
     max_sessions: int = 64  # the search stops here even if the target still holds
     step_s: float = 30.0  # seconds each level keeps starting sessions
-    think_scale: float = 1.0
     slo_tpot_p95_ms: float | None = None
+    resolution: float = 0.0  # bisection stops once the gap is within this fraction of the level met (0: to 1 session)
 
     def met(self, itl_p95: float | None, ttft_p95: float | None, tpot_p95: float | None) -> bool:
         """Whether a level's p95s meet every target set (a p95 with no samples meets none)."""
@@ -58,6 +59,27 @@ class CapacitySearch:
 
 # (busy seconds, forward passes) of the verifier so far, or None when it cannot be read
 BusyProbe = Callable[[], Awaitable[tuple[float, float] | None]]
+# one session of a system, start to end, reporting into the level's clock
+SessionRunner = Callable[[PlannedSession, LoadClock], Awaitable[SessionOutcome]]
+
+
+async def _no_probe() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class System:
+    """One row of the search: how a session runs on it, and how busy its server was (if it says)."""
+
+    name: str
+    run_session: SessionRunner
+    probe: BusyProbe = _no_probe
+
+
+def cpu_seconds() -> float:
+    """CPU time of the load generator so far (this process and the processes it waited for), seconds."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def steady(deliveries: list[Delivery], search: CapacitySearch) -> list[Delivery]:
@@ -90,7 +112,7 @@ def tpot_per_session(deliveries: list[Delivery]) -> list[float]:
 
 
 async def _closed_loop(
-    plans: list[PlannedSession], n: int, mode: str, search: CapacitySearch, connect: Callable[[], VerifierClient]
+    plans: list[PlannedSession], n: int, run_session: SessionRunner, search: CapacitySearch
 ) -> tuple[LoadClock, list[SessionOutcome]]:
     clock = LoadClock()
     outcomes: list[SessionOutcome] = []
@@ -101,11 +123,7 @@ async def _closed_loop(
         while j == 0 or clock.now() < search.step_s:
             index = i + j * n  # unique within the level: the clock keys deliveries by it
             plan = replace(plans[index % len(plans)], index=index, arrival_s=clock.now())
-            client = connect()
-            try:
-                outcomes.append(await replay(plan, client, clock, mode, search.think_scale))
-            finally:
-                await client.close()
+            outcomes.append(await run_session(plan, clock))
             j += 1
 
     await asyncio.gather(*(worker(i) for i in range(n)))
@@ -119,6 +137,7 @@ def _level(
     outcomes: list[SessionOutcome],
     wall_s: float,
     busy: tuple[float, float] | None,
+    loadgen_cpu_s: float,
     search: CapacitySearch,
 ) -> dict[str, Any]:
     tokens = sum(o.verified_tokens for o in outcomes)
@@ -144,34 +163,42 @@ def _level(
         "verified_tokens_per_s": round(tokens / wall_s, 3) if wall_s else 0.0,
         # target passes each session needed per token (1 for cloud_only; 1/tau speculative)
         "rounds_per_token": round(sum(o.rounds for o in outcomes) / tokens, 4) if tokens else None,
+        # replayed rounds whose reply was the recorded one (None: none compared)
+        "rounds_as_recorded": _as_recorded(outcomes),
         # passes the verifier ran per token, batching counted: shared passes cost less
         "forward_passes_per_token": round(busy[1] / tokens, 4) if busy and tokens else None,
         "busy_fraction": round(busy[0] / wall_s, 4) if busy and wall_s else None,
+        # the load generator's own CPU over the level, in cores: near 1 it measures itself
+        "loadgen_cpu_cores": round(loadgen_cpu_s / wall_s, 3) if wall_s else None,
     }
 
 
-async def measure(
-    plans: list[PlannedSession],
-    n: int,
-    mode: str,
-    search: CapacitySearch,
-    connect: Callable[[], VerifierClient],
-    probe: BusyProbe,
-) -> dict[str, Any]:
+def _as_recorded(outcomes: list[SessionOutcome]) -> float | None:
+    compared = sum(o.rounds_compared for o in outcomes)
+    differed = sum(o.rounds_differing for o in outcomes)
+    return round(1.0 - differed / compared, 4) if compared else None
+
+
+async def measure(plans: list[PlannedSession], n: int, system: System, search: CapacitySearch) -> dict[str, Any]:
     """One level: n sessions in flight for step_s seconds (then their last sessions end)."""
-    before = await probe()
-    clock, outcomes = await _closed_loop(plans, n, mode, search, connect)
-    wall_s = clock.now()
-    after = await probe()
+    before, cpu_before = await system.probe(), cpu_seconds()
+    clock, outcomes = await _closed_loop(plans, n, system.run_session, search)
+    wall_s, cpu_s = clock.now(), cpu_seconds() - cpu_before
+    after = await system.probe()
     busy = (after[0] - before[0], after[1] - before[1]) if before and after else None
-    return _level(n, mode, clock, outcomes, wall_s, busy, search)
+    return _level(n, system.name, clock, outcomes, wall_s, busy, cpu_s, search)
 
 
 async def search_mode(
-    mode: str, measure_at: Callable[[int], Awaitable[dict[str, Any]]], max_sessions: int
+    measure_at: Callable[[int], Awaitable[dict[str, Any]]],
+    max_sessions: int,
+    known: dict[int, dict[str, Any]] | None = None,
+    resolution: float = 0.0,
 ) -> tuple[int, list[dict[str, Any]]]:
-    """The largest level meeting the target: doubling, then bisection; every level measured."""
-    levels: dict[int, dict[str, Any]] = {}
+    """The largest level meeting the target: doubling, then bisection until the first level
+    missed is within `resolution` of the last met (or next to it); every level measured (levels
+    `known` from a run cut short are taken as they were)."""
+    levels: dict[int, dict[str, Any]] = dict(known or {})
 
     async def meets(n: int) -> bool:
         if n not in levels:
@@ -186,7 +213,7 @@ async def search_mode(
         if good < max_sessions and await meets(max_sessions):
             good = max_sessions
         bad = max_sessions + 1 if good == max_sessions else max_sessions
-    while bad - good > 1:
+    while bad - good > max(1, int(good * resolution)):
         mid = (good + bad) // 2
         good, bad = (mid, bad) if await meets(mid) else (good, mid)
     return good, [levels[k] for k in sorted(levels)]
@@ -200,24 +227,60 @@ def _summary(sessions: int, points: list[dict[str, Any]]) -> dict[str, Any]:
         "tpot_ms": None if at is None else {"p50": at["tpot_ms"]["p50"], "p95": at["tpot_ms"]["p95"]},
         "verified_tokens_per_s": None if at is None else at["verified_tokens_per_s"],
         "rounds_per_token": None if at is None else at["rounds_per_token"],
+        "rounds_as_recorded": None if at is None else at.get("rounds_as_recorded"),
         "forward_passes_per_token": None if at is None else at["forward_passes_per_token"],
         "busy_fraction": None if at is None else at["busy_fraction"],
+        "loadgen_cpu_cores": None if at is None else at.get("loadgen_cpu_cores"),
     }
 
 
+BASELINES = ("vllm_alone", "cloud_only")  # what the gain of speculation is measured against
+GAINS = ("speculative", "auto")
+
+
+def capacity_ratios(capacity: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Sessions of speculative and auto over each baseline measured ("speculative/vllm_alone")."""
+    ratios: dict[str, float | None] = {}
+    for gain in (g for g in GAINS if g in capacity):
+        for base in (b for b in BASELINES if b in capacity):
+            sessions = capacity[base]["sessions"]
+            ratios[f"{gain}/{base}"] = round(capacity[gain]["sessions"] / sessions, 3) if sessions else None
+    return ratios
+
+
+# what a run heard of each level as it finished: (system, level)
+LevelSink = Callable[[str, dict[str, Any]], None]
+
+
 async def find_capacity(
-    plans: list[PlannedSession], search: CapacitySearch, connect: Callable[[], VerifierClient], probe: BusyProbe
+    plans: list[PlannedSession],
+    search: CapacitySearch,
+    systems: list[System],
+    known: dict[str, dict[int, dict[str, Any]]] | None = None,
+    on_level: LevelSink | None = None,
 ) -> dict[str, Any]:
-    """Both modes, one after the other, against the same verifier and sessions."""
+    """Each system in turn on the same sessions. `known` holds the levels a run cut short had
+    measured (by system, then sessions); `on_level` hears each new level as it finishes."""
     capacity, points = {}, {}
-    for mode in MODES:
+    for system in systems:
 
-        async def at(n: int, mode: str = mode) -> dict[str, Any]:
-            return await measure(plans, n, mode, search, connect, probe)
+        async def at(n: int, system: System = system) -> dict[str, Any]:
+            level = await measure(plans, n, system, search)
+            if on_level is not None:
+                on_level(system.name, level)
+            return level
 
-        sessions, points[mode] = await search_mode(mode, at, search.max_sessions)
-        capacity[mode] = _summary(sessions, points[mode])
-    cloud = capacity["cloud_only"]["sessions"]
+        sessions, points[system.name] = await search_mode(
+            at, search.max_sessions, (known or {}).get(system.name), search.resolution
+        )
+        capacity[system.name] = _summary(sessions, points[system.name])
+    return capacity_result(search, capacity, points)
+
+
+def capacity_result(
+    search: CapacitySearch, capacity: dict[str, dict[str, Any]], points: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    ratios = capacity_ratios(capacity)
     return {
         "mode": "capacity",
         "slo": {
@@ -226,7 +289,8 @@ async def find_capacity(
             "tpot_p95_ms": search.slo_tpot_p95_ms,
         },
         "capacity": capacity,
-        "capacity_ratio": round(capacity["speculative"]["sessions"] / cloud, 3) if cloud else None,
+        "capacity_ratio": ratios.get("speculative/cloud_only"),  # kept under its first name
+        "ratios": ratios,
         "levels": points,
     }
 
@@ -237,16 +301,21 @@ def slo_line(slo: dict[str, Any]) -> str:
     return ", ".join(f"{name} p95 <= {slo[key]} ms" for key, name in names if slo.get(key))
 
 
+def ratio_line(result: dict[str, Any]) -> str:
+    ratios = result.get("ratios") or {"speculative/cloud_only": result.get("capacity_ratio")}
+    return "; ".join(f"{name}: {value if value is not None else '–'}x" for name, value in ratios.items())
+
+
 def capacity_markdown(result: dict[str, Any]) -> str:
     slo, cap = result["slo"], result["capacity"]
     lines = [
         f"# Capacity at {slo_line(slo)}",
         "",
-        f"Sessions per verifier, speculative / cloud_only: {result['capacity_ratio'] or '–'}x.",
+        f"Sessions within the target, one system over another: {ratio_line(result)}.",
         "",
-        "| mode | sessions | ITL p50 / p95 ms | TPOT p50 / p95 ms | verified tokens/s | target passes per token "
-        "(per session, verifier) | verifier busy |",
-        "|---|---|---|---|---|---|---|",
+        "| system | sessions | ITL p50 / p95 ms | TPOT p50 / p95 ms | tokens/s | target passes per token "
+        "(per session, verifier) | rounds as recorded | verifier busy | load generator CPU (cores) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, c in cap.items():
         itl, tpot = c["itl_ms"] or {}, c.get("tpot_ms") or {}
@@ -254,25 +323,27 @@ def capacity_markdown(result: dict[str, Any]) -> str:
             f"| {mode} | {c['sessions']} | {itl.get('p50', '–')} / {itl.get('p95', '–')} | "
             f"{tpot.get('p50', '–')} / {tpot.get('p95', '–')} | "
             f"{c['verified_tokens_per_s'] or '–'} | {c['rounds_per_token'] or '–'}, "
-            f"{c['forward_passes_per_token'] or '–'} | {c['busy_fraction'] or '–'} |"
+            f"{c['forward_passes_per_token'] or '–'} | {c.get('rounds_as_recorded') or '–'} | {c['busy_fraction'] or '–'} | "
+            f"{c.get('loadgen_cpu_cores') or '–'} |"
         )
     lines += [
         "",
-        "| mode | sessions | meets | ITL p95 ms (smoothed) | TPOT p95 ms | TTFT p95 ms | tokens/s | busy | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| system | sessions | meets | ITL p95 ms (smoothed) | TPOT p95 ms | TTFT p95 ms | tokens/s | busy | "
+        "load generator CPU | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, levels in result["levels"].items():
         lines += [
             f"| {mode} | {p['sessions']} | {'yes' if p['meets_slo'] else 'no'} | {p['itl_ms']['p95']} "
             f"({p['itl_smoothed_ms']['p95']}) | {p['tpot_ms']['p95']} | {p['ttft_ms']['p95']} | "
-            f"{p['verified_tokens_per_s']} | {p['busy_fraction']} | {p['sessions_failed']} |"
+            f"{p['verified_tokens_per_s']} | {p['busy_fraction']} | {p.get('loadgen_cpu_cores')} | {p['sessions_failed']} |"
             for p in levels
         ]
     return "\n".join(lines) + "\n\n![capacity](capacity.png)\n"
 
 
 def write_capacity_report(result: dict[str, Any], folder: Path) -> list[Path]:
-    """capacity.md and capacity.png (ITL p95 and throughput against sessions, both modes)."""
+    """capacity.md and capacity.png (ITL p95, TPOT p95 and throughput against sessions, every system)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display

@@ -14,6 +14,10 @@ are cut so the output ends exactly there. Replies are not compared then.
 
 cloud_only: one Generate with the same prompt and max_new_tokens = the planned output length
 (no stop tokens, so both modes produce the same number of tokens).
+
+auto: Decode stretches until the verifier asks for speculation (a verifier started with
+--prefer-speculation-above N, once it holds more than N sessions), then the recorded rounds from
+the next round boundary (AutoReplay).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from shared.errors import PositionMismatch, SessionNotFound, SpecDecError
 from shared.protocol import (
     REOPEN_SEED_STRIDE,
     AcceptMode,
+    DecodeRequest,
     GenerateRequest,
     OpenSessionRequest,
     SessionConfig,
@@ -101,6 +106,7 @@ class SessionOutcome:
     rounds_compared: int = 0
     accepted_len_mismatches: int = 0
     next_token_mismatches: int = 0
+    rounds_differing: int = 0  # compared rounds whose reply differed in either
     output_equal: bool | None = None  # None: not comparable (resized, or sampled cloud_only)
     capacity_rejections: int = 0
     error: str | None = None  # the status code that ended the session early
@@ -245,12 +251,17 @@ class SpeculativeReplay:
         if reply.next_token != recorded.next_token:
             self.out.next_token_mismatches += 1
         if reply.accepted_len != recorded.accepted_len or reply.next_token != recorded.next_token:
+            self.out.rounds_differing += 1
             self.faithful = False
 
     async def run(self) -> SessionOutcome:
         first = self.trace.first_open()
         await self._open(self.plan.prompt_tokens, first.seed if first else self.trace.header.seed)
-        for event, gap in self._steps():
+        await self._play(self._steps())
+        return await self._finish()
+
+    async def _play(self, steps: Iterator[tuple[Event, float]]) -> None:
+        for event, gap in steps:
             if self.plan.resized and len(self.generated()) >= self.plan.output_target:
                 break
             if gap * self.think_scale > 0:
@@ -267,6 +278,8 @@ class SpeculativeReplay:
             self.position = reply.new_base_position
             self.out.rounds += 1
             self.out.verified_tokens += reply.accepted_len + 1
+
+    async def _finish(self) -> SessionOutcome:
         try:
             await self.client.close_session(self.session_id)
         except SpecDecError:
@@ -278,6 +291,79 @@ class SpeculativeReplay:
             self.out.output_tokens = len(output)
             self.out.output_equal = output == self.trace.end.output_tokens
         return self.out
+
+
+class AutoReplay(SpeculativeReplay):
+    """A session in auto mode on a fast verifier, as far as the verifier's word decides it: the
+    target decodes (Decode stretches of 2, then 16, doubling up to 64 tokens, as auto mode's
+    backoff grows) until a chunk says the verifier is loaded and asks for speculation; then the
+    session speculates from the next recorded round boundary to its end (the stretch in flight
+    decodes up to that boundary first). The edge's own probes of speculation on an idle
+    verifier (a few rounds, lost to the target's faster decoding) are left out."""
+
+    STRETCHES = (2, 16, 32, 64)
+
+    def __init__(self, plan: PlannedSession, client: VerifierClient, clock: LoadClock, think_scale: float) -> None:
+        super().__init__(plan, client, clock, think_scale)
+        self.out.mode = "auto"
+        self.asked = False
+        self.target = plan.output_target if plan.resized else len(plan.trace.end.output_tokens)
+
+    async def run(self) -> SessionOutcome:
+        stretches = itertools.chain(self.STRETCHES, itertools.repeat(self.STRETCHES[-1]))
+        while not self.asked and (room := self.target - len(self.generated())) > 0:
+            await self._decode(min(next(stretches), room))
+        if self.asked:
+            to_boundary, rest = _from_boundary(self._steps(), len(self.generated()))
+            if to_boundary:
+                await self._decode(to_boundary)
+            await self._play(rest)
+        return await self._finish()
+
+    async def _decode(self, max_tokens: int) -> None:
+        if self.session_id:
+            req = DecodeRequest(self.session_id, self.position, max_tokens)
+        else:
+            first = self.trace.first_open()
+            config = _session_config(self.trace, first.seed if first else self.trace.header.seed)
+            req = DecodeRequest("", 0, max_tokens, open=OpenSessionRequest(list(self.plan.prompt_tokens), config))
+        last = self.clock.now()
+        async for chunk in self.client.decode(req):
+            now = self.clock.now()
+            if chunk.opened is not None:
+                self.session_id, self.max_draft = chunk.opened.session_id, chunk.opened.max_draft_tokens
+                self.out.opened = True
+            if chunk.tokens:
+                if self.out.ttft_ms is None:
+                    self.out.ttft_ms = (now - self.out.start_s) * 1000.0
+                else:
+                    self.clock.rounds.append(RoundSample(now, (now - last) * 1000.0, len(chunk.tokens), None))
+                self.clock.deliver(self.out.index, len(chunk.tokens))
+                self.committed += chunk.tokens
+                self.out.rounds += len(chunk.tokens)
+                self.out.verified_tokens += len(chunk.tokens)
+                last = now
+            self.position = chunk.position
+            self.asked = chunk.prefer_speculation
+
+    async def _finish(self) -> SessionOutcome:
+        out = await super()._finish()
+        if not self.trace.header.sampling.greedy:
+            out.output_equal = None  # the target's own sampling draws another text than the recorded rounds
+        return out
+
+
+def _from_boundary(steps: Iterator[tuple[Event, float]], decoded: int) -> tuple[int, Iterator[tuple[Event, float]]]:
+    """(tokens to decode up to the first recorded round that starts at or after `decoded` tokens,
+    the steps from that round on). Recorded reopens before it are dropped: the decoded part had none."""
+    offset = 0
+    for event, gap in steps:
+        if not isinstance(event, VerifyEvent):
+            continue
+        start, offset = offset, offset + event.accepted_len + 1
+        if start >= decoded:
+            return start - decoded, itertools.chain([(event, gap)], steps)
+    return 0, iter(())
 
 
 async def replay_cloud_only(plan: PlannedSession, client: VerifierClient, clock: LoadClock) -> SessionOutcome:
@@ -310,7 +396,8 @@ async def replay(plan: PlannedSession, client: VerifierClient, clock: LoadClock,
     """One session, start to end; an error answer that ends it is kept in the outcome."""
     clock.open_changes.append((clock.now(), +1))
     start = clock.now()
-    speculative = SpeculativeReplay(plan, client, clock, think_scale) if mode == "speculative" else None
+    replays = {"speculative": SpeculativeReplay, "auto": AutoReplay}
+    speculative = replays[mode](plan, client, clock, think_scale) if mode in replays else None
     try:
         if speculative is not None:
             speculative.out.start_s = start

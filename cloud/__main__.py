@@ -99,6 +99,7 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
         tensor_parallel_size=settings.tensor_parallel_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enforce_eager=settings.enforce_eager,
+        load_format=settings.load_format,
     )
     engine = VllmEngine(VllmRuntime(options))
     log_event(log, logging.INFO, f"vLLM on {folder}, {dtype.name} ({dtype.reason})", engine="vllm", dtype=dtype.name)

@@ -58,6 +58,11 @@ class VerifierSettings(BaseSettings):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="--engine vllm on a GPU: the share of each GPU's memory vLLM takes (weights and KV)"
     )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="--engine vllm: dummy fills the model folder's shapes with vLLM's random weights instead of "
+        "reading them (capacity measurements where the weights are not at hand; the answers are meaningless)",
+    )
     host: str = Field("127.0.0.1", description="address to bind (gRPC and HTTP); 0.0.0.0 to serve other machines")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
     http_port: int = Field(8080, ge=0, le=65535, description="HTTP port: probes, /metrics, the live page (0 = any free port)")

@@ -71,6 +71,14 @@ def _trace_header(ctx: EdgeContext, prompt_ids: list[int], cfg: GenerationConfig
         "timeout_mode": s.timeout_mode(),
         "verify_timeout_ms": s.verify_timeout_ms,
         "dtype": s.dtype,
+        # planned costs (None: measured): a recording made beside a CPU verifier that drafts as
+        # a laptop would for a GPU verifier behind a link
+        "cost_plan_verify_ms": s.cost_plan_verify_ms,
+        "cost_plan_network_ms": s.cost_plan_network_ms,
+        "cost_plan_draft_ms": s.cost_plan_draft_ms,
+        # a replay's think-time between a reply and the next request is what this edge spent
+        # before sending it: drafting, and with overlap off nothing else of note
+        "think_time": "drafting (overlap off)" if not s.overlap else "drafting left after overlap",
         # what recorded it: a replay's think-time between rounds is this drafter's on this CPU
         "draft_runtime": ctx.draft_lm.runtime if ctx.draft_lm is not None else None,
         "cpu": recording_cpu(),

@@ -62,6 +62,7 @@ class EdgeSettings(BaseSettings):
             "k_max",
             "cost_plan_verify_ms",
             "cost_plan_network_ms",
+            "cost_plan_draft_ms",
             "la_raise_at",
             "la_lower_at",
             "la_window",
@@ -201,6 +202,12 @@ class EdgeSettings(BaseSettings):
     )
     cost_plan_network_ms: float | None = Field(
         None, ge=0, description="cost: plan k as if each round also spent this many ms on the network, instead of the measured"
+    )
+    cost_plan_draft_ms: float | None = Field(
+        None,
+        gt=0,
+        description="cost: plan k as if drafting a token took this many ms (a laptop's drafter) instead of the measured; "
+        "for recording sessions on a machine that drafts slower than the laptop they stand for",
     )
     la_raise_at: float = Field(0.8, description="la-ratio: +1 when accepted/k over the window >= this")
     la_lower_at: float = Field(0.4, description="la-ratio: -1 when accepted/k over the window <= this")

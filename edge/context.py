@@ -157,7 +157,7 @@ def load_edge(settings: EdgeSettings) -> EdgeContext:
     # An n-gram edge never loads a model: only the tokenizer.
     draft_lm = load_draft_lm(settings, folder) if needs_model else None
     vocab = len(tokenizer) if draft_lm is None else min(len(tokenizer), draft_lm.logits_width)
-    planned = PlannedCosts(settings.cost_plan_verify_ms, settings.cost_plan_network_ms)
+    planned = PlannedCosts(settings.cost_plan_verify_ms, settings.cost_plan_network_ms, settings.cost_plan_draft_ms)
     return EdgeContext(
         settings,
         tokenizer,

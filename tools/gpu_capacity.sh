@@ -1,72 +1,119 @@
 #!/usr/bin/env bash
-# On a CUDA machine: the verifier's figures with the target's real shapes, in bf16.
-#   1. per-round batched pass time: packed against slot KV, 1/4/8/16 sessions x 1k/4k context
-#      (bench.studies.kv_layout_timing, the transformers engine); with --engine vllm instead, one
-#      pass by new tokens and by sessions on vLLM (argmax and full rows, and its own decoding)
-#      beside the transformers engine on the same GPU (bench.studies.engine_pass_timing), and
-#      whether greedy speculative equals cloud_only in bf16 with and without vLLM's
-#      batch-invariant kernels (bench.studies.vllm_batch_invariance);
-#   2. the capacity search (python -m bench.loadtest --find-capacity), speculative against cloud_only, with the
-#      verifier on the GPU (on --engine) and the recorded sessions replayed from the machine's CPU cores.
-# The model is CONFIG_DIR's architecture with random weights (bench/random_weights.py) and the
-# shipped Qwen traces are rewritten for it round for round (bench/retarget_traces.py), so each
-# round accepts what the recorded pair accepted.
+# On a CUDA machine: sessions per GPU within the reader's target (TPOT p95 <= 50 ms, TTFT p95 <= 1 s) for
+# vLLM's own OpenAI-compatible server alone, and for speculative, auto and cloud_only sessions through
+# cloud-verifier --engine vllm: the same recorded sessions, on the same GPU, in one run.
 #
-#   tools/gpu_capacity.sh [--engine transformers|vllm] CONFIG_DIR OUT_DIR [SLO_ITL_P95_MS] [MAX_SESSIONS] [STEP_S]
+#   tools/gpu_capacity.sh [--engine vllm|transformers] MODEL_DIR OUT_DIR
 #
-# A step whose result is already in OUT_DIR is not run again, so a run cut short goes on where
-# it stopped. --engine vllm runs the verifier and its studies under ENGINE_PYTHON (default
-# .venv-vllm/bin/python, the venv tools/vllm_env.sh builds: on a CUDA box it installs vllm
-# itself); TP=N splits the target over N GPUs (--tensor-parallel-size), GPU_MEMORY=0.85 is
-# vLLM's share of each GPU; SLO_TPOT=MS adds a target on the time per output token; SKIP_STUDIES=1
-# goes straight to the capacity search.
+# MODEL_DIR holds a model's config.json and tokenizer files (or TOKENIZER_DIR does: e.g. MODEL_DIR
+# bench/data/configs/qwen2.5-coder-7b, TOKENIZER_DIR a Qwen2.5 folder); no weights: both engines start with
+# load_format=dummy (vLLM's random weights in the model's shapes: a pass costs what the real model's costs).
+# --engine transformers serves the verifier with transformers instead; it needs weights, so random ones are
+# written into OUT_DIR/model first (bench/random_weights.py) and vLLM's server reads the same folder.
+# The two servers start together, each with GPU_SHARE of the GPU and KV_BYTES of KV (so that neither's memory
+# profile sees the other's), and are measured one at a time. The sessions (TRACES, default the laptop traces
+# in bench/data/traces/laptop) are rewritten for the served model through the verifier's own greedy
+# decoding (bench/retarget_traces.py --cloud), round for round, so each round accepts what the recorded
+# pair accepted. The edge's think-time is scaled by THINK_SCALE (see bench/data/README.md: the drafting
+# speed it stands for). auto sessions decode until the verifier, holding more than PREFER_ABOVE sessions,
+# asks them to speculate (cloud-verifier --prefer-speculation-above).
+#
+# Each capacity level is appended to RESULTS/capacity.levels.jsonl as it ends and a run started again
+# takes the levels found there (the traces in OUT_DIR too), so a run cut short goes on where it stopped.
+# RESULTS (default OUT_DIR) gets capacity.json, .levels.jsonl, .md and .png, unscaled.json and .levels.jsonl
+# (one speculative session with the recorded think-time unscaled, after the table), and when it is another
+# folder, the last lines of both servers' logs: eight small files.
+#
+# Environment (defaults): SYSTEMS (vllm_alone,speculative,auto,cloud_only), THINK_SCALE (0.35),
+# MAX_SESSIONS (128), STEP_S (4), RESOLUTION (0.1: the search stops within 10%), MAX_OUTPUT_TOKENS (none),
+# GPU_SHARE (0.45), KV_BYTES (18000000000), MAX_CONTEXT (4096), PREFER_ABOVE (16), TP (1),
+# PYTHON (python3), READY_TIMEOUT_S (400), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092), EAGER=1 (both engines
+# without compiled graphs: a start in seconds, slower steps; for a dry run on a CPU).
 set -euo pipefail
-engine=transformers
+engine=vllm
 if [ "${1:-}" = --engine ]; then engine=$2; shift 2; fi
-config_dir=$1 out=$2 slo=${3:-2500} max_sessions=${4:-256} step_s=${5:-15}
+model=$1 out=$2
 py=${PYTHON:-python3}
-vpy=${ENGINE_PYTHON:-.venv-vllm/bin/python}  # not VLLM_*: vLLM warns of VLLM_ variables it does not know
-port=${PORT:-50071} http_port=${HTTP_PORT:-8091}
+traces=${TRACES:-bench/data/traces/laptop}
+port=${PORT:-50071} http_port=${HTTP_PORT:-8091} vllm_port=${VLLM_PORT:-8092}
+share=${GPU_SHARE:-0.45} kv=${KV_BYTES:-18000000000} context=${MAX_CONTEXT:-4096}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv"
+if [ -n "${TOKENIZER_DIR:-}" ]; then  # the configuration from one folder, the tokenizer from another
+    mkdir -p "$out/model-config"
+    cp "$model/config.json" "$out/model-config/"
+    for f in generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
+        [ ! -f "$TOKENIZER_DIR/$f" ] || cp "$TOKENIZER_DIR/$f" "$out/model-config/"
+    done
+    model=$out/model-config
+fi
+say() { echo "$(date +%T) gpu_capacity: $*"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv" 2>&1 || true
 
-if [ ! -d "$out/model" ]; then
-    $py -m bench.random_weights --config-dir "$config_dir" --out "$out/model.part" --device cuda --dtype bfloat16
-    mv "$out/model.part" "$out/model"
-fi
-if [ "$engine" = vllm ] && [ -z "${SKIP_STUDIES:-}" ]; then
-    [ -f "$out/pass_timing/engine_pass_timing.json" ] ||
-        $vpy -m bench.studies.engine_pass_timing --target "$out/model" --engines vllm,transformers --device cuda \
-            --dtypes bfloat16 --context 1024 --sessions 1,4,16 --repeats 10 --out "$out/pass_timing"
-    [ -f "$out/batch_invariance/report.md" ] ||
-        $vpy -m bench.studies.vllm_batch_invariance --target "$out/model" --draft-device cuda --dtype bfloat16 \
-            --prompts bench/data/spec_bench_3short.jsonl --max-new-tokens 64 --verifier-flags=--enforce-eager \
-            --out "$out/batch_invariance"
-elif [ "$engine" != vllm ]; then
-    [ -f "$out/kv_layout.json" ] ||
-        $py -m bench.studies.kv_layout_timing --model "$out/model" --device cuda --dtype bfloat16 --sessions 1,4,8,16 \
-            --contexts 1024,4096 --rounds 10 --output "$out/kv_layout.json"
-fi
-if [ ! -d "$out/traces" ]; then
-    $py -m bench.retarget_traces --traces bench/data/traces/qwen --model "$out/model" --out "$out/traces.part" \
-        --device cuda --dtype bfloat16
-    mv "$out/traces.part" "$out/traces"
+load=dummy
+eager=()
+[ -z "${EAGER:-}" ] || eager=(--enforce-eager)
+engine_flags=(--engine vllm --load-format dummy --tensor-parallel-size "${TP:-1}" --gpu-memory-utilization "$share"
+    --max-kv-bytes "$kv" "${eager[@]}")
+if [ "$engine" = transformers ]; then
+    if [ ! -d "$out/model" ]; then
+        $py -m bench.random_weights --config-dir "$model" --out "$out/model.part" --device cuda --dtype bfloat16
+        mv "$out/model.part" "$out/model"
+    fi
+    model=$out/model load=auto engine_flags=(--device cuda)
 fi
 
-if [ "$engine" = vllm ]; then
-    $vpy -m cloud --engine vllm --model "$out/model" --dtype bfloat16 --port "$port" --http-port "$http_port" \
-        --tensor-parallel-size "${TP:-1}" --gpu-memory-utilization "${GPU_MEMORY:-0.85}" --max-context-tokens 8192 \
-        --max-sessions 2048 --max-batch-size 64 --max-queue 4096 > "$out/verifier.log" 2>&1 &
-else
-    $py -m cloud --model "$out/model" --device cuda --dtype bfloat16 --port "$port" --http-port "$http_port" \
-        --max-sessions 2048 --max-batch-size 64 --max-queue 4096 > "$out/verifier.log" 2>&1 &
-fi
-verifier=$!
-trap 'kill $verifier 2>/dev/null || true' EXIT
-for _ in $(seq 1 600); do  # vLLM compiles its graphs first: minutes
-    $py -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http_port/readyz')" 2>/dev/null && break
+results=${RESULTS:-$out}
+mkdir -p "$results"
+pids=()
+finish() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    if [ "$results" != "$out" ]; then
+        for f in verifier.log vllm.log; do [ ! -f "$out/$f" ] || tail -n 300 "$out/$f" > "$results/$f"; done
+    fi
+}
+trap finish EXIT
+trap 'exit 143' TERM INT  # a run stopped from outside still leaves its logs in RESULTS
+say "starting cloud-verifier --engine $engine and vLLM's own server on $model ($load weights)"
+$py -m cloud "${engine_flags[@]}" --model "$model" --dtype bfloat16 --port "$port" --http-port "$http_port" \
+    --max-context-tokens "$context" --max-sessions 2048 --max-batch-size 256 --max-queue 8192 --prefer-speculation-above "${PREFER_ABOVE:-16}" \
+    > "$out/verifier.log" 2>&1 &
+pids+=($!)
+$py -m vllm.entrypoints.openai.api_server --model "$model" --load-format "$load" --dtype bfloat16 --port "$vllm_port" \
+    --host 127.0.0.1 --tensor-parallel-size "${TP:-1}" --gpu-memory-utilization "$share" --kv-cache-memory-bytes "$kv" \
+    --max-model-len "$((context + 1))" --max-num-seqs 512 --served-model-name target "${eager[@]}" > "$out/vllm.log" 2>&1 &
+pids+=($!)
+
+ready() { $py -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
+verifier_up=0 vllm_up=0
+for _ in $(seq 1 "${READY_TIMEOUT_S:-400}"); do  # vLLM compiles its graphs first: minutes
+    [ $verifier_up = 1 ] || ! ready "http://127.0.0.1:$http_port/readyz" || { verifier_up=1; say "verifier ready"; }
+    [ $vllm_up = 1 ] || ! ready "http://127.0.0.1:$vllm_port/v1/models" || { vllm_up=1; say "vLLM server ready"; }
+    [ $verifier_up = 1 ] && [ $vllm_up = 1 ] && break
+    kill -0 "${pids[0]}" 2>/dev/null || [ $verifier_up = 1 ] || { say "the verifier exited:"; tail -n 30 "$out/verifier.log"; exit 1; }
+    kill -0 "${pids[1]}" 2>/dev/null || [ $vllm_up = 1 ] || break
     sleep 1
 done
-$py -m bench.loadtest --cloud "127.0.0.1:$port" --trace "$out/traces" --find-capacity --slo-itl-p95-ms "$slo" \
-    --capacity-max-sessions "$max_sessions" --capacity-step-s "$step_s" --no-progress ${SLO_TPOT:+--slo-tpot-p95-ms "$SLO_TPOT"} \
-    --metrics-url "http://127.0.0.1:$http_port/metrics" --report "$out/capacity" --output "$out/capacity/capacity.json"
+[ $verifier_up = 1 ] || { say "the verifier did not become ready"; tail -n 30 "$out/verifier.log"; exit 1; }
+systems=${SYSTEMS:-vllm_alone,speculative,auto,cloud_only}
+if [ $vllm_up = 0 ]; then
+    say "vLLM's own server did not start: measuring without it"; tail -n 30 "$out/vllm.log"
+    systems=$(echo "$systems" | tr ',' '\n' | grep -v '^vllm_alone$' | paste -sd, -)
+fi
+
+if [ ! -d "$out/traces" ]; then
+    say "rewriting $traces for the served model"
+    $py -m bench.retarget_traces --traces "$traces" --cloud "127.0.0.1:$port" --out "$out/traces.part"
+    mv "$out/traces.part" "$out/traces"
+fi
+say "capacity search: $systems"
+$py -m bench.loadtest --cloud "127.0.0.1:$port" --trace "$out/traces" --find-capacity --systems "$systems" \
+    --vllm-url "http://127.0.0.1:$vllm_port" --think-scale "${THINK_SCALE:-0.35}" \
+    --capacity-max-sessions "${MAX_SESSIONS:-128}" --capacity-step-s "${STEP_S:-4}" \
+    --capacity-resolution "${RESOLUTION:-0.1}" ${MAX_OUTPUT_TOKENS:+--max-output-tokens "$MAX_OUTPUT_TOKENS"} \
+    --metrics-url "http://127.0.0.1:$http_port/metrics" --no-progress --resume \
+    --output "$results/capacity.json" --report "$results"
+say "one speculative session with the recorded think-time as it was (unscaled)"
+$py -m bench.loadtest --cloud "127.0.0.1:$port" --trace "$out/traces" --find-capacity --systems speculative --think-scale 1 \
+    --capacity-max-sessions 1 --capacity-step-s "${STEP_S:-4}" ${MAX_OUTPUT_TOKENS:+--max-output-tokens "$MAX_OUTPUT_TOKENS"} \
+    --metrics-url "http://127.0.0.1:$http_port/metrics" --no-progress --resume --output "$results/unscaled.json"

@@ -69,6 +69,7 @@ class VllmOptions:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no compiled graphs: a quicker start, slower steps
     seed: int = 0
+    load_format: str = "auto"  # dummy: vLLM's random weights in the folder's shapes (capacity measurements)
 
 
 class VllmRuntime:
@@ -98,6 +99,7 @@ class VllmRuntime:
             gpu_memory_utilization=options.gpu_memory_utilization,
             kv_cache_memory_bytes=(options.max_kv_bytes // options.tensor_parallel_size) or None,  # per GPU
             enforce_eager=options.enforce_eager,
+            load_format=options.load_format,
             max_logprobs=-1,  # full rows: every token's raw logit of a sampled row
             logprobs_mode="raw_logits",  # the model's logits, before vLLM's own processors
             disable_log_stats=True,

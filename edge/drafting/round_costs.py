@@ -46,10 +46,12 @@ class CostPrior:
 @dataclass(frozen=True)
 class PlannedCosts:
     """Figures the policy plans with in place of the measured ones (None: measured), e.g. a
-    GPU verifier's flat pass while a CPU verifier does the checking."""
+    GPU verifier's flat pass while a CPU verifier does the checking, or a laptop's drafting
+    speed while a slower machine drafts."""
 
     verify_ms: float | None = None  # the pass, whatever its size
     network_ms: float | None = None  # each round's time on the network
+    draft_ms_per_token: float | None = None  # drafting one token
 
 
 @dataclass
@@ -157,6 +159,8 @@ class RoundCosts:
 
     @property
     def draft_ms_per_token(self) -> float:
+        if self.planned.draft_ms_per_token is not None:
+            return self.planned.draft_ms_per_token
         return self._draft_ms.value
 
     @property

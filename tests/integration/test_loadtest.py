@@ -180,7 +180,7 @@ def test_capacity_search_finds_sessions_for_a_generous_target_and_none_for_an_im
                 await _record(client, draft_model, tmp_path)
                 common = {
                     "cloud": client.target,
-                    "output": str(tmp_path / "c.json"),
+                    "output": str(tmp_path / "out" / "c.json"),
                     "trace": str(tmp_path),
                     "metrics_url": f"http://127.0.0.1:{http.port}/metrics",
                     "find_capacity": True,
@@ -209,6 +209,53 @@ def test_capacity_search_finds_sessions_for_a_generous_target_and_none_for_an_im
     assert generous["capacity_ratio"] == 1.0 and impossible["capacity_ratio"] is None
     written = write_capacity_report(generous, tmp_path / "report")
     assert {p.name for p in written} == {"capacity.md", "capacity.png"}
+
+
+def test_auto_sessions_decode_until_the_verifier_asks_for_speculation(target_model, draft_model, tmp_path: Path) -> None:
+    """auto in the load tester: on a verifier that never asks, every token is the target's own
+    decoding (one pass per token); on one that asks above 0 open sessions, sessions speculate
+    (fewer passes per token); both give the recorded greedy outputs; a resumed capacity search
+    takes the levels it had written instead of measuring them again."""
+
+    async def run() -> dict:  # type: ignore[type-arg]
+        found = {}
+        for asks_above in (None, 0):
+            async with running_verifier(target_model, prefer_speculation_above=asks_above) as (client, _):
+                folder = tmp_path / f"traces-{asks_above}"
+                folder.mkdir()
+                await _record(client, draft_model, folder)
+                common = {"cloud": client.target, "trace": str(folder), "progress": False}
+                found[asks_above, "replay"] = await run_loadtest(
+                    LoadtestSettings(**common, output=str(tmp_path / "r.json"), mode="auto")
+                )
+                capacity = {
+                    **common,
+                    "output": str(tmp_path / f"cap-{asks_above}.json"),
+                    "find_capacity": True,
+                    "systems": "auto,speculative",
+                    "capacity_step_s": 0.3,
+                    "capacity_max_sessions": 2,
+                    "slo_itl_p95_ms": 60_000,
+                    "slo_ttft_p95_ms": 60_000,
+                }
+                found[asks_above] = await run_capacity(LoadtestSettings(**capacity))
+                lines = (tmp_path / f"cap-{asks_above}.levels.jsonl").read_text().count("\n")
+                found[asks_above, "resumed"] = await run_capacity(LoadtestSettings(**capacity, resume=True))
+                found[asks_above, "lines"] = (lines, (tmp_path / f"cap-{asks_above}.levels.jsonl").read_text().count("\n"))
+        return found
+
+    found = asyncio.run(run())
+    never, asked = found[None]["capacity"], found[0]["capacity"]
+    assert never["auto"]["rounds_per_token"] == 1.0  # Decode only: one target pass per token
+    assert asked["speculative"]["rounds_per_token"] <= asked["auto"]["rounds_per_token"] < 1.0
+    assert never["auto"]["sessions"] == asked["auto"]["sessions"] == 2
+    for asks_above in (None, 0):
+        replay = found[asks_above, "replay"]
+        assert replay["sessions_completed"] == 4 and replay["errors_by_code"] == {}
+        assert replay["fidelity"]["sessions_output_equal"] == 3  # the greedy ones; the sampled one is not comparable
+        assert found[asks_above, "resumed"]["levels"] == found[asks_above]["levels"]
+        lines, after_resume = found[asks_above, "lines"]
+        assert lines == after_resume == 4  # 1 and 2 sessions, two systems; none measured again
 
 
 def test_a_loadtest_started_while_the_model_loads_waits_for_it(target_model, draft_model, tmp_path: Path) -> None:

@@ -8,11 +8,11 @@ from bench.loadtest_capacity import CapacitySearch, _level, itl_as_seen, itl_smo
 from bench.loadtest_replay import Delivery, LoadClock
 
 
-def _search(threshold: int, cap: int) -> tuple[int, list[int]]:
+def _search(threshold: int, cap: int, resolution: float = 0.0) -> tuple[int, list[int]]:
     async def measure(n: int) -> dict:  # type: ignore[type-arg]
         return {"sessions": n, "meets_slo": n <= threshold}
 
-    found, levels = asyncio.run(search_mode("speculative", measure, cap))
+    found, levels = asyncio.run(search_mode(measure, cap, resolution=resolution))
     return found, [level["sessions"] for level in levels]
 
 
@@ -33,6 +33,27 @@ def test_search_finds_the_largest_level_meeting_the_target(threshold: int, cap: 
     assert measured == levels
 
 
+def test_a_coarser_resolution_stops_the_bisection_within_that_fraction() -> None:
+    found, measured = _search(100, 128, resolution=0.1)
+    assert measured == [1, 2, 4, 8, 16, 32, 64, 96, 104, 112, 128]  # 96 met, 104 missed: within 10% of 96
+    assert found == 96
+    exact, _ = _search(100, 128)
+    assert exact == 100
+
+
+def test_levels_known_from_a_run_cut_short_are_not_measured_again() -> None:
+    asked: list[int] = []
+
+    async def measure(n: int) -> dict:  # type: ignore[type-arg]
+        asked.append(n)
+        return {"sessions": n, "meets_slo": n <= 5}
+
+    known = {n: {"sessions": n, "meets_slo": n <= 5} for n in (1, 2, 4)}
+    found, levels = asyncio.run(search_mode(measure, 64, known))
+    assert found == 5 and asked == [8, 6, 5]
+    assert [level["sessions"] for level in levels] == [1, 2, 4, 5, 6, 8]
+
+
 def test_itl_as_seen_and_smoothed() -> None:
     deliveries = [Delivery(30.0, 3, 1.0), Delivery(10.0, 1, 2.0)]
     assert itl_as_seen(deliveries) == [30.0, 0.0, 0.0, 10.0]  # tokens of one reply arrive together
@@ -48,7 +69,7 @@ def _level_meets(sessions_delivering: list[int], n: int) -> bool:
         clock = LoadClock()
         clock.deliveries = [Delivery(100.0, 2, 5.0, session) for session in sessions_delivering]
         search = CapacitySearch(slo_itl_p95_ms=500, step_s=10.0)
-        return bool(_level(n, "cloud_only", clock, [], 10.0, None, search)["meets_slo"])
+        return bool(_level(n, "cloud_only", clock, [], 10.0, None, 0.0, search)["meets_slo"])
 
     return asyncio.run(level())
 
@@ -74,7 +95,7 @@ def test_a_tpot_target_judges_the_rate_a_reader_sees_where_the_itl_target_judges
         async def level() -> bool:
             clock = LoadClock()
             clock.deliveries = [Delivery(900.0, 3, 0.9 * (i + 1), 0) for i in range(10)]
-            return bool(_level(1, "speculative", clock, [], 10.0, None, search)["meets_slo"])
+            return bool(_level(1, "speculative", clock, [], 10.0, None, 0.0, search)["meets_slo"])
 
         return asyncio.run(level())
 

@@ -305,3 +305,20 @@ def test_planned_costs_stand_in_for_the_measured_ones() -> None:
     rates = {k: true_rate(flat, k) for k in range(1, 13)}
     assert rates[planned.best_k()] >= 0.98 * max(rates.values())
     assert planned.best_k() != measured.best_k()
+
+
+def test_a_planned_drafting_speed_stands_in_for_the_measured_one() -> None:
+    """--cost-plan-draft-ms: a slow recording machine drafts, the policy plans for a laptop's
+    drafter; a faster drafter against the same flat pass and link drafts longer."""
+    slow = CostK(k_max=12, costs=RoundCosts(planned=PlannedCosts(20.0, 50.0)))
+    fast = CostK(k_max=12, costs=RoundCosts(planned=PlannedCosts(20.0, 50.0, draft_ms_per_token=2.0)))
+    world = _world("cpu", 1.0, False)
+    for policy in (slow, fast):
+        learn(policy, world, 100, seed=17)
+    assert fast.costs.draft_ms_per_token == 2.0
+    assert slow.costs.draft_ms_per_token == pytest.approx(world.draft_ms, rel=0.05)
+    assert fast.costs.acceptance == pytest.approx(slow.costs.acceptance, abs=0.05)  # still measured
+    laptop = World(world.acceptance, draft_ms=2.0, verify_fixed_ms=20.0, verify_per_row_ms=0.0, net_ms=50.0)  # the plan
+    rates = {k: true_rate(laptop, k) for k in range(1, 13)}
+    assert rates[fast.best_k()] >= 0.97 * max(rates.values())  # a flat top: 100 rounds' acceptance decides
+    assert fast.best_k() > slow.best_k()

@@ -1,0 +1,124 @@
+"""The capacity search against the system an operator would run instead: vLLM's own
+OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`, a real process) beside
+cloud-verifier --engine vllm on the same tiny target, with sessions recorded by the real
+edge-agent and rewritten through the verifier's own greedy decoding (bench.retarget_traces
+--cloud). In the vLLM venv (`make test-vllm`)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edge.trace import VerifyEvent, read_traces
+from tests.harness import VLLM_CONTEXT, VLLM_FLAGS
+from tests.serve_procs import ENV, edge_command, start_verifier
+from tests.tiny_models import save_pair
+
+pytestmark = pytest.mark.vllm
+SYSTEMS = ("vllm_alone", "speculative", "auto", "cloud_only")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_pair(tmp_path_factory.mktemp("models"), vllm=True)
+
+
+@pytest.fixture(scope="module")
+def verifier(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """Asks edges to speculate from the first open session on (auto sessions then speculate)."""
+    log = tmp_path_factory.mktemp("verifier") / "verifier.log"
+    flags = ("--engine", "vllm", "--max-sessions", "8", "--prefer-speculation-above", "0", *VLLM_FLAGS)
+    server, address, http = start_verifier(models[1], log, *flags, timeout_s=600)
+    yield address, http
+    assert server.stop() == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """vLLM's own server of the same target (CPU, fp32), as `vllm serve` runs it."""
+    port, log = _free_port(), tmp_path_factory.mktemp("vllm") / "vllm.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models[1]), "--dtype", "float32"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(VLLM_CONTEXT + 1), "--enforce-eager"]
+    cmd += ["--served-model-name", "target", "--max-num-seqs", "8"]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**ENV, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            urllib.request.urlopen(f"{url}/v1/models", timeout=2)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=120)
+
+
+def _run(*args: str) -> None:
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_capacity_against_vllm_alone_in_one_run(
+    models: tuple[Path, Path], verifier: tuple[str, int], vllm_server: str, tmp_path: Path
+) -> None:
+    recorded, rewritten = tmp_path / "recorded", tmp_path / "rewritten"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 3} w{2 * i + 1}"}) + "\n" for i in range(3)))
+    edge = ["--draft-model", str(models[0]), "--cloud", verifier[0], "--prompts", str(prompts), "--mode", "speculative"]
+    done = subprocess.run(
+        edge_command(*edge, "--k", "4", "--max-new-tokens", "16", "--record", str(recorded)),
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # The verifier's own greedy tokens rewrite the rounds; the same model, so the same rounds.
+    _run("-m", "bench.retarget_traces", "--traces", str(recorded), "--cloud", verifier[0], "--out", str(rewritten))
+    before, after = read_traces(recorded), read_traces(rewritten)
+    assert [t.name for t in before] == [t.name for t in after] and len(after) == 3
+    for old, new in zip(before, after, strict=True):
+        rounds = [(e.accepted_len, e.next_token) for e in old.events if isinstance(e, VerifyEvent)]
+        assert rounds == [(e.accepted_len, e.next_token) for e in new.events if isinstance(e, VerifyEvent)]
+        assert new.header.edge["retargeted"] and new.end.output_tokens[:16] == old.end.output_tokens[:16]
+
+    out = tmp_path / "cap"
+    search = ["--find-capacity", "--systems", ",".join(SYSTEMS), "--capacity-max-sessions", "2", "--capacity-step-s", "0.5"]
+    targets = ["--slo-tpot-p95-ms", "60000", "--slo-ttft-p95-ms", "60000"]
+    where = ["--cloud", verifier[0], "--vllm-url", vllm_server, "--metrics-url", f"http://127.0.0.1:{verifier[1]}/metrics"]
+    _run("-m", "bench.loadtest", *where, "--trace", str(rewritten), *search, *targets, "--no-progress",
+         "--output", str(out / "capacity.json"), "--report", str(out))  # fmt: skip
+    result = json.loads((out / "capacity.json").read_text())
+    assert list(result["capacity"]) == list(SYSTEMS)
+    for system in SYSTEMS:
+        cap = result["capacity"][system]
+        assert cap["sessions"] == 2, (system, result["levels"][system])
+        assert cap["verified_tokens_per_s"] > 0 and cap["loadgen_cpu_cores"] > 0
+        assert all(level["sessions_failed"] == 0 for level in result["levels"][system])
+    assert result["capacity"]["vllm_alone"]["rounds_per_token"] == 1.0  # a token an event: one step each
+    assert result["capacity"]["vllm_alone"]["busy_fraction"] is None  # vLLM's server reports no busy time
+    assert result["capacity"]["auto"]["rounds_per_token"] < 1.0  # asked at once: it speculated
+    assert set(result["ratios"]) == {f"{a}/{b}" for a in ("speculative", "auto") for b in ("vllm_alone", "cloud_only")}
+    levels = (out / "capacity.levels.jsonl").read_text().splitlines()
+    assert sorted((json.loads(line)["system"], json.loads(line)["level"]["sessions"]) for line in levels) == sorted(
+        (system, n) for system in SYSTEMS for n in (1, 2)
+    )
+    assert "vllm_alone" in (out / "capacity.md").read_text() and (out / "capacity.png").stat().st_size > 0
