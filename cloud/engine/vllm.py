@@ -197,6 +197,25 @@ class VllmRuntime:
         self._closer()
 
 
+VLLM_MAX_TOKEN_LIST = 1024  # vLLM's engine core refuses (and dies of) a longer logit_bias or allowed_token_ids
+VOCAB_MASK_BIAS = -100.0  # the lowest logit bias vLLM takes: exp(-100) of a row is 0 in float32 sampling
+
+
+def vocab_limit(vocab: int, width: int) -> dict[str, Any]:
+    """SamplingParams that keep vLLM's own decoding inside a session's vocabulary (a draft's
+    151,936 tokens on a target whose rows are padded to 152,064, say): the padding rows pushed
+    down by a bias when they are few, else the vocabulary listed when it is short. A session
+    that fits neither raises ValueError and decodes one pass per token (sampled here), as vLLM
+    checks the lists only inside its engine core, where a failure ends every request."""
+    if vocab >= width:
+        return {}
+    if width - vocab <= VLLM_MAX_TOKEN_LIST:
+        return {"logit_bias": dict.fromkeys(range(vocab, width), VOCAB_MASK_BIAS)}
+    if vocab <= VLLM_MAX_TOKEN_LIST:
+        return {"allowed_token_ids": list(range(vocab))}
+    raise ValueError(f"a vocabulary of {vocab} in {width} rows cannot be given to vLLM's sampler")
+
+
 def _positions(folder: str) -> int:
     """The positions the model was made for (config.json), or no limit when it does not say."""
     path = Path(folder) / "config.json"
@@ -350,7 +369,7 @@ class VllmEngine:
             max_tokens=req.max_new_tokens,
             ignore_eos=True,  # the stream ends at its own stop tokens (closing it ends the request)
             detokenize=False,
-            allowed_token_ids=list(range(vocab)) if vocab < self.logits_width else None,
+            **vocab_limit(vocab, self.logits_width),
         )
 
     def freed(self, kv: SessionKV) -> bool:

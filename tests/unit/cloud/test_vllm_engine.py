@@ -108,6 +108,25 @@ def test_limits_it_cannot_serve_are_one_line(folder: Path) -> None:
     assert plan.max_kv_bytes == 1 << 20
 
 
+def test_vllms_own_decoding_stays_inside_a_smaller_session_vocabulary(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
+    """A session whose vocabulary is narrower than the model's rows (a draft's tokenizer on a
+    padded target): vLLM decodes the target's greedy tokens over that vocabulary only (the
+    padding rows biased down), and the engine goes on serving."""
+    engine, vocab = vllm_engine(folder), VOCAB - 40
+    prompt = _tokens(21, 30)
+    cache, feed, expected = lm.new_cache(target), list(prompt), []
+    for _ in range(8):  # greedy over the session's vocabulary, computed here
+        expected.append(int(lm.forward(target, cache, feed)[-1][:vocab].argmax()))
+        feed = expected[-1:]
+    kv = engine.new_kv()
+    engine.decode_on_its_own(kv, GenerateRequest(prompt, SessionConfig(vocab_size=vocab), 8), vocab)
+    tokens = [int(engine.forward([kv], [prompt], [1], [vocab])[0].argmax())]
+    while len(tokens) < 8:
+        tokens.append(int(engine.forward([kv], [tokens[-1:]], [1], [vocab])[0].argmax()))
+    assert tokens == expected and max(tokens) < vocab
+    engine.free(kv)
+
+
 def test_a_generate_stream_reads_vllms_own_decoding(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
     """Greedy: the tokens vLLM decodes on its own are the target's greedy continuation; the
     prompt may come in chunks; a crop re-reads the same token; freeing ends the request."""
