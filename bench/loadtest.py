@@ -30,10 +30,12 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import ssl
 import sys
 import urllib.request
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -48,7 +50,19 @@ from tqdm import tqdm
 
 from bench.cli import settings_parser
 from bench.loadtest_arrivals import Caps, PlannedSession, azure_plan, poisson_plan, read_azure, trace_plan
-from bench.loadtest_capacity import CapacitySearch, System, find_capacity, ratio_line, slo_line, write_capacity_report
+from bench.loadtest_capacity import (
+    CapacitySearch,
+    LevelShare,
+    SessionRunner,
+    ShareRunner,
+    System,
+    draft_costs,
+    find_capacity,
+    ratio_line,
+    run_share,
+    slo_line,
+    write_capacity_report,
+)
 from bench.loadtest_replay import LoadClock, SessionOutcome, replay
 from bench.loadtest_report import ServerSample, ended_by_line, machine, summarize, write_report
 from bench.loadtest_vllm import PeerServer, replay_on_peer
@@ -141,6 +155,12 @@ class LoadtestSettings(BaseSettings):
         description="vLLM's OpenAI-compatible server (`vllm serve`, same model and GPU share) on this machine, http://HOST:PORT",
     )
     resume: bool = Field(False, description="capacity search: take the levels OUTPUT.levels.jsonl already holds")
+    load_processes: int = Field(
+        1,
+        ge=1,
+        description="capacity search: processes a level's sessions are dealt out to (when one process's CPU, "
+        "reported per level, nears a core)",
+    )
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "the verifier": (
@@ -179,6 +199,7 @@ class LoadtestSettings(BaseSettings):
             "systems",
             "vllm_url",
             "resume",
+            "load_processes",
         ),
         "results": ("output", "report", "bin_s", "progress"),
     }
@@ -350,7 +371,7 @@ async def _serving(health: health_pb2_grpc.HealthStub) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def _verifier_session(s: LoadtestSettings, mode: str) -> Callable[[PlannedSession, LoadClock], Awaitable[SessionOutcome]]:
+def _verifier_session(s: LoadtestSettings, mode: str) -> SessionRunner:
     async def run(plan: PlannedSession, clock: LoadClock) -> SessionOutcome:
         client = _connect(s, s.keys()[0])
         try:
@@ -361,20 +382,62 @@ def _verifier_session(s: LoadtestSettings, mode: str) -> Callable[[PlannedSessio
     return run
 
 
-async def capacity_systems(s: LoadtestSettings) -> list[System]:
-    """The systems of --systems, each ready: the verifier SERVING, vLLM's server listing its model."""
+def _session_runner(s: LoadtestSettings, name: str, peer: PeerServer | None) -> SessionRunner:
+    if name == "vllm_alone" and peer is not None:
+        return partial(replay_on_peer, server=peer)
+    return _verifier_session(s, name)
+
+
+def _share_in_process(
+    s: LoadtestSettings,
+    name: str,
+    peer: PeerServer | None,
+    plans: list[PlannedSession],
+    search: CapacitySearch,
+    n: int,
+    ids: list[int],
+    t0: float,
+) -> LevelShare:
+    """A load process's share of a level (run in a process of the pool)."""
+    return asyncio.run(run_share(plans, n, _session_runner(s, name, peer), search, ids, t0))
+
+
+async def capacity_systems(
+    s: LoadtestSettings, plans: list[PlannedSession], search: CapacitySearch, pool: Executor | None = None
+) -> list[System]:
+    """The systems of --systems, each ready: the verifier SERVING, vLLM's server listing its
+    model; with a pool, each level is dealt out to its processes."""
     names = s.system_names()
     if any(name in VERIFIER_SYSTEMS for name in names):
         await wait_until_serving(s)
     peer = None
     if "vllm_alone" in names and s.vllm_url:
         peer = await PeerServer.from_url(s.vllm_url, s.keys()[0]).wait_ready(s.ready_timeout)
+    loop = asyncio.get_running_loop()
+
+    def spread(name: str) -> ShareRunner | None:
+        if pool is None:
+            return None
+
+        async def share(n: int, ids: list[int], t0: float) -> LevelShare:
+            return await loop.run_in_executor(pool, _share_in_process, s, name, peer, plans, search, n, ids, t0)
+
+        return share
+
     return [
-        System(name, partial(replay_on_peer, server=peer))
-        if name == "vllm_alone" and peer is not None
-        else System(name, _verifier_session(s, name), partial(busy_counters, s))
+        System(
+            name,
+            _session_runner(s, name, peer),
+            partial(busy_counters, s) if name in VERIFIER_SYSTEMS else _no_busy,
+            spread(name),
+            s.load_processes,
+        )
         for name in names
     ]
+
+
+async def _no_busy() -> None:
+    return None
 
 
 def levels_file(s: LoadtestSettings) -> Path:
@@ -430,7 +493,15 @@ async def run_capacity(s: LoadtestSettings) -> dict[str, Any]:
             f.write(json.dumps({"key": key, "system": system, "level": level}) + "\n")
         log.info("%s at %d sessions: %s", system, level["sessions"], "meets" if level["meets_slo"] else "misses")
 
-    result = await find_capacity(plans, search, await capacity_systems(s), known, keep)
+    pool = (
+        ProcessPoolExecutor(s.load_processes, mp_context=multiprocessing.get_context("spawn")) if s.load_processes > 1 else None
+    )
+    try:
+        systems = await capacity_systems(s, plans, search, pool)
+        result = await find_capacity(plans, search, systems, known, keep, draft_costs(traces, s.think_scale))
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return result | {"settings": result_settings(s), "machine": machine()}
 
 

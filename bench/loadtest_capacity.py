@@ -21,6 +21,9 @@ the tail run fewer than N sessions. Throughput is over the
 whole level. A level meets the target when no session ended early, every one of its N
 workers got tokens in the steady part (a worker stuck waiting for its first tokens has no
 inter-token gaps to count, and would otherwise hide the stall), and the p95s are within it.
+With several load processes (`--load-processes`), a level's workers are dealt out to them
+round-robin; they share the level's start, and their sessions, rounds and CPU time are summed
+into one level.
 Search: 1, 2, 4, ... sessions until a level misses (or `max_sessions`), then bisection between
 the last level met and the first missed; the capacity is the largest level met (0 when one
 session already misses).
@@ -30,14 +33,16 @@ from __future__ import annotations
 
 import asyncio
 import resource
-from collections.abc import Awaitable, Callable
+import statistics
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.loadtest_arrivals import PlannedSession
-from bench.loadtest_replay import Delivery, LoadClock, SessionOutcome
+from bench.loadtest_replay import Delivery, LoadClock, RoundSample, SessionOutcome, think_gaps
 from bench.loadtest_report import percentiles
+from edge.trace import SessionTrace, VerifyEvent
 
 START_SPREAD = 0.1  # worker starts are spread over this fraction of a level
 
@@ -67,13 +72,32 @@ async def _no_probe() -> None:
     return None
 
 
+@dataclass
+class LevelShare:
+    """What the workers of a level that one load process ran heard (picklable)."""
+
+    deliveries: list[Delivery]
+    rounds: list[RoundSample]
+    open_changes: list[tuple[float, int]]
+    errors_by_code: dict[str, int]
+    outcomes: list[SessionOutcome]
+    cpu_s: float  # that process's CPU time over its share
+
+
+# runs the workers `ids` of a level of n sessions, started at t0, in another process
+ShareRunner = Callable[[int, list[int], float], Awaitable[LevelShare]]
+
+
 @dataclass(frozen=True)
 class System:
-    """One row of the search: how a session runs on it, and how busy its server was (if it says)."""
+    """One row of the search: how a session runs on it, how busy its server was (if it says),
+    and, to spread a level over processes, how a share of its workers runs in one of them."""
 
     name: str
     run_session: SessionRunner
     probe: BusyProbe = _no_probe
+    share: ShareRunner | None = None
+    processes: int = 1
 
 
 def cpu_seconds() -> float:
@@ -112,9 +136,16 @@ def tpot_per_session(deliveries: list[Delivery]) -> list[float]:
 
 
 async def _closed_loop(
-    plans: list[PlannedSession], n: int, run_session: SessionRunner, search: CapacitySearch
+    plans: list[PlannedSession],
+    n: int,
+    run_session: SessionRunner,
+    search: CapacitySearch,
+    workers: Sequence[int] | None = None,
+    clock: LoadClock | None = None,
 ) -> tuple[LoadClock, list[SessionOutcome]]:
-    clock = LoadClock()
+    """Workers `workers` (default: all n) of a level of n sessions, on `clock` (default: one
+    starting now)."""
+    clock = clock or LoadClock()
     outcomes: list[SessionOutcome] = []
 
     async def worker(i: int) -> None:
@@ -126,8 +157,34 @@ async def _closed_loop(
             outcomes.append(await run_session(plan, clock))
             j += 1
 
-    await asyncio.gather(*(worker(i) for i in range(n)))
+    await asyncio.gather(*(worker(i) for i in (range(n) if workers is None else workers)))
     return clock, outcomes
+
+
+async def run_share(
+    plans: list[PlannedSession], n: int, run_session: SessionRunner, search: CapacitySearch, ids: list[int], t0: float
+) -> LevelShare:
+    """One process's share of a level (the workers `ids`), on the level's clock."""
+    cpu_before = cpu_seconds()
+    clock, outcomes = await _closed_loop(plans, n, run_session, search, ids, LoadClock(t0))
+    errors = dict(clock.errors_by_code)
+    return LevelShare(clock.deliveries, clock.rounds, clock.open_changes, errors, outcomes, cpu_seconds() - cpu_before)
+
+
+async def _spread_level(n: int, system: System) -> tuple[LoadClock, list[SessionOutcome], float]:
+    """A level dealt out to the system's processes: one clock, every outcome, their CPU time."""
+    assert system.share is not None
+    clock = LoadClock()
+    parts = [list(range(p, n, system.processes)) for p in range(min(system.processes, n))]
+    shares = await asyncio.gather(*(system.share(n, ids, clock.t0) for ids in parts))
+    outcomes = []
+    for share in shares:
+        clock.deliveries += share.deliveries
+        clock.rounds += share.rounds
+        clock.open_changes += share.open_changes
+        clock.errors_by_code.update(share.errors_by_code)
+        outcomes += share.outcomes
+    return clock, outcomes, sum(share.cpu_s for share in shares)
 
 
 def _level(
@@ -182,8 +239,12 @@ def _as_recorded(outcomes: list[SessionOutcome]) -> float | None:
 async def measure(plans: list[PlannedSession], n: int, system: System, search: CapacitySearch) -> dict[str, Any]:
     """One level: n sessions in flight for step_s seconds (then their last sessions end)."""
     before, cpu_before = await system.probe(), cpu_seconds()
-    clock, outcomes = await _closed_loop(plans, n, system.run_session, search)
-    wall_s, cpu_s = clock.now(), cpu_seconds() - cpu_before
+    if system.share is not None and system.processes > 1:
+        clock, outcomes, share_cpu_s = await _spread_level(n, system)
+    else:
+        clock, outcomes = await _closed_loop(plans, n, system.run_session, search)
+        share_cpu_s = 0.0
+    wall_s, cpu_s = clock.now(), cpu_seconds() - cpu_before + share_cpu_s
     after = await system.probe()
     busy = (after[0] - before[0], after[1] - before[1]) if before and after else None
     return _level(n, system.name, clock, outcomes, wall_s, busy, cpu_s, search)
@@ -258,6 +319,7 @@ async def find_capacity(
     systems: list[System],
     known: dict[str, dict[int, dict[str, Any]]] | None = None,
     on_level: LevelSink | None = None,
+    costs: DraftCosts | None = None,
 ) -> dict[str, Any]:
     """Each system in turn on the same sessions. `known` holds the levels a run cut short had
     measured (by system, then sessions); `on_level` hears each new level as it finishes."""
@@ -274,11 +336,58 @@ async def find_capacity(
             at, search.max_sessions, (known or {}).get(system.name), search.resolution
         )
         capacity[system.name] = _summary(sessions, points[system.name])
-    return capacity_result(search, capacity, points)
+    return capacity_result(search, capacity, points, costs)
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """What the replayed edges spend drafting, from the traces: drafts per round and the
+    think-time per drafted token (median, as replayed: scaled)."""
+
+    drafts_per_round: float
+    draft_ms_per_token: float
+
+
+def draft_costs(traces: list[SessionTrace], think_scale: float) -> DraftCosts | None:
+    per_round, per_token = [], []
+    for trace in traces:
+        gaps = think_gaps(trace.events)
+        for i, event in enumerate(trace.events):
+            if isinstance(event, VerifyEvent) and event.error is None:
+                k = len(event.request.draft_tokens)
+                per_round.append(k)
+                if k:
+                    per_token.append(gaps[i] * 1000.0 * think_scale / k)
+    if not per_token:
+        return None
+    return DraftCosts(statistics.fmean(per_round), statistics.median(per_token))
+
+
+def predicted_bound(costs: DraftCosts | None, points: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """ "Speculation at a Distance"'s bound on the sessions speculation adds at the same per-session
+    rate: 1 + gamma * t_draft / t_verify, with gamma the drafts per round, t_draft the think-time
+    per drafted token and t_verify one session's decode step of the baseline measured (vLLM
+    alone's, else cloud_only's TPOT p50 at one session)."""
+    base = next((b for b in BASELINES if points.get(b)), None)
+    alone = next((p for p in points.get(base or "", []) if p["sessions"] == 1), None)
+    t_verify = alone["tpot_ms"]["p50"] if alone else None
+    if costs is None or base is None or not t_verify:
+        return None
+    bound = 1.0 + costs.drafts_per_round * costs.draft_ms_per_token / t_verify
+    return {
+        "sessions_ratio": round(bound, 2),
+        "over": base,
+        "drafts_per_round": round(costs.drafts_per_round, 3),
+        "draft_ms_per_token": round(costs.draft_ms_per_token, 3),
+        "verify_step_ms": t_verify,
+    }
 
 
 def capacity_result(
-    search: CapacitySearch, capacity: dict[str, dict[str, Any]], points: dict[str, list[dict[str, Any]]]
+    search: CapacitySearch,
+    capacity: dict[str, dict[str, Any]],
+    points: dict[str, list[dict[str, Any]]],
+    costs: DraftCosts | None = None,
 ) -> dict[str, Any]:
     ratios = capacity_ratios(capacity)
     return {
@@ -291,6 +400,7 @@ def capacity_result(
         "capacity": capacity,
         "capacity_ratio": ratios.get("speculative/cloud_only"),  # kept under its first name
         "ratios": ratios,
+        "predicted_bound": predicted_bound(costs, points),
         "levels": points,
     }
 
@@ -306,6 +416,17 @@ def ratio_line(result: dict[str, Any]) -> str:
     return "; ".join(f"{name}: {value if value is not None else '–'}x" for name, value in ratios.items())
 
 
+def bound_lines(bound: dict[str, Any] | None) -> list[str]:
+    if not bound:
+        return []
+    return [
+        f"Predicted bound for speculation over {bound['over']} (1 + gamma * t_draft / t_verify): "
+        f"1 + {bound['drafts_per_round']} x {bound['draft_ms_per_token']} ms / {bound['verify_step_ms']} ms = "
+        f"{bound['sessions_ratio']}x.",
+        "",
+    ]
+
+
 def capacity_markdown(result: dict[str, Any]) -> str:
     slo, cap = result["slo"], result["capacity"]
     lines = [
@@ -313,6 +434,7 @@ def capacity_markdown(result: dict[str, Any]) -> str:
         "",
         f"Sessions within the target, one system over another: {ratio_line(result)}.",
         "",
+        *bound_lines(result.get("predicted_bound")),
         "| system | sessions | ITL p50 / p95 ms | TPOT p50 / p95 ms | tokens/s | target passes per token "
         "(per session, verifier) | rounds as recorded | verifier busy | load generator CPU (cores) |",
         "|---|---|---|---|---|---|---|---|---|",

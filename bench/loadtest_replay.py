@@ -66,11 +66,12 @@ class Delivery:
 
 
 class LoadClock:
-    """Seconds since the load test began, and what every session reports into."""
+    """Seconds since the load test began, and what every session reports into. `t0` (the event
+    loop's monotonic time) lets processes of one load share one start."""
 
-    def __init__(self) -> None:
+    def __init__(self, t0: float | None = None) -> None:
         self.loop = asyncio.get_running_loop()
-        self.t0 = self.loop.time()
+        self.t0 = self.loop.time() if t0 is None else t0
         self.rounds: list[RoundSample] = []
         self.open_changes: list[tuple[float, int]] = []  # (t, +1 / -1): sessions in flight
         self.errors_by_code: Counter[str] = Counter()
@@ -128,7 +129,7 @@ def _session_config(trace: SessionTrace, seed: int) -> SessionConfig:
     return SessionConfig(h.sampling, seed, AcceptMode(h.accept_mode), h.vocab_size)
 
 
-def _think_gaps(events: list[Event]) -> dict[int, float]:
+def think_gaps(events: list[Event]) -> dict[int, float]:
     """Per event (by position): the recorded time between the previous reply and its send."""
     gaps, last_reply = {}, 0.0
     for i, event in enumerate(events):
@@ -190,7 +191,7 @@ class SpeculativeReplay:
         """(event, think-time) pairs to replay: the recording in order, or its replied Verify
         blocks cycled without end (resized: the caller stops at the planned length)."""
         events = self.trace.events
-        gaps = _think_gaps(events)
+        gaps = think_gaps(events)
         first_open = next((i for i, e in enumerate(events) if isinstance(e, OpenEvent) and e.error is None), -1)
         replayable = [
             (e, gaps[i])

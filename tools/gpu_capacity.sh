@@ -24,9 +24,11 @@
 # (one speculative session with the recorded think-time unscaled, after the table), and when it is another
 # folder, the last lines of both servers' logs: eight small files.
 #
-# Environment (defaults): SYSTEMS (vllm_alone,speculative,auto,cloud_only), THINK_SCALE (0.35),
+# Environment (defaults): SYSTEMS (vllm_alone,speculative,auto,cloud_only), THINK_SCALE (0.35), SLO_TPOT and
+# SLO_TTFT (the load tester's defaults, 50 and 1000 ms),
 # MAX_SESSIONS (128), STEP_S (4), RESOLUTION (0.1: the search stops within 10%), MAX_OUTPUT_TOKENS (none),
-# GPU_SHARE (0.45), KV_BYTES (18000000000), MAX_CONTEXT (4096), PREFER_ABOVE (16), TP (1),
+# GPU_SHARE (0.45), KV_BYTES (18000000000), MAX_CONTEXT (4096), PREFER_ABOVE (16), TP (1), LOAD_PROCESSES (1:
+# the load generator's processes; its CPU per level is in the report),
 # PYTHON (python3), READY_TIMEOUT_S (400), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092), EAGER=1 (both engines
 # without compiled graphs: a start in seconds, slower steps; for a dry run on a CPU).
 set -euo pipefail
@@ -109,11 +111,13 @@ fi
 say "capacity search: $systems"
 $py -m bench.loadtest --cloud "127.0.0.1:$port" --trace "$out/traces" --find-capacity --systems "$systems" \
     --vllm-url "http://127.0.0.1:$vllm_port" --think-scale "${THINK_SCALE:-0.35}" \
+    ${SLO_TPOT:+--slo-tpot-p95-ms "$SLO_TPOT"} ${SLO_TTFT:+--slo-ttft-p95-ms "$SLO_TTFT"} \
     --capacity-max-sessions "${MAX_SESSIONS:-128}" --capacity-step-s "${STEP_S:-4}" \
     --capacity-resolution "${RESOLUTION:-0.1}" ${MAX_OUTPUT_TOKENS:+--max-output-tokens "$MAX_OUTPUT_TOKENS"} \
-    --metrics-url "http://127.0.0.1:$http_port/metrics" --no-progress --resume \
+    --metrics-url "http://127.0.0.1:$http_port/metrics" --no-progress --resume --load-processes "${LOAD_PROCESSES:-1}" \
     --output "$results/capacity.json" --report "$results"
 say "one speculative session with the recorded think-time as it was (unscaled)"
 $py -m bench.loadtest --cloud "127.0.0.1:$port" --trace "$out/traces" --find-capacity --systems speculative --think-scale 1 \
+    ${SLO_TPOT:+--slo-tpot-p95-ms "$SLO_TPOT"} ${SLO_TTFT:+--slo-ttft-p95-ms "$SLO_TTFT"} \
     --capacity-max-sessions 1 --capacity-step-s "${STEP_S:-4}" ${MAX_OUTPUT_TOKENS:+--max-output-tokens "$MAX_OUTPUT_TOKENS"} \
     --metrics-url "http://127.0.0.1:$http_port/metrics" --no-progress --resume --output "$results/unscaled.json"

@@ -258,6 +258,38 @@ def test_auto_sessions_decode_until_the_verifier_asks_for_speculation(target_mod
         assert lines == after_resume == 4  # 1 and 2 sessions, two systems; none measured again
 
 
+def test_a_level_dealt_out_to_two_load_processes_counts_every_session(target_model, draft_model, tmp_path: Path) -> None:
+    """--load-processes 2: each level's workers run in two spawned processes on one clock; every
+    worker gets tokens (a worker in each process), and the processes' CPU is counted."""
+
+    async def run() -> dict:  # type: ignore[type-arg]
+        async with running_verifier(target_model) as (client, _):
+            await _record(client, draft_model, tmp_path / "traces")
+            settings = LoadtestSettings(
+                cloud=client.target,
+                trace=str(tmp_path / "traces"),
+                output=str(tmp_path / "out" / "cap.json"),
+                find_capacity=True,
+                systems="speculative,cloud_only",
+                load_processes=2,
+                capacity_step_s=0.5,
+                capacity_max_sessions=2,
+                slo_itl_p95_ms=60_000,
+                slo_ttft_p95_ms=60_000,
+                progress=False,
+            )
+            return await run_capacity(settings)
+
+    (tmp_path / "traces").mkdir()
+    result = asyncio.run(run())
+    for system in ("speculative", "cloud_only"):
+        levels = result["levels"][system]
+        assert [level["sessions"] for level in levels] == [1, 2] and all(level["meets_slo"] for level in levels)
+        assert levels[1]["workers_served"] == 2 and levels[1]["sessions_completed"] >= 2
+        assert all(level["loadgen_cpu_cores"] > 0 for level in levels)
+    assert result["capacity"]["speculative"]["rounds_per_token"] < 1.0 == result["capacity"]["cloud_only"]["rounds_per_token"]
+
+
 def test_a_loadtest_started_while_the_model_loads_waits_for_it(target_model, draft_model, tmp_path: Path) -> None:
     """Started before the verifier has loaded its model, the load test waits for SERVING on the
     gRPC health service instead of recording the loading verifier's refusals."""

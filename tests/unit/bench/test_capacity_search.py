@@ -113,3 +113,28 @@ def test_the_default_target_is_the_pace_a_reader_feels(tmp_path) -> None:  # typ
     assert (plain.slo_tpot_p95_ms, plain.slo_ttft_p95_ms, plain.slo_itl_p95_ms) == (50.0, 1000.0, None)
     itl = LoadtestSettings(cloud="127.0.0.1:1", output=str(tmp_path / "c.json"), find_capacity=True, slo_itl_p95_ms=80)
     assert (itl.slo_tpot_p95_ms, itl.slo_ttft_p95_ms, itl.slo_itl_p95_ms) == (None, None, 80)
+
+
+def test_the_predicted_bound_reads_the_traces_drafting_and_the_baselines_step() -> None:
+    """1 + gamma * t_draft / t_verify: the shipped laptop traces' drafts per round and think-time
+    per drafted token (scaled as replayed), over vLLM alone's one-session step where measured."""
+    from pathlib import Path
+
+    from bench.loadtest_capacity import DraftCosts, draft_costs, predicted_bound
+    from edge.trace import VerifyEvent, read_traces
+
+    traces = read_traces(Path(__file__).resolve().parents[3] / "bench" / "data" / "traces" / "laptop")
+    drafts = [len(e.request.draft_tokens) for t in traces for e in t.events if isinstance(e, VerifyEvent) and e.error is None]
+    costs, scaled = draft_costs(traces, 1.0), draft_costs(traces, 0.5)
+    assert costs is not None and scaled is not None
+    assert costs.drafts_per_round == pytest.approx(sum(drafts) / len(drafts))
+    assert scaled.draft_ms_per_token == pytest.approx(costs.draft_ms_per_token / 2)
+
+    def level(ms: float) -> dict:  # type: ignore[type-arg]
+        return {"sessions": 1, "tpot_ms": {"p50": ms}}
+
+    points = {"cloud_only": [level(20.0)], "vllm_alone": [level(5.0)]}
+    bound = predicted_bound(DraftCosts(4.0, 10.0), points)
+    assert bound is not None and bound["over"] == "vllm_alone" and bound["sessions_ratio"] == 1 + 4 * 10 / 5
+    assert predicted_bound(DraftCosts(4.0, 10.0), {"cloud_only": [level(20.0)]})["sessions_ratio"] == 3.0  # type: ignore[index]
+    assert predicted_bound(None, points) is None and predicted_bound(DraftCosts(4.0, 10.0), {}) is None
