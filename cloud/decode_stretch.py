@@ -1,8 +1,10 @@
 """The target's own decoding on a session (the Decode call): a stretch of tokens, each one a
 Verify round with no draft tokens, so decoding and speculative rounds advance one session
-with one KV and one generator. Each token is one step for the batcher, batched with other
-sessions' rounds and other streams' tokens. Opening a session (its prefill) is one step too,
-shared by OpenSession and a Decode call that opens its session."""
+with one KV and one generator. On an engine with its own decoding loop (vLLM) the stretch is
+one request that engine decodes, each token's step reading the next token it decoded. Each
+token is one step for the batcher, batched with other sessions' rounds and other streams'
+tokens. Opening a session (its prefill) is one step too, shared by OpenSession and a Decode
+call that opens its session."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import TypeVar
 
 from cloud.batch_step import ForwardStep
 from cloud.batcher import ForwardBatcher
-from cloud.verifier import Verifier
+from cloud.verifier import DecodeStretchStep, Verifier
 from shared.protocol import DecodeChunk, DecodeRequest, OpenSessionRequest, OpenSessionResult, VerifyRequest, VerifyResult
 
 R = TypeVar("R")
@@ -35,10 +37,10 @@ class SessionCalls:
         share its forward passes), held from eviction by its id while its chunks run."""
         return await self._opening(req, self.verifier.begin_open)
 
-    async def verify(self, req: VerifyRequest) -> VerifyResult:
-        """One round (the caller holds its session from eviction)."""
+    async def verify(self, req: VerifyRequest, stretch: DecodeStretchStep | None = None) -> VerifyResult:
+        """One round (the caller holds its session from eviction), or a token of a stretch."""
         tokens = len(req.committed_tokens) + len(req.draft_tokens) + 1
-        begin = partial(self.verifier.begin_verify, req, self.key)
+        begin = partial(self.verifier.begin_verify, req, self.key, stretch)
         return await self.batcher.submit(req.session_id, tokens, begin, self.deadline, key=self.key)
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
@@ -59,7 +61,8 @@ class SessionCalls:
         with self.verifier.sessions.holding(session_id):  # no eviction between its tokens
             for produced in range(first_index, req.max_tokens + 1):
                 start = time.perf_counter()
-                result = await self.verify(VerifyRequest(session_id, position, [], committed_tokens=catchup))
+                stretch = DecodeStretchStep(produced == first_index, req.max_tokens + 1 - produced)
+                result = await self.verify(VerifyRequest(session_id, position, [], committed_tokens=catchup), stretch)
                 catchup, position = [], result.new_base_position
                 finished = result.next_token in req.stop_token_ids or produced == req.max_tokens
                 yield _chunk(result, start, finished)

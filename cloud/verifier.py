@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from cloud.batch_step import Batch, BatchStep, ForwardStep
-from cloud.engine import Engine, KVPlan, KVRequest
+from cloud.engine import Engine, KVPlan, KVRequest, OwnDecoding
 from cloud.generate_stream import GenerateStream
 from cloud.model_card import ModelCard, measure_decode_step
 from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
@@ -174,17 +174,41 @@ class Verifier:
         """One round on its own: begin, one forward pass, finish."""
         return self._run_alone(self.begin_verify(req), queue_ms)
 
-    def begin_verify(self, req: VerifyRequest, owner: str = "") -> ForwardStep[VerifyResult]:
+    def begin_verify(
+        self, req: VerifyRequest, owner: str = "", stretch: DecodeStretchStep | None = None
+    ) -> ForwardStep[VerifyResult]:
         """Validate a round against its session (which `owner` must have opened) and reserve
-        its KV; the forward pass comes later, possibly batched with other sessions' rounds."""
+        its KV; the forward pass comes later, possibly batched with other sessions' rounds.
+        A token of a Decode stretch (`stretch`) on an engine with its own decoding loop reads
+        that loop: its first token hands the session over for the stretch's tokens."""
         start = time.perf_counter()
         session = self.sessions.get(req.session_id, owner)
         self.checks.verify(req, session)
         self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id, owner=owner)
+        self._hand_over(session, req, stretch)
         # Rows for the last committed token and each draft: k + 1 predictions.
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
         work = _Round(self.sessions, self.engine, req, session, self.checks.vocab(session.config), start, len(session.tokens))
         return ForwardStep(session.cache, block, len(req.draft_tokens) + 1, work, work.argmax_vocab())
+
+    def _hand_over(self, session: Session, req: VerifyRequest, stretch: DecodeStretchStep | None) -> None:
+        """Where the session's next pass reads its row: the engine's own decoding for the tokens
+        of a Decode stretch (one request for the stretch, not one a token), a pass of its own
+        for anything else. The stretch's sampling is seeded from the session's seed and its
+        position, so two stretches of a session draw independently."""
+        engine = self.engine
+        if not isinstance(engine, OwnDecoding):
+            return
+        if stretch is None or (not stretch.first and not engine.decoding_on_its_own(session.cache)):
+            engine.stop_own_decoding(session.cache)
+            return
+        if stretch.first:
+            engine.stop_own_decoding(session.cache)
+            prompt = [*session.tokens, *req.committed_tokens]
+            config = replace(session.config, seed=(session.config.seed + STRETCH_SEED_STRIDE * len(prompt)) % (1 << 63))
+            engine.decode_on_its_own(
+                session.cache, GenerateRequest(prompt, config, stretch.tokens, []), self.checks.vocab(config)
+            )
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
@@ -214,6 +238,18 @@ class Verifier:
         if isinstance(result, BaseException):
             raise result
         return result  # type: ignore[no-any-return]  # run_batch returns the step's own result
+
+
+STRETCH_SEED_STRIDE = 7_919  # a Decode stretch starting at position p samples with seed + p * this
+
+
+@dataclass(frozen=True)
+class DecodeStretchStep:
+    """A token of a Decode stretch: the first one (which hands the session over for `tokens`
+    tokens), or a later one."""
+
+    first: bool
+    tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -105,5 +105,14 @@ class OwnDecoding(Protocol):
     returns a row whose only finite entry is the next token the engine decoded."""
 
     def decode_on_its_own(self, kv: SessionKV, req: GenerateRequest, vocab: int) -> None:
-        """Before its first pass: kv's passes follow req (sampling, seed, stops, length)."""
+        """Before its first pass: kv's passes follow req (sampling, seed, stops, length). On a
+        session's KV (a Decode stretch), req's prompt is every token of the session so far."""
+        ...
+
+    def decoding_on_its_own(self, kv: SessionKV) -> bool:
+        """Whether kv's passes read the engine's own decoding."""
+        ...
+
+    def stop_own_decoding(self, kv: SessionKV) -> None:
+        """kv's passes are requests of their own again (a round with drafts after a stretch)."""
         ...

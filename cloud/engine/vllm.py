@@ -356,6 +356,15 @@ class VllmEngine:
             return
         _own(kv).own = OwnDecoding(len(req.prompt_tokens), params)
 
+    def decoding_on_its_own(self, kv: SessionKV) -> bool:
+        return _own(kv).own is not None
+
+    def stop_own_decoding(self, kv: SessionKV) -> None:
+        kv = _own(kv)
+        if kv.own is not None and kv.own.stream is not None:
+            self.runtime.end_stream(kv.own.stream)
+        kv.own = None
+
     def _sampling(self, req: GenerateRequest, vocab: int) -> Any:
         from vllm import SamplingParams
 

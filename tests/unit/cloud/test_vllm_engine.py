@@ -127,6 +127,32 @@ def test_vllms_own_decoding_stays_inside_a_smaller_session_vocabulary(folder: Pa
     engine.free(kv)
 
 
+def test_a_decode_stretch_is_one_request_vllm_decodes(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
+    """A Decode stretch's tokens (rounds with no drafts, marked as a stretch) read vLLM's own
+    decoding of one request: the target's greedy tokens; a round with drafts after it is a pass
+    of its own again, and accepts on the same session."""
+    from cloud.verifier import DecodeStretchStep, Verifier
+    from shared.protocol import OpenSessionRequest, VerifyRequest
+
+    verifier = Verifier(vllm_engine(folder), "tiny")
+    prompt = _tokens(23, 20)
+    expected = greedy_continuation(target, prompt, 9)
+    opened = verifier.open_session(OpenSessionRequest(prompt, SessionConfig(vocab_size=VOCAB)))
+    session = verifier.sessions.get(opened.session_id)
+    position, tokens = opened.position, []
+    for i in range(5):
+        req = VerifyRequest(opened.session_id, position, [])
+        result = verifier._run_alone(verifier.begin_verify(req, "", DecodeStretchStep(i == 0, 5 - i)), 0.0)
+        assert verifier.engine.decoding_on_its_own(session.cache)
+        tokens.append(result.next_token)
+        position = result.new_base_position
+    assert tokens == expected[:5]
+    drafts = expected[6:8]  # after the next token: two drafts the target accepts
+    round_ = verifier.verify(VerifyRequest(opened.session_id, position, [expected[5], *drafts]))
+    assert not verifier.engine.decoding_on_its_own(session.cache)
+    assert round_.accepted_len == 3 and round_.next_token == expected[8]
+
+
 def test_a_generate_stream_reads_vllms_own_decoding(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
     """Greedy: the tokens vLLM decodes on its own are the target's greedy continuation; the
     prompt may come in chunks; a crop re-reads the same token; freeing ends the request."""
