@@ -205,10 +205,9 @@ class Verifier:
         if stretch.first:
             engine.stop_own_decoding(session.cache)
             prompt = [*session.tokens, *req.committed_tokens]
+            tokens = min(stretch.tokens, self.limits.max_context_tokens - len(prompt))  # the rest would be refused
             config = replace(session.config, seed=(session.config.seed + STRETCH_SEED_STRIDE * len(prompt)) % (1 << 63))
-            engine.decode_on_its_own(
-                session.cache, GenerateRequest(prompt, config, stretch.tokens, []), self.checks.vocab(config)
-            )
+            engine.decode_on_its_own(session.cache, GenerateRequest(prompt, config, tokens, []), self.checks.vocab(config))
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each

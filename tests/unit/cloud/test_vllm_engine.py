@@ -153,6 +153,25 @@ def test_a_decode_stretch_is_one_request_vllm_decodes(folder: Path, target) -> N
     assert round_.accepted_len == 3 and round_.next_token == expected[8]
 
 
+def test_a_decode_stretch_near_the_context_limit_decodes_up_to_it(folder: Path) -> None:
+    """A stretch longer than the room left: vLLM decodes the tokens the context holds, and the
+    token after them is refused as any round past the limit is."""
+    from cloud.verifier import DecodeStretchStep, Verifier
+    from shared.errors import InvalidRequest
+    from shared.protocol import OpenSessionRequest, VerifyRequest
+
+    verifier = Verifier(vllm_engine(folder), "tiny")
+    limit = verifier.limits.max_context_tokens
+    opened = verifier.open_session(OpenSessionRequest(_tokens(31, limit - 3), SessionConfig(vocab_size=VOCAB)))
+    position = opened.position
+    for i in range(3):
+        req = VerifyRequest(opened.session_id, position, [])
+        position = verifier._run_alone(verifier.begin_verify(req, "", DecodeStretchStep(i == 0, 10 - i)), 0.0).new_base_position
+    assert position == limit
+    with pytest.raises(InvalidRequest, match="context limit"):
+        verifier.begin_verify(VerifyRequest(opened.session_id, position, []), "", DecodeStretchStep(False, 7))
+
+
 def test_a_generate_stream_reads_vllms_own_decoding(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
     """Greedy: the tokens vLLM decodes on its own are the target's greedy continuation; the
     prompt may come in chunks; a crop re-reads the same token; freeing ends the request."""
