@@ -58,6 +58,7 @@ from bench.loadtest_capacity import (
     System,
     draft_costs,
     find_capacity,
+    no_probe,
     ratio_line,
     run_share,
     slo_line,
@@ -428,16 +429,12 @@ async def capacity_systems(
         System(
             name,
             _session_runner(s, name, peer),
-            partial(busy_counters, s) if name in VERIFIER_SYSTEMS else _no_busy,
+            partial(busy_counters, s) if name in VERIFIER_SYSTEMS else no_probe,
             spread(name),
             s.load_processes,
         )
         for name in names
     ]
-
-
-async def _no_busy() -> None:
-    return None
 
 
 def levels_file(s: LoadtestSettings) -> Path:

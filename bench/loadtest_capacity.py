@@ -68,7 +68,8 @@ BusyProbe = Callable[[], Awaitable[tuple[float, float] | None]]
 SessionRunner = Callable[[PlannedSession, LoadClock], Awaitable[SessionOutcome]]
 
 
-async def _no_probe() -> None:
+async def no_probe() -> None:
+    """A server that reports no busy time."""
     return None
 
 
@@ -95,7 +96,7 @@ class System:
 
     name: str
     run_session: SessionRunner
-    probe: BusyProbe = _no_probe
+    probe: BusyProbe = no_probe
     share: ShareRunner | None = None
     processes: int = 1
 

@@ -255,9 +255,13 @@ class SpeculativeReplay:
             self.out.rounds_differing += 1
             self.faithful = False
 
-    async def run(self) -> SessionOutcome:
+    def _first_seed(self) -> int:
+        """The seed the recorded session opened with."""
         first = self.trace.first_open()
-        await self._open(self.plan.prompt_tokens, first.seed if first else self.trace.header.seed)
+        return first.seed if first else self.trace.header.seed
+
+    async def run(self) -> SessionOutcome:
+        await self._open(self.plan.prompt_tokens, self._first_seed())
         await self._play(self._steps())
         return await self._finish()
 
@@ -308,11 +312,10 @@ class AutoReplay(SpeculativeReplay):
         super().__init__(plan, client, clock, think_scale)
         self.out.mode = "auto"
         self.asked = False
-        self.target = plan.output_target if plan.resized else len(plan.trace.end.output_tokens)
 
     async def run(self) -> SessionOutcome:
         stretches = itertools.chain(self.STRETCHES, itertools.repeat(self.STRETCHES[-1]))
-        while not self.asked and (room := self.target - len(self.generated())) > 0:
+        while not self.asked and (room := self.plan.output_target - len(self.generated())) > 0:
             await self._decode(min(next(stretches), room))
         if self.asked:
             to_boundary, rest = _from_boundary(self._steps(), len(self.generated()))
@@ -325,8 +328,7 @@ class AutoReplay(SpeculativeReplay):
         if self.session_id:
             req = DecodeRequest(self.session_id, self.position, max_tokens)
         else:
-            first = self.trace.first_open()
-            config = _session_config(self.trace, first.seed if first else self.trace.header.seed)
+            config = _session_config(self.trace, self._first_seed())
             req = DecodeRequest("", 0, max_tokens, open=OpenSessionRequest(list(self.plan.prompt_tokens), config))
         last = self.clock.now()
         async for chunk in self.client.decode(req):

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,14 @@ def start_verifier(target: Path, log: Path, *flags: str, timeout_s: float = 180)
     http = re.search(r"http on \S+:(\d+)", log.read_text())
     assert http, log.read_text()
     return server, server.match.group(1), int(http.group(1))
+
+
+def serve_vllm_verifier(target: Path, log: Path, *flags: str) -> Iterator[tuple[str, int]]:
+    """A cloud-verifier --engine vllm of `target` (vLLM's start takes minutes on a CPU), as a
+    fixture yields it: (gRPC address, HTTP port); it must stop cleanly."""
+    server, address, http = start_verifier(target, log, "--engine", "vllm", "--max-sessions", "8", *flags, timeout_s=600)
+    yield address, http
+    assert server.stop() == 0, log.read_text()[-3000:]
 
 
 def serve_cmd(draft: Path, cloud: str, *flags: str) -> list[str]:

@@ -7,7 +7,6 @@ edge-agent and rewritten through the verifier's own greedy decoding (bench.retar
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,19 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from bench.fleet_parts import free_port
 from edge.trace import VerifyEvent, read_traces
 from tests.harness import VLLM_CONTEXT, VLLM_FLAGS
-from tests.serve_procs import ENV, edge_command, start_verifier
+from tests.serve_procs import ENV, edge_command, serve_vllm_verifier
 from tests.tiny_models import save_pair
 
 pytestmark = pytest.mark.vllm
 SYSTEMS = ("vllm_alone", "speculative", "auto", "cloud_only")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +35,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def verifier(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     """Asks edges to speculate from the first open session on (auto sessions then speculate)."""
     log = tmp_path_factory.mktemp("verifier") / "verifier.log"
-    flags = ("--engine", "vllm", "--max-sessions", "8", "--prefer-speculation-above", "0", *VLLM_FLAGS)
-    server, address, http = start_verifier(models[1], log, *flags, timeout_s=600)
-    yield address, http
-    assert server.stop() == 0, log.read_text()[-3000:]
+    yield from serve_vllm_verifier(models[1], log, "--prefer-speculation-above", "0", *VLLM_FLAGS)
 
 
 @pytest.fixture(scope="module")
 def vllm_server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """vLLM's own server of the same target (CPU, fp32), as `vllm serve` runs it."""
-    port, log = _free_port(), tmp_path_factory.mktemp("vllm") / "vllm.log"
+    port, log = free_port(), tmp_path_factory.mktemp("vllm") / "vllm.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models[1]), "--dtype", "float32"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(VLLM_CONTEXT + 1), "--enforce-eager"]
     cmd += ["--served-model-name", "target", "--max-num-seqs", "8"]

@@ -17,16 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.harness import VLLM_FLAGS
-from tests.serve_procs import ENV, edge_command, start_verifier
+from tests.serve_procs import ENV, edge_command, serve_vllm_verifier, start_verifier
 from tests.tiny_models import save_pair
 
 pytestmark = pytest.mark.vllm
-
-
-def _serve(model: Path, log: Path, *flags: str) -> Iterator[tuple[str, int]]:
-    server, address, http = start_verifier(model, log, "--engine", "vllm", "--max-sessions", "8", *flags, timeout_s=600)
-    yield address, http
-    assert server.stop() == 0, log.read_text()[-3000:]
 
 
 def _generate(
@@ -59,7 +53,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def verifier(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     log = tmp_path_factory.mktemp("verifier") / "verifier.log"
-    yield from _serve(models[1], log, *VLLM_FLAGS)
+    yield from serve_vllm_verifier(models[1], log, *VLLM_FLAGS)
 
 
 def test_greedy_speculative_equals_cloud_only_on_vllm(
@@ -127,6 +121,8 @@ def test_greedy_speculative_equals_cloud_only_on_vllm_with_the_real_0_5b(tmp_pat
 
     folder = ensure_model(DRAFT_MODEL)
     prompts = ["Write a Python function that reverses a string.", "What is the capital of France? Answer in one sentence."]
-    for address, _ in _serve(folder, tmp_path / "verifier.log", "--max-context-tokens", "2048", "--max-kv-bytes", str(1 << 30)):
+    for address, _ in serve_vllm_verifier(
+        folder, tmp_path / "verifier.log", "--max-context-tokens", "2048", "--max-kv-bytes", str(1 << 30)
+    ):
         outputs = _generate(["--draft-model", str(folder)], address, prompts, tmp_path, 32)
         assert outputs["speculative"] == outputs["cloud_only"]
