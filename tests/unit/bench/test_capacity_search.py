@@ -138,3 +138,41 @@ def test_the_predicted_bound_reads_the_traces_drafting_and_the_baselines_step() 
     assert bound is not None and bound["over"] == "vllm_alone" and bound["sessions_ratio"] == 1 + 4 * 10 / 5
     assert predicted_bound(DraftCosts(4.0, 10.0), {"cloud_only": [level(20.0)]})["sessions_ratio"] == 3.0  # type: ignore[index]
     assert predicted_bound(None, points) is None and predicted_bound(DraftCosts(4.0, 10.0), {}) is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"systems": "speculative,vllm"}, "--systems: each one of"),
+        ({"systems": " , "}, "--systems: each one of"),
+        ({"systems": "cloud_only,vllm_alone"}, "vllm_alone needs --vllm-url"),
+    ],
+)
+def test_bad_systems_are_refused_with_one_readable_reason(tmp_path, fields: dict, message: str) -> None:  # type: ignore[no-untyped-def,type-arg]
+    from pydantic import ValidationError
+
+    from bench.loadtest import LoadtestSettings
+
+    with pytest.raises(ValidationError, match=message):
+        LoadtestSettings(cloud="127.0.0.1:1", output=str(tmp_path / "c.json"), find_capacity=True, **fields)
+
+
+@pytest.mark.parametrize("url", ["https://127.0.0.1:8000", "127.0.0.1:8000", "http://127.0.0.1", "http://:8000"])
+def test_the_vllm_url_must_name_an_http_host_and_port(url: str) -> None:
+    from bench.loadtest_vllm import PeerServer
+    from shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--vllm-url must be http://HOST:PORT"):
+        PeerServer.from_url(url)
+    assert PeerServer.from_url("http://127.0.0.1:8000").port == 8000
+
+
+def test_a_vllm_url_off_this_machine_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from bench.loadtest import LoadtestSettings, check_targets
+    from shared.errors import ConfigError
+
+    settings = LoadtestSettings(
+        cloud="127.0.0.1:1", output=str(tmp_path / "c.json"), systems="vllm_alone", vllm_url="http://10.0.0.1:8000"
+    )
+    with pytest.raises(ConfigError, match="--vllm-url must be on this machine"):
+        check_targets(settings)
