@@ -1,7 +1,9 @@
 """One batch step, a straight line: the steps of several sessions and streams (a round, a
 prefill or a chunk of it, a Generate token) -> ONE forward pass of the target -> ONE batched
 accept over every round of the pass (cloud/rejection_sampler.py) -> each step commits its
-own result.
+own result. On an engine with live sessions (cloud/engine/__init__.py: LiveSessions) the
+steps of live sessions go to the engine as session steps instead, which returns each one's
+tokens (its accepted drafts and next token) in place of rows and an accept.
 
 A step is one sequence's share of the pass (ForwardStep); what it does with its rows and
 how it is put back after a failure is its StepWork. A failed pass leaves every cache as it
@@ -14,13 +16,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from cloud.engine import Engine, SessionKV
-from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
+from cloud.engine import Engine, LiveSessions, LiveStep, SessionKV
+from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits, RoundOutcome
 from shared.errors import SessionNotFound, SpecDecError, VerifierFault
 
 log = logging.getLogger("cloud-verifier")
@@ -48,6 +50,7 @@ class Partial:
 
 
 PARTIAL = Partial()
+NO_ROW = sys.maxsize  # a step's argmax_vocab when it reads no row (a prefill)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,17 @@ class ForwardStep(Generic[R]):
     block: list[int]
     keep: int
     work: StepWork[R]
-    argmax_vocab: int = 0  # > 0: work reads only each row's argmax among these ids (an engine may send less)
+    argmax_vocab: int = 0  # > 0: work reads only each row's argmax among these ids (an engine may send less); NO_ROW: none
+    drafts: int | None = None  # a round: the block's last `drafts` tokens are verified (None: no round)
+    ahead: int = 1  # tokens its session reads from this step on without drafts (a live engine may decode them in one go)
+    stops: frozenset[int] = frozenset()  # tokens that end such a run
+    known: list[int] = field(default_factory=list)  # tokens after the block the session holds (a prefill's last prompt token)
+
+    def live(self) -> LiveStep:
+        """The step as an engine with live sessions takes it."""
+        verified = len(self.block) - (self.drafts or 0)
+        fed, reads = self.block[:verified] + self.known, self.argmax_vocab != NO_ROW
+        return LiveStep(self.cache, fed, self.block[verified:], reads, self.ahead, self.stops, len(self.known))
 
     def split(self, chunk: int) -> tuple[ForwardStep[Partial], ForwardStep[R]] | None:
         """A long prefill as two steps for consecutive passes: the first `chunk` tokens
@@ -85,8 +98,8 @@ class ForwardStep(Generic[R]):
         head = min(chunk, len(self.block) - self.keep)
         if chunk <= 0 or head <= 0 or len(self.block) <= chunk:
             return None
-        first = ForwardStep(self.cache, self.block[:head], 1, _Head(self.work), argmax_vocab=sys.maxsize)  # no row read
-        return first, ForwardStep(self.cache, self.block[head:], self.keep, self.work, self.argmax_vocab)
+        first = ForwardStep(self.cache, self.block[:head], 1, _Head(self.work), argmax_vocab=NO_ROW)
+        return first, replace(self, block=self.block[head:])
 
 
 Batch = list[tuple[ForwardStep[Any], float]]  # each step with the ms it queued
@@ -121,6 +134,19 @@ def _run(runner: BatchStep, steps: Batch) -> list[Any]:
         kept = iter(_run(runner, [s for i, s in enumerate(steps) if i not in gone]))
         closed = SessionNotFound("the session was closed or evicted while its step waited")
         return [closed if i in gone else next(kept) for i in range(len(steps))]
+    engine = runner.engine
+    live = [i for i, (step, _) in enumerate(steps) if isinstance(engine, LiveSessions) and engine.is_live(step.cache)]
+    if not live:
+        return _forward_and_accept(runner, steps)
+    passed = iter(_forward_and_accept(runner, [s for i, s in enumerate(steps) if i not in live]))
+    ran = dict(zip(live, _run_live(runner, [steps[i] for i in live]), strict=True))
+    return [ran[i] if i in ran else next(passed) for i in range(len(steps))]
+
+
+def _forward_and_accept(runner: BatchStep, steps: Batch) -> list[Any]:
+    """ONE forward pass over the steps, ONE accept over their rounds."""
+    if not steps:
+        return []
     fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
     forward_start = time.perf_counter()
     try:
@@ -139,6 +165,46 @@ def _run(runner: BatchStep, steps: Batch) -> list[Any]:
         _finish(step, step_rows, outcome, forward_ms, queue_ms)
         for (step, queue_ms), step_rows, outcome in zip(steps, rows, accepted, strict=True)
     ]
+
+
+def _run_live(runner: BatchStep, steps: Batch) -> list[Any]:
+    """The steps of live sessions as the engine's session steps: each one's tokens become its
+    accepted round (a round), the row of its token (a Generate step) or nothing (a prefill)."""
+    engine = runner.engine
+    assert isinstance(engine, LiveSessions)
+    start = time.perf_counter()
+    try:
+        produced = engine.run_live([step.live() for step, _ in steps])
+    except BaseException:
+        for step, _ in steps:
+            step.work.undo()
+        raise
+    forward_ms = (time.perf_counter() - start) * 1000.0
+    runner.passes += 1
+    results = []
+    for (step, queue_ms), tokens in zip(steps, produced, strict=True):
+        if isinstance(tokens, BaseException):
+            results.append(_finish(step, torch.empty(0), tokens, forward_ms, queue_ms))
+            continue
+        rows, accepted = _live_outcome(step, tokens, engine.logits_width)
+        results.append(_finish(step, rows, accepted, forward_ms, queue_ms))
+    return results
+
+
+def _live_outcome(step: ForwardStep[Any], tokens: list[int], width: int) -> tuple[torch.Tensor, AcceptedRound | None]:
+    """What a step's work reads of the tokens a live step yielded: a round its accepted
+    outcome (each draft's acceptance as the 0 or 1 it was: the engine reports no p/q), a
+    token its row (0 at the token, -inf elsewhere), a prefill nothing."""
+    if not tokens:
+        return torch.empty(0), None
+    if step.drafts is None:
+        row = torch.full((1, width), float("-inf"), dtype=torch.float32)
+        row[0, tokens[-1]] = 0.0
+        return row, None
+    accepted = len(tokens) - 1
+    passed = torch.tensor([1.0] * accepted + [0.0] * (step.drafts - accepted))
+    outcome = RoundOutcome(accepted, tokens[-1], accepted == step.drafts, passed)
+    return torch.empty(0), AcceptedRound(outcome, torch.empty(0, width))
 
 
 def _accept_rounds(

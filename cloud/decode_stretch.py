@@ -1,7 +1,7 @@
 """The target's own decoding on a session (the Decode call): a stretch of tokens, each one a
 Verify round with no draft tokens, so decoding and speculative rounds advance one session
-with one KV and one generator. On an engine with its own decoding loop (vLLM) the stretch is
-one request that engine decodes, each token's step reading the next token it decoded. Each
+with one KV and one generator. On an engine with live sessions (vLLM) the session's request
+decodes the stretch in one go, each token's step reading the next token it decoded. Each
 token is one step for the batcher, batched with other sessions' rounds and other streams'
 tokens. Opening a session (its prefill) is one step too, shared by OpenSession and a Decode
 call that opens its session."""
@@ -61,7 +61,7 @@ class SessionCalls:
         with self.verifier.sessions.holding(session_id):  # no eviction between its tokens
             for produced in range(first_index, req.max_tokens + 1):
                 start = time.perf_counter()
-                stretch = DecodeStretchStep(produced == first_index, req.max_tokens + 1 - produced)
+                stretch = DecodeStretchStep(req.max_tokens + 1 - produced, frozenset(req.stop_token_ids))
                 result = await self.verify(VerifyRequest(session_id, position, [], committed_tokens=catchup), stretch)
                 catchup, position = [], result.new_base_position
                 finished = result.next_token in req.stop_token_ids or produced == req.max_tokens

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from cloud.batch_step import ForwardStep
-from cloud.engine import Engine, OwnDecoding
+from cloud.engine import Engine
 from cloud.rejection_sampler import AcceptedRound, sample_token
 from cloud.sessions import Session, SessionStore
 from shared.errors import InvalidRequest
@@ -55,12 +55,16 @@ class GenerateStream:
             planned = len(self.req.prompt_tokens) + self.req.max_new_tokens - 1
             self.session = self.opener.new_session(self.stream_id, self.req.config, self.req.prompt_tokens, self.owner, planned)
             self._undo_to = None
-            if isinstance(self.engine, OwnDecoding):
-                self.engine.decode_on_its_own(self.session.cache, self.req, self.vocab)
-            return ForwardStep(self.session.cache, list(self.session.tokens), 1, self, self._argmax_vocab)
+            return self._step(self.session, list(self.session.tokens))
         session = self.opener.sessions.get(self.stream_id, self.owner)  # evicted only if the caller has gone
         self._undo_to = session.cache.get_seq_length()
-        return ForwardStep(session.cache, session.tokens[-1:], 1, self, self._argmax_vocab)
+        return self._step(session, session.tokens[-1:])
+
+    def _step(self, session: Session, block: list[int]) -> ForwardStep[GenerateChunk]:
+        """A step feeding `block`: the stream reads its next token, and the rest of the stream
+        (the tokens and stops left) is what an engine with live sessions may decode in one go."""
+        left, stops = self.req.max_new_tokens - self.produced, frozenset(self.req.stop_token_ids)
+        return ForwardStep(session.cache, block, 1, self, self._argmax_vocab, ahead=left, stops=stops)
 
     @property
     def _argmax_vocab(self) -> int:

@@ -15,8 +15,8 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from cloud.batch_step import Batch, BatchStep, ForwardStep
-from cloud.engine import Engine, KVPlan, KVRequest, OwnDecoding
+from cloud.batch_step import NO_ROW, Batch, BatchStep, ForwardStep
+from cloud.engine import Engine, KVPlan, KVRequest, LiveSessions
 from cloud.generate_stream import GenerateStream
 from cloud.model_card import ModelCard, measure_decode_step
 from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
@@ -128,7 +128,8 @@ class Verifier:
             session.session_id, len(session.tokens), self.limits.max_draft_tokens, vocab, 0.0, self.model_id
         )
         prefill = _Prefill(self.sessions, session, opened, start)
-        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, prefill, argmax_vocab=vocab)  # its row is not read
+        last = req.prompt_tokens[-1:]  # the first round feeds it; a live engine computes it now
+        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, prefill, argmax_vocab=NO_ROW, known=last)
 
     def begin_open_decode(
         self, req: OpenSessionRequest, session_id: str, owner: str = ""
@@ -147,7 +148,8 @@ class Verifier:
         first = VerifyRequest(session_id, len(session.tokens), [])
         position = len(session.tokens)
         token = _Round(self.sessions, self.engine, first, session, self.checks.vocab(session.config), prefill.start, position)
-        return ForwardStep(session.cache, list(req.prompt_tokens), 1, _OpenedRound(prefill, token), token.argmax_vocab())
+        opened = _OpenedRound(prefill, token)
+        return ForwardStep(session.cache, list(req.prompt_tokens), 1, opened, token.argmax_vocab(), drafts=0)
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
@@ -156,6 +158,8 @@ class Verifier:
         now = self.sessions.clock()
         generator = torch.Generator().manual_seed(config.seed)
         kv = self.engine.new_kv()
+        if isinstance(self.engine, LiveSessions):
+            self.engine.make_live(kv, config, self.checks.vocab(config))
         session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
         try:
             self.sessions.add(session)
@@ -179,35 +183,19 @@ class Verifier:
     ) -> ForwardStep[VerifyResult]:
         """Validate a round against its session (which `owner` must have opened) and reserve
         its KV; the forward pass comes later, possibly batched with other sessions' rounds.
-        A token of a Decode stretch (`stretch`) on an engine with its own decoding loop reads
-        that loop: its first token hands the session over for the stretch's tokens."""
+        A token of a Decode stretch (`stretch`) tells an engine with its own decoding loop the
+        tokens the stretch goes on for, which it may decode in one go."""
         start = time.perf_counter()
         session = self.sessions.get(req.session_id, owner)
         self.checks.verify(req, session)
         self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id, owner=owner)
-        self._hand_over(session, req, stretch)
         # Rows for the last committed token and each draft: k + 1 predictions.
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
         work = _Round(self.sessions, self.engine, req, session, self.checks.vocab(session.config), start, len(session.tokens))
-        return ForwardStep(session.cache, block, len(req.draft_tokens) + 1, work, work.argmax_vocab())
-
-    def _hand_over(self, session: Session, req: VerifyRequest, stretch: DecodeStretchStep | None) -> None:
-        """Where the session's next pass reads its row: the engine's own decoding for the tokens
-        of a Decode stretch (one request for the stretch, not one a token), a pass of its own
-        for anything else. The stretch's sampling is seeded from the session's seed and its
-        position, so two stretches of a session draw independently."""
-        engine = self.engine
-        if not isinstance(engine, OwnDecoding):
-            return
-        if stretch is None or (not stretch.first and not engine.decoding_on_its_own(session.cache)):
-            engine.stop_own_decoding(session.cache)
-            return
-        if stretch.first:
-            engine.stop_own_decoding(session.cache)
-            prompt = [*session.tokens, *req.committed_tokens]
-            tokens = min(stretch.tokens, self.limits.max_context_tokens - len(prompt))  # the rest would be refused
-            config = replace(session.config, seed=(session.config.seed + STRETCH_SEED_STRIDE * len(prompt)) % (1 << 63))
-            engine.decode_on_its_own(session.cache, GenerateRequest(prompt, config, tokens, []), self.checks.vocab(config))
+        ahead, stops = (stretch.tokens, stretch.stops) if stretch is not None else (1, frozenset())
+        room = self.limits.max_context_tokens - len(session.tokens) - len(req.committed_tokens)  # the rest would be refused
+        k = len(req.draft_tokens)
+        return ForwardStep(session.cache, block, k + 1, work, work.argmax_vocab(), k, max(min(ahead, room), 1), stops)
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
@@ -239,16 +227,13 @@ class Verifier:
         return result  # type: ignore[no-any-return]  # run_batch returns the step's own result
 
 
-STRETCH_SEED_STRIDE = 7_919  # a Decode stretch starting at position p samples with seed + p * this
-
-
 @dataclass(frozen=True)
 class DecodeStretchStep:
-    """A token of a Decode stretch: the first one (which hands the session over for `tokens`
-    tokens), or a later one."""
+    """A token of a Decode stretch: the tokens the stretch goes on for from it, and the tokens
+    that end it."""
 
-    first: bool
-    tokens: int = 0
+    tokens: int
+    stops: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

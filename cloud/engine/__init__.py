@@ -1,10 +1,16 @@
-"""The verifier's model step behind one interface: a forward pass over several sessions' new
-tokens, each after its own KV, and that KV's life (new, crop, free). Sessions, admission, the
-batcher, the wire and the accept rule see only this Protocol. transformers.py runs a
-transformers model (`--engine transformers`, the default: the reference); llamacpp.py runs the
-target's GGUF in llama.cpp (`--engine llama.cpp`); vllm.py runs it in vLLM (`--engine vllm`,
-from its own venv: tools/vllm_env.sh). Another engine is one more module that
-implements Engine, and one more entry in ENGINES."""
+"""The verifier's model behind one interface, at two levels.
+
+- Engine: a forward pass over several sessions' new tokens, each after its own KV, and that
+  KV's life (new, crop, free). cloud/batch_step.py runs the accept rule on its rows
+  (cloud/rejection_sampler.py). transformers.py runs a transformers model (`--engine
+  transformers`, the default: the reference); llamacpp.py runs the target's GGUF in
+  llama.cpp (`--engine llama.cpp`).
+- LiveSessions: an engine that also runs a session's steps itself (prefill, decode n
+  tokens, verify these drafts) and returns tokens: vllm.py (`--engine vllm`), where each
+  session is one live vLLM request that vLLM decodes and verifies in its own loop.
+
+Sessions, admission, the batcher and the wire see only these Protocols. Another engine is
+one more module that implements Engine, and one more entry in ENGINES."""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from shared.protocol import GenerateRequest
+from shared.protocol import SessionConfig
 
 EngineName = Literal["transformers", "llama.cpp", "vllm"]
 ENGINES: tuple[EngineName, ...] = ("transformers", "llama.cpp", "vllm")
@@ -98,21 +104,42 @@ class Engine(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LiveStep:
+    """One session's step as an engine with live sessions takes it: the session takes `fed` as
+    given after its KV (its last token, tokens it caught up on, or a prompt), then `drafts` are
+    verified. A step that `reads` yields tokens: the accepted drafts and one more (the
+    correction, or the bonus when all pass); a prefill reads nothing. `ahead` is how many
+    tokens the session reads from this step on without drafts (a Generate stream, a Decode
+    stretch): the engine may decode them on its own in one go, stopping at a token of `stops`,
+    for the session's next steps to read. The last `known` tokens of `fed` are tokens the
+    session holds but its KV does not count yet (a prefill's last prompt token, which the first
+    round feeds): the engine may compute them now, and the session's length grows by the rest."""
+
+    kv: SessionKV
+    fed: list[int]
+    drafts: list[int]
+    reads: bool = True
+    ahead: int = 1
+    stops: frozenset[int] = frozenset()
+    known: int = 0
+
+
 @runtime_checkable
-class OwnDecoding(Protocol):
-    """An engine that decodes a Generate stream with its own loop (vLLM's continuous batching)
-    instead of one pass per token: once a stream's KV is handed over, each pass over that KV
-    returns a row whose only finite entry is the next token the engine decoded."""
+class LiveSessions(Protocol):
+    """An engine that runs each session as one live request of its own (vLLM): it verifies a
+    round's drafts with its own rejection sampler and decodes in its own loop, so a step
+    returns tokens instead of rows of logits. Only sessions whose accept mode and sampling it
+    verifies exactly go live; the others keep the forward pass."""
 
-    def decode_on_its_own(self, kv: SessionKV, req: GenerateRequest, vocab: int) -> None:
-        """Before its first pass: kv's passes follow req (sampling, seed, stops, length). On a
-        session's KV (a Decode stretch), req's prompt is every token of the session so far."""
+    def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
+        """Whether kv's steps run live (before its first step): `config` says how its tokens
+        are sampled and accepted, `vocab` the ids they may take."""
         ...
 
-    def decoding_on_its_own(self, kv: SessionKV) -> bool:
-        """Whether kv's passes read the engine's own decoding."""
-        ...
+    def is_live(self, kv: SessionKV) -> bool: ...
 
-    def stop_own_decoding(self, kv: SessionKV) -> None:
-        """kv's passes are requests of their own again (a round with drafts after a stretch)."""
+    def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]:
+        """Every step at once (the engine batches them in its own steps): per step the tokens
+        it yields, or what failed it alone. A failure of the engine itself raises."""
         ...

@@ -1,13 +1,23 @@
 """The vLLM engine: the target in vLLM (`--engine vllm`), which owns the KV as paged,
-prefix-cached blocks and batches every request of a pass itself.
+prefix-cached blocks and batches every request of a step itself.
 
-A session here is its token list and a cache salt of its own (sessions never share blocks).
-Feeding a block is one vLLM request for the session's tokens so far plus the block: the
-prefix cache serves the whole blocks it already holds, so only the tail (the session's last
-partial block and the new tokens) is computed. Crop shortens the list; free forgets it, and
-its blocks age out of vLLM's cache.
+A session is ONE live vLLM request for its whole life (LiveSessions in cloud/engine/__init__.py,
+the scheduler in cloud/engine/vllm_scheduler.py). Its prefill is the request's prompt; a
+Verify round puts the edge's drafts on it as speculative tokens for one step, verified by
+vLLM's rejection sampler; a Generate stream or a Decode stretch is vLLM decoding it on its
+own. Between its steps the request is parked: it keeps its KV and costs no step. The tokens a
+request holds past the session's own (a stretch decoded ahead, the token its prefill
+sampled) are read by the session's next steps: a draft that equals the token vLLM sampled
+there is accepted without a step, the first that differs is corrected by it; greedy or not,
+this is the same exact rule (a draft is a point: q = 1). A session whose tokens no longer
+extend its request's (a round that caught up on tokens of its own) gets a new request; its
+salted prefix-cache blocks serve the whole blocks of it.
 
-Rows come back in one of two ways:
+Sessions vLLM's sampler cannot verify exactly (the sparse and the approximate accept modes, a
+vocabulary narrower than the model's it cannot mask) keep a forward pass of rows instead: a
+step is a request for the session's tokens so far plus the block, under a cache salt of its
+own, whose prefix cache serves the whole blocks it already holds. Rows come back in one of two
+ways:
 - argmax rows (a step that reads only each row's argmax over a vocabulary: greedy without a
   penalty): ONE request with prompt log-probabilities, whose rows hold the TOP_ROWS largest
   raw logits (the rest -inf). The argmax inside the vocabulary is among them whenever one of
@@ -20,12 +30,8 @@ Rows come back in one of two ways:
   model's own logits, so every accept mode reads exact distributions, at the price of one
   request (a full sort of the vocabulary and its transfer) per row.
 
-A Generate stream (cloud_only) is vLLM's own decoding: one request of its max_new_tokens,
-decoded and sampled by vLLM with continuous batching beside the rounds; each pass over the
-stream reads the next token it decoded (OwnDecoding in cloud/engine/__init__.py).
-
-vLLM's engine core runs in processes of its own (on a CPU: one for the scheduler, one for
-the model), started by VllmRuntime and stopped with it.
+vLLM's engine core runs in this process (the verifier's model worker steps it), so the
+verifier reaches the scheduler of its live requests directly.
 """
 
 from __future__ import annotations
@@ -41,14 +47,17 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV
+from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV
 from shared import lm
 from shared.errors import ConfigError, VerifierFault
-from shared.protocol import GenerateRequest
+from shared.protocol import AcceptMode, SessionConfig
+
+if TYPE_CHECKING:
+    from cloud.engine.vllm_scheduler import LiveScheduler
 
 log = logging.getLogger("cloud-verifier")
 TOP_ROWS = 4  # the largest raw logits an argmax row holds
@@ -70,21 +79,24 @@ class VllmOptions:
     enforce_eager: bool = False  # no compiled graphs: a quicker start, slower steps
     seed: int = 0
     load_format: str = "auto"  # dummy: vLLM's random weights in the folder's shapes (capacity measurements)
+    max_draft_tokens: int = 16  # drafts a round may verify (vLLM's speculative tokens per step)
 
 
 class VllmRuntime:
-    """One vLLM engine (its engine-core processes) and the requests of one pass at a time.
-    A verifier calls it from its model worker alone; engines sharing it (tests) may call from
-    several threads, so calls that reach vLLM's client (whose ZeroMQ sockets abort the process
-    when two threads use them at once) take turns."""
+    """One vLLM engine (its engine core, in this process) and its requests: the live sessions'
+    and the requests of one pass at a time. A verifier calls it from its model worker alone;
+    engines sharing it (tests) may call from several threads, so calls into vLLM take turns."""
 
     def __init__(self, options: VllmOptions) -> None:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from cloud.engine.vllm_scheduler import LiveScheduler, NoDrafts
+
         cpu = not torch.cuda.is_available()
-        if not cpu:  # vLLM forks its engine core unless told not to, and the verifier may have touched CUDA
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        # The engine core in this process: the verifier wakes and parks live requests in its
+        # scheduler between steps (vLLM reads this setting when it builds the engine).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # The context, and the one token a request samples; at most the model's positions.
         self.max_context_tokens = min(options.max_context_tokens, _positions(options.model) - 1)
         args = EngineArgs(
@@ -92,7 +104,7 @@ class VllmRuntime:
             dtype=options.dtype,
             seed=options.seed,
             max_model_len=self.max_context_tokens + 1,
-            max_num_seqs=min(max(options.max_sessions, 1) * 2, 1024),  # a round's requests, one a row at most
+            max_num_seqs=min(max(options.max_sessions, 1) * 2, 1024),  # live sessions, and a pass's requests
             block_size=options.block_size or (CPU_BLOCK if cpu else None),
             enable_prefix_caching=True,
             tensor_parallel_size=options.tensor_parallel_size,
@@ -103,28 +115,38 @@ class VllmRuntime:
             max_logprobs=-1,  # full rows: every token's raw logit of a sampled row
             logprobs_mode="raw_logits",  # the model's logits, before vLLM's own processors
             disable_log_stats=True,
+            scheduler_cls=f"{LiveScheduler.__module__}.{LiveScheduler.__name__}",
+            # vLLM's rejection sampler and its 1 + K batch shapes; the drafts are the edge's.
+            speculative_config={
+                "method": "custom_class",
+                "model": f"{NoDrafts.__module__}.{NoDrafts.__name__}",
+                "num_speculative_tokens": options.max_draft_tokens,
+            },
         )
         try:
-            self.llm: Any = LLMEngine.from_engine_args(args)
+            self.llm: Any = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
         except Exception as err:  # vLLM's own config errors name the setting that failed
             raise ConfigError(f"vLLM could not start on {options.model}: {str(err)[:300]}") from err
+        self.scheduler: LiveScheduler = self.llm.engine_core.engine_core.scheduler
         self.options = options
         self.device = "cpu" if cpu else "cuda"
         self._ids = itertools.count()
         self._pending: set[str] = set()  # requests of the pass in flight
         self._done: dict[str, Any] = {}  # their outputs, until the pass takes them
-        self._streams: dict[str, Stream] = {}  # requests vLLM decodes on its own (Generate)
-        self._turn = threading.RLock()  # one caller of vLLM's client at a time
+        self._live: dict[str, LiveRequest] = {}  # live requests by their own id
+        self._failed: str | None = None  # why vLLM can run no more steps
+        self.steps = 0  # vLLM steps run
+        self.turn = threading.RLock()  # one caller of vLLM at a time
         self._closer = weakref.finalize(self, _shutdown, self.llm)
 
-    def run(self, requests: Sequence[tuple[list[int], str, Any]], streams: Sequence[tuple[Stream, int]] = ()) -> list[Any]:
+    def run(self, requests: Sequence[tuple[list[int], str, Any]]) -> list[Any]:
         """Each (prompt tokens, cache salt, SamplingParams) as one request, all in flight
-        together, until each has finished and each (stream, n) has decoded n tokens (or
-        ended); the requests' outputs in order. On failure none of them is left running."""
-        with self._turn:
-            return self._run(requests, streams)
+        together, until each has finished; their outputs in order. On failure none of them
+        is left running."""
+        with self.turn:
+            return self._run(requests)
 
-    def _run(self, requests: Sequence[tuple[list[int], str, Any]], streams: Sequence[tuple[Stream, int]]) -> list[Any]:
+    def _run(self, requests: Sequence[tuple[list[int], str, Any]]) -> list[Any]:
         from vllm import TokensPrompt
 
         ids = [f"r{next(self._ids)}" for _ in requests]
@@ -132,8 +154,8 @@ class VllmRuntime:
             for request_id, (prompt, salt, params) in zip(ids, requests, strict=True):
                 self._pending.add(request_id)
                 self.llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
-            while any(i in self._pending for i in ids) or any(len(s.tokens) < n and not s.ended for s, n in streams):
-                self._step()
+            while any(i in self._pending for i in ids):
+                self.step()
         except Exception as err:
             self._forget(ids)
             raise VerifierFault(f"vLLM could not run the pass ({type(err).__name__})") from err
@@ -148,30 +170,57 @@ class VllmRuntime:
         for request_id in ids:
             self._done.pop(request_id, None)
 
-    def start_stream(self, prompt: list[int], salt: str, params: Any) -> Stream:
-        """A request vLLM decodes on its own, its tokens collected as the passes step vLLM."""
+    # ---- live requests (the caller holds `turn`) ----------------------------------------------
+
+    def start_live(self, prompt: list[int], salt: str, params: Any) -> LiveRequest:
+        """A session's live request: its prefill samples one token, then it parks."""
         from vllm import TokensPrompt
 
-        stream = Stream(f"s{next(self._ids)}")
+        from cloud.engine.vllm_scheduler import LIVE_PREFIX
+
+        live = LiveRequest(f"{LIVE_PREFIX}{next(self._ids)}", list(prompt))
+        params = params.clone()
+        params.max_tokens = self.max_context_tokens + 1 - len(prompt)
         try:
-            with self._turn:
-                self.llm.add_request(stream.request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
+            live.engine_id = self.llm.add_request(live.request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
         except Exception as err:
-            raise VerifierFault(f"vLLM could not start the stream ({type(err).__name__})") from err
-        self._streams[stream.request_id] = stream
-        return stream
+            raise VerifierFault(f"vLLM could not start the session's request ({type(err).__name__})") from err
+        self._live[live.request_id] = live
+        return live
 
-    def end_stream(self, stream: Stream) -> None:
-        with self._turn:
-            if self._streams.pop(stream.request_id, None) is not None and not stream.ended:
-                self._abort([stream.request_id])
+    def wake(self, live: LiveRequest, drafts: list[int], tokens: int, stops: frozenset[int]) -> None:
+        self.scheduler.wake(live.engine_id, drafts, tokens, stops)
 
-    def _step(self) -> None:
-        for output in self.llm.step():
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                stream.tokens = list(output.outputs[0].token_ids)  # cumulative
-                stream.ended = output.finished
+    def park(self, live: LiveRequest) -> bool:
+        return self.scheduler.park(live.engine_id)
+
+    def parked(self, live: LiveRequest) -> bool:
+        return self.scheduler.is_parked(live.engine_id)
+
+    def end_live(self, live: LiveRequest) -> None:
+        if self._live.pop(live.request_id, None) is not None and not live.ended:
+            self._abort([live.request_id])
+
+    def busy(self) -> bool:
+        """Whether vLLM has a request to step (one decoding on its own, or waking)."""
+        return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0
+
+    def step(self) -> None:
+        """One step of vLLM: every running request advances; outputs go to their owners. A
+        step that fails leaves vLLM in a state nobody knows: no step runs after it."""
+        if self._failed is not None:
+            raise VerifierFault(self._failed)
+        self.steps += 1
+        try:
+            outputs = self.llm.step()
+        except Exception as err:
+            self._failed = f"vLLM's engine failed in a step ({type(err).__name__}: {str(err)[:200]})"
+            raise VerifierFault(self._failed) from err
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is not None:
+                live.tokens.extend(output.outputs[0].token_ids)  # the step's new tokens
+                live.ended = output.finished
             elif output.finished and output.request_id in self._pending:
                 self._pending.discard(output.request_id)
                 self._done[output.request_id] = output
@@ -181,39 +230,59 @@ class VllmRuntime:
         try:
             self.llm.abort_request(ids)
         except Exception:
-            log.exception("vLLM could not abort the requests of a failed pass")
+            log.exception("vLLM could not abort requests")
 
     def kv_tokens(self) -> int:
-        """The tokens of KV vLLM allocated (its engine core reports the blocks once it started)."""
+        """The tokens of KV vLLM allocated."""
         cache = self.llm.vllm_config.cache_config
         return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
 
+    @property
+    def block_size(self) -> int:
+        return int(self.llm.vllm_config.cache_config.block_size)
+
     def failure(self) -> str | None:
-        """vLLM's client notices its engine-core process dying and then fails every call."""
-        dead = getattr(getattr(self.llm.engine_core, "resources", None), "engine_dead", False)
-        return "vLLM's engine core died" if dead else None
+        return self._failed
 
     def close(self) -> None:
         self._closer()
 
 
-VLLM_MAX_TOKEN_LIST = 1024  # vLLM's engine core refuses (and dies of) a longer logit_bias or allowed_token_ids
-VOCAB_MASK_BIAS = -100.0  # the lowest logit bias vLLM takes: exp(-100) of a row is 0 in float32 sampling
+VLLM_MAX_TOKEN_LIST = 1024  # vLLM's engine core refuses (and dies of) a longer allowed_token_ids
+VLLM_MAX_BANNED = 128  # single-token bad words vLLM masks per request (VLLM_MAX_NUM_BAD_WORDS)
+LIVE_SEED_STRIDE = 7_919  # a session's request starting at position p samples with seed + p * this
 
 
-def vocab_limit(vocab: int, width: int) -> dict[str, Any]:
-    """SamplingParams that keep vLLM's own decoding inside a session's vocabulary (a draft's
-    151,936 tokens on a target whose rows are padded to 152,064, say): the padding rows pushed
-    down by a bias when they are few, else the vocabulary listed when it is short. A session
-    that fits neither raises ValueError and decodes one pass per token (sampled here), as vLLM
-    checks the lists only inside its engine core, where a failure ends every request."""
+def limit_vocab(params: Any, vocab: int, width: int) -> None:
+    """Keep vLLM's sampling of `params` inside a session's vocabulary (a draft's 151,936
+    tokens on a target whose rows are padded to 152,064, say): the padding rows banned as
+    single-token bad words when they are few, else the vocabulary listed when it is short.
+    These are the masks vLLM's rejection sampler applies (a logit bias it ignores under
+    speculative decoding). A session that fits neither raises ValueError (it keeps the
+    forward pass), as vLLM checks the lists only inside its engine core."""
     if vocab >= width:
-        return {}
-    if width - vocab <= VLLM_MAX_TOKEN_LIST:
-        return {"logit_bias": dict.fromkeys(range(vocab, width), VOCAB_MASK_BIAS)}
-    if vocab <= VLLM_MAX_TOKEN_LIST:
-        return {"allowed_token_ids": list(range(vocab))}
-    raise ValueError(f"a vocabulary of {vocab} in {width} rows cannot be given to vLLM's sampler")
+        return
+    if width - vocab <= VLLM_MAX_BANNED:
+        # vLLM fills this from `bad_words` text only when some is given; ids need no tokenizer.
+        params._bad_words_token_ids = [[token] for token in range(vocab, width)]
+    elif vocab <= VLLM_MAX_TOKEN_LIST:
+        params.allowed_token_ids = list(range(vocab))
+    else:
+        raise ValueError(f"a vocabulary of {vocab} in {width} rows cannot be given to vLLM's sampler")
+
+
+def _delta() -> Any:
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.DELTA  # each output carries the step's new tokens only
+
+
+def _matched(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafts equal the tokens vLLM sampled at their positions, from the first."""
+    n = 0
+    while n < len(drafts) and n < len(sampled) and drafts[n] == sampled[n]:
+        n += 1
+    return n
 
 
 def _positions(folder: str) -> int:
@@ -232,43 +301,46 @@ def _shutdown(llm: Any) -> None:
 
 
 @dataclass
-class Stream:
-    """A Generate stream vLLM decodes on its own: the tokens it decoded so far."""
+class LiveRequest:
+    """A session's live vLLM request: every token it holds (its prompt and what it sampled,
+    as far as its outputs went), and whether vLLM ended it (at the context's end)."""
 
     request_id: str
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int]
+    engine_id: str = ""  # vLLM's own id of it, as its scheduler knows it
     ended: bool = False
 
 
 @dataclass
-class OwnDecoding:
-    """A session whose passes read vLLM's own decoding: its prompt and sampling."""
-
-    prompt_length: int
-    params: Any  # vllm.SamplingParams
-    stream: Stream | None = None  # started by the pass that completes the prompt
-
-
-@dataclass
 class VllmKV:
-    """One session as vLLM serves it: its tokens, and the salt that keeps its cached blocks
-    its own."""
+    """One session as vLLM serves it: its tokens (those whose KV a step computed), the salt
+    that keeps its cached blocks its own, and its live request once it has one."""
 
     salt: str = field(default_factory=lambda: uuid.uuid4().hex)
     tokens: list[int] = field(default_factory=list)
     released: bool = False
-    own: OwnDecoding | None = None  # a Generate stream vLLM decodes
+    params: Any = None  # a live session's vllm.SamplingParams (None: it keeps the forward pass)
+    seed: int = 0
+    live: LiveRequest | None = None
 
     def get_seq_length(self) -> int:
         return len(self.tokens)
 
 
-@dataclass(frozen=True)
-class _Decoded:
-    """A step's token in a stream vLLM decodes: the stream, and the token's index in it."""
+@dataclass
+class _LiveWork:
+    """A live step on its way: the tokens its session takes as given, and once decided, the
+    tokens it yields (or what failed it)."""
 
-    stream: Stream
-    index: int
+    step: LiveStep
+    kv: VllmKV
+    base: list[int]
+    tokens: list[int] | None = None
+    error: Exception | None = None
+
+    @property
+    def decided(self) -> bool:
+        return self.tokens is not None or self.error is not None
 
 
 @dataclass(frozen=True)
@@ -339,53 +411,118 @@ class VllmEngine:
         kv = _own(kv)
         kv.released = True
         kv.tokens = []
-        if kv.own is not None and kv.own.stream is not None:
-            self.runtime.end_stream(kv.own.stream)
-
-    def decode_on_its_own(self, kv: SessionKV, req: GenerateRequest, vocab: int) -> None:
-        """A Generate stream becomes one vLLM request of req.max_new_tokens, decoded and sampled
-        by vLLM (seeded by the session's seed), started by the pass that completes its prompt.
-        Settings vLLM does not sample with (a temperature over 2) keep the stream on one pass
-        per token, sampled here."""
-        from vllm.exceptions import VLLMValidationError
-
-        try:
-            params = self._sampling(req, vocab)
-        except (VLLMValidationError, ValueError):
-            log.debug("vLLM does not sample with %s: one pass per token", req.config.sampling)
-            return
-        _own(kv).own = OwnDecoding(len(req.prompt_tokens), params)
-
-    def decoding_on_its_own(self, kv: SessionKV) -> bool:
-        return _own(kv).own is not None
-
-    def stop_own_decoding(self, kv: SessionKV) -> None:
-        kv = _own(kv)
-        if kv.own is not None and kv.own.stream is not None:
-            self.runtime.end_stream(kv.own.stream)
-        kv.own = None
-
-    def _sampling(self, req: GenerateRequest, vocab: int) -> Any:
-        from vllm import SamplingParams
-
-        sampling = req.config.sampling
-        return SamplingParams(
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            repetition_penalty=sampling.repetition_penalty,
-            seed=None if sampling.greedy else req.config.seed,
-            max_tokens=req.max_new_tokens,
-            ignore_eos=True,  # the stream ends at its own stop tokens (closing it ends the request)
-            detokenize=False,
-            **vocab_limit(vocab, self.logits_width),
-        )
+        if kv.live is not None:
+            with self.runtime.turn:
+                self.runtime.end_live(kv.live)
 
     def freed(self, kv: SessionKV) -> bool:
         return _own(kv).released
 
     def crop(self, kv: SessionKV, length: int) -> None:
         del _own(kv).tokens[length:]
+
+    # ---- live sessions ----------------------------------------------------------------------
+
+    def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
+        """A session goes live when vLLM's rejection sampler verifies its rounds exactly
+        (greedy, or point drafts: q = 1) and its sampler takes its settings and vocabulary."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+
+        if config.accept_mode not in (AcceptMode.GREEDY, AcceptMode.POINT):
+            return False
+        sampling = config.sampling
+        try:
+            params = SamplingParams(
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                repetition_penalty=sampling.repetition_penalty,
+                ignore_eos=True,  # a session ends when the edge closes it
+                detokenize=False,
+                output_kind=_delta(),
+            )
+            limit_vocab(params, vocab, self.logits_width)
+        except (VLLMValidationError, ValueError):
+            log.debug("vLLM does not sample with %s in a vocabulary of %d: a forward pass per step", sampling, vocab)
+            return False
+        own = _own(kv)
+        own.params, own.seed = params, config.seed
+        return True
+
+    def is_live(self, kv: SessionKV) -> bool:
+        return _own(kv).params is not None
+
+    def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]:
+        """Each step advanced as far as the tokens its request holds decide it; vLLM steps while
+        any is undecided. A session's tokens grow by the step's fed tokens and drafts (its
+        rounds crop the rejected ones, as after a forward pass)."""
+        works = [_LiveWork(step, kv, kv.tokens + step.fed) for step in steps for kv in [_own(step.kv)]]
+        with self.runtime.turn:
+            while True:
+                for work in works:
+                    if not work.decided:
+                        self._advance(work)
+                undecided = [w for w in works if not w.decided]
+                if not undecided:
+                    break
+                if not self.runtime.busy():
+                    for work in undecided:
+                        work.error = VerifierFault("vLLM ended the session's request before its step's tokens")
+                    break
+                self.runtime.step()
+        for work in works:
+            if work.tokens is not None:
+                work.kv.tokens = work.base[: len(work.base) - work.step.known] + work.step.drafts
+        return [w.tokens if w.tokens is not None else w.error for w in works]  # type: ignore[misc]
+
+    def _advance(self, work: _LiveWork) -> None:
+        """Decide the step from the tokens its request holds past the session's, or have vLLM
+        make more: start the request (or a new one, when the session's tokens left it), put
+        the drafts on it, or let it decode ahead."""
+        kv, step, runtime = work.kv, work.step, self.runtime
+        live = kv.live
+        if live is None or live.tokens[: len(work.base)] != work.base:
+            if live is not None:
+                runtime.end_live(live)
+            if len(work.base) > runtime.max_context_tokens:
+                work.error = VerifierFault("the session's tokens fill the context")
+                return
+            kv.live = runtime.start_live(work.base, kv.salt, self._seeded(kv, len(work.base)))
+            return
+        if not step.reads:
+            work.tokens = []
+            return
+        ahead = live.tokens[len(work.base) :]
+        matched = _matched(step.drafts, ahead)
+        if matched < len(ahead):  # a draft differs from what vLLM sampled there, or all pass and it holds the next
+            work.tokens = [*step.drafts[:matched], ahead[matched]]
+            self._decode_on(live, step, ahead[matched:])
+            return
+        drafts = step.drafts[matched:]
+        if live.ended:
+            work.error = VerifierFault("vLLM ended the session's request at the context's end")
+        elif runtime.parked(live):
+            runtime.wake(live, drafts, 1 if drafts else max(step.ahead, 1), step.stops)
+        elif drafts and runtime.park(live):  # decoding on its own: the drafts go on it from its next step
+            runtime.wake(live, drafts, 1, step.stops)
+
+    def _decode_on(self, live: LiveRequest, step: LiveStep, held: list[int]) -> None:
+        """After a step without drafts read the first of the tokens vLLM `held` past the session:
+        let a parked request decode the tokens its session reads next (a stretch, a stream, up
+        to a stop token) in the steps to come."""
+        more = step.ahead - len(held)
+        if step.drafts or more <= 0 or live.ended or step.stops.intersection(held) or not self.runtime.parked(live):
+            return
+        self.runtime.wake(live, [], more, step.stops)
+
+    def _seeded(self, kv: VllmKV, position: int) -> Any:
+        """The session's sampling for a request starting at `position`: seeded from its seed
+        and the position, so its requests draw independently."""
+        params = kv.params.clone()
+        if params.temperature > 0:
+            params.seed = (kv.seed + LIVE_SEED_STRIDE * position) % (1 << 63)
+        return params
 
     # ---- one batched pass -----------------------------------------------------------------
 
@@ -404,43 +541,14 @@ class VllmEngine:
             _Rows(kv.tokens + list(block), keep or len(block), vocab)
             for kv, block, keep, vocab in zip(caches, blocks, keeps, vocabs, strict=True)
         ]
-        decoded = [self._decoded(kv, step) for kv, step in zip(caches, steps, strict=True)]
-        asked = [(kv, step) for kv, step, by_vllm in zip(caches, steps, decoded, strict=True) if by_vllm is None]
+        asked = list(zip(caches, steps, strict=True))
         requests = [(p, kv.salt, params) for kv, step in asked for p, params in _requests(step)]
-        waits = [(by_vllm.stream, by_vllm.index + 1) for by_vllm in decoded if by_vllm is not None]
-        outputs = iter(self._rerun_unset_rows(asked, requests, self.runtime.run(requests, waits)))
+        outputs = iter(self._rerun_unset_rows(asked, requests, self.runtime.run(requests)))
         got = [self._rows(step, [next(outputs) for _ in range(step.requests)]) for _, step in asked]
-        asked_rows = iter(self._argmax_checked(asked, got))
-        rows = [
-            self._decoded_row(step, by_vllm) if by_vllm is not None else next(asked_rows)
-            for step, by_vllm in zip(steps, decoded, strict=True)
-        ]
+        rows = self._argmax_checked(asked, got)
         for kv, step in zip(caches, steps, strict=True):
             kv.tokens = step.tokens
         return rows
-
-    def _decoded(self, kv: VllmKV, step: _Rows) -> _Decoded | None:
-        """Where a step of a stream vLLM decodes finds its token (None: the step is a request
-        of its own: not such a stream, or a chunk of its prompt)."""
-        own = kv.own
-        if own is None or len(step.tokens) < own.prompt_length:
-            return None
-        if step.keep != 1:
-            raise VerifierFault("a stream vLLM decodes reads one row a pass")
-        if own.stream is None:
-            own.stream = self.runtime.start_stream(step.tokens, kv.salt, own.params)
-        return _Decoded(own.stream, len(step.tokens) - own.prompt_length)
-
-    def _decoded_row(self, step: _Rows, decoded: _Decoded) -> torch.Tensor:
-        """The row of the token vLLM decoded after the step's tokens: 0 there, -inf elsewhere."""
-        stream, index = decoded.stream, decoded.index
-        if len(stream.tokens) <= index:
-            raise VerifierFault("vLLM ended the stream before its last token")
-        if index > 0 and stream.tokens[index - 1] != step.tokens[-1]:
-            raise VerifierFault("the stream fed a token vLLM did not decode")
-        row = torch.full((1, self.logits_width), float("-inf"), dtype=torch.float32)
-        row[0, stream.tokens[index]] = 0.0
-        return row
 
     def _argmax_checked(self, asked: list[tuple[VllmKV, _Rows]], rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """An argmax row holds the argmax among its step's vocabulary when one of its largest

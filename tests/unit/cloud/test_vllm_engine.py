@@ -1,7 +1,8 @@
-"""The vLLM engine on a tiny random target: full rows equal transformers' logits for several
-sessions in one pass, argmax rows hold the argmax (also where vLLM's prefix cache served the
-kept positions), crop-and-continue, a failed pass that changes nothing, and Generate streams
-read from vLLM's own decoding. Runs in the venv tools/vllm_env.sh builds (`make test-vllm`)."""
+"""The vLLM engine's forward pass (sessions that are not live) on a tiny random target: full
+rows equal transformers' logits for several sessions in one pass, argmax rows hold the argmax
+(also where vLLM's prefix cache served the kept positions), crop-and-continue, a failed pass
+that changes nothing. Live sessions: test_vllm_live.py. Runs in the venv tools/vllm_env.sh
+builds (`make test-vllm`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ import torch
 from cloud.engine import KVRequest
 from shared import lm
 from shared.errors import ConfigError, VerifierFault
-from shared.protocol import GenerateRequest, SessionConfig
 from tests.harness import TargetEngine, vllm_engine
-from tests.ops import greedy_continuation
 
 pytestmark = pytest.mark.vllm
 ATOL = 1e-4  # fp32 on both sides; vLLM's CPU attention sums in another order
@@ -106,91 +105,3 @@ def test_limits_it_cannot_serve_are_one_line(folder: Path) -> None:
     assert plan.max_kv_bytes == engine.kv_bytes_held() and (60 << 20) < plan.max_kv_bytes <= 64 << 20
     plan = engine.plan_kv(KVRequest("packed", max_sessions=2, max_kv_bytes=1 << 20, max_context_tokens=64, slot_tokens=0))
     assert plan.max_kv_bytes == 1 << 20
-
-
-def test_vllms_own_decoding_stays_inside_a_smaller_session_vocabulary(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
-    """A session whose vocabulary is narrower than the model's rows (a draft's tokenizer on a
-    padded target): vLLM decodes the target's greedy tokens over that vocabulary only (the
-    padding rows biased down), and the engine goes on serving."""
-    engine, vocab = vllm_engine(folder), VOCAB - 40
-    prompt = _tokens(21, 30)
-    cache, feed, expected = lm.new_cache(target), list(prompt), []
-    for _ in range(8):  # greedy over the session's vocabulary, computed here
-        expected.append(int(lm.forward(target, cache, feed)[-1][:vocab].argmax()))
-        feed = expected[-1:]
-    kv = engine.new_kv()
-    engine.decode_on_its_own(kv, GenerateRequest(prompt, SessionConfig(vocab_size=vocab), 8), vocab)
-    tokens = [int(engine.forward([kv], [prompt], [1], [vocab])[0].argmax())]
-    while len(tokens) < 8:
-        tokens.append(int(engine.forward([kv], [tokens[-1:]], [1], [vocab])[0].argmax()))
-    assert tokens == expected and max(tokens) < vocab
-    engine.free(kv)
-
-
-def test_a_decode_stretch_is_one_request_vllm_decodes(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
-    """A Decode stretch's tokens (rounds with no drafts, marked as a stretch) read vLLM's own
-    decoding of one request: the target's greedy tokens; a round with drafts after it is a pass
-    of its own again, and accepts on the same session."""
-    from cloud.verifier import DecodeStretchStep, Verifier
-    from shared.protocol import OpenSessionRequest, VerifyRequest
-
-    verifier = Verifier(vllm_engine(folder), "tiny")
-    prompt = _tokens(23, 20)
-    expected = greedy_continuation(target, prompt, 9)
-    opened = verifier.open_session(OpenSessionRequest(prompt, SessionConfig(vocab_size=VOCAB)))
-    session = verifier.sessions.get(opened.session_id)
-    position, tokens = opened.position, []
-    for i in range(5):
-        req = VerifyRequest(opened.session_id, position, [])
-        result = verifier._run_alone(verifier.begin_verify(req, "", DecodeStretchStep(i == 0, 5 - i)), 0.0)
-        assert verifier.engine.decoding_on_its_own(session.cache)
-        tokens.append(result.next_token)
-        position = result.new_base_position
-    assert tokens == expected[:5]
-    drafts = expected[6:8]  # after the next token: two drafts the target accepts
-    round_ = verifier.verify(VerifyRequest(opened.session_id, position, [expected[5], *drafts]))
-    assert not verifier.engine.decoding_on_its_own(session.cache)
-    assert round_.accepted_len == 3 and round_.next_token == expected[8]
-
-
-def test_a_decode_stretch_near_the_context_limit_decodes_up_to_it(folder: Path) -> None:
-    """A stretch longer than the room left: vLLM decodes the tokens the context holds, and the
-    token after them is refused as any round past the limit is."""
-    from cloud.verifier import DecodeStretchStep, Verifier
-    from shared.errors import InvalidRequest
-    from shared.protocol import OpenSessionRequest, VerifyRequest
-
-    verifier = Verifier(vllm_engine(folder), "tiny")
-    limit = verifier.limits.max_context_tokens
-    opened = verifier.open_session(OpenSessionRequest(_tokens(31, limit - 3), SessionConfig(vocab_size=VOCAB)))
-    position = opened.position
-    for i in range(3):
-        req = VerifyRequest(opened.session_id, position, [])
-        position = verifier._run_alone(verifier.begin_verify(req, "", DecodeStretchStep(i == 0, 10 - i)), 0.0).new_base_position
-    assert position == limit
-    with pytest.raises(InvalidRequest, match="context limit"):
-        verifier.begin_verify(VerifyRequest(opened.session_id, position, []), "", DecodeStretchStep(False, 7))
-
-
-def test_a_generate_stream_reads_vllms_own_decoding(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
-    """Greedy: the tokens vLLM decodes on its own are the target's greedy continuation; the
-    prompt may come in chunks; a crop re-reads the same token; freeing ends the request."""
-    engine = vllm_engine(folder)
-    prompt = _tokens(14, 40)
-    expected = greedy_continuation(target, prompt, 6)
-    kv = engine.new_kv()
-    engine.decode_on_its_own(kv, GenerateRequest(prompt, SessionConfig(vocab_size=VOCAB), 6), VOCAB)
-    engine.forward([kv], [prompt[:25]], [1], [VOCAB])  # a chunk of the prompt: a request of its own
-    tokens = [int(engine.forward([kv], [prompt[25:]], [1], [VOCAB])[0].argmax())]
-    engine.crop(kv, len(prompt) - 1)  # a failed step is undone: the same token again
-    assert int(engine.forward([kv], [prompt[-1:]], [1], [VOCAB])[0].argmax()) == tokens[0]
-    while len(tokens) < 6:
-        row = engine.forward([kv], [tokens[-1:]], [1], [VOCAB])[0]
-        assert int(torch.isfinite(row).sum()) == 1
-        tokens.append(int(row.argmax()))
-    assert tokens == expected
-    with pytest.raises(VerifierFault, match="before its last token"):  # it decoded max_new_tokens
-        engine.forward([kv], [tokens[-1:]], [1], [VOCAB])
-    stream = kv.own.stream
-    engine.free(kv)
-    assert stream.request_id not in engine.runtime._streams

@@ -1,0 +1,128 @@
+"""vLLM's scheduler with live sessions: a session is one vLLM request for its whole life.
+
+Between its steps a live request is parked: it keeps its KV blocks and its computed tokens
+but leaves vLLM's running list, so vLLM neither schedules it nor spins for it. Work wakes it
+for a number of tokens:
+- a Verify round: the edge's drafts become the request's speculative tokens for one step,
+  which vLLM's rejection sampler verifies like its own drafts (the rejected positions roll
+  back `num_computed_tokens`; their KV slots are overwritten later, nothing is recomputed);
+- a Decode stretch or a Generate stream: vLLM decodes it on its own for n tokens or until a
+  stop token.
+After the work's tokens the request is parked again.
+
+vLLM loads this class in its engine core (`scheduler_cls`) and the verifier reaches it in the
+same process (the engine core runs in-process: cloud/engine/vllm.py). The scheduler API is
+vLLM's internal one; the vLLM versions this runs on are pinned (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.sched.utils import remove_all
+from vllm.v1.request import Request, RequestStatus
+
+LIVE_PREFIX = "live-"  # the ids of live requests (the others are plain vLLM requests)
+
+
+@dataclass
+class LiveWork:
+    """What a woken live request runs for: until it holds `until` tokens or samples a stop."""
+
+    until: int
+    stops: frozenset[int] = field(default_factory=frozenset)
+
+
+class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
+    """vLLM's scheduler, with live requests parked between their pieces of work."""
+
+    running: list[Request]  # vLLM's: the requests it schedules
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.parked: dict[str, Request] = {}
+        self.work: dict[str, LiveWork] = {}
+
+    # ---- what the verifier calls ------------------------------------------------------------
+
+    def wake(self, request_id: str, drafts: list[int], tokens: int, stops: Iterable[int] = ()) -> None:
+        """Run a parked live request for `tokens` more tokens (1: one step, whatever it accepts),
+        with `drafts` as its speculative tokens for the first step."""
+        request = self.parked.pop(request_id, None)
+        if request is None:
+            raise KeyError(request_id)
+        request.spec_token_ids = list(drafts)
+        self.work[request_id] = LiveWork(request.num_tokens + tokens, frozenset(stops))
+        self.running.append(request)
+
+    def park(self, request_id: str) -> bool:
+        """Stop a live request decoding on its own (between two steps); whether it is parked
+        now (one that waits to be scheduled, or was preempted, parks after its next step)."""
+        request = self.requests.get(request_id)
+        if request_id in self.parked:
+            return True
+        if request is None or request.status != RequestStatus.RUNNING or request not in self.running:
+            return False
+        self.running = remove_all(self.running, {request})
+        self._park(request)
+        return True
+
+    def is_parked(self, request_id: str) -> bool:
+        return request_id in self.parked
+
+    # ---- vLLM's scheduler, for live requests --------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id.startswith(LIVE_PREFIX):  # its prefill samples one token, then it parks
+            self.work[request.request_id] = LiveWork(request.num_tokens + 1)
+        super().add_request(request)
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        """Drafts come from the edge (wake), never from a proposer."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        done = set()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            work = self.work.get(request_id)
+            request = self.requests.get(request_id)
+            if work is None or request is None or request.status != RequestStatus.RUNNING:
+                continue
+            if request.num_tokens >= work.until or request.all_token_ids[-1] in work.stops:
+                done.add(request)
+        if done:
+            self.running = remove_all(self.running, done)
+            for request in done:
+                self._park(request)
+        return outputs
+
+    def _park(self, request: Request) -> None:
+        self.parked[request.request_id] = request
+        request.spec_token_ids = []
+        self.work.pop(request.request_id, None)
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        ids = (request_ids,) if isinstance(request_ids, str) else list(request_ids if request_ids is not None else self.requests)
+        for request_id in ids:
+            self.work.pop(request_id, None)
+            parked = self.parked.pop(request_id, None)
+            if parked is not None:  # finished from the running list, as vLLM expects
+                self.running.append(parked)
+        return super().finish_requests(ids, finished_status)  # type: ignore[no-any-return]
+
+
+class NoDrafts:
+    """vLLM's proposer slot (`custom_class`), which turns on its rejection sampler and its
+    1 + K batch shapes; the drafts come from the edge, so it proposes none."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+
+    def propose(self, sampled_token_ids: list[Any], *args: Any, **kwargs: Any) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        pass

@@ -1,0 +1,217 @@
+"""Live sessions on the vLLM engine, through the Verifier on a tiny random target (fp32, CPU):
+each session is one vLLM request for its whole life, a round is one vLLM step on it verified by
+vLLM's rejection sampler, rounds of several sessions share a step, a parked session costs no
+step, a Decode stretch or a Generate stream is vLLM decoding ahead, and every token equals the
+target's own greedy continuation. Runs in the venv tools/vllm_env.sh builds (`make test-vllm`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cloud.engine.vllm import VllmEngine, VllmKV
+from cloud.verifier import DecodeStretchStep, Verifier
+from shared import lm
+from shared.errors import InvalidRequest
+from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
+from tests.harness import TargetEngine, vllm_engine
+from tests.ops import greedy_continuation
+
+pytestmark = pytest.mark.vllm
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target(vllm_target: TargetEngine) -> Any:
+    return vllm_target.model
+
+
+@pytest.fixture
+def verifier(vllm_target: TargetEngine) -> Verifier:
+    assert vllm_target.folder is not None
+    return Verifier(vllm_engine(vllm_target.folder), "tiny")
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(2, 90, size=n).tolist()
+
+
+def _engine(verifier: Verifier) -> VllmEngine:
+    assert isinstance(verifier.engine, VllmEngine)
+    return verifier.engine
+
+
+def _kv(verifier: Verifier, session_id: str) -> VllmKV:
+    kv = verifier.sessions.get(session_id).cache
+    assert isinstance(kv, VllmKV)
+    return kv
+
+
+def _open(verifier: Verifier, prompt: list[int], config: SessionConfig | None = None) -> tuple[str, int]:
+    opened = verifier.open_session(OpenSessionRequest(prompt, config or SessionConfig(vocab_size=VOCAB)))
+    return opened.session_id, opened.position
+
+
+def _parked(verifier: Verifier, session_id: str) -> bool:
+    live = _kv(verifier, session_id).live
+    assert live is not None
+    return _engine(verifier).runtime.parked(live)
+
+
+def test_rounds_are_steps_of_one_live_request_verified_by_vllm(verifier: Verifier, target: Any) -> None:
+    """All drafts right, a wrong one at position 2, all right again: the accepted counts the
+    target's greedy tokens give, one vLLM step a round, the same request throughout, parked
+    between rounds (no step runs while every session waits)."""
+    runtime = _engine(verifier).runtime
+    prompt = _tokens(1, 40)
+    expected = greedy_continuation(target, prompt, 20)
+    session_id, position = _open(verifier, prompt)
+    request = _kv(verifier, session_id).live
+    assert request is not None and _parked(verifier, session_id)
+    steps = runtime.steps
+    result = verifier.verify(VerifyRequest(session_id, position, expected[:4]))
+    assert (result.accepted_len, result.next_token, result.bonus) == (4, expected[4], True)
+    wrong = (expected[7] + 1) % VOCAB
+    result = verifier.verify(VerifyRequest(session_id, result.new_base_position, [expected[5], expected[6], wrong, 3]))
+    assert (result.accepted_len, result.next_token, result.bonus) == (2, expected[7], False)
+    result = verifier.verify(VerifyRequest(session_id, result.new_base_position, expected[8:13]))
+    assert (result.accepted_len, result.next_token) == (5, expected[13])
+    assert runtime.steps - steps == 3
+    assert _kv(verifier, session_id).live is request and _parked(verifier, session_id) and not runtime.busy()
+    assert verifier.sessions.get(session_id).tokens == prompt + expected[:14]
+    verifier.close_session(session_id)
+
+
+def test_a_first_draft_the_prefill_did_not_sample_is_corrected_without_a_step(verifier: Verifier, target: Any) -> None:
+    """The prefill sampled the session's next token: a first draft that differs from it is
+    rejected by it, with no step."""
+    runtime = _engine(verifier).runtime
+    prompt = _tokens(2, 33)
+    expected = greedy_continuation(target, prompt, 2)
+    session_id, position = _open(verifier, prompt)
+    steps = runtime.steps
+    result = verifier.verify(VerifyRequest(session_id, position, [(expected[0] + 1) % VOCAB, 5, 6]))
+    assert (result.accepted_len, result.next_token, runtime.steps - steps) == (0, expected[0], 0)
+
+
+def test_rounds_of_several_sessions_share_one_vllm_step(verifier: Verifier, target: Any) -> None:
+    runtime = _engine(verifier).runtime
+    prompts = [_tokens(10 + i, 20 + 7 * i) for i in range(3)]
+    expected = [greedy_continuation(target, p, 6) for p in prompts]
+    opened = [_open(verifier, p) for p in prompts]
+    rounds = [
+        verifier.begin_verify(VerifyRequest(session_id, position, want[: 2 + i]))
+        for i, ((session_id, position), want) in enumerate(zip(opened, expected, strict=True))
+    ]
+    steps = runtime.steps
+    results = verifier.run_batch([(step, 0.0) for step in rounds])
+    assert runtime.steps - steps == 1
+    for i, (result, want) in enumerate(zip(results, expected, strict=True)):
+        assert (result.accepted_len, result.next_token) == (2 + i, want[2 + i])
+
+
+def test_a_decode_stretch_is_vllm_decoding_on_its_own_up_to_a_stop_token(verifier: Verifier, target: Any) -> None:
+    """A stretch's first token sets the request decoding on its own (one vLLM step a token, no
+    wake per token); vLLM parks it at the stretch's stop token, and a round after it accepts."""
+    runtime = _engine(verifier).runtime
+    prompt = _tokens(3, 25)
+    expected = greedy_continuation(target, prompt, 12)
+    session_id, position = _open(verifier, prompt)
+    stop = expected[5]
+    stretch = DecodeStretchStep(10, frozenset({stop}))
+    result = verifier._run_alone(verifier.begin_verify(VerifyRequest(session_id, position, []), "", stretch), 0.0)
+    tokens = [result.next_token]
+    assert not _parked(verifier, session_id)  # decoding the stretch on its own
+    while tokens[-1] != stop:
+        req = VerifyRequest(session_id, result.new_base_position, [])
+        result = verifier._run_alone(verifier.begin_verify(req, "", stretch), 0.0)
+        tokens.append(result.next_token)
+    request = _kv(verifier, session_id).live
+    assert tokens == expected[: len(tokens)] and _parked(verifier, session_id) and not runtime.busy()
+    assert request is not None and request.tokens[len(prompt) :] == tokens  # nothing decoded past the stop
+    result = verifier.verify(VerifyRequest(session_id, result.new_base_position, expected[len(tokens) : len(tokens) + 3]))
+    assert (result.accepted_len, result.next_token) == (3, expected[len(tokens) + 3])
+
+
+def test_a_decode_stretch_near_the_context_limit_decodes_up_to_it(verifier: Verifier) -> None:
+    """A stretch longer than the room left: vLLM decodes the tokens the context holds, and the
+    token after them is refused as any round past the limit is."""
+    limit = verifier.limits.max_context_tokens
+    session_id, position = _open(verifier, _tokens(31, limit - 3))
+    for _ in range(3):
+        req = VerifyRequest(session_id, position, [])
+        position = verifier._run_alone(verifier.begin_verify(req, "", DecodeStretchStep(10)), 0.0).new_base_position
+    assert position == limit
+    with pytest.raises(InvalidRequest, match="context limit"):
+        verifier.begin_verify(VerifyRequest(session_id, position, []), "", DecodeStretchStep(7))
+
+
+def test_tokens_caught_up_on_start_a_new_request_that_goes_on_exactly(verifier: Verifier, target: Any) -> None:
+    """A round that commits tokens of the edge's own (a catch-up) leaves the request's tokens:
+    the session gets a new request, and its rounds still accept the target's tokens."""
+    prompt = _tokens(4, 30)
+    own = [7, 8, 9]  # not what the target would say
+    expected = greedy_continuation(target, prompt + own, 8)
+    session_id, position = _open(verifier, prompt)
+    first = _kv(verifier, session_id).live
+    result = verifier.verify(VerifyRequest(session_id, position, expected[:3], committed_tokens=own[1:]))
+    # The round's first row follows the session's last token: the edge's own tokens are caught up on
+    # after the prompt's last token, so the session is prompt + own[1:] before the drafts.
+    want = greedy_continuation(target, prompt + own[1:], 8)
+    assert (result.accepted_len, result.next_token) == (_agree(expected[:3], want), want[_agree(expected[:3], want)])
+    assert _kv(verifier, session_id).live is not first
+    result = verifier.verify(VerifyRequest(session_id, result.new_base_position, want[4:7]))
+    assert (result.accepted_len, result.next_token) == (3, want[7])
+
+
+def _agree(drafts: list[int], target: list[int]) -> int:
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return n
+
+
+def test_closing_a_parked_session_ends_its_request(verifier: Verifier) -> None:
+    runtime = _engine(verifier).runtime
+    session_id, _ = _open(verifier, _tokens(5, 20))
+    live = _kv(verifier, session_id).live
+    assert live is not None and live.engine_id in runtime.scheduler.requests
+    verifier.close_session(session_id)
+    assert live.engine_id not in runtime.scheduler.requests and not runtime.scheduler.is_parked(live.engine_id)
+
+
+def test_a_generate_stream_is_vllm_decoding_its_live_request(verifier: Verifier, target: Any) -> None:
+    """Greedy Generate: the target's greedy continuation, in about one vLLM step a token."""
+    runtime = _engine(verifier).runtime
+    prompt = _tokens(6, 45)
+    expected = greedy_continuation(target, prompt, 10)
+    steps = runtime.steps
+    tokens = [t for chunk in verifier.generate(GenerateRequest(prompt, SessionConfig(vocab_size=VOCAB), 10)) for t in chunk.tokens]
+    assert tokens == expected
+    assert runtime.steps - steps <= 11  # the prefill, then one step a token (no step per token per pass)
+
+
+def test_a_narrower_session_vocabulary_is_kept(verifier: Verifier, target: Any) -> None:
+    """A session whose vocabulary is narrower than the model's rows (a draft's tokenizer on a
+    padded target): its tokens are the target's greedy tokens over that vocabulary only."""
+    vocab = VOCAB - 40
+    prompt = [t % vocab for t in _tokens(21, 30)]
+    cache, feed, expected = lm.new_cache(target), list(prompt), []
+    for _ in range(8):
+        expected.append(int(lm.forward(target, cache, feed)[-1][:vocab].argmax()))
+        feed = expected[-1:]
+    tokens = [t for chunk in verifier.generate(GenerateRequest(prompt, SessionConfig(vocab_size=vocab), 8)) for t in chunk.tokens]
+    assert tokens == expected and max(tokens) < vocab
+
+
+@pytest.mark.parametrize("mode", [AcceptMode.SPARSE, AcceptMode.SCALAR])
+def test_sessions_vllm_cannot_verify_keep_the_forward_pass(verifier: Verifier, mode: AcceptMode) -> None:
+    config = SessionConfig(SamplingParams(temperature=0.8), seed=1, accept_mode=mode, vocab_size=VOCAB)
+    session_id, _ = _open(verifier, _tokens(7, 20), config)
+    assert _kv(verifier, session_id).live is None and not _engine(verifier).is_live(_kv(verifier, session_id))
+    point = SessionConfig(SamplingParams(temperature=0.8), seed=1, accept_mode=AcceptMode.POINT, vocab_size=VOCAB)
+    session_id, _ = _open(verifier, _tokens(7, 20), point)
+    assert _engine(verifier).is_live(_kv(verifier, session_id))
