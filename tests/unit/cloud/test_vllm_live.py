@@ -6,7 +6,6 @@ target's own greedy continuation. Runs in the venv tools/vllm_env.sh builds (`ma
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,6 +52,10 @@ def _kv(verifier: Verifier, session_id: str) -> VllmKV:
 def _open(verifier: Verifier, prompt: list[int], config: SessionConfig | None = None) -> tuple[str, int]:
     opened = verifier.open_session(OpenSessionRequest(prompt, config or SessionConfig(vocab_size=VOCAB)))
     return opened.session_id, opened.position
+
+
+def _generated(verifier: Verifier, req: GenerateRequest) -> list[int]:
+    return [token for chunk in verifier.generate(req) for token in chunk.tokens]
 
 
 def _parked(verifier: Verifier, session_id: str) -> bool:
@@ -189,7 +192,7 @@ def test_a_generate_stream_is_vllm_decoding_its_live_request(verifier: Verifier,
     prompt = _tokens(6, 45)
     expected = greedy_continuation(target, prompt, 10)
     steps = runtime.steps
-    tokens = [t for chunk in verifier.generate(GenerateRequest(prompt, SessionConfig(vocab_size=VOCAB), 10)) for t in chunk.tokens]
+    tokens = _generated(verifier, GenerateRequest(prompt, SessionConfig(vocab_size=VOCAB), 10))
     assert tokens == expected
     assert runtime.steps - steps <= 11  # the prefill, then one step a token (no step per token per pass)
 
@@ -203,7 +206,7 @@ def test_a_narrower_session_vocabulary_is_kept(verifier: Verifier, target: Any) 
     for _ in range(8):
         expected.append(int(lm.forward(target, cache, feed)[-1][:vocab].argmax()))
         feed = expected[-1:]
-    tokens = [t for chunk in verifier.generate(GenerateRequest(prompt, SessionConfig(vocab_size=vocab), 8)) for t in chunk.tokens]
+    tokens = _generated(verifier, GenerateRequest(prompt, SessionConfig(vocab_size=vocab), 8))
     assert tokens == expected and max(tokens) < vocab
 
 
