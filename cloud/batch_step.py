@@ -84,6 +84,7 @@ class ForwardStep(Generic[R]):
     ahead: int = 1  # tokens its session reads from this step on without drafts (a live engine may decode them in one go)
     stops: frozenset[int] = frozenset()  # tokens that end such a run
     known: list[int] = field(default_factory=list)  # tokens after the block the session holds (a prefill's last prompt token)
+    distributions: bool = False  # a round on a live engine that must return the target's distributions (want_top_k)
 
     def live(self) -> LiveStep:
         """The step as an engine with live sessions takes it."""
@@ -173,6 +174,7 @@ def _run_live(runner: BatchStep, steps: Batch) -> list[Any]:
     engine = runner.engine
     assert isinstance(engine, LiveSessions)
     start = time.perf_counter()
+    lengths = [step.cache.get_seq_length() for step, _ in steps]
     try:
         produced = engine.run_live([step.live() for step, _ in steps])
     except BaseException:
@@ -182,29 +184,44 @@ def _run_live(runner: BatchStep, steps: Batch) -> list[Any]:
     forward_ms = (time.perf_counter() - start) * 1000.0
     runner.passes += 1
     results = []
-    for (step, queue_ms), tokens in zip(steps, produced, strict=True):
-        if isinstance(tokens, BaseException):
-            results.append(_finish(step, torch.empty(0), tokens, forward_ms, queue_ms))
+    for (step, queue_ms), tokens, length in zip(steps, produced, lengths, strict=True):
+        try:
+            if isinstance(tokens, BaseException):
+                raise tokens
+            probs = _distributions(runner, step, length) if step.distributions else torch.empty(0, engine.logits_width)
+        except BaseException as err:
+            results.append(_finish(step, torch.empty(0), err, forward_ms, queue_ms))
             continue
-        rows, accepted = _live_outcome(step, tokens, engine.logits_width)
+        rows, accepted = _live_outcome(step, tokens, probs)
         results.append(_finish(step, rows, accepted, forward_ms, queue_ms))
     return results
 
 
-def _live_outcome(step: ForwardStep[Any], tokens: list[int], width: int) -> tuple[torch.Tensor, AcceptedRound | None]:
-    """What a step's work reads of the tokens a live step yielded: a round its accepted
-    outcome (each draft's acceptance as the 0 or 1 it was: the engine reports no p/q), a
-    token its row (0 at the token, -inf elsewhere), a prefill nothing."""
+def _distributions(runner: BatchStep, step: ForwardStep[Any], length: int) -> torch.Tensor:
+    """The target's distributions at a live round's rows, which its live step does not return:
+    its rows from the engine, processed as the accept would process them."""
+    engine = runner.engine
+    assert isinstance(engine, LiveSessions)
+    rows = engine.rows(step.cache, length, step.block, step.keep)
+    round_logits = step.work.round_logits(rows)
+    assert round_logits is not None  # only rounds ask
+    [probs] = runner.sampler.distributions([round_logits])
+    if isinstance(probs, Exception):
+        raise probs
+    return probs
+
+
+def _live_outcome(step: ForwardStep[Any], tokens: list[int], probs: torch.Tensor) -> tuple[torch.Tensor, AcceptedRound | None]:
+    """What a step's work reads of the tokens a live step yielded, as an accepted round with no
+    rows: a round's accepted drafts and next token (each draft's acceptance as the 0 or 1 it
+    was: the engine reports no p/q) and the distributions it asked for (`probs`, else empty),
+    a Generate step's token as a round with no drafts, a prefill nothing."""
     if not tokens:
         return torch.empty(0), None
-    if step.drafts is None:
-        row = torch.full((1, width), float("-inf"), dtype=torch.float32)
-        row[0, tokens[-1]] = 0.0
-        return row, None
-    accepted = len(tokens) - 1
-    passed = torch.tensor([1.0] * accepted + [0.0] * (step.drafts - accepted))
-    outcome = RoundOutcome(accepted, tokens[-1], accepted == step.drafts, passed)
-    return torch.empty(0), AcceptedRound(outcome, torch.empty(0, width))
+    drafts, accepted = step.drafts or 0, len(tokens) - 1
+    passed = torch.tensor([1.0] * accepted + [0.0] * (drafts - accepted))
+    outcome = RoundOutcome(accepted, tokens[-1], accepted == drafts, passed)
+    return torch.empty(0), AcceptedRound(outcome, probs)
 
 
 def _accept_rounds(

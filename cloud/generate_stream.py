@@ -74,18 +74,22 @@ class GenerateStream:
         return None  # a target-only token: sampled here, not accepted
 
     def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> GenerateChunk:
+        """The token: sampled here from the row, or (an engine with live sessions) the one the
+        engine sampled."""
         assert self.session is not None
-        params = self.req.config.sampling
-        penalized = penalized_logits(logits, self.session.tokens, [], params, self.vocab)  # [1, V]
-        if params.greedy:
-            token = int(penalized[0].argmax())
-        else:
-            token = sample_token(probs_from_logits(penalized, params)[0], self.session.generator)
+        token = accepted.outcome.next_token if accepted is not None else self._sampled(logits, self.session)
         self.session.tokens.append(token)
         self.opener.sessions.touch(self.session)
         self.produced += 1
         self.finished = token in self.req.stop_token_ids or self.produced == self.req.max_new_tokens
         return GenerateChunk([token], forward_ms, self.finished)
+
+    def _sampled(self, logits: torch.Tensor, session: Session) -> int:
+        params = self.req.config.sampling
+        penalized = penalized_logits(logits, session.tokens, [], params, self.vocab)  # [1, V]
+        if params.greedy:
+            return int(penalized[0].argmax())
+        return sample_token(probs_from_logits(penalized, params)[0], session.generator)
 
     def undo(self) -> None:
         """The step in flight failed: a prefill drops the stream, a token step its KV row."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from cloud.engine import Engine
+from cloud.engine import Engine, LiveSessions, LiveStep, SessionKV
 from shared.errors import InvalidRequest
-from shared.protocol import ModelDescription
+from shared.protocol import ModelDescription, SessionConfig
 from shared.tokenizer_card import BLOCK, TokenizerCard
 
 WARMUP_TOKENS = 8
@@ -66,9 +66,14 @@ class ModelCard:
 def measure_decode_step(engine: Engine) -> float:
     """Milliseconds of one decode step of one session on this engine: a short prefill, then the
     median of a few single-token steps (the first passes of a model are slower: this warms it
-    too). Runs on the engine directly, before the verifier serves, and frees its KV."""
+    too). Runs on the engine directly, before the verifier serves, and frees its KV. An engine
+    with live sessions times a greedy live session's steps (each feeding the token the last
+    one read, so each is one step of the engine's)."""
     kv = engine.new_kv()
+    live = isinstance(engine, LiveSessions) and engine.make_live(kv, SessionConfig(), engine.logits_width)
     try:
+        if live:
+            return _live_decode_step_ms(engine, kv)  # type: ignore[arg-type]  # live: a LiveSessions
         engine.forward([kv], [[0] * WARMUP_TOKENS], [1])
         times = []
         for _ in range(TIMED_STEPS):
@@ -78,3 +83,19 @@ def measure_decode_step(engine: Engine) -> float:
         return statistics.median(times)
     finally:
         engine.free(kv)
+
+
+def _live_decode_step_ms(engine: LiveSessions, kv: SessionKV) -> float:
+    def step(fed: list[int]) -> list[int]:
+        [tokens] = engine.run_live([LiveStep(kv, fed, [])])
+        if isinstance(tokens, Exception):
+            raise tokens
+        return tokens
+
+    token = step([0] * WARMUP_TOKENS)  # the prefill samples the first token
+    times = []
+    for _ in range(TIMED_STEPS):
+        start = time.perf_counter()
+        token = step(token[-1:])
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)

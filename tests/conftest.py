@@ -60,6 +60,17 @@ def target_engine(request, target_model, tmp_path_factory) -> TargetEngine:  # t
     its own tiny target, from its own venv."""
     if request.param == "vllm":
         return request.getfixturevalue("vllm_target")  # type: ignore[no-any-return]
-    if request.param == "llama.cpp":
+    return _forward_pass_target(request.param, target_model, tmp_path_factory)
+
+
+@pytest.fixture(scope="session", params=["transformers", "llama.cpp"])
+def forward_pass_engine(request, target_model, tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-def]
+    """The tiny target in each engine whose rounds this project's rejection sampler accepts
+    (vLLM's live sessions are accepted by vLLM's own)."""
+    return _forward_pass_target(request.param, target_model, tmp_path_factory)
+
+
+def _forward_pass_target(name: str, target_model, tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-def]
+    if name == "llama.cpp":
         return TargetEngine("llama.cpp", target_model, save_gguf(target_model, tmp_path_factory.mktemp("gguf") / "target.gguf"))
     return TargetEngine("transformers", target_model)

@@ -143,3 +143,9 @@ class LiveSessions(Protocol):
         """Every step at once (the engine batches them in its own steps): per step the tokens
         it yields, or what failed it alone. A failure of the engine itself raises."""
         ...
+
+    def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
+        """The target's last `keep` rows of logits [keep, logits_width] for `block` after the
+        first `length` tokens of kv's session, leaving kv as it is (a round that asks for the
+        target's distributions, which a live step does not return)."""
+        ...

@@ -44,22 +44,25 @@ import sys
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV
 from shared import lm
-from shared.errors import ConfigError, VerifierFault
+from shared.errors import CapacityExceeded, ConfigError, VerifierFault
 from shared.protocol import AcceptMode, SessionConfig
 
 if TYPE_CHECKING:
     from cloud.engine.vllm_scheduler import LiveScheduler
 
 log = logging.getLogger("cloud-verifier")
+T = TypeVar("T")
 TOP_ROWS = 4  # the largest raw logits an argmax row holds
 CPU_BLOCK = 32  # vLLM's CPU attention wants blocks of a multiple of 32 tokens
 
@@ -84,8 +87,10 @@ class VllmOptions:
 
 class VllmRuntime:
     """One vLLM engine (its engine core, in this process) and its requests: the live sessions'
-    and the requests of one pass at a time. A verifier calls it from its model worker alone;
-    engines sharing it (tests) may call from several threads, so calls into vLLM take turns."""
+    and the requests of one pass at a time. vLLM runs on one thread of its own, as in its own
+    engine-core process (its CPU kernels read per-thread OpenMP settings it makes when it
+    starts): every call into it goes through `call`, which also makes callers from several
+    threads (engines sharing it in tests) take turns."""
 
     def __init__(self, options: VllmOptions) -> None:
         from vllm.engine.arg_utils import EngineArgs
@@ -97,6 +102,8 @@ class VllmRuntime:
         # The engine core in this process: the verifier wakes and parks live requests in its
         # scheduler between steps (vLLM reads this setting when it builds the engine).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not cpu:  # workers of a target over several GPUs: the verifier may have touched CUDA
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         # The context, and the one token a request samples; at most the model's positions.
         self.max_context_tokens = min(options.max_context_tokens, _positions(options.model) - 1)
         args = EngineArgs(
@@ -123,9 +130,12 @@ class VllmRuntime:
                 "num_speculative_tokens": options.max_draft_tokens,
             },
         )
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm")
+        self._ident = self._thread.submit(threading.get_ident).result()
         try:
-            self.llm: Any = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+            self.llm: Any = self.call(partial(LLMEngine.from_engine_args, args, enable_multiprocessing=False))
         except Exception as err:  # vLLM's own config errors name the setting that failed
+            self._thread.shutdown()
             raise ConfigError(f"vLLM could not start on {options.model}: {str(err)[:300]}") from err
         self.scheduler: LiveScheduler = self.llm.engine_core.engine_core.scheduler
         self.options = options
@@ -136,15 +146,19 @@ class VllmRuntime:
         self._live: dict[str, LiveRequest] = {}  # live requests by their own id
         self._failed: str | None = None  # why vLLM can run no more steps
         self.steps = 0  # vLLM steps run
-        self.turn = threading.RLock()  # one caller of vLLM at a time
-        self._closer = weakref.finalize(self, _shutdown, self.llm)
+        self._closer = weakref.finalize(self, _shutdown, self.llm, self._thread)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on vLLM's thread (at once when called from it)."""
+        if threading.get_ident() == self._ident:
+            return fn(*args)
+        return self._thread.submit(fn, *args).result()
 
     def run(self, requests: Sequence[tuple[list[int], str, Any]]) -> list[Any]:
         """Each (prompt tokens, cache salt, SamplingParams) as one request, all in flight
         together, until each has finished; their outputs in order. On failure none of them
         is left running."""
-        with self.turn:
-            return self._run(requests)
+        return self.call(self._run, requests)
 
     def _run(self, requests: Sequence[tuple[list[int], str, Any]]) -> list[Any]:
         from vllm import TokensPrompt
@@ -170,7 +184,7 @@ class VllmRuntime:
         for request_id in ids:
             self._done.pop(request_id, None)
 
-    # ---- live requests (the caller holds `turn`) ----------------------------------------------
+    # ---- live requests (on vLLM's thread) ----------------------------------------------------
 
     def start_live(self, prompt: list[int], salt: str, params: Any) -> LiveRequest:
         """A session's live request: its prefill samples one token, then it parks."""
@@ -200,6 +214,11 @@ class VllmRuntime:
     def end_live(self, live: LiveRequest) -> None:
         if self._live.pop(live.request_id, None) is not None and not live.ended:
             self._abort([live.request_id])
+
+    def computed(self, live: LiveRequest) -> int:
+        """The tokens of a live request whose KV vLLM computed (0 once it ended)."""
+        request = self.scheduler.requests.get(live.engine_id)
+        return int(request.num_computed_tokens) if request is not None else 0
 
     def busy(self) -> bool:
         """Whether vLLM has a request to step (one decoding on its own, or waking)."""
@@ -251,6 +270,8 @@ class VllmRuntime:
 VLLM_MAX_TOKEN_LIST = 1024  # vLLM's engine core refuses (and dies of) a longer allowed_token_ids
 VLLM_MAX_BANNED = 128  # single-token bad words vLLM masks per request (VLLM_MAX_NUM_BAD_WORDS)
 LIVE_SEED_STRIDE = 7_919  # a session's request starting at position p samples with seed + p * this
+MAX_STALLED_STEPS = 8  # vLLM steps in a row that advance none of a pass's requests: it cannot schedule them
+STALLED_RETRY_MS = 1000
 
 
 def limit_vocab(params: Any, vocab: int, width: int) -> None:
@@ -292,12 +313,16 @@ def _positions(folder: str) -> int:
     return int(config.get("max_position_embeddings") or sys.maxsize)
 
 
-def _shutdown(llm: Any) -> None:
-    """Stop vLLM's engine-core processes (at exit too: a process that leaves them aborts)."""
+def _shutdown(llm: Any, thread: ThreadPoolExecutor) -> None:
+    """Stop vLLM's engine core and its thread (at exit too)."""
     try:
-        llm.engine_core.shutdown()
+        try:
+            thread.submit(llm.engine_core.shutdown).result()
+        except RuntimeError:  # at exit, Python stopped its threads first
+            llm.engine_core.shutdown()
     except Exception:
         log.exception("vLLM did not shut down cleanly")
+    thread.shutdown(wait=False)
 
 
 @dataclass
@@ -385,7 +410,10 @@ class VllmEngine:
             raise ConfigError("--engine vllm keeps its own KV: --kv-layout slots is for the transformers engine")
         context = min(request.max_context_tokens, self.runtime.max_context_tokens)
         held = self.kv_bytes_held()
-        return KVPlan(context, min(request.max_kv_bytes, held) if self.runtime.options.max_kv_bytes else held)
+        # Each live session holds whole blocks and room for a round's drafts past its tokens.
+        slack = request.max_sessions * (self.runtime.block_size + self.runtime.options.max_draft_tokens + 1)
+        usable = max(held - slack * self.kv_bytes_per_token, held // 2)
+        return KVPlan(context, min(request.max_kv_bytes, usable) if self.runtime.options.max_kv_bytes else usable)
 
     def kv_bytes_held(self) -> int:
         return self.runtime.kv_tokens() * self.kv_bytes_per_token
@@ -412,8 +440,7 @@ class VllmEngine:
         kv.released = True
         kv.tokens = []
         if kv.live is not None:
-            with self.runtime.turn:
-                self.runtime.end_live(kv.live)
+            self.runtime.call(self.runtime.end_live, kv.live)
 
     def freed(self, kv: SessionKV) -> bool:
         return _own(kv).released
@@ -458,23 +485,52 @@ class VllmEngine:
         any is undecided. A session's tokens grow by the step's fed tokens and drafts (its
         rounds crop the rejected ones, as after a forward pass)."""
         works = [_LiveWork(step, kv, kv.tokens + step.fed) for step in steps for kv in [_own(step.kv)]]
-        with self.runtime.turn:
-            while True:
-                for work in works:
-                    if not work.decided:
-                        self._advance(work)
-                undecided = [w for w in works if not w.decided]
-                if not undecided:
-                    break
-                if not self.runtime.busy():
-                    for work in undecided:
-                        work.error = VerifierFault("vLLM ended the session's request before its step's tokens")
-                    break
-                self.runtime.step()
+        self.runtime.call(self._decide, works)
         for work in works:
             if work.tokens is not None:
                 work.kv.tokens = work.base[: len(work.base) - work.step.known] + work.step.drafts
         return [w.tokens if w.tokens is not None else w.error for w in works]  # type: ignore[misc]
+
+    def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
+        """Full rows from requests of their own under the session's cache salt (its whole
+        blocks served by vLLM's prefix cache), as a session that is not live reads them."""
+        own = _own(kv)
+        scratch = VllmKV(salt=own.salt, tokens=own.tokens[:length])
+        return self.forward([scratch], [block], [keep])[0]
+
+    def _decide(self, works: list[_LiveWork]) -> None:
+        """On vLLM's thread: advance every work, and step vLLM while any is undecided."""
+        stalled = 0
+        while True:
+            for work in works:
+                if not work.decided:
+                    self._advance(work)
+            undecided = [w for w in works if not w.decided]
+            if not undecided:
+                return
+            if not self.runtime.busy():
+                for work in undecided:
+                    work.error = VerifierFault("vLLM ended the session's request before its step's tokens")
+                return
+            before = self._progress(undecided)
+            self.runtime.step()
+            stalled = 0 if self._progress(undecided) != before else stalled + 1
+            if stalled >= MAX_STALLED_STEPS:
+                self._give_up(undecided)
+                return
+
+    def _progress(self, works: list[_LiveWork]) -> list[tuple[int, int]]:
+        """How far the works' requests got: their tokens, and the tokens vLLM computed of them."""
+        return [(len(w.kv.live.tokens), self.runtime.computed(w.kv.live)) for w in works if w.kv.live is not None]
+
+    def _give_up(self, works: list[_LiveWork]) -> None:
+        """Steps vLLM cannot schedule (its KV blocks are held by parked sessions): their
+        requests end, and their sessions get new ones on their next step."""
+        for work in works:
+            if work.kv.live is not None:
+                self.runtime.end_live(work.kv.live)
+                work.kv.live = None
+            work.error = CapacityExceeded("vLLM has no KV blocks free for the session's step", STALLED_RETRY_MS)
 
     def _advance(self, work: _LiveWork) -> None:
         """Decide the step from the tokens its request holds past the session's, or have vLLM

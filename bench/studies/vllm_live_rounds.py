@@ -1,0 +1,182 @@
+"""What a round costs on the vLLM engine's live sessions against a decode step, through the
+verifier itself (cloud/verifier.py: begin_verify, run_batch), at several session counts.
+
+Each session is one live vLLM request after `--context` tokens of prompt. A decode step is a
+round with no drafts for every session (one vLLM step, one token each); a k-draft round puts
+`--k` drafts on every session (one vLLM step of 1 + k tokens each, verified by vLLM's
+rejection sampler). A step computes all 1 + k positions whatever it accepts, so the drafts
+are random tokens (rejected at the first, each round adds a token as a step does). Steps and
+rounds alternate; each figure is the median of `--repeats`. Run from the venv
+tools/vllm_env.sh builds.
+
+    python -m bench.studies.vllm_live_rounds --target FOLDER [--dtype bfloat16] [--sessions 1,16] \\
+        [--k 4] [--context 256] [--repeats 7] [--out docs/vllm_live_rounds]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bench.cli import settings_parser
+from bench.environment import machine_line, provenance, write_result
+from shared.cli import settings_from_args
+
+
+class LiveRoundSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_LIVE_ROUNDS_")
+
+    target: Path = Field(description="the target's HF folder")
+    dtype: str = Field("bfloat16", description="vLLM's dtype")
+    sessions: str = Field("1,16", description="sessions per batch, comma-separated")
+    k: int = Field(4, ge=1, le=16, description="drafts per round")
+    context: int = Field(256, ge=2, description="prompt tokens of each session")
+    repeats: int = Field(7, ge=1, description="steps and rounds per figure (the median is reported)")
+    load_format: str = Field("auto", description="vLLM's load format (dummy: random weights in the folder's shapes)")
+    gpu_memory: float = Field(0.5, gt=0, le=1, description="vLLM's share of a GPU")
+    out: Path = Field(Path("docs/vllm_live_rounds"), description="folder for the JSON result and report.md")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "engine": ("target", "dtype", "load_format", "gpu_memory"),
+        "batches": ("sessions", "k", "context", "repeats"),
+        "output": ("out",),
+    }
+
+
+def _verifier(args: LiveRoundSettings, sessions: int) -> Any:
+    from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+    from cloud.verifier import Verifier, VerifierLimits
+
+    context = args.context + (args.repeats + 2) * 2 * (args.k + 1) + 8
+    options = VllmOptions(
+        str(args.target),
+        args.dtype,
+        context,
+        max_sessions=sessions,
+        max_kv_bytes=4 << 30 if not torch.cuda.is_available() else 0,
+        gpu_memory_utilization=args.gpu_memory,
+        load_format=args.load_format,
+        max_draft_tokens=args.k,
+    )
+    engine = VllmEngine(VllmRuntime(options))
+    limits = VerifierLimits(max_draft_tokens=args.k, max_context_tokens=context)
+    return Verifier(engine, "target", limits)
+
+
+class Sessions:
+    """The measured sessions: their ids and positions."""
+
+    def __init__(self, verifier: Any, count: int, args: LiveRoundSettings) -> None:
+        from shared.protocol import OpenSessionRequest, SessionConfig
+
+        self.verifier, self.k = verifier, args.k
+        vocab = verifier.engine.logits_width
+        rng = np.random.default_rng(0)
+        self.ids, self.positions = [], []
+        for _ in range(count):
+            prompt = rng.integers(100, min(vocab, 30_000), size=args.context).tolist()
+            opened = verifier.open_session(OpenSessionRequest(prompt, SessionConfig(vocab_size=vocab)))
+            self.ids.append(opened.session_id)
+            self.positions.append(opened.position)
+        self.rng = rng
+        self.vocab = vocab
+
+    def _drafts(self) -> list[int]:
+        return self.rng.integers(100, min(self.vocab, 30_000), size=self.k).tolist()  # type: ignore[no-any-return]
+
+    def batch_ms(self, drafts: bool) -> float:
+        """One batch of rounds (with drafts) or decode steps (without), in ms."""
+        from shared.protocol import VerifyRequest
+
+        steps = [
+            (self.verifier.begin_verify(VerifyRequest(sid, pos, self._drafts() if drafts else [])), 0.0)
+            for sid, pos in zip(self.ids, self.positions, strict=True)
+        ]
+        start = time.perf_counter()
+        results = self.verifier.run_batch(steps)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - start) * 1000.0
+        for i, result in enumerate(results):
+            if isinstance(result, BaseException):
+                raise result
+            self.positions[i] = result.new_base_position
+        return elapsed
+
+
+def measure(args: LiveRoundSettings, count: int) -> dict[str, Any]:
+    verifier = _verifier(args, count)
+    runtime = verifier.engine.runtime
+    try:
+        sessions = Sessions(verifier, count, args)
+        sessions.batch_ms(False)  # reads the token each prefill sampled: no step
+        sessions.batch_ms(False)  # warm-up
+        sessions.batch_ms(True)
+        step_ms, round_ms, vllm_steps = [], [], []
+        for _ in range(args.repeats):
+            step_ms.append(sessions.batch_ms(False))
+            before = runtime.steps
+            round_ms.append(sessions.batch_ms(True))
+            vllm_steps.append(runtime.steps - before)
+        step, round_ = statistics.median(step_ms), statistics.median(round_ms)
+        return {
+            "sessions": count,
+            "step_ms": round(step, 2),
+            "round_ms": round(round_, 2),
+            "round_over_step": round(round_ / step, 3),
+            "vllm_steps_per_round": statistics.median(vllm_steps),
+        }
+    finally:
+        verifier.engine.close()
+
+
+def _report(result: dict[str, Any]) -> str:
+    lines = [
+        "# A round on the vLLM engine's live sessions against a decode step",
+        "",
+        f"{machine_line(result['provenance']['machine'])}; vLLM {result['vllm']}, {result['dtype']}; "
+        f"{result['context']} prompt tokens a session; k = {result['k']} random drafts; "
+        f"median of {result['repeats']}.",
+        "",
+        "| sessions | decode step, ms | k-draft round, ms | round / step | vLLM steps a round |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['sessions']} | {row['step_ms']:.1f} | {row['round_ms']:.1f} | "
+            f"{row['round_over_step']:.2f}x | {row['vllm_steps_per_round']:g} |"
+        )
+    return "\n".join(lines) + "\n\nCommand: `" + result["provenance"]["command"] + "`\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import vllm
+
+    parser = settings_parser("python -m bench.studies.vllm_live_rounds", __doc__, LiveRoundSettings)
+    args = settings_from_args(LiveRoundSettings, parser.parse_args(argv))
+    command = "python -m bench.studies.vllm_live_rounds " + " ".join(argv if argv is not None else sys.argv[1:])
+    result: dict[str, Any] = {
+        "provenance": provenance(command),
+        "vllm": vllm.__version__,
+        "dtype": args.dtype,
+        "k": args.k,
+        "context": args.context,
+        "repeats": args.repeats,
+        "rows": [],
+    }
+    for count in (int(n) for n in args.sessions.split(",")):
+        result["rows"].append(measure(args, count))
+        write_result(args.out, "vllm_live_rounds", result, _report(result))  # each row as it comes
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
