@@ -537,6 +537,9 @@ class VllmEngine:
         make more: start the request (or a new one, when the session's tokens left it), put
         the drafts on it, or let it decode ahead."""
         kv, step, runtime = work.kv, work.step, self.runtime
+        if len(step.drafts) > runtime.options.max_draft_tokens:
+            work.error = VerifierFault(f"vLLM verifies at most {runtime.options.max_draft_tokens} drafts a step")
+            return
         live = kv.live
         if live is None or live.tokens[: len(work.base)] != work.base:
             if live is not None:
