@@ -36,6 +36,7 @@ verifier reaches the scheduler of its live requests directly.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -44,7 +45,7 @@ import sys
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -99,9 +100,6 @@ class VllmRuntime:
         from cloud.engine.vllm_scheduler import LiveScheduler, NoDrafts
 
         cpu = not torch.cuda.is_available()
-        # The engine core in this process: the verifier wakes and parks live requests in its
-        # scheduler between steps (vLLM reads this setting when it builds the engine).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not cpu:  # workers of a target over several GPUs: the verifier may have touched CUDA
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         # The context, and the one token a request samples; at most the model's positions.
@@ -133,7 +131,10 @@ class VllmRuntime:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm")
         self._ident = self._thread.submit(threading.get_ident).result()
         try:
-            self.llm: Any = self.call(partial(LLMEngine.from_engine_args, args, enable_multiprocessing=False))
+            # The engine core in this process: the verifier wakes and parks live requests in its
+            # scheduler between steps. vLLM reads the setting while it builds the engine only.
+            with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+                self.llm: Any = self.call(partial(LLMEngine.from_engine_args, args, enable_multiprocessing=False))
         except Exception as err:  # vLLM's own config errors name the setting that failed
             self._thread.shutdown()
             raise ConfigError(f"vLLM could not start on {options.model}: {str(err)[:300]}") from err
@@ -304,6 +305,22 @@ def _matched(drafts: list[int], sampled: list[int]) -> int:
     while n < len(drafts) and n < len(sampled) and drafts[n] == sampled[n]:
         n += 1
     return n
+
+
+@contextlib.contextmanager
+def _environment(**settings: str) -> Iterator[None]:
+    """Environment variables set for a while, then as they were (other vLLMs this process
+    starts, and the processes it starts, keep their own)."""
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _positions(folder: str) -> int:

@@ -223,7 +223,18 @@ def test_sessions_vllm_cannot_verify_keep_the_forward_pass(verifier: Verifier, m
 def test_a_step_vllm_fails_in_ends_the_engine_and_the_verifier_stops(vllm_target: TargetEngine) -> None:
     """vLLM failing inside a step (its model executor shut down under it): that step and every
     later one fail with the reason, the engine reports it, and the verifier's watch stops the
-    process with one line (cloud/process.py)."""
+    process with one line (cloud/process.py). In a process of its own: shutting vLLM's
+    executor down tears down the process's model-parallel state, which other vLLMs share."""
+    import subprocess
+    import sys
+
+    script = f"from tests.unit.cloud.test_vllm_live import failing_engine; failing_engine({str(vllm_target.folder)!r})"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "verifier stops: vLLM's engine failed in a step (" in done.stdout
+
+
+def failing_engine(folder: str) -> None:
     import asyncio
 
     from cloud.engine.vllm import VllmOptions, VllmRuntime
@@ -231,20 +242,17 @@ def test_a_step_vllm_fails_in_ends_the_engine_and_the_verifier_stops(vllm_target
     from cloud.state import ServerState
     from shared.errors import EngineFailed, VerifierFault
 
-    assert vllm_target.folder is not None
-    options = VllmOptions(str(vllm_target.folder), "float32", 200, max_sessions=2, max_kv_bytes=8 << 20, enforce_eager=True)
+    options = VllmOptions(folder, "float32", 200, max_sessions=2, max_kv_bytes=8 << 20, enforce_eager=True)
     runtime = VllmRuntime(options)
     verifier = Verifier(VllmEngine(runtime), "tiny")
-    try:
-        session_id, position = _open(verifier, _tokens(8, 20))
-        verifier.verify(VerifyRequest(session_id, position, []))  # reads the token the prefill sampled
-        runtime.call(runtime.llm.engine_core.engine_core.model_executor.shutdown)
-        for _ in range(2):
-            with pytest.raises(VerifierFault, match="vLLM's engine failed in a step"):
-                verifier.verify(VerifyRequest(session_id, position + 1, [3, 4]))
-        reason = verifier.engine.failure()
-        assert reason is not None and reason.startswith("vLLM's engine failed in a step (")
-        with pytest.raises(EngineFailed, match="no session can go on, so the verifier stops"):
-            asyncio.run(asyncio.wait_for(_engine_failed(ServerState.for_verifier(verifier)), 10))
-    finally:
-        runtime.close()
+    session_id, position = _open(verifier, _tokens(8, 20))
+    verifier.verify(VerifyRequest(session_id, position, []))  # reads the token the prefill sampled
+    runtime.call(runtime.llm.engine_core.engine_core.model_executor.shutdown)
+    for _ in range(2):
+        with pytest.raises(VerifierFault, match="vLLM's engine failed in a step"):
+            verifier.verify(VerifyRequest(session_id, position + 1, [3, 4]))
+    with pytest.raises(EngineFailed, match="no session can go on, so the verifier stops") as stopped:
+        asyncio.run(asyncio.wait_for(_engine_failed(ServerState.for_verifier(verifier)), 10))
+    print(f"verifier stops: {verifier.engine.failure()}", flush=True)  # noqa: T201  # read by the test
+    assert str(stopped.value).startswith("vLLM's engine failed in a step (")
+    runtime.close()
