@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.fleet_parts import free_port
 from shared.errors import SpecDecError
 
 SCRAPE_INTERVAL_S = 1.0
@@ -32,12 +32,6 @@ def prometheus_binary() -> str:
     if found is None:
         raise PrometheusError("prometheus is not installed (apt-get install prometheus)")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def scrape_config(targets: Sequence[str]) -> str:
@@ -96,7 +90,7 @@ def running_prometheus(targets: Sequence[str], folder: Path) -> Iterator[Prometh
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "prometheus.yml"
     config.write_text(scrape_config(targets))
-    port = _free_port()
+    port = free_port()
     cmd = [
         prometheus_binary(),
         f"--config.file={config}",

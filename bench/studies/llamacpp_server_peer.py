@@ -14,7 +14,6 @@ all wall time, prefill included) and the time to the first token.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import settings_parser
 from bench.environment import machine_line, provenance
+from bench.fleet_parts import free_port
 from edge.prompts import encode_prompt, read_prompts
 from edge.tokenizer import EdgeTokenizer
 from shared.cli import run_cli, settings_from_args
@@ -53,14 +53,8 @@ class PeerSettings(BaseSettings):
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(args: PeerSettings, draft: bool, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [str(args.server), "-m", str(args.target_gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads)]
     cmd += ["-c", "8192", "-np", "1", "--no-webui", *args.server_flags.split()]
     if draft:

@@ -104,7 +104,9 @@ def test_capacity_against_vllm_alone_in_one_run(
         assert cap["sessions"] == 2, (system, result["levels"][system])
         assert cap["verified_tokens_per_s"] > 0 and cap["loadgen_cpu_cores"] > 0
         assert all(level["sessions_failed"] == 0 for level in result["levels"][system])
-    assert result["capacity"]["vllm_alone"]["rounds_per_token"] == 1.0  # a token an event: one step each
+    # About a token an event (a step each); vLLM's server puts two tokens in one event now and then,
+    # when its client reads behind its engine.
+    assert 0.9 < result["capacity"]["vllm_alone"]["rounds_per_token"] <= 1.0
     assert result["capacity"]["vllm_alone"]["busy_fraction"] is None  # vLLM's server reports no busy time
     assert result["capacity"]["auto"]["rounds_per_token"] < 1.0  # asked at once: it speculated
     assert set(result["ratios"]) == {f"{a}/{b}" for a in ("speculative", "auto") for b in ("vllm_alone", "cloud_only")}
