@@ -272,7 +272,7 @@ def test_a_level_dealt_out_to_two_load_processes_counts_every_session(target_mod
                 find_capacity=True,
                 systems="speculative,cloud_only",
                 load_processes=2,
-                capacity_step_s=0.5,
+                capacity_step_s=3.0,  # long enough that a freshly spawned process's worker delivers in every level
                 capacity_max_sessions=2,
                 slo_itl_p95_ms=60_000,
                 slo_ttft_p95_ms=60_000,
