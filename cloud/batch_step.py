@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -136,7 +138,7 @@ def _run(runner: BatchStep, steps: Batch) -> list[Any]:
         closed = SessionNotFound("the session was closed or evicted while its step waited")
         return [closed if i in gone else next(kept) for i in range(len(steps))]
     engine = runner.engine
-    live = [i for i, (step, _) in enumerate(steps) if isinstance(engine, LiveSessions) and engine.is_live(step.cache)]
+    live = [i for i, (step, _) in enumerate(steps) if engine.is_live(step.cache)] if isinstance(engine, LiveSessions) else []
     if not live:
         return _forward_and_accept(runner, steps)
     passed = iter(_forward_and_accept(runner, [s for i, s in enumerate(steps) if i not in live]))
@@ -150,13 +152,9 @@ def _forward_and_accept(runner: BatchStep, steps: Batch) -> list[Any]:
         return []
     fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
     forward_start = time.perf_counter()
-    try:
+    with _undone_on_failure(steps):
         caches, blocks, keeps = [s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]
         logits = runner.engine.forward(caches, blocks, keeps, [s.argmax_vocab for s in fed]) if fed else []
-    except BaseException:
-        for step, _ in steps:
-            step.work.undo()
-        raise
     forward_ms = (time.perf_counter() - forward_start) * 1000.0
     runner.passes += 1 if fed else 0
     rows_of = iter(logits)
@@ -170,17 +168,14 @@ def _forward_and_accept(runner: BatchStep, steps: Batch) -> list[Any]:
 
 def _run_live(runner: BatchStep, steps: Batch) -> list[Any]:
     """The steps of live sessions as the engine's session steps: each one's tokens become its
-    accepted round (a round), the row of its token (a Generate step) or nothing (a prefill)."""
+    accepted round (a round, or a Generate token as a round with no drafts), or nothing (a
+    prefill)."""
     engine = runner.engine
     assert isinstance(engine, LiveSessions)
     start = time.perf_counter()
     lengths = [step.cache.get_seq_length() for step, _ in steps]
-    try:
+    with _undone_on_failure(steps):
         produced = engine.run_live([step.live() for step, _ in steps])
-    except BaseException:
-        for step, _ in steps:
-            step.work.undo()
-        raise
     forward_ms = (time.perf_counter() - start) * 1000.0
     runner.passes += 1
     results = []
@@ -188,7 +183,11 @@ def _run_live(runner: BatchStep, steps: Batch) -> list[Any]:
         try:
             if isinstance(tokens, BaseException):
                 raise tokens
-            probs = _distributions(runner, step, length) if step.distributions else torch.empty(0, engine.logits_width)
+            probs = (
+                _distributions(engine, runner.sampler, step, length)
+                if step.distributions
+                else torch.empty(0, engine.logits_width)
+            )
         except BaseException as err:
             results.append(_finish(step, torch.empty(0), err, forward_ms, queue_ms))
             continue
@@ -197,15 +196,13 @@ def _run_live(runner: BatchStep, steps: Batch) -> list[Any]:
     return results
 
 
-def _distributions(runner: BatchStep, step: ForwardStep[Any], length: int) -> torch.Tensor:
+def _distributions(engine: LiveSessions, sampler: RejectionSampler, step: ForwardStep[Any], length: int) -> torch.Tensor:
     """The target's distributions at a live round's rows, which its live step does not return:
     its rows from the engine, processed as the accept would process them."""
-    engine = runner.engine
-    assert isinstance(engine, LiveSessions)
     rows = engine.rows(step.cache, length, step.block, step.keep)
     round_logits = step.work.round_logits(rows)
     assert round_logits is not None  # only rounds ask
-    [probs] = runner.sampler.distributions([round_logits])
+    [probs] = sampler.distributions([round_logits])
     if isinstance(probs, Exception):
         raise probs
     return probs
@@ -222,6 +219,17 @@ def _live_outcome(step: ForwardStep[Any], tokens: list[int], probs: torch.Tensor
     passed = torch.tensor([1.0] * accepted + [0.0] * (drafts - accepted))
     outcome = RoundOutcome(accepted, tokens[-1], accepted == drafts, passed)
     return torch.empty(0), AcceptedRound(outcome, probs)
+
+
+@contextmanager
+def _undone_on_failure(steps: Batch) -> Iterator[None]:
+    """A pass that raises leaves every step of it undone (its caches as they were)."""
+    try:
+        yield
+    except BaseException:
+        for step, _ in steps:
+            step.work.undo()
+        raise
 
 
 def _accept_rounds(

@@ -195,9 +195,10 @@ class Verifier:
         ahead, stops = (stretch.tokens, stretch.stops) if stretch is not None else (1, frozenset())
         room = self.limits.max_context_tokens - len(session.tokens) - len(req.committed_tokens)  # the rest would be refused
         k = len(req.draft_tokens)
-        step = ForwardStep(session.cache, block, k + 1, work, work.argmax_vocab(), k, max(min(ahead, room), 1), stops)
-        step.distributions = req.want_top_k > 0
-        return step
+        ahead = max(min(ahead, room), 1)
+        return ForwardStep(
+            session.cache, block, k + 1, work, work.argmax_vocab(), k, ahead, stops, distributions=req.want_top_k > 0
+        )
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each

@@ -254,8 +254,7 @@ class VllmRuntime:
 
     def kv_tokens(self) -> int:
         """The tokens of KV vLLM allocated."""
-        cache = self.llm.vllm_config.cache_config
-        return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        return int(self.llm.vllm_config.cache_config.num_gpu_blocks or 0) * self.block_size
 
     @property
     def block_size(self) -> int:
