@@ -4,7 +4,7 @@ with one KV and one generator. On an engine with live sessions (vLLM) the sessio
 decodes the stretch in one go, each token's step reading the next token it decoded. Each
 token is one step for the batcher, batched with other sessions' rounds and other streams'
 tokens. Opening a session (its prefill) is one step too, shared by OpenSession and a Decode
-call that opens its session."""
+call that opens its session. SessionCalls also runs a Generate call (cloud/generate_stream.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,19 @@ from typing import TypeVar
 
 from cloud.batch_step import ForwardStep
 from cloud.batcher import ForwardBatcher
+from cloud.token_feed import FeedHub, TokenFeed
 from cloud.verifier import DecodeStretchStep, Verifier
-from shared.protocol import DecodeChunk, DecodeRequest, OpenSessionRequest, OpenSessionResult, VerifyRequest, VerifyResult
+from cloud.worker import ModelWorker
+from shared.protocol import (
+    DecodeChunk,
+    DecodeRequest,
+    GenerateChunk,
+    GenerateRequest,
+    OpenSessionRequest,
+    OpenSessionResult,
+    VerifyRequest,
+    VerifyResult,
+)
 
 R = TypeVar("R")
 
@@ -25,12 +36,15 @@ R = TypeVar("R")
 @dataclass(frozen=True)
 class SessionCalls:
     """One call's view of the verifier: its model, its batcher, the API key it runs for and its
-    deadline (a time.perf_counter() time, None: no deadline)."""
+    deadline (a time.perf_counter() time, None: no deadline); the model worker and the feeds of
+    the event loop, for streams that follow their engine's decoding."""
 
     verifier: Verifier
     batcher: ForwardBatcher
     key: str
     deadline: float | None
+    worker: ModelWorker
+    feeds: FeedHub
 
     async def open(self, req: OpenSessionRequest) -> OpenSessionResult:
         """A new session: its prefill is one more step for the batcher (rounds of open sessions
@@ -68,6 +82,29 @@ class SessionCalls:
                 yield _chunk(result, start, finished)
                 if finished:
                     return
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """A Generate stream: its first step admitted against the deadline; the rest read from
+        the engine's own decoding where it follows it, else one step a token, each batched with
+        other streams' steps and rounds. Its KV goes however the stream ends."""
+        stream = self.verifier.open_generate(req, self.verifier.sessions.new_id(), self.key)  # validation only
+        feed: TokenFeed | None = None
+        try:
+            with self.verifier.sessions.holding(stream.stream_id):
+                while not stream.finished:
+                    if feed is not None:
+                        yield stream.take(*await feed.take())
+                        continue
+                    first = stream.produced == 0
+                    step = stream.begin_step
+                    yield await self.batcher.submit(
+                        stream.stream_id, len(stream.feed), step, self.deadline, admitting=first, key=self.key
+                    )
+                    if first and not stream.finished:
+                        feed = self.feeds.feed()
+                        feed = feed if await self.worker.run(stream.follow, feed) else None
+        finally:
+            self.worker.submit(stream.close)
 
     async def _open_with_first_token(self, req: OpenSessionRequest) -> tuple[OpenSessionResult, VerifyResult]:
         return await self._opening(req, self.verifier.begin_open_decode)

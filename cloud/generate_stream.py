@@ -1,5 +1,8 @@
-"""Target-only decoding (the cloud_only baseline): one Generate call between its steps, one
-token per step, each step batched with other streams' steps and sessions' rounds."""
+"""Target-only decoding (the cloud_only baseline): one Generate call. Its first step (the
+prompt's prefill and the first token) is batched with other streams' steps and sessions'
+rounds. After it, on an engine with live sessions (vLLM) the stream follows its request,
+which decodes the rest in the engine's own loop, and reads its tokens as they come (a
+TokenFeed: no pass per token); on the other engines each token is one more step."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import Protocol
 import torch
 
 from cloud.batch_step import ForwardStep
-from cloud.engine import Engine
+from cloud.engine import Engine, LiveSessions, TokenSink
 from cloud.rejection_sampler import AcceptedRound, sample_token
 from cloud.sessions import Session, SessionStore
 from shared.errors import InvalidRequest
@@ -83,6 +86,26 @@ class GenerateStream:
         self.produced += 1
         self.finished = token in self.req.stop_token_ids or self.produced == self.req.max_new_tokens
         return GenerateChunk([token], forward_ms, self.finished)
+
+    def follow(self, sink: TokenSink) -> bool:
+        """(on the model worker, after the first step) Whether the rest of the stream comes from
+        the engine's own decoding, each token as it is made, to `sink`."""
+        session = self.session
+        if session is None or self.finished or not isinstance(self.engine, LiveSessions):
+            return False
+        return self.engine.is_live(session.cache) and self.engine.follow(session.cache, len(session.tokens), sink)
+
+    def take(self, tokens: list[int], step_ms: float) -> GenerateChunk:
+        """Tokens a followed stream's engine decoded, as one chunk, up to the stream's end (its
+        last token, or a stop token). They stay in the engine's request: the stream's session
+        is only its KV from here on."""
+        tokens = tokens[: self.req.max_new_tokens - self.produced]
+        stop = next((i for i, token in enumerate(tokens) if token in self.req.stop_token_ids), None)
+        if stop is not None:
+            tokens = tokens[: stop + 1]
+        self.produced += len(tokens)
+        self.finished = stop is not None or self.produced == self.req.max_new_tokens
+        return GenerateChunk(tokens, step_ms, self.finished)
 
     def _sampled(self, logits: torch.Tensor, session: Session) -> int:
         params = self.req.config.sampling

@@ -5,6 +5,7 @@ services beside it."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from cloud.decode_stretch import SessionCalls
 from cloud.interceptors import ApiKeyInterceptor, StatusInterceptor, Undecodable, principal
 from cloud.state import ReadinessListener, ServerState
+from cloud.token_feed import FeedHub
 from cloud.verifier import Verifier
 from shared import wire
 from shared.pb import verifier_pb2 as pb
@@ -34,6 +36,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
+        self._feeds: FeedHub | None = None  # the event loop's, made on the first call
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
         req = wire.open_request_from_pb(request)
@@ -58,7 +61,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """The verifier as this call sees it. The key is read here: steps run on the model
         worker's thread."""
         verifier, batcher = self.state.verifier_for(new_session=new_session)
-        return SessionCalls(verifier, batcher, principal(), _deadline(context))
+        if self._feeds is None:
+            self._feeds = FeedHub(asyncio.get_running_loop())
+        return SessionCalls(verifier, batcher, principal(), _deadline(context), self.state.worker, self._feeds)
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
         verifier, _ = self.state.verifier_for(new_session=False)
@@ -72,26 +77,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         req = wire.generate_request_from_pb(request)
-        verifier, batcher = self.state.verifier_for(new_session=True)
-        key = principal()
-        stream = verifier.open_generate(req, verifier.sessions.new_id(), key)  # validation only
-        deadline = _deadline(context)
-        # Continuous batching: each token is one step, batched with other streams' steps and rounds.
-        # The first step is the prompt's prefill: admitted only if it can end before the deadline.
-        try:
-            with verifier.sessions.holding(stream.stream_id):
-                while not stream.finished:
-                    chunk = await batcher.submit(
-                        stream.stream_id,
-                        len(stream.feed),
-                        stream.begin_step,
-                        deadline,
-                        admitting=stream.produced == 0,
-                        key=key,
-                    )
-                    yield wire.generate_chunk_to_pb(chunk)
-        finally:
-            self.state.worker.submit(stream.close)  # its KV, however the stream ended
+        async for chunk in self._calls(context, new_session=True).generate(req):
+            yield wire.generate_chunk_to_pb(chunk)
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:

@@ -66,40 +66,20 @@ fi
 
 results=${RESULTS:-$out}
 mkdir -p "$results"
-pids=()
+source "$(dirname "$0")/gpu_servers.sh"
 finish() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
+    stop_servers
     if [ "$results" != "$out" ]; then
         for f in verifier.log vllm.log; do [ ! -f "$out/$f" ] || tail -n 300 "$out/$f" > "$results/$f"; done
     fi
 }
 trap finish EXIT
 trap 'exit 143' TERM INT  # a run stopped from outside still leaves its logs in RESULTS
-say "starting cloud-verifier --engine $engine and vLLM's own server on $model ($load weights)"
-$py -m cloud "${engine_flags[@]}" --model "$model" --dtype bfloat16 --port "$port" --http-port "$http_port" \
-    --max-context-tokens "$context" --max-sessions 2048 --max-batch-size 256 --max-queue 8192 --prefer-speculation-above "${PREFER_ABOVE:-16}" \
-    > "$out/verifier.log" 2>&1 &
-pids+=($!)
-$py -m vllm.entrypoints.openai.api_server --model "$model" --load-format "$load" --dtype bfloat16 --port "$vllm_port" \
-    --host 127.0.0.1 --tensor-parallel-size "${TP:-1}" --gpu-memory-utilization "$share" --kv-cache-memory-bytes "$kv" \
-    --max-model-len "$((context + 1))" --max-num-seqs 512 --served-model-name target "${eager[@]}" > "$out/vllm.log" 2>&1 &
-pids+=($!)
-
-ready() { $py -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
-verifier_up=0 vllm_up=0
-for _ in $(seq 1 "${READY_TIMEOUT_S:-400}"); do  # vLLM compiles its graphs first: minutes
-    [ $verifier_up = 1 ] || ! ready "http://127.0.0.1:$http_port/readyz" || { verifier_up=1; say "verifier ready"; }
-    [ $vllm_up = 1 ] || ! ready "http://127.0.0.1:$vllm_port/v1/models" || { vllm_up=1; say "vLLM server ready"; }
-    [ $verifier_up = 1 ] && [ $vllm_up = 1 ] && break
-    kill -0 "${pids[0]}" 2>/dev/null || [ $verifier_up = 1 ] || { say "the verifier exited:"; tail -n 30 "$out/verifier.log"; exit 1; }
-    kill -0 "${pids[1]}" 2>/dev/null || [ $vllm_up = 1 ] || break
-    sleep 1
-done
-[ $verifier_up = 1 ] || { say "the verifier did not become ready"; tail -n 30 "$out/verifier.log"; exit 1; }
+start_servers
+wait_servers || exit 1
 systems=${SYSTEMS:-vllm_alone,speculative,auto,cloud_only}
 if [ $vllm_up = 0 ]; then
-    say "vLLM's own server did not start: measuring without it"; tail -n 30 "$out/vllm.log"
+    say "measuring without vLLM's own server"
     systems=$(echo "$systems" | tr ',' '\n' | grep -v '^vllm_alone$' | paste -sd, -)
 fi
 

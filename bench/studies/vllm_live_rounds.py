@@ -82,15 +82,19 @@ class Sessions:
         rng = np.random.default_rng(0)
         self.ids, self.positions = [], []
         for _ in range(count):
-            prompt = rng.integers(100, min(vocab, 30_000), size=args.context).tolist()
+            prompt = rng.integers(min(100, vocab // 2), min(vocab, 30_000), size=args.context).tolist()
             opened = verifier.open_session(OpenSessionRequest(prompt, SessionConfig(vocab_size=vocab)))
             self.ids.append(opened.session_id)
             self.positions.append(opened.position)
         self.rng = rng
         self.vocab = vocab
 
+    def close(self) -> None:
+        for session_id in self.ids:
+            self.verifier.close_session(session_id)
+
     def _drafts(self) -> list[int]:
-        return self.rng.integers(100, min(self.vocab, 30_000), size=self.k).tolist()  # type: ignore[no-any-return]
+        return self.rng.integers(min(100, self.vocab // 2), min(self.vocab, 30_000), size=self.k).tolist()  # type: ignore[no-any-return]
 
     def batch_ms(self, drafts: bool) -> float:
         """One batch of rounds (with drafts) or decode steps (without), in ms."""
@@ -112,11 +116,10 @@ class Sessions:
         return elapsed
 
 
-def measure(args: LiveRoundSettings, count: int) -> dict[str, Any]:
-    verifier = _verifier(args, count)
+def measure(args: LiveRoundSettings, verifier: Any, count: int) -> dict[str, Any]:
     runtime = verifier.engine.runtime
+    sessions = Sessions(verifier, count, args)
     try:
-        sessions = Sessions(verifier, count, args)
         sessions.batch_ms(False)  # reads the token each prefill sampled: no step
         sessions.batch_ms(False)  # warm-up
         sessions.batch_ms(True)
@@ -135,7 +138,7 @@ def measure(args: LiveRoundSettings, count: int) -> dict[str, Any]:
             "vllm_steps_per_round": statistics.median(vllm_steps),
         }
     finally:
-        verifier.engine.close()
+        sessions.close()
 
 
 def _report(result: dict[str, Any]) -> str:
@@ -172,9 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "rows": [],
     }
-    for count in (int(n) for n in args.sessions.split(",")):
-        result["rows"].append(measure(args, count))
-        write_result(args.out, "vllm_live_rounds", result, _report(result))  # each row as it comes
+    counts = [int(n) for n in args.sessions.split(",")]
+    verifier = _verifier(args, max(counts))  # one engine for every count: its sessions close after each
+    try:
+        for count in counts:
+            result["rows"].append(measure(args, verifier, count))
+            write_result(args.out, "vllm_live_rounds", result, _report(result))  # each row as it comes
+    finally:
+        verifier.engine.close()
     return 0
 
 

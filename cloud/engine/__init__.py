@@ -125,6 +125,15 @@ class LiveStep:
     known: int = 0
 
 
+class TokenSink(Protocol):
+    """Where a followed live session's tokens go as the engine makes them, from the engine's
+    own thread (cloud/token_feed.py)."""
+
+    def put(self, tokens: list[int], step_ms: float) -> None: ...
+
+    def fail(self, error: Exception) -> None: ...
+
+
 @runtime_checkable
 class LiveSessions(Protocol):
     """An engine that runs each session as one live request of its own (vLLM): it verifies a
@@ -142,6 +151,12 @@ class LiveSessions(Protocol):
     def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]:
         """Every step at once (the engine batches them in its own steps): per step the tokens
         it yields, or what failed it alone. A failure of the engine itself raises."""
+        ...
+
+    def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
+        """Hand every token kv's session decodes on its own from `position` on (those it holds
+        already, then each step's) to `sink`, until its stream ends; False when it is not
+        decoding on its own (its steps go on one at a time)."""
         ...
 
     def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +55,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV
+from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV, TokenSink
 from shared import lm
 from shared.errors import CapacityExceeded, ConfigError, VerifierFault
 from shared.protocol import AcceptMode, SessionConfig
@@ -145,9 +146,13 @@ class VllmRuntime:
         self._pending: set[str] = set()  # requests of the pass in flight
         self._done: dict[str, Any] = {}  # their outputs, until the pass takes them
         self._live: dict[str, LiveRequest] = {}  # live requests by their own id
+        self._followed: dict[str, LiveRequest] = {}  # live requests whose tokens go to a sink, by vLLM's id
+        self._pumping = False  # a pump step is queued on vLLM's thread
+        self._stalled = 0  # pump steps in a row that gave a followed request no token
         self._failed: str | None = None  # why vLLM can run no more steps
+        self._closing = threading.Event()
         self.steps = 0  # vLLM steps run
-        self._closer = weakref.finalize(self, _shutdown, self.llm, self._thread)
+        self._closer = weakref.finalize(self, _shutdown, self.llm, self._thread, self._closing)
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on vLLM's thread (at once when called from it)."""
@@ -213,8 +218,50 @@ class VllmRuntime:
         return self.scheduler.is_parked(live.engine_id)
 
     def end_live(self, live: LiveRequest) -> None:
+        self._followed.pop(live.engine_id, None)
         if self._live.pop(live.request_id, None) is not None and not live.ended:
             self._abort([live.request_id])
+
+    def follow(self, live: LiveRequest, position: int, sink: TokenSink) -> None:
+        """Hand `sink` the tokens `live` holds from `position` on, then each step's, while it
+        decodes on its own; vLLM steps for it (the pump) with no other caller. Once it parks
+        (its stretch done) or ends, the sink is told no more will come."""
+        live.sink = sink
+        sink.put(live.tokens[position:], 0.0)
+        if live.ended or self.scheduler.is_parked(live.engine_id):
+            self._unfollow(live)
+            return
+        self._followed[live.engine_id] = live
+        if not self._pumping:
+            self._pumping = True
+            self._thread.submit(self._pump)
+
+    def _pump(self) -> None:
+        """One step while a followed request decodes on its own, then the next one queued behind
+        whatever else waits for vLLM's thread (a pass's rounds take their turn between them)."""
+        for live in [live for live in self._followed.values() if self.scheduler.is_parked(live.engine_id)]:
+            self._unfollow(live)  # parked since: its stretch is done
+        followed = list(self._followed.values())
+        if not followed or self._failed is not None or self._closing.is_set():
+            self._pumping = False
+            return
+        before = sum(len(live.tokens) for live in followed)
+        with contextlib.suppress(VerifierFault):  # a failed step has failed the sinks
+            self.step()
+        self._stalled = 0 if sum(len(live.tokens) for live in followed) > before else self._stalled + 1
+        if self._stalled >= MAX_STALLED_STEPS:
+            self._stalled = 0
+            for live in followed:
+                self._unfollow(live, CapacityExceeded("vLLM has no KV blocks free for the stream's steps", STALLED_RETRY_MS))
+                self.end_live(live)
+        self._thread.submit(self._pump)
+
+    def _unfollow(self, live: LiveRequest, error: Exception | None = None) -> None:
+        """No more tokens go to the request's sink: it is told why."""
+        self._followed.pop(live.engine_id, None)
+        if live.sink is not None:
+            live.sink.fail(error or VerifierFault("the session's request stopped decoding before the stream's end"))
+            live.sink = None
 
     def computed(self, live: LiveRequest) -> int:
         """The tokens of a live request whose KV vLLM computed (0 once it ended)."""
@@ -231,16 +278,25 @@ class VllmRuntime:
         if self._failed is not None:
             raise VerifierFault(self._failed)
         self.steps += 1
+        start = time.perf_counter()
         try:
             outputs = self.llm.step()
         except Exception as err:
             self._failed = f"vLLM's engine failed in a step ({type(err).__name__}: {str(err)[:200]})"
+            for followed in list(self._followed.values()):
+                self._unfollow(followed, VerifierFault(self._failed))
             raise VerifierFault(self._failed) from err
+        step_ms = (time.perf_counter() - start) * 1000.0
         for output in outputs:
             live = self._live.get(output.request_id)
             if live is not None:
-                live.tokens.extend(output.outputs[0].token_ids)  # the step's new tokens
+                new = list(output.outputs[0].token_ids)  # the step's new tokens
+                live.tokens.extend(new)
                 live.ended = output.finished
+                if live.sink is not None:
+                    live.sink.put(new, step_ms)
+                if live.ended:
+                    self._unfollow(live)
             elif output.finished and output.request_id in self._pending:
                 self._pending.discard(output.request_id)
                 self._done[output.request_id] = output
@@ -329,8 +385,9 @@ def _positions(folder: str) -> int:
     return int(config.get("max_position_embeddings") or sys.maxsize)
 
 
-def _shutdown(llm: Any, thread: ThreadPoolExecutor) -> None:
+def _shutdown(llm: Any, thread: ThreadPoolExecutor, closing: threading.Event) -> None:
     """Stop vLLM's engine core and its thread (at exit too)."""
+    closing.set()  # no pump step after this
     try:
         try:
             thread.submit(llm.engine_core.shutdown).result()
@@ -350,6 +407,7 @@ class LiveRequest:
     tokens: list[int]
     engine_id: str = ""  # vLLM's own id of it, as its scheduler knows it
     ended: bool = False
+    sink: TokenSink | None = None  # where its new tokens go while a stream follows it
 
 
 @dataclass
@@ -506,6 +564,13 @@ class VllmEngine:
             if work.tokens is not None:
                 work.kv.tokens = work.base[: len(work.base) - work.step.known] + work.step.drafts
         return [w.tokens if w.tokens is not None else w.error for w in works]  # type: ignore[misc]
+
+    def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
+        live = _own(kv).live
+        if live is None:
+            return False
+        self.runtime.call(self.runtime.follow, live, position, sink)
+        return True
 
     def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
         """Full rows from requests of their own under the session's cache salt (its whole

@@ -221,3 +221,24 @@ def test_refused_round_carries_retry_hint_over_the_wire(target_engine: TargetEng
             assert any(isinstance(r, pb.VerifyResponse) for r in results)
 
     asyncio.run(run())
+
+
+@pytest.mark.vllm
+def test_generate_streams_on_vllm_read_its_own_decoding_without_a_pass_a_token(vllm_target: TargetEngine) -> None:
+    """Four cloud_only streams on live vLLM requests: after each stream's first step (its
+    prefill, batched) vLLM decodes the rest in its own loop and the tokens reach the streams
+    as they come, with no batcher pass per token. Each equals the target alone, and a stream
+    ends at its stop token."""
+    expected = [_alone(vllm_target, prompt) for prompt in PROMPTS[:4]]
+    stop = expected[0][9]  # the first stream ends at its tenth token, the others where it first occurs
+    ends = [tokens[: tokens.index(stop) + 1] if stop in tokens else tokens for tokens in expected]
+
+    async def run() -> None:
+        async with batching_verifier(vllm_target, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
+            cfg = gen_config(max_new_tokens=NEW_TOKENS, stop=frozenset({stop}))
+            results = await asyncio.gather(*(cloud_only_generate(p, client, cfg) for p in PROMPTS[:4]))
+            passes = state.metrics.registry.get_sample_value("specdec_forward_passes_total")
+        assert [r.token_ids for r in results] == ends
+        assert passes is not None and passes <= 4  # the first steps only (one a token: 24 here)
+
+    asyncio.run(run())

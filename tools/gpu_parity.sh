@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On a CUDA machine: the verifier's vLLM engine against vLLM alone, in one run on one GPU.
+#   1. target-only streams: N concurrent Generate streams through cloud-verifier --engine vllm (cloud_only) against
+#      the same streams on vLLM's own OpenAI-compatible server, at each N of STREAMS (bench/studies/stream_parity.py);
+#   2. then, the two servers stopped, a k = 4 round on the verifier's live sessions against a decode step, at each
+#      session count of ROUND_SESSIONS (bench/studies/vllm_live_rounds.py).
+#
+#   tools/gpu_parity.sh MODEL_DIR OUT_DIR
+#
+# MODEL_DIR holds a model's config.json and tokenizer files; both engines start with load_format=dummy (vLLM's random
+# weights in the model's shapes: a step costs what the real model's costs). OUT_DIR gets stream_parity/ and
+# live_rounds/ (each a JSON result and report.md, written level by level) and both servers' logs.
+#
+# Environment (defaults): STREAMS (1,24,64), PROMPT_TOKENS (200), NEW_TOKENS (256), REPEATS (3), ROUND_SESSIONS
+# (1,16), GPU_SHARE (0.4), KV_BYTES (16000000000), MAX_CONTEXT (4096), VERIFIER_FLAGS (more cloud-verifier flags),
+# PYTHON (python3), READY_TIMEOUT_S (400), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092), EAGER=1 (both engines without
+# compiled graphs: for a dry run on a CPU).
+set -euo pipefail
+model=$1 out=$2
+py=${PYTHON:-python3}
+port=${PORT:-50071} http_port=${HTTP_PORT:-8091} vllm_port=${VLLM_PORT:-8092}
+share=${GPU_SHARE:-0.4} kv=${KV_BYTES:-16000000000} context=${MAX_CONTEXT:-4096}
+mkdir -p "$out"
+say() { echo "$(date +%T) gpu_parity: $*"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv" 2>&1 || true
+
+load=dummy
+eager=()
+[ -z "${EAGER:-}" ] || eager=(--enforce-eager)
+read -r -a extra <<< "${VERIFIER_FLAGS:-}"
+engine_flags=(--engine vllm --load-format dummy --tensor-parallel-size "${TP:-1}" --gpu-memory-utilization "$share"
+    --max-kv-bytes "$kv" "${eager[@]}" "${extra[@]}")
+vocab=$($py -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$model/config.json")
+
+source "$(dirname "$0")/gpu_servers.sh"
+trap stop_servers EXIT
+trap 'exit 143' TERM INT
+start_servers
+wait_servers || exit 1
+[ "$vllm_up" = 1 ] || exit 1
+say "streams: ${STREAMS:-1,24,64}"
+$py -m bench.studies.stream_parity --cloud "127.0.0.1:$port" --vllm-url "http://127.0.0.1:$vllm_port" \
+    --streams "${STREAMS:-1,24,64}" --prompt-tokens "${PROMPT_TOKENS:-200}" --new-tokens "${NEW_TOKENS:-256}" \
+    --repeats "${REPEATS:-3}" --vocab "$vocab" --out "$out/stream_parity"
+stop_servers
+say "a round against a decode step: ${ROUND_SESSIONS:-1,16} sessions"
+$py -m bench.studies.vllm_live_rounds --target "$model" --load-format dummy --sessions "${ROUND_SESSIONS:-1,16}" --k 4 \
+    --gpu-memory 0.5 --out "$out/live_rounds"
+say "done"
