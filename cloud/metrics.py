@@ -56,6 +56,10 @@ class VerifierMetrics:
         # Once per pass, however many steps it ran: busy / wall time is the verifier's load.
         self.busy_time = Counter("specdec_busy_seconds", "model-worker time in target forward passes", registry=r)
         self.forward_passes = Counter("specdec_forward_passes", "target forward passes (batched steps count once)", registry=r)
+        # An engine with its own loop (vLLM) also steps outside passes, for the streams that follow it.
+        self.engine_steps = Counter("specdec_engine_steps", "steps of the engine's own loop (vLLM)", registry=r)
+        self.engine_step_time = Counter("specdec_engine_step_seconds", "time in the engine's own steps (vLLM)", registry=r)
+        self._engine_seen = (0, 0.0)
         self.queue_time = Histogram(
             "specdec_queue_seconds", "wait in the batch queue per round", buckets=LATENCY_BUCKETS_S, registry=r
         )
@@ -137,6 +141,14 @@ class VerifierMetrics:
             if new > 0:
                 self.evicted_sessions.labels(reason).inc(new)
                 self._evictions_seen[reason] = total
+
+    def record_engine_steps(self, steps: int, seconds: float) -> None:
+        """The engine's own step totals, as they stand now."""
+        seen_steps, seen_seconds = self._engine_seen
+        if steps > seen_steps:
+            self.engine_steps.inc(steps - seen_steps)
+            self.engine_step_time.inc(max(seconds - seen_seconds, 0.0))
+            self._engine_seen = (steps, seconds)
 
     def set_sessions(self, count: int, kv_bytes: int) -> None:
         self.open_sessions.set(count)

@@ -10,6 +10,7 @@ from importlib import metadata
 
 from cloud.auth import ApiKeys, Caller
 from cloud.batcher import BatchLimits, ForwardBatcher
+from cloud.engine import LiveSessions
 from cloud.live import LiveStats
 from cloud.logs import RefusalLog
 from cloud.metrics import VerifierMetrics
@@ -164,4 +165,6 @@ class ServerState:
         if caller.sees_all:
             self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))
         self.metrics.record_evictions(store.eviction_totals())
+        if isinstance(self.verifier.engine, LiveSessions):
+            self.metrics.record_engine_steps(*self.verifier.engine.own_steps())
         return rows

@@ -12,8 +12,11 @@
 # live_rounds/ (each a JSON result and report.md, written level by level) and both servers' logs.
 #
 # Environment (defaults): STREAMS (1,24,64), PROMPT_TOKENS (200), NEW_TOKENS (256), REPEATS (3), ROUND_SESSIONS
-# (1,16), GPU_SHARE (0.4), KV_BYTES (16000000000), MAX_CONTEXT (4096), VERIFIER_FLAGS (more cloud-verifier flags),
-# PYTHON (python3), READY_TIMEOUT_S (400), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092), EAGER=1 (both engines without
+# (1,16; empty: no rounds), GPU_SHARE (0.4), KV_BYTES (16000000000), MAX_CONTEXT (4096), VERIFIER_FLAGS (more
+# cloud-verifier flags), VARIANTS (none: more verifiers beside the first, measured side by side in the same run,
+# each "LABEL SWITCH_S [FLAGS...]", separated by ';': SWITCH_S is Python's thread switch interval in its process,
+# '-' for the default; FLAGS are more cloud-verifier flags), PYTHON (python3), READY_TIMEOUT_S (400),
+# PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092; the variants take the next odd ports), EAGER=1 (the engines without
 # compiled graphs: for a dry run on a CPU).
 set -euo pipefail
 model=$1 out=$2
@@ -36,14 +39,25 @@ source "$(dirname "$0")/gpu_servers.sh"
 trap stop_servers EXIT
 trap 'exit 143' TERM INT
 start_servers
+clouds="cloud_only=127.0.0.1:$port" metrics="http://127.0.0.1:$http_port/metrics"
+IFS=';' read -r -a variants <<< "${VARIANTS:-}"
+for i in "${!variants[@]}"; do
+    read -r label switch flags <<< "${variants[i]}"
+    read -r -a flags <<< "${flags:-}"
+    grpc=$((port + 2 * (i + 1))) http=$((http_port + 2 * (i + 1)))
+    start_verifier "$out/verifier-$label.log" "$grpc" "$http" "$switch" "${flags[@]}"
+    clouds+=",$label=127.0.0.1:$grpc" metrics+=",http://127.0.0.1:$http/metrics"
+done
 wait_servers || exit 1
 [ "$vllm_up" = 1 ] || exit 1
-say "streams: ${STREAMS:-1,24,64}"
-$py -m bench.studies.stream_parity --cloud "127.0.0.1:$port" --vllm-url "http://127.0.0.1:$vllm_port" \
+say "streams: ${STREAMS:-1,24,64} on $clouds"
+$py -m bench.studies.stream_parity --cloud "$clouds" --metrics "$metrics" --vllm-url "http://127.0.0.1:$vllm_port" \
     --streams "${STREAMS:-1,24,64}" --prompt-tokens "${PROMPT_TOKENS:-200}" --new-tokens "${NEW_TOKENS:-256}" \
     --repeats "${REPEATS:-3}" --vocab "$vocab" --out "$out/stream_parity"
 stop_servers
-say "a round against a decode step: ${ROUND_SESSIONS:-1,16} sessions"
-$py -m bench.studies.vllm_live_rounds --target "$model" --load-format dummy --sessions "${ROUND_SESSIONS:-1,16}" --k 4 \
-    --gpu-memory 0.5 --out "$out/live_rounds"
+if [ -n "${ROUND_SESSIONS-1,16}" ]; then
+    say "a round against a decode step: ${ROUND_SESSIONS-1,16} sessions"
+    $py -m bench.studies.vllm_live_rounds --target "$model" --load-format dummy --sessions "${ROUND_SESSIONS-1,16}" --k 4 \
+        --gpu-memory 0.5 --out "$out/live_rounds"
+fi
 say "done"

@@ -4,37 +4,58 @@
 #
 # start_servers: needs py, model, out, port, http_port, vllm_port, share, kv, context, load (the weights vLLM's
 # server reads: dummy or auto), engine_flags (the verifier's engine flags), eager (an array, maybe empty) and
-# say(); logs go to $out/verifier.log and $out/vllm.log, the pids to pids. wait_servers: waits until both answer
-# (READY_TIMEOUT_S, default 400); fails when the verifier does not; sets vllm_up (0: vLLM's server did not start).
-# stop_servers: ends both.
+# say(); logs go to $out/verifier.log and $out/vllm.log, the pids to pids. start_verifier LOG PORT HTTP_PORT
+# SWITCH_S [FLAGS...]: one more verifier (SWITCH_S: Python's thread switch interval in its process, sys.
+# setswitchinterval; "-": Python's default). wait_servers: waits until every verifier and vLLM's server answer
+# (READY_TIMEOUT_S, default 400); fails when a verifier does not; sets vllm_up (0: vLLM's server did not start).
+# stop_servers: ends them all.
 
 pids=()
+verifier_http=() verifier_log=() verifier_pid=()
+start_verifier() {
+    local log=$1 grpc=$2 http=$3 switch=$4
+    shift 4
+    local run=(-m cloud)
+    [ "$switch" = - ] || run=(-c "import runpy, sys; sys.setswitchinterval($switch); sys.argv[0] = 'cloud'; runpy.run_module('cloud', run_name='__main__', alter_sys=True)")
+    $py "${run[@]}" "${engine_flags[@]}" --model "$model" --dtype bfloat16 --port "$grpc" --http-port "$http" \
+        --max-context-tokens "$context" --max-sessions 2048 --max-batch-size 256 --max-queue 8192 \
+        --prefer-speculation-above "${PREFER_ABOVE:-16}" "$@" > "$log" 2>&1 &
+    pids+=($!)
+    verifier_http+=("$http") verifier_log+=("$log") verifier_pid+=($!)
+}
+
 start_servers() {
     say "starting cloud-verifier (${engine_flags[*]:0:2}) and vLLM's own server on $model ($load weights)"
-    $py -m cloud "${engine_flags[@]}" --model "$model" --dtype bfloat16 --port "$port" --http-port "$http_port" \
-        --max-context-tokens "$context" --max-sessions 2048 --max-batch-size 256 --max-queue 8192 \
-        --prefer-speculation-above "${PREFER_ABOVE:-16}" > "$out/verifier.log" 2>&1 &
-    pids+=($!)
+    start_verifier "$out/verifier.log" "$port" "$http_port" -
     $py -m vllm.entrypoints.openai.api_server --model "$model" --load-format "$load" --dtype bfloat16 --port "$vllm_port" \
         --host 127.0.0.1 --tensor-parallel-size "${TP:-1}" --gpu-memory-utilization "$share" --kv-cache-memory-bytes "$kv" \
         --max-model-len "$((context + 1))" --max-num-seqs 512 --served-model-name target "${eager[@]}" > "$out/vllm.log" 2>&1 &
+    vllm_pid=$!
     pids+=($!)
 }
 
 _ready() { $py -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
 
 wait_servers() {
-    local verifier_up=0 _
+    local up=() i _ all
     vllm_up=0
     for _ in $(seq 1 "${READY_TIMEOUT_S:-400}"); do  # vLLM compiles its graphs first: minutes
-        [ $verifier_up = 1 ] || ! _ready "http://127.0.0.1:$http_port/readyz" || { verifier_up=1; say "verifier ready"; }
+        all=1
+        for i in "${!verifier_http[@]}"; do
+            [ "${up[i]:-0}" = 1 ] && continue
+            if _ready "http://127.0.0.1:${verifier_http[i]}/readyz"; then up[i]=1; say "verifier :${verifier_http[i]} ready"; else all=0; fi
+        done
         [ $vllm_up = 1 ] || ! _ready "http://127.0.0.1:$vllm_port/v1/models" || { vllm_up=1; say "vLLM server ready"; }
-        [ $verifier_up = 1 ] && [ $vllm_up = 1 ] && break
-        kill -0 "${pids[0]}" 2>/dev/null || [ $verifier_up = 1 ] || { say "the verifier exited:"; tail -n 30 "$out/verifier.log"; return 1; }
-        kill -0 "${pids[1]}" 2>/dev/null || [ $vllm_up = 1 ] || break
+        [ $all = 1 ] && [ $vllm_up = 1 ] && break
+        for i in "${!verifier_http[@]}"; do
+            kill -0 "${verifier_pid[i]}" 2>/dev/null || [ "${up[i]:-0}" = 1 ] || { say "a verifier exited:"; tail -n 30 "${verifier_log[i]}"; return 1; }
+        done
+        kill -0 "$vllm_pid" 2>/dev/null || [ $vllm_up = 1 ] || { [ $all = 1 ] && break; }
         sleep 1
     done
-    [ $verifier_up = 1 ] || { say "the verifier did not become ready"; tail -n 30 "$out/verifier.log"; return 1; }
+    for i in "${!verifier_http[@]}"; do
+        [ "${up[i]:-0}" = 1 ] || { say "the verifier on :${verifier_http[i]} did not become ready"; tail -n 30 "${verifier_log[i]}"; return 1; }
+    done
     [ $vllm_up = 1 ] || { say "vLLM's own server did not start"; tail -n 30 "$out/vllm.log"; }
 }
 
@@ -42,5 +63,5 @@ stop_servers() {
     local p
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
     for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-    pids=()
+    pids=() verifier_http=() verifier_log=() verifier_pid=()
 }

@@ -7,19 +7,28 @@ through the edge's own client); vLLM's are streaming `/v1/completions` calls wit
 `ignore_eos` (bench/loadtest_vllm.py's client). Both servers run on the same machine with the
 same model (tools/gpu_parity.sh starts them, on a GPU). A level starts its N streams at once;
 its throughput is every token over the time from the first start to the last token; TTFT and
-TPOT are per stream (TPOT: time after the first token over the tokens after it). Each level is
-measured `--repeats` times per server, the servers in turn; the median run is reported.
+TPOT are per stream (TPOT: time after the first token over the tokens after it); tokens a
+delivery is how many tokens a chunk (an SSE event) carried. Each level is measured `--repeats`
+times per server, the servers in turn; the median run is reported.
+
+`--cloud` may name several verifiers (LABEL=HOST:PORT, comma-separated: variants of one
+setting, side by side). With `--metrics` (their /metrics URLs, in the same order) each verifier
+row also says how many steps its engine ran in the level and how long a step took
+(specdec_engine_steps_total, specdec_engine_step_seconds_total: the vLLM engine).
 
     python -m bench.studies.stream_parity --cloud 127.0.0.1:50071 --vllm-url http://127.0.0.1:8092 \\
-        [--streams 1,24,64] [--prompt-tokens 200] [--new-tokens 256] [--vocab 151936] [--out docs/stream_parity]
+        [--metrics http://127.0.0.1:8091/metrics] [--streams 1,24,64] [--prompt-tokens 200] [--new-tokens 256] \\
+        [--vocab 151936] [--out docs/stream_parity]
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -41,7 +50,8 @@ Stream = Callable[[list[int]], AsyncIterator[int]]  # a prompt -> how many token
 class StreamParitySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_STREAM_PARITY_")
 
-    cloud: str = Field(description="the verifier's HOST:PORT")
+    cloud: str = Field(description="the verifier's HOST:PORT, or several as LABEL=HOST:PORT, comma-separated")
+    metrics: str = Field("", description="the verifiers' /metrics URLs (loopback), comma-separated, in --cloud's order")
     vllm_url: str = Field(description="vLLM's own server, http://HOST:PORT")
     streams: str = Field("1,24,64", description="concurrent streams per level, comma-separated")
     prompt_tokens: int = Field(200, ge=1, description="prompt tokens of each stream (random ids)")
@@ -52,7 +62,7 @@ class StreamParitySettings(BaseSettings):
     out: Path = Field(Path("docs/stream_parity"), description="folder for the JSON result and report.md")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "servers": ("cloud", "vllm_url", "ready_timeout"),
+        "servers": ("cloud", "metrics", "vllm_url", "ready_timeout"),
         "streams": ("streams", "prompt_tokens", "new_tokens", "vocab", "repeats"),
         "output": ("out",),
     }
@@ -73,40 +83,75 @@ def vllm_stream(server: PeerServer, new_tokens: int) -> Stream:
     return stream
 
 
-async def _one(stream: Stream, prompt: list[int]) -> tuple[float, float, int]:
-    """One stream: when its first token came, when its last did (perf_counter), its tokens."""
+async def _one(stream: Stream, prompt: list[int]) -> tuple[float, float, int, int]:
+    """One stream: when its first token came, when its last did (perf_counter), its tokens and
+    deliveries."""
     first = last = 0.0
-    tokens = 0
+    tokens = deliveries = 0
     async for n in stream(prompt):
         last = time.perf_counter()
         first = first or last
         tokens += n
-    return first, last, tokens
+        deliveries += 1
+    return first, last, tokens, deliveries
 
 
-async def level(stream: Stream, prompts: list[list[int]]) -> dict[str, float]:
+ENGINE_COUNTERS = ("specdec_engine_steps_total", "specdec_engine_step_seconds_total")
+
+
+def engine_steps(url: str) -> tuple[float, float] | None:
+    """(steps, seconds) the verifier's engine ran so far, from its /metrics; None without a URL."""
+    if not url:
+        return None
+    with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 (a loopback URL the caller gave)
+        text = reply.read().decode()
+    found = [re.search(rf"^{name} (\S+)$", text, re.MULTILINE) for name in ENGINE_COUNTERS]
+    if found[0] is None or found[1] is None:
+        return None
+    return float(found[0][1]), float(found[1][1])
+
+
+async def level(stream: Stream, prompts: list[list[int]], metrics: str = "") -> dict[str, float]:
     """Every prompt streamed at once."""
+    before = await asyncio.to_thread(engine_steps, metrics)
     start = time.perf_counter()
     runs = await asyncio.gather(*(_one(stream, p) for p in prompts))
-    end = max(last for _, last, _ in runs)
-    tokens = sum(n for _, _, n in runs)
-    tpots = [(last - first) * 1000.0 / (n - 1) for first, last, n in runs if n > 1]
-    return {
+    end = max(last for _, last, _, _ in runs)
+    tokens = sum(n for _, _, n, _ in runs)
+    tpots = [(last - first) * 1000.0 / (n - 1) for first, last, n, _ in runs if n > 1]
+    row = {
         "tokens": tokens,
         "seconds": round(end - start, 4),
         "tok_s": round(tokens / (end - start), 1),
-        "ttft_ms_median": round(statistics.median((first - start) * 1000.0 for first, _, _ in runs), 2),
+        "ttft_ms_median": round(statistics.median((first - start) * 1000.0 for first, _, _, _ in runs), 2),
         "tpot_ms_median": round(statistics.median(tpots), 3) if tpots else 0.0,
+        "tokens_per_delivery": round(tokens / max(sum(d for _, _, _, d in runs), 1), 3),
     }
+    after = await asyncio.to_thread(engine_steps, metrics)
+    if before is not None and after is not None and after[0] > before[0]:
+        row["engine_steps"] = after[0] - before[0]
+        row["engine_step_ms_mean"] = round((after[1] - before[1]) * 1000.0 / (after[0] - before[0]), 3)
+    return row
+
+
+def verifiers(args: StreamParitySettings) -> list[tuple[str, str, str]]:
+    """(label, address, metrics URL) of each verifier --cloud names."""
+    items = [item.strip() for item in args.cloud.split(",") if item.strip()]
+    urls = [url.strip() for url in args.metrics.split(",")] if args.metrics else []
+    found = []
+    for i, item in enumerate(items):
+        label, _, address = item.rpartition("=")
+        found.append((label or "cloud_only", address, urls[i] if i < len(urls) else ""))
+    return found
 
 
 async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
-    client = VerifierClient(args.cloud, verify_timeout_s=600.0)  # the verifier answers (tools/gpu_parity.sh waits for it)
     server = await PeerServer.from_url(args.vllm_url).wait_ready(args.ready_timeout)
-    systems = {
-        "vllm_alone": vllm_stream(server, args.new_tokens),
-        "cloud_only": verifier_stream(client, args.vocab, args.new_tokens),
-    }
+    clients = [(label, VerifierClient(address, verify_timeout_s=600.0), url) for label, address, url in verifiers(args)]
+    systems = {"vllm_alone": (vllm_stream(server, args.new_tokens), "")}
+    for label, client, url in clients:  # each verifier answers (tools/gpu_parity.sh waits for them)
+        systems[label] = (verifier_stream(client, args.vocab, args.new_tokens), url)
+    result["systems"] = list(systems)
     rng = np.random.default_rng(0)
     high = min(args.vocab, 30_000)
 
@@ -114,23 +159,25 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
         return [rng.integers(min(100, high // 2), high, size=args.prompt_tokens).tolist() for _ in range(n)]
 
     try:
-        for stream in systems.values():  # warm-up: each server's first streams
+        for stream, _ in systems.values():  # warm-up: each server's first streams
             await level(stream, prompts(4))
         for count in (int(n) for n in args.streams.split(",")):
             same = prompts(count)
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
             for _ in range(args.repeats):
-                for name, stream in systems.items():
-                    runs[name].append(await level(stream, same))
+                for name, (stream, url) in systems.items():
+                    runs[name].append(await level(stream, same, url))
             row: dict[str, Any] = {"streams": count}
             for name, measured in runs.items():
                 row[name] = sorted(measured, key=lambda r: r["tok_s"])[len(measured) // 2]
                 row[name]["tok_s_runs"] = [r["tok_s"] for r in measured]
-            row["cloud_only_over_vllm_alone"] = round(row["cloud_only"]["tok_s"] / row["vllm_alone"]["tok_s"], 3)
+            for label, _, _ in clients:
+                row[label]["over_vllm_alone"] = round(row[label]["tok_s"] / row["vllm_alone"]["tok_s"], 3)
             result["rows"].append(row)
             write_result(args.out, "stream_parity", result, report(result))  # each level as it comes
     finally:
-        await client.close()
+        for _, client, _ in clients:
+            await client.close()
 
 
 def report(result: dict[str, Any]) -> str:
@@ -140,17 +187,18 @@ def report(result: dict[str, Any]) -> str:
         f"{machine_line(result['provenance']['machine'])}; {result['prompt_tokens']} prompt tokens and "
         f"{result['new_tokens']} generated tokens a stream, greedy; median of {result['repeats']} runs a level.",
         "",
-        "| streams | vLLM alone, tok/s | verifier cloud_only, tok/s | ratio | TPOT median, vLLM / verifier, ms |"
-        " TTFT median, vLLM / verifier, ms |",
-        "|---|---|---|---|---|---|",
+        "| streams | system | tok/s | / vLLM alone | TPOT median, ms | TTFT median, ms | tokens a delivery |"
+        " engine steps | ms an engine step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        alone, ours = row["vllm_alone"], row["cloud_only"]
-        lines.append(
-            f"| {row['streams']} | {alone['tok_s']:,.0f} | {ours['tok_s']:,.0f} | {row['cloud_only_over_vllm_alone']:.2f}x | "
-            f"{alone['tpot_ms_median']:.2f} / {ours['tpot_ms_median']:.2f} | "
-            f"{alone['ttft_ms_median']:.0f} / {ours['ttft_ms_median']:.0f} |"
-        )
+        for name in result["systems"]:
+            m = row[name]
+            steps = f"{m['engine_steps']:,.0f} | {m['engine_step_ms_mean']:.2f}" if "engine_steps" in m else "– | –"
+            lines.append(
+                f"| {row['streams']} | {name} | {m['tok_s']:,.0f} | {m.get('over_vllm_alone', 1.0):.2f}x | "
+                f"{m['tpot_ms_median']:.2f} | {m['ttft_ms_median']:.0f} | {m['tokens_per_delivery']:.2f} | {steps} |"
+            )
     return "\n".join(lines) + "\n\nCommand: `" + result["provenance"]["command"] + "`\n"
 
 

@@ -159,6 +159,11 @@ class LiveSessions(Protocol):
         decoding on its own (its steps go on one at a time)."""
         ...
 
+    def own_steps(self) -> tuple[int, float]:
+        """The steps the engine ran so far (for passes and for followed streams alike) and the
+        seconds they took."""
+        ...
+
     def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
         """The target's last `keep` rows of logits [keep, logits_width] for `block` after the
         first `length` tokens of kv's session, leaving kv as it is (a round that asks for the

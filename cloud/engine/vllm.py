@@ -152,6 +152,7 @@ class VllmRuntime:
         self._failed: str | None = None  # why vLLM can run no more steps
         self._closing = threading.Event()
         self.steps = 0  # vLLM steps run
+        self.step_seconds = 0.0  # and the time they took
         self._closer = weakref.finalize(self, _shutdown, self.llm, self._thread, self._closing)
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -287,6 +288,7 @@ class VllmRuntime:
                 self._unfollow(followed, VerifierFault(self._failed))
             raise VerifierFault(self._failed) from err
         step_ms = (time.perf_counter() - start) * 1000.0
+        self.step_seconds += step_ms / 1000.0
         for output in outputs:
             live = self._live.get(output.request_id)
             if live is not None:
@@ -571,6 +573,9 @@ class VllmEngine:
             return False
         self.runtime.call(self.runtime.follow, live, position, sink)
         return True
+
+    def own_steps(self) -> tuple[int, float]:
+        return self.runtime.steps, self.runtime.step_seconds
 
     def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
         """Full rows from requests of their own under the session's cache salt (its whole
