@@ -101,6 +101,7 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
         enforce_eager=settings.enforce_eager,
         load_format=settings.load_format,
         max_draft_tokens=max(settings.max_draft_tokens, 1),  # vLLM's speculative tokens a step
+        pad_decode=settings.pad_decode_steps,
     )
     engine = VllmEngine(VllmRuntime(options))
     log_event(log, logging.INFO, f"vLLM on {folder}, {dtype.name} ({dtype.reason})", engine="vllm", dtype=dtype.name)

@@ -85,6 +85,8 @@ class VllmOptions:
     seed: int = 0
     load_format: str = "auto"  # dummy: vLLM's random weights in the folder's shapes (capacity measurements)
     max_draft_tokens: int = 16  # drafts a round may verify (vLLM's speculative tokens per step)
+    pad_decode: bool = False  # steps of requests decoding on their own padded to K drafts, for vLLM's full CUDA graph
+    pad_limit: int = 0  # the most tokens such a step may have (0: vLLM's largest CUDA graph)
 
 
 class VllmRuntime:
@@ -140,6 +142,8 @@ class VllmRuntime:
             self._thread.shutdown()
             raise ConfigError(f"vLLM could not start on {options.model}: {str(err)[:300]}") from err
         self.scheduler: LiveScheduler = self.llm.engine_core.engine_core.scheduler
+        if options.pad_decode:
+            self.scheduler.pad_limit = options.pad_limit or _largest_graph(self.llm.vllm_config)
         self.options = options
         self.device = "cpu" if cpu else "cuda"
         self._ids = itertools.count()
@@ -385,6 +389,16 @@ def _positions(folder: str) -> int:
     path = Path(folder) / "config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     return int(config.get("max_position_embeddings") or sys.maxsize)
+
+
+def _largest_graph(config: Any) -> int:
+    """The most tokens of a step vLLM runs as one full CUDA graph (0: none, as on a CPU or with
+    --enforce-eager)."""
+    compilation = config.compilation_config
+    mode = compilation.cudagraph_mode
+    if config.model_config.enforce_eager or mode is None or not mode.has_full_cudagraphs():
+        return 0
+    return int(compilation.max_cudagraph_capture_size or 0)
 
 
 def _shutdown(llm: Any, thread: ThreadPoolExecutor, closing: threading.Event) -> None:

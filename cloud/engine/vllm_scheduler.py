@@ -10,6 +10,14 @@ for a number of tokens:
   stop token.
 After the work's tokens the request is parked again.
 
+A step whose requests all decode on their own (streams, stretches) or carry K drafts can run
+as one uniform batch of 1 + K tokens a request, for which vLLM keeps its full CUDA graph (a
+step of one token a request runs its piecewise graph). Where `pad_limit` allows (that many
+tokens at most: the largest full graph), the requests decoding on their own get K drafts of
+their last token as pads. A pad is a draft like any other, verified by the rejection sampler
+(a point draft: exact, greedy or not): a rejected one costs nothing more, an accepted one is
+a token decoded ahead.
+
 vLLM loads this class in its engine core (`scheduler_cls`) and the verifier reaches it in the
 same process (the engine core runs in-process: cloud/engine/vllm.py). The scheduler API is
 vLLM's internal one; the vLLM versions this runs on are pinned (pyproject.toml).
@@ -45,6 +53,7 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         super().__init__(*args, **kwargs)
         self.parked: dict[str, Request] = {}
         self.work: dict[str, LiveWork] = {}
+        self.pad_limit = 0  # the most tokens a step padded to 1 + K a request may have (0: no pads)
 
     # ---- what the verifier calls ------------------------------------------------------------
 
@@ -83,15 +92,42 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         """Drafts come from the edge (wake), never from a proposer."""
 
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._pad_own_decoding()
+        return super().schedule(*args, **kwargs)
+
+    def _pad_own_decoding(self) -> None:
+        """K pads on each request decoding on its own, when that makes the step a uniform batch
+        (every running request decodes, with K drafts or on its own; nothing waits) that fits
+        pad_limit."""
+        k = self.num_spec_tokens
+        if not self.pad_limit or not k or self.get_request_counts()[1] or len(self.running) * (1 + k) > self.pad_limit:
+            return
+        own = []
+        for request in self.running:
+            if request.num_computed_tokens != request.num_tokens - 1:  # a prefill, or a pass's request
+                return
+            if request.spec_token_ids:
+                if len(request.spec_token_ids) != k:  # a round of fewer drafts: no uniform batch
+                    return
+            elif request.request_id in self.work:
+                own.append(request)
+            else:
+                return
+        for request in own:
+            request.spec_token_ids = [request.all_token_ids[-1]] * k
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        before = {rid: self.requests[rid].num_tokens for rid in scheduler_output.num_scheduled_tokens if rid in self.work}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         done = set()
-        for request_id in scheduler_output.num_scheduled_tokens:
+        for request_id, length in before.items():
             work = self.work.get(request_id)
             request = self.requests.get(request_id)
             if work is None or request is None or request.status != RequestStatus.RUNNING:
                 continue
-            if request.num_tokens >= work.until or request.all_token_ids[-1] in work.stops:
+            new = request.all_token_ids[length:]  # one token, or more where drafts (pads) passed
+            if request.num_tokens >= work.until or work.stops.intersection(new):
                 done.add(request)
         if done:
             self.running = remove_all(self.running, done)

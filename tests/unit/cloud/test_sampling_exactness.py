@@ -140,3 +140,37 @@ def test_point_mode_with_ngram_drafts_follows_target(pair) -> None:
     counts = _sample_two_tokens(pair, AcceptMode.POINT, 3, drafter=NGramDrafter(store))
     assert counts.view(V, V).sum(dim=1)[5] > 0
     assert _pvalue(counts, joint) > 1e-3
+
+
+@pytest.mark.vllm
+def test_generate_on_vllm_with_pad_drafts_follows_target(vllm_pair) -> None:  # type: ignore[no-untyped-def]
+    """With steps padded to K drafts of the last token (--pad-decode-steps), a stream's second
+    token is an accepted pad or the rejection sampler's correction: still the target's."""
+    target, _, folder = vllm_pair
+    joint = _two_token_reference(target)
+    engine = vllm_engine(folder)
+    verifier = Verifier(engine, "tiny")
+    scheduler = engine.runtime.scheduler  # type: ignore[attr-defined]
+    scheduler.pad_limit = 1024
+    padded = 0
+    schedule = scheduler.schedule
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal padded
+        out = schedule(*args, **kwargs)
+        padded += len(out.scheduled_spec_decode_tokens)
+        return out
+
+    scheduler.schedule = counting
+    counts = torch.zeros(V * V)
+    try:
+        for trial in range(TRIALS):
+            chunks = verifier.generate(GenerateRequest(PROMPT, SessionConfig(PARAMS, trial, vocab_size=V), 2))
+            first, second = [t for chunk in chunks for t in chunk.tokens][:2]
+            counts[first * V + second] += 1
+    finally:
+        scheduler.pad_limit = 0
+        del scheduler.schedule
+    assert padded >= TRIALS  # every stream's second step ran with pads
+    assert _pvalue(counts, joint) > 1e-3
+    assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1

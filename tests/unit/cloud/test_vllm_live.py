@@ -256,3 +256,43 @@ def failing_engine(folder: str) -> None:
     print(f"verifier stops: {verifier.engine.failure()}", flush=True)  # noqa: T201  # read by the test
     assert str(stopped.value).startswith("vLLM's engine failed in a step (")
     runtime.close()
+
+
+@pytest.fixture
+def padded(verifier: Verifier) -> Any:
+    """Steps of requests decoding on their own padded to K drafts (--pad-decode-steps), with a
+    count of the requests each step padded."""
+    scheduler = _engine(verifier).runtime.scheduler
+    scheduler.pad_limit = 1024
+    counts: list[int] = []
+    schedule = scheduler.schedule
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        counts.append(len(out.scheduled_spec_decode_tokens))
+        return out
+
+    scheduler.schedule = counting  # type: ignore[method-assign]
+    yield counts
+    scheduler.pad_limit = 0
+    del scheduler.schedule
+
+
+def test_steps_padded_to_k_drafts_decode_the_target_s_own_tokens(verifier: Verifier, target: Any, padded: list[int]) -> None:
+    """Two streams and a stretch at once, their steps padded: every token is the target's greedy
+    continuation, the stretch parks at its stop token, and the steps ran with pads."""
+    prompts = [_tokens(21, 30), _tokens(22, 17)]
+    expected = [greedy_continuation(target, p, 16) for p in prompts]
+    assert [_generated(verifier, GenerateRequest(p, SessionConfig(vocab_size=VOCAB), 16)) for p in prompts] == expected
+    prompt = _tokens(23, 25)
+    continuation = greedy_continuation(target, prompt, 12)
+    session_id, position = _open(verifier, prompt)
+    stop = continuation[6]
+    stretch = DecodeStretchStep(10, frozenset({stop}))
+    tokens: list[int] = []
+    while not tokens or tokens[-1] != stop:
+        result = verifier._run_alone(verifier.begin_verify(VerifyRequest(session_id, position, []), "", stretch), 0.0)
+        tokens.append(result.next_token)
+        position = result.new_base_position
+    assert tokens == continuation[: len(tokens)] and _parked(verifier, session_id)
+    assert sum(padded) > 0
