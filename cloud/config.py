@@ -56,9 +56,10 @@ class VerifierSettings(BaseSettings):
         False, description="--engine vllm: no compiled graphs (starts in seconds where compiling takes minutes; slower steps)"
     )
     pad_decode_steps: bool = Field(
-        False,
+        True,
         description="--engine vllm on a GPU: a step of streams and stretches only gets K pad drafts a request (their "
-        "last token, verified like any draft) so that it runs vLLM's full CUDA graph instead of its piecewise one",
+        "last token, verified like any draft) so that it runs vLLM's full CUDA graph instead of its piecewise one "
+        "(where the step still fits the largest graph)",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="--engine vllm on a GPU: the share of each GPU's memory vLLM takes (weights and KV)"

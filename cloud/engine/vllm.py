@@ -85,7 +85,7 @@ class VllmOptions:
     seed: int = 0
     load_format: str = "auto"  # dummy: vLLM's random weights in the folder's shapes (capacity measurements)
     max_draft_tokens: int = 16  # drafts a round may verify (vLLM's speculative tokens per step)
-    pad_decode: bool = False  # steps of requests decoding on their own padded to K drafts, for vLLM's full CUDA graph
+    pad_decode: bool = True  # steps of requests decoding on their own padded to K drafts, for vLLM's full CUDA graph
     pad_limit: int = 0  # the most tokens such a step may have (0: vLLM's largest CUDA graph)
 
 
