@@ -5,13 +5,25 @@ written (its example commands keep their line breaks)."""
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import TypeVar
 
 from pydantic_settings import BaseSettings
 
-from shared.cli import add_settings_flags
+from shared.cli import add_settings_flags, settings_from_args
+
+S = TypeVar("S", bound=BaseSettings)
 
 
 def settings_parser(prog: str, doc: str | None, settings_cls: type[BaseSettings]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_settings_flags(parser, settings_cls)
     return parser
+
+
+def study_settings(module: str, doc: str | None, settings_cls: type[S], argv: list[str] | None) -> tuple[S, str]:
+    """A study's settings from its command line (`python -m MODULE ...`), and that command as
+    its result records it."""
+    prog = f"python -m {module}"
+    settings = settings_from_args(settings_cls, settings_parser(prog, doc, settings_cls).parse_args(argv))
+    return settings, " ".join([prog, *(argv if argv is not None else sys.argv[1:])])

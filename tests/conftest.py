@@ -57,7 +57,7 @@ def vllm_target(tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-de
 def target_engine(request, target_model, tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-def]
     """The tiny target in each verifier engine: call it for a fresh Engine. Session-scoped so that
     module fixtures (a served verifier) can take it; every call builds a new Engine. vLLM runs
-    its own tiny target, from its own venv."""
+    its own tiny target (of the shape its CPU attention runs)."""
     if request.param == "vllm":
         return request.getfixturevalue("vllm_target")  # type: ignore[no-any-return]
     return _forward_pass_target(request.param, target_model, tmp_path_factory)

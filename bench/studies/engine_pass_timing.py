@@ -28,10 +28,9 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bench.cli import settings_parser
+from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
 from cloud.engine import Engine, KVRequest
-from shared.cli import settings_from_args
 
 
 class PassTimingSettings(BaseSettings):
@@ -213,12 +212,10 @@ def _report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = settings_parser("python -m bench.studies.engine_pass_timing", __doc__, PassTimingSettings)
-    args = settings_from_args(PassTimingSettings, parser.parse_args(argv))
+    args, command = study_settings("bench.studies.engine_pass_timing", __doc__, PassTimingSettings, argv)
     counts = [int(n) for n in args.sessions.split(",")]
     engines = _engines(args, max(counts))
     vocab = min(m.engine.logits_width for m in engines)
-    command = "python -m bench.studies.engine_pass_timing " + " ".join(argv if argv is not None else sys.argv[1:])
     result: dict[str, Any] = {
         "provenance": provenance(command),
         "context": args.context,

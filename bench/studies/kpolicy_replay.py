@@ -30,12 +30,11 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bench.cli import settings_parser
+from bench.cli import study_settings
 from bench.environment import provenance, write_result
 from edge.drafting.feedback import RoundFeedback
 from edge.drafting.kpolicy import CostK, FixedK, KPolicy
 from edge.drafting.round_costs import RoundCosts
-from shared.cli import settings_from_args
 from shared.errors import ConfigError
 
 FIXED_KS = (2, 3, 4, 5, 6, 8)
@@ -146,11 +145,9 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = settings_parser("python -m bench.studies.kpolicy_replay", __doc__, ReplaySettings)
-    s = settings_from_args(ReplaySettings, parser.parse_args(argv))
+    s, command = study_settings("bench.studies.kpolicy_replay", __doc__, ReplaySettings, argv)
     configs = dict(map(_parse_config, s.config))
     outputs = draft_match_runs(s)
-    command = "python -m bench.studies.kpolicy_replay " + " ".join(argv if argv is not None else sys.argv[1:])
     result: dict[str, Any] = {"provenance": provenance(command), "prompts": len(outputs), "configs": {}}
     for name, cost in configs.items():
         result["configs"][name] = {"costs": vars(cost), "rates": compare(outputs, cost)}

@@ -23,11 +23,10 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bench.cli import settings_parser
+from bench.cli import study_settings
 from bench.environment import provenance
 from cloud.engine import KVRequest
 from cloud.engine.llamacpp import LlamaCppEngine
-from shared.cli import settings_from_args
 
 
 class InvarianceSettings(BaseSettings):
@@ -114,13 +113,11 @@ def measure(engine: LlamaCppEngine, prompts: list[list[int]], tokens: int, k: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = settings_parser("python -m bench.studies.llamacpp_invariance", __doc__, InvarianceSettings)
-    args = settings_from_args(InvarianceSettings, parser.parse_args(argv))
+    args, command = study_settings("bench.studies.llamacpp_invariance", __doc__, InvarianceSettings, argv)
     engine = LlamaCppEngine(args.gguf, threads=args.threads)
     prompts = _prompts(args.prompts, args.tokenizer, args.limit)
     context = max(len(p) for p in prompts) + args.tokens + args.k
     engine.plan_kv(KVRequest("packed", len(prompts), 1 << 40, context, 0))
-    command = "python -m bench.studies.llamacpp_invariance " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"provenance": provenance(command), **measure(engine, prompts, args.tokens, args.k)}
     out = args.out
     out.mkdir(parents=True, exist_ok=True)

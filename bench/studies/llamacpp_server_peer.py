@@ -25,12 +25,12 @@ from typing import Any, ClassVar
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bench.cli import settings_parser
+from bench.cli import study_settings
 from bench.environment import machine_line, provenance
 from bench.fleet_parts import free_port
 from edge.prompts import encode_prompt, read_prompts
 from edge.tokenizer import EdgeTokenizer
-from shared.cli import run_cli, settings_from_args
+from shared.cli import run_cli
 
 
 class PeerSettings(BaseSettings):
@@ -120,14 +120,12 @@ def _report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = settings_parser("python -m bench.studies.llamacpp_server_peer", __doc__, PeerSettings)
-    args = settings_from_args(PeerSettings, parser.parse_args(argv))
+    args, command = study_settings("bench.studies.llamacpp_server_peer", __doc__, PeerSettings, argv)
 
     def run() -> int:
         tokenizer = EdgeTokenizer(args.tokenizer)
         prompts = [(p.id, encode_prompt(tokenizer, p.text, True)) for p in read_prompts(args.prompts)]
         args.out.mkdir(parents=True, exist_ok=True)
-        command = "python -m bench.studies.llamacpp_server_peer " + " ".join(argv if argv is not None else sys.argv[1:])
         runs = [_run(args, draft, prompts) for draft in (False, True)]
         result = {"provenance": provenance(command), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
         result["runs"] = runs

@@ -37,11 +37,10 @@ import numpy as np
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bench.cli import settings_parser
+from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
 from bench.loadtest_vllm import PeerServer
 from edge.transport.client import VerifierClient
-from shared.cli import settings_from_args
 from shared.protocol import GenerateRequest, SessionConfig
 
 Stream = Callable[[list[int]], AsyncIterator[int]]  # a prompt -> how many tokens each delivery carries
@@ -203,9 +202,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = settings_parser("python -m bench.studies.stream_parity", __doc__, StreamParitySettings)
-    args = settings_from_args(StreamParitySettings, parser.parse_args(argv))
-    command = "python -m bench.studies.stream_parity " + " ".join(argv if argv is not None else sys.argv[1:])
+    args, command = study_settings("bench.studies.stream_parity", __doc__, StreamParitySettings, argv)
     result: dict[str, Any] = {
         "provenance": provenance(command),
         "prompt_tokens": args.prompt_tokens,

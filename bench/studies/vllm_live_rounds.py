@@ -26,9 +26,8 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bench.cli import settings_parser
+from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
-from shared.cli import settings_from_args
 
 
 class LiveRoundSettings(BaseSettings):
@@ -163,9 +162,7 @@ def _report(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import vllm
 
-    parser = settings_parser("python -m bench.studies.vllm_live_rounds", __doc__, LiveRoundSettings)
-    args = settings_from_args(LiveRoundSettings, parser.parse_args(argv))
-    command = "python -m bench.studies.vllm_live_rounds " + " ".join(argv if argv is not None else sys.argv[1:])
+    args, command = study_settings("bench.studies.vllm_live_rounds", __doc__, LiveRoundSettings, argv)
     result: dict[str, Any] = {
         "provenance": provenance(command),
         "vllm": vllm.__version__,

@@ -94,43 +94,19 @@ class VllmRuntime:
     and the requests of one pass at a time. vLLM runs on one thread of its own, as in its own
     engine-core process (its CPU kernels read per-thread OpenMP settings it makes when it
     starts): every call into it goes through `call`, which also makes callers from several
-    threads (engines sharing it in tests) take turns."""
+    threads (engines sharing it in tests) take turns. While a stream follows a live request
+    (`follow`), vLLM also steps on that thread by itself (the pump), one step at a time between
+    the other calls, and each step's new tokens go to the streams' sinks."""
 
     def __init__(self, options: VllmOptions) -> None:
-        from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
-
-        from cloud.engine.vllm_scheduler import LiveScheduler, NoDrafts
 
         cpu = not torch.cuda.is_available()
         if not cpu:  # workers of a target over several GPUs: the verifier may have touched CUDA
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         # The context, and the one token a request samples; at most the model's positions.
         self.max_context_tokens = min(options.max_context_tokens, _positions(options.model) - 1)
-        args = EngineArgs(
-            model=options.model,
-            dtype=options.dtype,
-            seed=options.seed,
-            max_model_len=self.max_context_tokens + 1,
-            max_num_seqs=min(max(options.max_sessions, 1) * 2, 1024),  # live sessions, and a pass's requests
-            block_size=options.block_size or (CPU_BLOCK if cpu else None),
-            enable_prefix_caching=True,
-            tensor_parallel_size=options.tensor_parallel_size,
-            gpu_memory_utilization=options.gpu_memory_utilization,
-            kv_cache_memory_bytes=(options.max_kv_bytes // options.tensor_parallel_size) or None,  # per GPU
-            enforce_eager=options.enforce_eager,
-            load_format=options.load_format,
-            max_logprobs=-1,  # full rows: every token's raw logit of a sampled row
-            logprobs_mode="raw_logits",  # the model's logits, before vLLM's own processors
-            disable_log_stats=True,
-            scheduler_cls=f"{LiveScheduler.__module__}.{LiveScheduler.__name__}",
-            # vLLM's rejection sampler and its 1 + K batch shapes; the drafts are the edge's.
-            speculative_config={
-                "method": "custom_class",
-                "model": f"{NoDrafts.__module__}.{NoDrafts.__name__}",
-                "num_speculative_tokens": options.max_draft_tokens,
-            },
-        )
+        args = _engine_args(options, self.max_context_tokens + 1, cpu)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm")
         self._ident = self._thread.submit(threading.get_ident).result()
         try:
@@ -389,6 +365,39 @@ def _positions(folder: str) -> int:
     path = Path(folder) / "config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     return int(config.get("max_position_embeddings") or sys.maxsize)
+
+
+def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
+    """vLLM's engine arguments for the verifier: live sessions (its scheduler), the edge's
+    drafts (a proposer of none), prefix caching, full rows of raw logits for the forward path."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from cloud.engine.vllm_scheduler import LiveScheduler, NoDrafts
+
+    return EngineArgs(
+        model=options.model,
+        dtype=options.dtype,
+        seed=options.seed,
+        max_model_len=max_model_len,
+        max_num_seqs=min(max(options.max_sessions, 1) * 2, 1024),  # live sessions, and a pass's requests
+        block_size=options.block_size or (CPU_BLOCK if cpu else None),
+        enable_prefix_caching=True,
+        tensor_parallel_size=options.tensor_parallel_size,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        kv_cache_memory_bytes=(options.max_kv_bytes // options.tensor_parallel_size) or None,  # per GPU
+        enforce_eager=options.enforce_eager,
+        load_format=options.load_format,
+        max_logprobs=-1,  # full rows: every token's raw logit of a sampled row
+        logprobs_mode="raw_logits",  # the model's logits, before vLLM's own processors
+        disable_log_stats=True,
+        scheduler_cls=f"{LiveScheduler.__module__}.{LiveScheduler.__name__}",
+        # vLLM's rejection sampler and its 1 + K batch shapes; the drafts are the edge's.
+        speculative_config={
+            "method": "custom_class",
+            "model": f"{NoDrafts.__module__}.{NoDrafts.__name__}",
+            "num_speculative_tokens": options.max_draft_tokens,
+        },
+    )
 
 
 def _largest_graph(config: Any) -> int:

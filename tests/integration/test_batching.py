@@ -242,3 +242,34 @@ def test_generate_streams_on_vllm_read_its_own_decoding_without_a_pass_a_token(v
         assert passes is not None and passes <= 4  # the first steps only (one a token: 24 here)
 
     asyncio.run(run())
+
+
+@pytest.mark.vllm
+def test_a_stream_cancelled_mid_way_ends_its_vllm_request_and_spares_the_others(vllm_target: TargetEngine) -> None:
+    """A client that drops its Generate stream after a few tokens: its live request is aborted,
+    vLLM stops stepping for it, and a stream beside it still gets every token of its own."""
+    expected = _alone(vllm_target, PROMPTS[1], 40)
+
+    async def run() -> None:
+        async with batching_verifier(vllm_target, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
+            runtime = state.verifier.engine.runtime  # type: ignore[union-attr]
+            dropped = client.generate(GenerateRequest(PROMPTS[0], SessionConfig(vocab_size=96), 200))
+            kept = asyncio.create_task(cloud_only_generate(PROMPTS[1], client, gen_config(max_new_tokens=40)))
+            got = 0
+            async for chunk in dropped:
+                got += len(chunk.tokens)
+                if got >= 3:
+                    break
+            requests = list(runtime._live.values())  # both streams' live requests
+            await dropped.aclose()
+            result = await kept
+            for _ in range(100):  # the abort reaches vLLM's thread through the model worker
+                if not runtime.busy() and not runtime._followed:
+                    break
+                await asyncio.sleep(0.05)
+            assert not runtime.busy() and not runtime._followed
+            assert all(live.engine_id not in runtime.scheduler.requests for live in requests)  # both ended
+            assert min(len(live.tokens) for live in requests) < len(PROMPTS[0]) + 100  # the dropped one soon
+        assert result.token_ids == expected
+
+    asyncio.run(run())
