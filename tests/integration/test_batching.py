@@ -253,6 +253,7 @@ def test_a_stream_cancelled_mid_way_ends_its_vllm_request_and_spares_the_others(
     async def run() -> None:
         async with batching_verifier(vllm_target, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
             runtime = state.verifier.engine.runtime  # type: ignore[union-attr]
+            others = set(runtime._live)  # the shared vLLM's requests of other tests
             dropped = client.generate(GenerateRequest(PROMPTS[0], SessionConfig(vocab_size=96), 200))
             kept = asyncio.create_task(cloud_only_generate(PROMPTS[1], client, gen_config(max_new_tokens=40)))
             got = 0
@@ -260,15 +261,19 @@ def test_a_stream_cancelled_mid_way_ends_its_vllm_request_and_spares_the_others(
                 got += len(chunk.tokens)
                 if got >= 3:
                     break
-            requests = list(runtime._live.values())  # both streams' live requests
+            requests = [live for request_id, live in runtime._live.items() if request_id not in others]
+            assert len(requests) == 2  # both streams' live requests
             await dropped.aclose()
             result = await kept
-            for _ in range(100):  # the abort reaches vLLM's thread through the model worker
-                if not runtime.busy() and not runtime._followed:
+
+            def ended() -> bool:
+                return all(live.engine_id not in runtime.scheduler.requests for live in requests)
+
+            for _ in range(100):  # the aborts reach vLLM's thread through the model worker
+                if not runtime.busy() and not runtime._followed and ended():
                     break
                 await asyncio.sleep(0.05)
-            assert not runtime.busy() and not runtime._followed
-            assert all(live.engine_id not in runtime.scheduler.requests for live in requests)  # both ended
+            assert not runtime.busy() and not runtime._followed and ended()
             assert min(len(live.tokens) for live in requests) < len(PROMPTS[0]) + 100  # the dropped one soon
         assert result.token_ids == expected
 
