@@ -296,7 +296,9 @@ def fetch_metrics(url: str, s: LoadtestSettings) -> str:
 
 
 async def busy_counters(s: LoadtestSettings) -> tuple[float, float] | None:
-    """(forward seconds, forward passes) the verifier counted so far; None without --metrics-url."""
+    """(busy seconds, passes) the verifier counted so far; None without --metrics-url. On an
+    engine with its own loop (vLLM) they are its steps and their time, which count the steps it
+    runs for streams between passes too; else the batcher's forward passes and their time."""
     if not s.metrics_url:
         return None
     try:
@@ -304,6 +306,9 @@ async def busy_counters(s: LoadtestSettings) -> tuple[float, float] | None:
     except OSError as err:
         log.warning("metrics read failed: %s", err)
         return None
+    steps, step_s = _metric(text, "specdec_engine_steps_total"), _metric(text, "specdec_engine_step_seconds_total")
+    if steps and step_s is not None:
+        return step_s, steps
     busy, passes = _metric(text, "specdec_busy_seconds_total"), _metric(text, "specdec_forward_passes_total")
     return None if busy is None or passes is None else (busy, passes)
 

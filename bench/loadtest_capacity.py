@@ -223,7 +223,7 @@ def _level(
         "rounds_per_token": round(sum(o.rounds for o in outcomes) / tokens, 4) if tokens else None,
         # replayed rounds whose reply was the recorded one (None: none compared)
         "rounds_as_recorded": _as_recorded(outcomes),
-        # passes the verifier ran per token, batching counted: shared passes cost less
+        # passes the verifier ran per token (vLLM: its steps), batching counted: shared passes cost less
         "forward_passes_per_token": round(busy[1] / tokens, 4) if busy and tokens else None,
         "busy_fraction": round(busy[0] / wall_s, 4) if busy and wall_s else None,
         # the load generator's own CPU over the level, in cores: near 1 it measures itself

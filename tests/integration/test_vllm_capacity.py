@@ -108,6 +108,9 @@ def test_capacity_against_vllm_alone_in_one_run(
     # when its client reads behind its engine.
     assert 0.9 < result["capacity"]["vllm_alone"]["rounds_per_token"] <= 1.0
     assert result["capacity"]["vllm_alone"]["busy_fraction"] is None  # vLLM's server reports no busy time
+    # The verifier's vLLM steps, those its streams take between passes too (passes alone: one a stream).
+    assert 0.3 < result["capacity"]["cloud_only"]["forward_passes_per_token"] <= 1.05
+    assert 0 < result["capacity"]["cloud_only"]["busy_fraction"] <= 1
     assert result["capacity"]["auto"]["rounds_per_token"] < 1.0  # asked at once: it speculated
     assert set(result["ratios"]) == {f"{a}/{b}" for a in ("speculative", "auto") for b in ("vllm_alone", "cloud_only")}
     levels = (out / "capacity.levels.jsonl").read_text().splitlines()
