@@ -184,7 +184,7 @@ def test_capacity_search_finds_sessions_for_a_generous_target_and_none_for_an_im
                     "trace": str(tmp_path),
                     "metrics_url": f"http://127.0.0.1:{http.port}/metrics",
                     "find_capacity": True,
-                    "capacity_step_s": 0.3,
+                    "capacity_step_s": 1.0,  # a level long enough for each worker to deliver on a loaded box
                     "progress": False,
                 }
                 generous = await run_capacity(
@@ -233,7 +233,7 @@ def test_auto_sessions_decode_until_the_verifier_asks_for_speculation(target_mod
                     "output": str(tmp_path / f"cap-{asks_above}.json"),
                     "find_capacity": True,
                     "systems": "auto,speculative",
-                    "capacity_step_s": 0.3,
+                    "capacity_step_s": 1.0,  # a level long enough for each worker to deliver on a loaded box
                     "capacity_max_sessions": 2,
                     "slo_itl_p95_ms": 60_000,
                     "slo_ttft_p95_ms": 60_000,
