@@ -286,6 +286,14 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
+def engine_steps(metrics_text: str) -> tuple[float, float] | None:
+    """(seconds, steps) of the verifier's engine's own loop (vLLM: its steps for passes and for
+    streams alike) from its /metrics; None for an engine that runs no loop of its own."""
+    steps = _metric(metrics_text, "specdec_engine_steps_total")
+    seconds = _metric(metrics_text, "specdec_engine_step_seconds_total")
+    return (seconds, steps) if steps and seconds is not None else None
+
+
 def fetch_metrics(url: str, s: LoadtestSettings) -> str:
     key = s.keys()[0]
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -306,9 +314,8 @@ async def busy_counters(s: LoadtestSettings) -> tuple[float, float] | None:
     except OSError as err:
         log.warning("metrics read failed: %s", err)
         return None
-    steps, step_s = _metric(text, "specdec_engine_steps_total"), _metric(text, "specdec_engine_step_seconds_total")
-    if steps and step_s is not None:
-        return step_s, steps
+    if (own := engine_steps(text)) is not None:
+        return own
     busy, passes = _metric(text, "specdec_busy_seconds_total"), _metric(text, "specdec_forward_passes_total")
     return None if busy is None or passes is None else (busy, passes)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,28 @@ def vllm_engine(folder: Path) -> Engine:
         _VLLM_RUNTIMES[folder] = VllmRuntime(options)
         measure_decode_step(VllmEngine(_VLLM_RUNTIMES[folder], owns_runtime=False))  # as the verifier's warm-up
     return VllmEngine(_VLLM_RUNTIMES[folder], owns_runtime=False)
+
+
+@contextmanager
+def padded_steps(engine: Engine) -> Iterator[list[int]]:
+    """A shared vLLM engine whose steps of requests decoding on their own are padded to K
+    drafts (--pad-decode-steps, which a CPU never turns on by itself) for a while, with the
+    number of requests each step padded."""
+    scheduler = engine.runtime.scheduler  # type: ignore[attr-defined]
+    counts: list[int] = []
+    schedule = scheduler.schedule
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        counts.append(len(out.scheduled_spec_decode_tokens))
+        return out
+
+    scheduler.pad_limit, scheduler.schedule = 1024, counting
+    try:
+        yield counts
+    finally:
+        scheduler.pad_limit = 0
+        del scheduler.schedule
 
 
 def close_vllm_runtimes() -> None:

@@ -24,7 +24,6 @@ row also says how many steps its engine ran in the level and how long a step too
 from __future__ import annotations
 
 import asyncio
-import re
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
+from bench.loadtest import engine_steps
 from bench.loadtest_vllm import PeerServer
 from edge.transport.client import VerifierClient
 from shared.cli import run_cli
@@ -96,24 +96,17 @@ async def _one(stream: Stream, prompt: list[int]) -> tuple[float, float, int, in
     return first, last, tokens, deliveries
 
 
-ENGINE_COUNTERS = ("specdec_engine_steps_total", "specdec_engine_step_seconds_total")
-
-
-def engine_steps(url: str) -> tuple[float, float] | None:
-    """(steps, seconds) the verifier's engine ran so far, from its /metrics; None without a URL."""
+def engine_totals(url: str) -> tuple[float, float] | None:
+    """(seconds, steps) the verifier's engine ran so far, from its /metrics; None without a URL."""
     if not url:
         return None
     with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 (a loopback URL the caller gave)
-        text = reply.read().decode()
-    found = [re.search(rf"^{name} (\S+)$", text, re.MULTILINE) for name in ENGINE_COUNTERS]
-    if found[0] is None or found[1] is None:
-        return None
-    return float(found[0][1]), float(found[1][1])
+        return engine_steps(reply.read().decode())
 
 
 async def level(stream: Stream, prompts: list[list[int]], metrics: str = "") -> dict[str, float]:
     """Every prompt streamed at once."""
-    before = await asyncio.to_thread(engine_steps, metrics)
+    before = await asyncio.to_thread(engine_totals, metrics)
     start = time.perf_counter()
     runs = await asyncio.gather(*(_one(stream, p) for p in prompts))
     end = max(last for _, last, _, _ in runs)
@@ -127,10 +120,11 @@ async def level(stream: Stream, prompts: list[list[int]], metrics: str = "") -> 
         "tpot_ms_median": round(statistics.median(tpots), 3) if tpots else 0.0,
         "tokens_per_delivery": round(tokens / max(sum(d for _, _, _, d in runs), 1), 3),
     }
-    after = await asyncio.to_thread(engine_steps, metrics)
-    if before is not None and after is not None and after[0] > before[0]:
-        row["engine_steps"] = after[0] - before[0]
-        row["engine_step_ms_mean"] = round((after[1] - before[1]) * 1000.0 / (after[0] - before[0]), 3)
+    after = await asyncio.to_thread(engine_totals, metrics)
+    if before is not None and after is not None and after[1] > before[1]:
+        (seconds, steps), (seconds_before, steps_before) = after, before
+        row["engine_steps"] = steps - steps_before
+        row["engine_step_ms_mean"] = round((seconds - seconds_before) * 1000.0 / (steps - steps_before), 3)
     return row
 
 

@@ -15,7 +15,7 @@ from edge.drafting.runtime_transformers import TransformersDraftLM
 from shared import lm
 from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
-from tests.harness import gguf_lm, vllm_engine
+from tests.harness import gguf_lm, padded_steps, vllm_engine
 from tests.tiny_models import save_model, tiny_draft, tiny_target
 
 V = 8
@@ -150,27 +150,12 @@ def test_generate_on_vllm_with_pad_drafts_follows_target(vllm_pair) -> None:  # 
     joint = _two_token_reference(target)
     engine = vllm_engine(folder)
     verifier = Verifier(engine, "tiny")
-    scheduler = engine.runtime.scheduler  # type: ignore[attr-defined]
-    scheduler.pad_limit = 1024
-    padded = 0
-    schedule = scheduler.schedule
-
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal padded
-        out = schedule(*args, **kwargs)
-        padded += len(out.scheduled_spec_decode_tokens)
-        return out
-
-    scheduler.schedule = counting
     counts = torch.zeros(V * V)
-    try:
+    with padded_steps(engine) as padded:
         for trial in range(TRIALS):
             chunks = verifier.generate(GenerateRequest(PROMPT, SessionConfig(PARAMS, trial, vocab_size=V), 2))
             first, second = [t for chunk in chunks for t in chunk.tokens][:2]
             counts[first * V + second] += 1
-    finally:
-        scheduler.pad_limit = 0
-        del scheduler.schedule
-    assert padded >= TRIALS  # every stream's second step ran with pads
+    assert sum(padded) >= TRIALS  # every stream's second step ran with pads
     assert _pvalue(counts, joint) > 1e-3
     assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1

@@ -16,7 +16,7 @@ from cloud.verifier import DecodeStretchStep, Verifier
 from shared import lm
 from shared.errors import InvalidRequest
 from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
-from tests.harness import TargetEngine, vllm_engine
+from tests.harness import TargetEngine, padded_steps, vllm_engine
 from tests.ops import greedy_continuation
 
 pytestmark = pytest.mark.vllm
@@ -260,22 +260,10 @@ def failing_engine(folder: str) -> None:
 
 @pytest.fixture
 def padded(verifier: Verifier) -> Any:
-    """Steps of requests decoding on their own padded to K drafts (--pad-decode-steps), with a
-    count of the requests each step padded."""
-    scheduler = _engine(verifier).runtime.scheduler
-    scheduler.pad_limit = 1024
-    counts: list[int] = []
-    schedule = scheduler.schedule
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        out = schedule(*args, **kwargs)
-        counts.append(len(out.scheduled_spec_decode_tokens))
-        return out
-
-    scheduler.schedule = counting  # type: ignore[method-assign]
-    yield counts
-    scheduler.pad_limit = 0
-    del scheduler.schedule
+    """Steps of requests decoding on their own padded to K drafts, with a count of the requests
+    each step padded."""
+    with padded_steps(verifier.engine) as counts:
+        yield counts
 
 
 def test_steps_padded_to_k_drafts_decode_the_target_s_own_tokens(verifier: Verifier, target: Any, padded: list[int]) -> None:
