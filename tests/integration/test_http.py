@@ -166,6 +166,15 @@ async def _reflected_services(port: int) -> list[str]:
     return []
 
 
+async def _reflection_status(port: int) -> grpc.StatusCode:
+    """The status of a reflection call that sends no message: a server without the service answers
+    its headers at once, and a message written after that answer would fail on the client's side
+    (INTERNAL) before the status is read."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(timeout=10)
+        return await call.code()
+
+
 @pytest.mark.parametrize("reflect", [True, False], ids=["reflection on", "reflection off"])
 def test_grpc_health_serving_and_reflection_switch(target_model, reflect: bool) -> None:
     async def run() -> None:
@@ -177,9 +186,7 @@ def test_grpc_health_serving_and_reflection_switch(target_model, reflect: bool) 
                 services = await _reflected_services(servers.grpc_port)
                 assert {"specdec.v1.Verifier", "grpc.health.v1.Health"} <= set(services)
             else:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await _reflected_services(servers.grpc_port)
-                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert await _reflection_status(servers.grpc_port) == grpc.StatusCode.UNIMPLEMENTED
 
     asyncio.run(run())
 
