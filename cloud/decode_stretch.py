@@ -1,24 +1,29 @@
 """The target's own decoding on a session (the Decode call): a stretch of tokens, each one a
 Verify round with no draft tokens, so decoding and speculative rounds advance one session
-with one KV and one generator. On an engine with live sessions (vLLM) the session's request
-decodes the stretch in one go, each token's step reading the next token it decoded. Each
-token is one step for the batcher, batched with other sessions' rounds and other streams'
-tokens. Opening a session (its prefill) is one step too, shared by OpenSession and a Decode
-call that opens its session. SessionCalls also runs a Generate call (cloud/generate_stream.py)."""
+with one KV and one generator. Each token is one step for the batcher, batched with other
+sessions' rounds and other streams' tokens; on an engine with live sessions (vLLM) only the
+first is: the session's request decodes the rest of the stretch in one go, and the call reads
+the tokens as they come (cloud/followed_stretch.py). Opening a session (its prefill) is one
+step too, shared by OpenSession and a Decode call that opens its session. SessionCalls also
+runs a Generate call (cloud/generate_stream.py)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
 from cloud.batch_step import ForwardStep
 from cloud.batcher import ForwardBatcher
+from cloud.engine import LiveSessions
+from cloud.followed_stretch import FollowedStretch
 from cloud.token_feed import FeedHub, TokenFeed
 from cloud.verifier import DecodeStretchStep, Verifier
 from cloud.worker import ModelWorker
+from shared.errors import CapacityExceeded, SpecDecError
 from shared.protocol import (
     DecodeChunk,
     DecodeRequest,
@@ -58,30 +63,75 @@ class SessionCalls:
         return await self.batcher.submit(req.session_id, tokens, begin, self.deadline, key=self.key)
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        """A Decode stretch of up to `max_tokens` tokens, one chunk each. A call that opens its
-        session gets the prefill and the first token from ONE forward pass (so its first token
-        comes as soon as Generate's would), in the first chunk with the opened session."""
+        """A Decode stretch of up to `max_tokens` tokens. A call that opens its session gets the
+        prefill and the first token from ONE forward pass (so its first token comes as soon as
+        Generate's would), in the first chunk with the opened session."""
         self.verifier.checks.decode(req)
-        session_id, position, first_index = req.session_id, req.base_position, 1
+        session_id, position, produced = req.session_id, req.base_position, 0
         if req.open is not None:
             start = time.perf_counter()
-            opened, first = await self._open_with_first_token(req.open)
-            session_id, position, first_index = opened.session_id, first.new_base_position, 2
+            stretch = DecodeStretchStep(req.max_tokens, frozenset(req.stop_token_ids))
+            opened, first = await self._opening(req.open, partial(self.verifier.begin_open_decode, stretch=stretch))
+            session_id, position, produced = opened.session_id, first.new_base_position, 1
             finished = first.next_token in req.stop_token_ids or req.max_tokens == 1
             yield _chunk(first, start, finished, opened)
             if finished:
                 return
-        catchup = req.committed_tokens
         with self.verifier.sessions.holding(session_id):  # no eviction between its tokens
-            for produced in range(first_index, req.max_tokens + 1):
+            async with aclosing(self._stretch(req, session_id, position, produced)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _stretch(
+        self, req: DecodeRequest, session_id: str, position: int, produced: int
+    ) -> AsyncGenerator[DecodeChunk, None]:
+        """The stretch after its first `produced` tokens: a step a token, each a round with no
+        drafts batched with other sessions' steps, until the engine decodes the rest on its own
+        (then the call reads it, cloud/followed_stretch.py)."""
+        catchup, stops = req.committed_tokens, frozenset(req.stop_token_ids)
+        may_follow = isinstance(self.verifier.engine, LiveSessions)
+        while True:
+            if produced and may_follow:
+                may_follow, feed = False, self.feeds.feed()
+                left = req.max_tokens - produced
+                follow = await self.worker.run(self.verifier.follow_stretch, session_id, self.key, left, stops, feed)
+                if follow is not None:
+                    async with aclosing(self._followed(follow, feed)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    if follow.finished:
+                        return
+                    position, produced = follow.position, req.max_tokens - follow.left  # the rest: a step a token
+            start = time.perf_counter()
+            stretch = DecodeStretchStep(req.max_tokens - produced, stops)
+            result = await self.verify(VerifyRequest(session_id, position, [], committed_tokens=catchup), stretch)
+            catchup, position, produced = [], result.new_base_position, produced + 1
+            finished = result.next_token in stops or produced == req.max_tokens
+            yield _chunk(result, start, finished)
+            if finished:
+                return
+
+    async def _followed(self, follow: FollowedStretch, feed: TokenFeed) -> AsyncGenerator[DecodeChunk, None]:
+        """A chunk of each take from the feed, until the stretch ends or the engine stops decoding
+        it; its session takes the tokens before any other step of it, however the call ends."""
+        committed = False
+        try:
+            while not follow.finished:
                 start = time.perf_counter()
-                stretch = DecodeStretchStep(req.max_tokens + 1 - produced, frozenset(req.stop_token_ids))
-                result = await self.verify(VerifyRequest(session_id, position, [], committed_tokens=catchup), stretch)
-                catchup, position = [], result.new_base_position
-                finished = result.next_token in req.stop_token_ids or produced == req.max_tokens
-                yield _chunk(result, start, finished)
-                if finished:
-                    return
+                try:
+                    tokens, forward_ms = await feed.take()
+                except CapacityExceeded:
+                    raise  # the engine has no KV for it: the stretch fails, as its steps would
+                except SpecDecError:  # it stopped short (the context's end, the session gone)
+                    break
+                tokens = follow.take(tokens)
+                step_ms = (time.perf_counter() - start) * 1000.0
+                yield DecodeChunk(tokens, follow.position, forward_ms, step_ms, follow.finished)
+            await self.worker.run(follow.commit)
+            committed = True
+        finally:
+            if not committed:
+                self.worker.submit(follow.commit)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """A Generate stream: its first step admitted against the deadline; the rest read from
@@ -105,9 +155,6 @@ class SessionCalls:
                         feed = feed if await self.worker.run(stream.follow, feed) else None
         finally:
             self.worker.submit(stream.close)
-
-    async def _open_with_first_token(self, req: OpenSessionRequest) -> tuple[OpenSessionResult, VerifyResult]:
-        return await self._opening(req, self.verifier.begin_open_decode)
 
     async def _opening(self, req: OpenSessionRequest, begin: Callable[[OpenSessionRequest, str, str], ForwardStep[R]]) -> R:
         """A new session's first step (`begin`: its prefill, or its prefill and first token),

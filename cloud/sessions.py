@@ -154,6 +154,10 @@ class SessionStore:
             raise SessionNotFound(f"session {session_tag(session_id)} (tag) is unknown or was evicted")
         return session
 
+    def holds(self, session: Session) -> bool:
+        """Whether `session` is still in the store (not closed or evicted since it was read)."""
+        return self._sessions.get(session.session_id) is session
+
     def touch(self, session: Session) -> None:
         session.last_used = self.clock()
         with self._lock:

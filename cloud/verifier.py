@@ -1,7 +1,8 @@
 """The target model and its sessions: prefill once, one forward pass per Verify round.
 
 Request checks live in cloud/validation.py, the forward pass over a batch of steps in
-cloud/batch_step.py, target-only decoding in cloud/generate_stream.py. Methods are
+cloud/batch_step.py, target-only decoding in cloud/generate_stream.py, a Decode stretch read
+from an engine's own decoding in cloud/followed_stretch.py. Methods are
 synchronous and not thread-safe; cloud/grpc_server.py runs them on one model worker so
 rounds never interleave on a cache.
 """
@@ -16,7 +17,8 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from cloud.batch_step import NO_ROW, Batch, BatchStep, ForwardStep
-from cloud.engine import Engine, KVPlan, KVRequest, LiveSessions
+from cloud.engine import Engine, KVPlan, KVRequest, LiveSessions, TokenSink
+from cloud.followed_stretch import FollowedStretch
 from cloud.generate_stream import GenerateStream
 from cloud.model_card import ModelCard, measure_decode_step
 from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
@@ -132,11 +134,12 @@ class Verifier:
         return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, prefill, argmax_vocab=NO_ROW, known=last)
 
     def begin_open_decode(
-        self, req: OpenSessionRequest, session_id: str, owner: str = ""
+        self, req: OpenSessionRequest, session_id: str, owner: str = "", stretch: DecodeStretchStep | None = None
     ) -> ForwardStep[tuple[OpenSessionResult, VerifyResult]]:
         """A new session and its first token in ONE forward pass (a Decode call that opens its
         session): the pass feeds the whole prompt, and its last row is accepted as a Verify
-        round with no drafts would accept it, so the token is the one that round would give."""
+        round with no drafts would accept it, so the token is the one that round would give.
+        `stretch` tells an engine with its own decoding loop the tokens the call goes on for."""
         prefill = self.begin_open(req, session_id, owner).work
         assert isinstance(prefill, _Prefill)
         session = prefill.session
@@ -149,7 +152,8 @@ class Verifier:
         position = len(session.tokens)
         token = _Round(self.sessions, self.engine, first, session, self.checks.vocab(session.config), prefill.start, position)
         opened = _OpenedRound(prefill, token)
-        return ForwardStep(session.cache, list(req.prompt_tokens), 1, opened, token.argmax_vocab(), drafts=0)
+        ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position)
+        return ForwardStep(session.cache, list(req.prompt_tokens), 1, opened, token.argmax_vocab(), 0, ahead, stops)
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
@@ -192,13 +196,21 @@ class Verifier:
         # Rows for the last committed token and each draft: k + 1 predictions.
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
         work = _Round(self.sessions, self.engine, req, session, self.checks.vocab(session.config), start, len(session.tokens))
-        ahead, stops = (stretch.tokens, stretch.stops) if stretch is not None else (1, frozenset())
         room = self.limits.max_context_tokens - len(session.tokens) - len(req.committed_tokens)  # the rest would be refused
+        ahead, stops = _ahead(stretch, room)
         k = len(req.draft_tokens)
-        ahead = max(min(ahead, room), 1)
         return ForwardStep(
             session.cache, block, k + 1, work, work.argmax_vocab(), k, ahead, stops, distributions=req.want_top_k > 0
         )
+
+    def follow_stretch(
+        self, session_id: str, owner: str, left: int, stops: frozenset[int], sink: TokenSink
+    ) -> FollowedStretch | None:
+        """The rest of a Decode stretch (`left` tokens at most, `stops`) from the session's own
+        decoding, its tokens going to `sink`; None: its tokens go one step each."""
+        session = self.sessions.get(session_id, owner)
+        left = min(left, self.limits.max_context_tokens - len(session.tokens))  # past it, a step refuses the token
+        return FollowedStretch.start(self.sessions, self.engine, session, left, stops, sink) if left > 0 else None
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
@@ -335,6 +347,14 @@ class _OpenedRound:
 
     def undo(self) -> None:
         self.prefill.undo()
+
+
+def _ahead(stretch: DecodeStretchStep | None, room: int) -> tuple[int, frozenset[int]]:
+    """The tokens a step's session reads from it on without drafts (at most the `room` the
+    context leaves: a step past it is refused), and the tokens that end them."""
+    if stretch is None:
+        return 1, frozenset()
+    return max(min(stretch.tokens, room), 1), stretch.stops
 
 
 def _prefix_acceptance(accept_probs: torch.Tensor, accepted_len: int) -> float | None:

@@ -159,6 +159,16 @@ class LiveSessions(Protocol):
         decoding on its own (its steps go on one at a time)."""
         ...
 
+    def unfollow(self, kv: SessionKV) -> None:
+        """No more of kv's tokens go to the sink it followed with (its stream ended early, or
+        its session took what the stream read); its request goes on with what it was doing."""
+        ...
+
+    def extend(self, kv: SessionKV, tokens: list[int]) -> None:
+        """kv's session took `tokens` its request decoded on its own (a followed stream's):
+        kv counts them, as a step that fed them would have left it."""
+        ...
+
     def own_steps(self) -> tuple[int, float]:
         """The steps the engine ran so far (for passes and for followed streams alike) and the
         seconds they took."""

@@ -57,7 +57,7 @@ import torch
 
 from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV, TokenSink
 from shared import lm
-from shared.errors import CapacityExceeded, ConfigError, VerifierFault
+from shared.errors import CapacityExceeded, ConfigError, SessionNotFound, VerifierFault
 from shared.protocol import AcceptMode, SessionConfig
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class VllmRuntime:
         return self.scheduler.is_parked(live.engine_id)
 
     def end_live(self, live: LiveRequest) -> None:
-        self._followed.pop(live.engine_id, None)
+        self.unfollow(live, SessionNotFound("the session was closed or evicted"))
         if self._live.pop(live.request_id, None) is not None and not live.ended:
             self._abort([live.request_id])
 
@@ -210,7 +210,7 @@ class VllmRuntime:
         live.sink = sink
         sink.put(live.tokens[position:], 0.0)
         if live.ended or self.scheduler.is_parked(live.engine_id):
-            self._unfollow(live)
+            self.unfollow(live)
             return
         self._followed[live.engine_id] = live
         if not self._pumping:
@@ -221,7 +221,7 @@ class VllmRuntime:
         """One step while a followed request decodes on its own, then the next one queued behind
         whatever else waits for vLLM's thread (a pass's rounds take their turn between them)."""
         for live in [live for live in self._followed.values() if self.scheduler.is_parked(live.engine_id)]:
-            self._unfollow(live)  # parked since: its stretch is done
+            self.unfollow(live)  # parked since: its stretch is done
         followed = list(self._followed.values())
         if not followed or self._failed is not None or self._closing.is_set():
             self._pumping = False
@@ -233,11 +233,11 @@ class VllmRuntime:
         if self._stalled >= MAX_STALLED_STEPS:
             self._stalled = 0
             for live in followed:
-                self._unfollow(live, CapacityExceeded("vLLM has no KV blocks free for the stream's steps", STALLED_RETRY_MS))
+                self.unfollow(live, CapacityExceeded("vLLM has no KV blocks free for the stream's steps", STALLED_RETRY_MS))
                 self.end_live(live)
         self._thread.submit(self._pump)
 
-    def _unfollow(self, live: LiveRequest, error: Exception | None = None) -> None:
+    def unfollow(self, live: LiveRequest, error: Exception | None = None) -> None:
         """No more tokens go to the request's sink: it is told why."""
         self._followed.pop(live.engine_id, None)
         if live.sink is not None:
@@ -265,7 +265,7 @@ class VllmRuntime:
         except Exception as err:
             self._failed = f"vLLM's engine failed in a step ({type(err).__name__}: {str(err)[:200]})"
             for followed in list(self._followed.values()):
-                self._unfollow(followed, VerifierFault(self._failed))
+                self.unfollow(followed, VerifierFault(self._failed))
             raise VerifierFault(self._failed) from err
         step_ms = (time.perf_counter() - start) * 1000.0
         self.step_seconds += step_ms / 1000.0
@@ -278,7 +278,7 @@ class VllmRuntime:
                 if live.sink is not None:
                     live.sink.put(new, step_ms)
                 if live.ended:
-                    self._unfollow(live)
+                    self.unfollow(live)
             elif output.finished and output.request_id in self._pending:
                 self._pending.discard(output.request_id)
                 self._done[output.request_id] = output
@@ -596,6 +596,14 @@ class VllmEngine:
             return False
         self.runtime.call(self.runtime.follow, live, position, sink)
         return True
+
+    def unfollow(self, kv: SessionKV) -> None:
+        live = _own(kv).live
+        if live is not None:
+            self.runtime.call(self.runtime.unfollow, live)
+
+    def extend(self, kv: SessionKV, tokens: list[int]) -> None:
+        _own(kv).tokens.extend(tokens)
 
     def own_steps(self) -> tuple[int, float]:
         return self.runtime.steps, self.runtime.step_seconds

@@ -189,8 +189,8 @@ class SpeculativeRun:
         try:
             async for chunk in self.session.decode(req):
                 now = time.perf_counter()
-                if decoded:
-                    gaps.append(now - last)
+                if decoded:  # a chunk of several tokens (the client read slower than they came): its gap shared
+                    gaps += [(now - last) / max(len(chunk.tokens), 1)] * len(chunk.tokens)
                 elif chunk.opened is None:  # an opening chunk's step is the prompt's prefill: no decoding rate
                     first_step_s = chunk.step_ms / 1000.0
                 last, traffic, server_ms = now, traffic + chunk.wire, server_ms + chunk.step_ms
@@ -221,7 +221,7 @@ class SpeculativeRun:
         """Tokens of a stretch are final on arrival: shown, and followed by the drafter."""
         self.tokens.commit_verified(new)
         decoded += new
-        self.result.target_forward_passes += 1
+        self.result.target_forward_passes += len(new)
         self.out.commit(new, None, CLOUD_ONLY)
         self.warmup.follow(self.tokens.committed)
 

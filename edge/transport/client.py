@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -313,10 +314,11 @@ class VerifierClient:
         sent, first, tokens = time.perf_counter(), None, list[int]()
         error: SpecDecError | None = None
         try:
-            async for chunk in self._stream(lambda stub: stub.Generate, msg, session_key, opening=False):
-                first = first or time.perf_counter()
-                tokens += chunk.message.tokens
-                yield replace(wire.generate_chunk_from_pb(chunk.message), wire=chunk.wire)
+            async with aclosing(self._stream(lambda stub: stub.Generate, msg, session_key, opening=False)) as chunks:
+                async for chunk in chunks:
+                    first = first or time.perf_counter()
+                    tokens += chunk.message.tokens
+                    yield replace(wire.generate_chunk_from_pb(chunk.message), wire=chunk.wire)
         except SpecDecError as err:
             error = err
             raise
@@ -332,10 +334,12 @@ class VerifierClient:
         msg = wire.decode_request_to_pb(req)
         opening = req.open is not None
         timeout_s = self.open_timeout_s if opening else self.verify_timeout_s * max(req.max_tokens, 1)
-        async for chunk in self._stream(lambda stub: stub.Decode, msg, session_key, opening=opening, timeout_s=timeout_s):
-            if chunk.message.HasField("opened"):
-                self.replicas.opened(session_key, chunk.address)
-            yield replace(wire.decode_chunk_from_pb(chunk.message), wire=chunk.wire)
+        stream = self._stream(lambda stub: stub.Decode, msg, session_key, opening=opening, timeout_s=timeout_s)
+        async with aclosing(stream) as chunks:
+            async for chunk in chunks:
+                if chunk.message.HasField("opened"):
+                    self.replicas.opened(session_key, chunk.address)
+                yield replace(wire.decode_chunk_from_pb(chunk.message), wire=chunk.wire)
 
     async def _stream(
         self,
@@ -345,14 +349,14 @@ class VerifierClient:
         *,
         opening: bool,
         timeout_s: float | None = None,
-    ) -> AsyncIterator[_StreamChunk]:
+    ) -> AsyncGenerator[_StreamChunk, None]:
         """A server stream from the session's replica, each message with the bytes not yet
         reported (the request's on the first); a failure raises the project's error carrying
         the bytes since the last message, and marks an unreachable replica down."""
         unreported = _CallBytes(up=msg.ByteSize())
         address = self.replicas.pick(session_key, opening)
+        stream = method(self._stubs[address])(msg, timeout=timeout_s, metadata=self._call_metadata(session_key))
         try:
-            stream = method(self._stubs[address])(msg, timeout=timeout_s, metadata=self._call_metadata(session_key))
             async for message in stream:
                 unreported.down += message.ByteSize()
                 reported, unreported = unreported.wire(), _CallBytes()
@@ -364,6 +368,8 @@ class VerifierClient:
             if isinstance(error, CloudUnavailable):
                 self.replicas.mark_down(address)
             raise error from None
+        finally:
+            stream.cancel()  # a reader that stops early ends the call: the server stops making its tokens
 
     async def _unary(
         self,

@@ -98,7 +98,8 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """The target's own decoding on a session, streamed token by token: each token advances the
+        """The target's own decoding on a session, streamed as it is made (a chunk carries one token,
+        or several when the client reads slower than the target decodes): each token advances the
         session exactly as a Verify with no draft tokens would (same KV, same position, the same
         draws from the session's generator), so a client switches between Decode stretches and
         Verify rounds on one session, without a second prefill and without a token repeated or

@@ -2,6 +2,7 @@
 passes, and every session still gets exactly what it would get alone (greedy, fp32)."""
 
 import asyncio
+import itertools
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,8 +16,15 @@ from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from edge.transport.client import VerifierClient
-from shared.errors import CapacityExceeded, SessionNotFound
-from shared.protocol import GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
+from shared.errors import CapacityExceeded, PositionMismatch, SessionNotFound
+from shared.protocol import (
+    DecodeChunk,
+    DecodeRequest,
+    GenerateRequest,
+    OpenSessionRequest,
+    SessionConfig,
+    VerifyRequest,
+)
 from tests.harness import TargetEngine, cap_kv, gen_config, make_drafter, random_prompt, serving
 
 PROMPTS = [random_prompt(seed, length=3 + seed % 7) for seed in range(100, 108)]
@@ -278,3 +286,73 @@ def test_a_stream_cancelled_mid_way_ends_its_vllm_request_and_spares_the_others(
         assert result.token_ids == expected
 
     asyncio.run(run())
+
+
+async def _stretch(client: VerifierClient, req: DecodeRequest) -> tuple[str, list[int], list[DecodeChunk]]:
+    """A Decode call's session, tokens and chunks."""
+    chunks = [chunk async for chunk in client.decode(req)]
+    opened = chunks[0].opened
+    return (opened.session_id if opened else req.session_id), [t for c in chunks for t in c.tokens], chunks
+
+
+@pytest.mark.vllm
+def test_decode_stretches_on_vllm_read_its_own_decoding_and_hand_the_session_on(vllm_target: TargetEngine) -> None:
+    """Four Decode stretches that open their sessions: after each one's first step vLLM decodes
+    the rest in its own loop, with no batcher pass per token; chunk positions follow the
+    tokens. The sessions then take a Verify round and a second stretch (one ends at its stop
+    token) exactly where the target alone would be."""
+    expected = [_alone(vllm_target, prompt, 30) for prompt in PROMPTS[:4]]
+    stop = expected[0][25]
+    config = SessionConfig(vocab_size=96)
+
+    async def run() -> None:
+        async with batching_verifier(vllm_target, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
+            opens = [DecodeRequest("", 0, 20, open=OpenSessionRequest(p, config)) for p in PROMPTS[:4]]
+            first = await asyncio.gather(*(_stretch(client, req) for req in opens))
+            passes = state.metrics.registry.get_sample_value("specdec_forward_passes_total")
+            assert passes is not None and passes <= 4  # the opening steps only (one a token: 80 here)
+            for prompt, want, (_, tokens, chunks) in zip(PROMPTS, expected, first, strict=False):
+                assert tokens == want[:20]
+                ends = list(itertools.accumulate(len(c.tokens) for c in chunks))
+                assert [c.position for c in chunks] == [len(prompt) + n for n in ends] and chunks[-1].finished
+            for prompt, want, (session, _, _) in zip(PROMPTS, expected, first, strict=False):
+                reply = await client.verify(VerifyRequest(session, len(prompt) + 20, [want[20], want[21] + 1]))
+                assert (reply.accepted_len, reply.next_token) == (1, want[21])
+                _, more, chunks = await _stretch(client, DecodeRequest(session, len(prompt) + 22, 8, [stop]))
+                assert more == (want[22 : want.index(stop, 22) + 1] if stop in want[22:] else want[22:30])
+                assert chunks[-1].position == len(prompt) + 22 + len(more)
+
+    asyncio.run(run())
+
+
+@pytest.mark.vllm
+def test_a_stretch_cancelled_mid_way_leaves_its_session_where_the_client_can_resume(vllm_target: TargetEngine) -> None:
+    """A client that drops a long Decode stretch after a few tokens: the session holds what the
+    call streamed up to then (the position it reports), and decoding from there goes on
+    exactly."""
+    prompt, stretch = PROMPTS[2], 900
+
+    async def run() -> tuple[int, list[int]]:
+        async with batching_verifier(vllm_target, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, _):
+            stream = client.decode(DecodeRequest("", 0, stretch, open=OpenSessionRequest(prompt, SessionConfig(vocab_size=96))))
+            chunks = []
+            async for chunk in stream:
+                chunks.append(chunk)
+                if sum(len(c.tokens) for c in chunks) >= 3:
+                    break
+            await stream.aclose()
+            session, at = chunks[0].opened.session_id, 0
+            for _ in range(100):  # the server sees the cancel soon after the client's next call
+                with pytest.raises(PositionMismatch) as moved:  # the client asks where the session is
+                    await client.verify(VerifyRequest(session, len(prompt), []))
+                at = moved.value.server_position
+                if at >= len(prompt) + 3:
+                    break
+                await asyncio.sleep(0.05)
+            _, more, _ = await _stretch(client, DecodeRequest(session, at, 10))
+            return at, more
+
+    at, more = asyncio.run(run())
+    assert len(prompt) + 3 <= at < len(prompt) + stretch  # cut short, at what the call had streamed
+    done = at - len(prompt)
+    assert more == _alone(vllm_target, prompt, done + 10)[done:]
