@@ -160,8 +160,9 @@ class LiveSessions(Protocol):
         ...
 
     def unfollow(self, kv: SessionKV) -> None:
-        """No more of kv's tokens go to the sink it followed with (its stream ended early, or
-        its session took what the stream read); its request goes on with what it was doing."""
+        """No more of kv's tokens go to the sink it followed with, and kv's session stops
+        decoding on its own: its stream ended, or stopped reading. What it decoded past the
+        stream's tokens stays for the session's next steps."""
         ...
 
     def extend(self, kv: SessionKV, tokens: list[int]) -> None:

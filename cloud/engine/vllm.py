@@ -237,6 +237,13 @@ class VllmRuntime:
                 self.end_live(live)
         self._thread.submit(self._pump)
 
+    def stop_following(self, live: LiveRequest) -> None:
+        """A stream that stopped reading `live`: no more tokens go to its sink, and the request
+        parks (what it decoded past the stream stays for the session's next steps)."""
+        self.unfollow(live)
+        if not live.ended:
+            self.scheduler.park(live.engine_id)
+
     def unfollow(self, live: LiveRequest, error: Exception | None = None) -> None:
         """No more tokens go to the request's sink: it is told why."""
         self._followed.pop(live.engine_id, None)
@@ -600,7 +607,7 @@ class VllmEngine:
     def unfollow(self, kv: SessionKV) -> None:
         live = _own(kv).live
         if live is not None:
-            self.runtime.call(self.runtime.unfollow, live)
+            self.runtime.call(self.runtime.stop_following, live)
 
     def extend(self, kv: SessionKV, tokens: list[int]) -> None:
         _own(kv).tokens.extend(tokens)

@@ -74,6 +74,9 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         if request_id in self.parked:
             return True
         if request is None or request.status != RequestStatus.RUNNING or request not in self.running:
+            work = self.work.get(request_id)
+            if request is not None and work is not None:
+                work.until = min(work.until, request.num_tokens + 1)
             return False
         self.running = remove_all(self.running, {request})
         self._park(request)

@@ -327,13 +327,14 @@ def test_decode_stretches_on_vllm_read_its_own_decoding_and_hand_the_session_on(
 
 @pytest.mark.vllm
 def test_a_stretch_cancelled_mid_way_leaves_its_session_where_the_client_can_resume(vllm_target: TargetEngine) -> None:
-    """A client that drops a long Decode stretch after a few tokens: the session holds what the
-    call streamed up to then (the position it reports), and decoding from there goes on
-    exactly."""
+    """A client that drops a long Decode stretch after a few tokens: its request parks, the
+    session holds what the call streamed up to then (the position it reports), and decoding
+    from there goes on exactly."""
     prompt, stretch = PROMPTS[2], 900
 
     async def run() -> tuple[int, list[int]]:
-        async with batching_verifier(vllm_target, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, _):
+        async with batching_verifier(vllm_target, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
+            runtime = state.verifier.engine.runtime  # type: ignore[union-attr]
             stream = client.decode(DecodeRequest("", 0, stretch, open=OpenSessionRequest(prompt, SessionConfig(vocab_size=96))))
             chunks = []
             async for chunk in stream:
@@ -349,6 +350,7 @@ def test_a_stretch_cancelled_mid_way_leaves_its_session_where_the_client_can_res
                 if at >= len(prompt) + 3:
                     break
                 await asyncio.sleep(0.05)
+            assert not runtime.busy()  # the dropped stretch's request parked: vLLM steps for nobody
             _, more, _ = await _stretch(client, DecodeRequest(session, at, 10))
             return at, more
 
