@@ -15,7 +15,8 @@
 # (1,16; empty: no rounds), GPU_SHARE (0.4), KV_BYTES (16000000000), MAX_CONTEXT (4096), VERIFIER_FLAGS (more
 # cloud-verifier flags), VARIANTS (none: more verifiers beside the first, measured side by side in the same run,
 # each "LABEL SWITCH_S [FLAGS...]", separated by ';': SWITCH_S is Python's thread switch interval in its process,
-# '-' for the default; FLAGS are more cloud-verifier flags), PYTHON (python3), READY_TIMEOUT_S (400),
+# '-' for the default; FLAGS are more cloud-verifier flags), STRETCHES=1 (each verifier also streams the tokens as
+# Decode stretches, as auto-mode edges do), PYTHON (python3), READY_TIMEOUT_S (400),
 # PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092; the variants take the next odd ports), EAGER=1 (the engines without
 # compiled graphs: for a dry run on a CPU).
 set -euo pipefail
@@ -53,7 +54,7 @@ wait_servers || exit 1
 say "streams: ${STREAMS:-1,24,64} on $clouds"
 $py -m bench.studies.stream_parity --cloud "$clouds" --metrics "$metrics" --vllm-url "http://127.0.0.1:$vllm_port" \
     --streams "${STREAMS:-1,24,64}" --prompt-tokens "${PROMPT_TOKENS:-200}" --new-tokens "${NEW_TOKENS:-256}" \
-    --repeats "${REPEATS:-3}" --vocab "$vocab" --out "$out/stream_parity"
+    --repeats "${REPEATS:-3}" --vocab "$vocab" --out "$out/stream_parity" ${STRETCHES:+--stretches}
 stop_servers
 if [ -n "${ROUND_SESSIONS-1,16}" ]; then
     say "a round against a decode step: ${ROUND_SESSIONS-1,16} sessions"

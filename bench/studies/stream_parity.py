@@ -11,6 +11,10 @@ TPOT are per stream (TPOT: time after the first token over the tokens after it);
 delivery is how many tokens a chunk (an SSE event) carried. Each level is measured `--repeats`
 times per server, the servers in turn; the median run is reported.
 
+With `--stretches`, each verifier also streams the same tokens as Decode stretches (a "LABEL
+stretch" row): each stream a Decode call that opens its session, as an auto-mode edge sends
+when it lets the target decode, closed after it.
+
 `--cloud` may name several verifiers (LABEL=HOST:PORT, comma-separated: variants of one
 setting, side by side). With `--metrics` (their /metrics URLs, in the same order) each verifier
 row also says how many steps its engine ran in the level and how long a step took
@@ -42,7 +46,7 @@ from bench.loadtest import engine_steps
 from bench.loadtest_vllm import PeerServer
 from edge.transport.client import VerifierClient
 from shared.cli import run_cli
-from shared.protocol import GenerateRequest, SessionConfig
+from shared.protocol import DecodeRequest, GenerateRequest, OpenSessionRequest, SessionConfig
 
 Stream = Callable[[list[int]], AsyncIterator[int]]  # a prompt -> how many tokens each delivery carries
 
@@ -58,12 +62,13 @@ class StreamParitySettings(BaseSettings):
     new_tokens: int = Field(256, ge=2, description="tokens each stream generates")
     vocab: int = Field(151936, ge=2, description="the vocabulary the verifier's streams sample from")
     repeats: int = Field(3, ge=1, description="runs of each level per server (the median is reported)")
+    stretches: bool = Field(False, description="each verifier also streams Decode stretches (a 'LABEL stretch' row)")
     ready_timeout: float = Field(600.0, gt=0, description="seconds to wait for vLLM's server to list its model")
     out: Path = Field(Path("docs/stream_parity"), description="folder for the JSON result and report.md")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "servers": ("cloud", "metrics", "vllm_url", "ready_timeout"),
-        "streams": ("streams", "prompt_tokens", "new_tokens", "vocab", "repeats"),
+        "streams": ("streams", "prompt_tokens", "new_tokens", "vocab", "repeats", "stretches"),
         "output": ("out",),
     }
 
@@ -72,6 +77,21 @@ def verifier_stream(client: VerifierClient, vocab: int, new_tokens: int) -> Stre
     async def stream(prompt: list[int]) -> AsyncIterator[int]:
         async for chunk in client.generate(GenerateRequest(prompt, SessionConfig(vocab_size=vocab), new_tokens)):
             yield len(chunk.tokens)
+
+    return stream
+
+
+def stretch_stream(client: VerifierClient, vocab: int, new_tokens: int) -> Stream:
+    async def stream(prompt: list[int]) -> AsyncIterator[int]:
+        opening = DecodeRequest("", 0, new_tokens, open=OpenSessionRequest(prompt, SessionConfig(vocab_size=vocab)))
+        session = ""
+        try:
+            async for chunk in client.decode(opening):
+                session = session or (chunk.opened.session_id if chunk.opened else "")
+                yield len(chunk.tokens)
+        finally:
+            if session:
+                await client.close_session(session)
 
     return stream
 
@@ -145,6 +165,8 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
     systems = {"vllm_alone": (vllm_stream(server, args.new_tokens), "")}
     for label, client, url in clients:  # each verifier answers (tools/gpu_parity.sh waits for them)
         systems[label] = (verifier_stream(client, args.vocab, args.new_tokens), url)
+        if args.stretches:
+            systems[f"{label} stretch"] = (stretch_stream(client, args.vocab, args.new_tokens), url)
     result["systems"] = list(systems)
     rng = np.random.default_rng(0)
     high = min(args.vocab, 30_000)
@@ -165,8 +187,8 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
             for name, measured in runs.items():
                 row[name] = sorted(measured, key=lambda r: r["tok_s"])[len(measured) // 2]
                 row[name]["tok_s_runs"] = [r["tok_s"] for r in measured]
-            for label, _, _ in clients:
-                row[label]["over_vllm_alone"] = round(row[label]["tok_s"] / row["vllm_alone"]["tok_s"], 3)
+            for name in systems:
+                row[name]["over_vllm_alone"] = round(row[name]["tok_s"] / row["vllm_alone"]["tok_s"], 3)
             result["rows"].append(row)
             write_result(args.out, "stream_parity", result, report(result))  # each level as it comes
     finally:
@@ -176,7 +198,7 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
 
 def report(result: dict[str, Any]) -> str:
     lines = [
-        "# Target-only streams: the verifier (cloud_only) against vLLM's own server",
+        "# Target-only streams: the verifier (cloud_only, and Decode stretches where asked) against vLLM's own server",
         "",
         f"{machine_line(result['provenance']['machine'])}; {result['prompt_tokens']} prompt tokens and "
         f"{result['new_tokens']} generated tokens a stream, greedy; median of {result['repeats']} runs a level.",

@@ -1309,8 +1309,9 @@ def _decoded(fuzz: Fuzz) -> list[int]:
 
     def stretch(req: pb.DecodeRequest) -> list[int]:
         chunks = list(fuzz.stub.Decode(req, timeout=LONG_TIMEOUT))
-        assert chunks[-1].finished and chunks[-1].position == len(prompt) + len(tokens) + len(req.committed_tokens) + len(chunks)
-        return [t for chunk in chunks for t in chunk.tokens]
+        decoded = [t for chunk in chunks for t in chunk.tokens]
+        assert chunks[-1].finished and chunks[-1].position == len(prompt) + len(tokens) + len(req.committed_tokens) + len(decoded)
+        return decoded
 
     tokens: list[int] = []
     opening = pb.DecodeRequest(open=pb.OpenSessionRequest(prompt_tokens=prompt, vocab_size=VOCAB), max_tokens=third)
