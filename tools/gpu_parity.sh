@@ -2,21 +2,23 @@
 # On a CUDA machine: the verifier's vLLM engine against vLLM alone, in one run on one GPU.
 #   1. target-only streams: N concurrent Generate streams through cloud-verifier --engine vllm (cloud_only) against
 #      the same streams on vLLM's own OpenAI-compatible server, at each N of STREAMS (bench/studies/stream_parity.py);
-#   2. then, the two servers stopped, a k = 4 round on the verifier's live sessions against a decode step, at each
-#      session count of ROUND_SESSIONS (bench/studies/vllm_live_rounds.py).
+#   2. with STEP_OVERHEAD=1, the two servers stopped, a vLLM step of STREAMS requests with nothing served: a plain
+#      vLLM engine against the verifier's live sessions (bench/studies/vllm_step_overhead.py);
+#   3. then a k = 4 round on the verifier's live sessions against a decode step, at each session count of
+#      ROUND_SESSIONS (bench/studies/vllm_live_rounds.py).
 #
 #   tools/gpu_parity.sh MODEL_DIR OUT_DIR
 #
 # MODEL_DIR holds a model's config.json and tokenizer files; both engines start with load_format=dummy (vLLM's random
-# weights in the model's shapes: a step costs what the real model's costs). OUT_DIR gets stream_parity/ and
-# live_rounds/ (each a JSON result and report.md, written level by level) and both servers' logs.
+# weights in the model's shapes: a step costs what the real model's costs). OUT_DIR gets stream_parity/,
+# step_overhead/ and live_rounds/ (each a JSON result and report.md, written level by level) and the servers' logs.
 #
 # Environment (defaults): STREAMS (1,24,64), PROMPT_TOKENS (200), NEW_TOKENS (256), REPEATS (3), ROUND_SESSIONS
 # (1,16; empty: no rounds), GPU_SHARE (0.4), KV_BYTES (16000000000), MAX_CONTEXT (4096), VERIFIER_FLAGS (more
 # cloud-verifier flags), VARIANTS (none: more verifiers beside the first, measured side by side in the same run,
 # each "LABEL SWITCH_S [FLAGS...]", separated by ';': SWITCH_S is Python's thread switch interval in its process,
 # '-' for the default; FLAGS are more cloud-verifier flags), STRETCHES=1 (each verifier also streams the tokens as
-# Decode stretches, as auto-mode edges do), PYTHON (python3), READY_TIMEOUT_S (400),
+# Decode stretches, as auto-mode edges do), STEP_OVERHEAD=1 (step 2), PYTHON (python3), READY_TIMEOUT_S (400),
 # PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092; the variants take the next odd ports), EAGER=1 (the engines without
 # compiled graphs: for a dry run on a CPU).
 set -euo pipefail
@@ -56,6 +58,11 @@ $py -m bench.studies.stream_parity --cloud "$clouds" --metrics "$metrics" --vllm
     --streams "${STREAMS:-1,24,64}" --prompt-tokens "${PROMPT_TOKENS:-200}" --new-tokens "${NEW_TOKENS:-256}" \
     --repeats "${REPEATS:-3}" --vocab "$vocab" --out "$out/stream_parity" ${STRETCHES:+--stretches}
 stop_servers
+if [ -n "${STEP_OVERHEAD:-}" ]; then
+    say "a step with nothing served: a plain vLLM engine against the verifier's live sessions"
+    $py -m bench.studies.vllm_step_overhead --target "$model" --load-format dummy --streams "${STREAMS:-1,24,64}" \
+        --gpu-memory 0.4 "${eager[@]}" --out "$out/step_overhead"
+fi
 if [ -n "${ROUND_SESSIONS-1,16}" ]; then
     say "a round against a decode step: ${ROUND_SESSIONS-1,16} sessions"
     $py -m bench.studies.vllm_live_rounds --target "$model" --load-format dummy --sessions "${ROUND_SESSIONS-1,16}" --k 4 \

@@ -95,6 +95,25 @@ def test_the_batch_invariance_study_runs_and_finds_fp32_answers_equal(models: tu
     assert "| 0 | 2 / 2 |" in (out / "report.md").read_text()
 
 
+def test_the_step_overhead_study_measures_both_engines_at_each_count(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """bench.studies.vllm_step_overhead end to end on the tiny target: a plain vLLM engine and the
+    verifier's live sessions, each in its own process, a step at each count."""
+    out = tmp_path / "study"
+    study = ["-m", "bench.studies.vllm_step_overhead", "--target", str(models[1]), "--enforce-eager", "--steps", "10"]
+    done = subprocess.run(
+        [sys.executable, *study, "--streams", "1,3", "--kv-bytes", str(64 << 20), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((out / "vllm_step_overhead.json").read_text())["rows"]
+    assert [row["requests"] for row in rows] == [1, 3]
+    assert all(row["plain_ms"] > 0 and row["live_ms"] > 0 for row in rows)
+    assert "| 3 |" in (out / "report.md").read_text()
+
+
 @pytest.mark.real_models
 def test_greedy_speculative_equals_cloud_only_on_vllm_with_the_real_0_5b(tmp_path: Path) -> None:
     """The packaged 0.5B as the target in vLLM (fp32) and as the draft in llama.cpp."""

