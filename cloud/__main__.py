@@ -86,6 +86,7 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     """The target folder in vLLM, which holds the KV itself and serves up to
     --max-context-tokens a session. Admission counts sessions against the KV vLLM allocated."""
     from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+    from cloud.engine.vllm_process import ProcessEngine
 
     folder = model_folder(settings.model, TARGET_MODEL)
     cuda = _cuda()
@@ -103,11 +104,13 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
         max_draft_tokens=max(settings.max_draft_tokens, 1),  # vLLM's speculative tokens a step
         pad_decode=settings.pad_decode_steps,
     )
-    engine = VllmEngine(VllmRuntime(options))
+    engine: VllmEngine | ProcessEngine = (
+        ProcessEngine(options) if settings.vllm_engine_process else VllmEngine(VllmRuntime(options))
+    )
     log_event(log, logging.INFO, f"vLLM on {folder}, {dtype.name} ({dtype.reason})", engine="vllm", dtype=dtype.name)
     card = TokenizerCard.from_folder(folder)
     held = engine.kv_bytes_held()
-    log_event(log, logging.INFO, f"vLLM holds KV for {engine.runtime.kv_tokens()} tokens, {held / 2**30:.2f} GiB", kv_bytes=held)
+    log_event(log, logging.INFO, f"vLLM holds KV for {engine.kv_tokens()} tokens, {held / 2**30:.2f} GiB", kv_bytes=held)
     verifier = Verifier(engine, describe_model(folder), settings.limits(), dtype_reason=dtype.reason, tokenizer=card)
     return _warmed(verifier)
 

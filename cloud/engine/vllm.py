@@ -524,6 +524,10 @@ class VllmEngine:
     def kv_bytes_held(self) -> int:
         return self.runtime.kv_tokens() * self.kv_bytes_per_token
 
+    def kv_tokens(self) -> int:
+        """The tokens of KV vLLM allocated."""
+        return self.runtime.kv_tokens()
+
     def failure(self) -> str | None:
         return self.runtime.failure()
 

@@ -65,6 +65,19 @@ def test_greedy_speculative_equals_cloud_only_on_vllm(
     assert all(len(tokens) == 24 for tokens in outputs["cloud_only"].values())
 
 
+def test_vllm_in_its_own_process_serves_the_same_tokens(
+    models: tuple[Path, Path], verifier: tuple[str, int], tmp_path: Path
+) -> None:
+    """cloud-verifier --vllm-engine-process: vLLM in a child process answers edge-agent with the
+    tokens the in-process engine gives, in both modes, and the verifier stops cleanly with it."""
+    prompts = [f"w{i} w{i + 4} w{2 * i + 3}" for i in range(3)]
+    (tmp_path / "in_process").mkdir()
+    reference = _generate(["--draft-model", str(models[0])], verifier[0], prompts, tmp_path / "in_process", 16)
+    for address, _ in serve_vllm_verifier(models[1], tmp_path / "verifier.log", *VLLM_FLAGS, "--vllm-engine-process"):
+        outputs = _generate(["--draft-model", str(models[0])], address, prompts, tmp_path, 16)
+        assert outputs == reference
+
+
 def test_healthz_names_the_engine(verifier: tuple[str, int]) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{verifier[1]}/healthz", timeout=10) as reply:
         health = json.load(reply)

@@ -1,0 +1,372 @@
+"""The vLLM engine in a process of its own (`--vllm-engine-process`): the same VllmEngine
+(cloud/engine/vllm.py), with vLLM's engine core, its scheduler of live sessions and its model
+runner, in a child process, so that vLLM's Python work per step and the verifier's serving
+(gRPC, the batcher, the streams' deliveries) do not take turns on one interpreter.
+
+The verifier holds a ProcessEngine: each engine call goes to the child over a pipe and waits for
+its answer, one call at a time (they come from the model worker, and the metrics' reads of the
+engine's steps). A session's KV is a handle there: its id and the length the child last
+reported. The tokens of followed streams come back on a second pipe, one message a step for
+every followed session, read by a thread that hands them to the streams' sinks.
+
+A child that dies fails every call after it (VerifierFault) and `failure()` says why, as when
+vLLM's own engine-core process dies under the in-process engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV, TokenSink
+from shared.errors import ConfigError, VerifierFault
+from shared.protocol import SessionConfig
+
+log = logging.getLogger("cloud-verifier")
+START_TIMEOUT_S = 1800.0  # vLLM compiles its graphs first: minutes on a GPU
+
+
+@dataclass
+class KVHandle:
+    """A session's KV in the child: its id there, and its length as the child last said (or as
+    a crop not sent yet left it)."""
+
+    kv_id: int
+    length: int = 0
+    live: bool = False
+    follow_id: int = 0  # the follow its tokens come back under (0: none)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class ProcessEngine:
+    """Engine and LiveSessions, answered by a VllmEngine in a child process."""
+
+    name: EngineName = "vllm"
+
+    def __init__(self, options: Any) -> None:
+        context = multiprocessing.get_context("spawn")  # CUDA and vLLM's threads: never forked
+        self._calls, child_calls = context.Pipe()
+        self._tokens, child_tokens = context.Pipe(duplex=False)
+        self._process = context.Process(target=serve, args=(options, child_calls, child_tokens), name="vllm-engine", daemon=True)
+        self._process.start()
+        child_calls.close()
+        child_tokens.close()
+        self._lock = threading.Lock()  # one call on the pipe at a time
+        self._ids = itertools.count(1)
+        self._sinks: dict[int, TokenSink] = {}  # by follow id: a late message of an ended follow finds none
+        self._crops: dict[int, int] = {}  # crops the child has not been told of, by KV id: sent with the next call
+        self._failed: str | None = None
+        self._closing = False
+        if not self._calls.poll(START_TIMEOUT_S):
+            self._stop()
+            raise ConfigError(f"vLLM's engine process did not start within {START_TIMEOUT_S:.0f} s")
+        facts = self._answer()
+        self.logits_width, self.kv_bytes_per_token, self.parameters = (
+            facts["logits_width"],
+            facts["kv_bytes_per_token"],
+            facts["parameters"],
+        )
+        self.dtype, self._kv_tokens = facts["dtype"], facts["kv_tokens"]
+        self._reader = threading.Thread(target=self._read_tokens, name="vllm-tokens", daemon=True)
+        self._reader.start()
+
+    # ---- the pipe ---------------------------------------------------------------------------
+
+    def _call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            if self._failed is not None:
+                raise VerifierFault(self._failed)
+            crops, self._crops = self._crops, {}
+            try:
+                self._calls.send((method, args, crops))
+            except (OSError, EOFError) as err:
+                raise self._died(err) from err
+            return self._answer()
+
+    def _answer(self) -> Any:
+        try:
+            ok, value = self._calls.recv()
+        except (OSError, EOFError) as err:
+            raise self._died(err) from err
+        if not ok:
+            raise value
+        return value
+
+    def _died(self, err: BaseException) -> VerifierFault:
+        if self._failed is None:
+            self._failed = f"vLLM's engine process ended ({type(err).__name__})"
+        for sink in list(self._sinks.values()):
+            sink.fail(VerifierFault(self._failed))
+        self._sinks.clear()
+        return VerifierFault(self._failed)
+
+    def _read_tokens(self) -> None:
+        """Each step's tokens of the followed sessions, to their sinks; a sink the child failed
+        (its stream's end) is dropped."""
+        while True:
+            try:
+                kind, follow_id, payload = self._tokens.recv()
+            except (OSError, EOFError) as err:  # the child has gone: no followed stream waits for it
+                if not self._closing:
+                    self._died(err)
+                return
+            sink = self._sinks.get(follow_id)
+            if sink is None:
+                continue
+            if kind == "put":
+                sink.put(*payload)
+            else:
+                self._sinks.pop(follow_id, None)
+                sink.fail(payload)
+
+    # ---- Engine --------------------------------------------------------------------------------
+
+    def plan_kv(self, request: KVRequest) -> KVPlan:
+        return self._call("plan_kv", request)  # type: ignore[no-any-return]
+
+    def kv_bytes_held(self) -> int:
+        return self._call("kv_bytes_held")  # type: ignore[no-any-return]
+
+    def kv_tokens(self) -> int:
+        """The tokens of KV vLLM allocated."""
+        return self._kv_tokens
+
+    def new_kv(self) -> KVHandle:
+        return KVHandle(next(self._ids))
+
+    def free(self, kv: SessionKV) -> None:
+        handle = _handle(kv)
+        self._sinks.pop(handle.follow_id, None)
+        self._call("free", handle.kv_id)
+        handle.length = -1
+
+    def freed(self, kv: SessionKV) -> bool:
+        return _handle(kv).length < 0
+
+    def crop(self, kv: SessionKV, length: int) -> None:
+        """Told to the child with the next call (every round crops its session: one message a
+        pass, not one a session)."""
+        handle = _handle(kv)
+        if length < handle.length:
+            handle.length = length
+            self._crops[handle.kv_id] = length
+
+    def forward(
+        self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int], argmax_vocab: Sequence[int] = ()
+    ) -> list[torch.Tensor]:
+        handles = [_handle(kv) for kv in kvs]
+        rows, lengths = self._call(
+            "forward", [h.kv_id for h in handles], [list(b) for b in blocks], list(keeps), list(argmax_vocab)
+        )
+        _set_lengths(handles, lengths)
+        return rows  # type: ignore[no-any-return]
+
+    def describe(self) -> dict[str, str]:
+        return self._call("describe")  # type: ignore[no-any-return]
+
+    def failure(self) -> str | None:
+        if self._failed is None and not self._process.is_alive():
+            self._failed = f"vLLM's engine process ended (exit code {self._process.exitcode})"
+        return self._failed
+
+    def close(self) -> None:
+        self._closing = True
+        if self._failed is None and self._process.is_alive():
+            try:
+                self._call("close")
+            except VerifierFault:
+                pass
+        self._stop()
+
+    def _stop(self) -> None:
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+        self._calls.close()
+
+    # ---- LiveSessions --------------------------------------------------------------------------
+
+    def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
+        handle = _handle(kv)
+        handle.live = bool(self._call("make_live", handle.kv_id, config, vocab))
+        return handle.live
+
+    def is_live(self, kv: SessionKV) -> bool:
+        return _handle(kv).live
+
+    def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]:
+        handles = [_handle(step.kv) for step in steps]
+        sent = [replace(step, kv=handle.kv_id) for step, handle in zip(steps, handles, strict=True)]  # type: ignore[arg-type]
+        results, lengths = self._call("run_live", sent)
+        _set_lengths(handles, lengths)
+        return results  # type: ignore[no-any-return]
+
+    def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
+        handle = _handle(kv)
+        self._sinks.pop(handle.follow_id, None)
+        handle.follow_id = next(self._ids)
+        self._sinks[handle.follow_id] = sink
+        if self._call("follow", handle.kv_id, position, handle.follow_id):
+            return True
+        self._sinks.pop(handle.follow_id, None)
+        return False
+
+    def unfollow(self, kv: SessionKV) -> None:
+        handle = _handle(kv)
+        self._call("unfollow", handle.kv_id)
+        self._sinks.pop(handle.follow_id, None)
+
+    def extend(self, kv: SessionKV, tokens: list[int]) -> None:
+        handle = _handle(kv)
+        handle.length = self._call("extend", handle.kv_id, tokens)
+
+    def own_steps(self) -> tuple[int, float]:
+        return self._call("own_steps") if self.failure() is None else (0, 0.0)  # type: ignore[no-any-return]
+
+    def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
+        return self._call("rows", _handle(kv).kv_id, length, block, keep)  # type: ignore[no-any-return]
+
+
+def _handle(kv: SessionKV) -> KVHandle:
+    if not isinstance(kv, KVHandle):
+        raise TypeError(f"the vLLM engine process holds no {type(kv).__name__}")
+    return kv
+
+
+def _set_lengths(handles: list[KVHandle], lengths: list[int]) -> None:
+    for handle, length in zip(handles, lengths, strict=True):
+        handle.length = length
+
+
+# ---- the child ----------------------------------------------------------------------------------
+
+
+class _PipeSink:
+    """A followed session's sink in the child: each put or failure goes to the verifier."""
+
+    def __init__(self, follow_id: int, pipe: Connection, lock: threading.Lock) -> None:
+        self.follow_id, self.pipe, self.lock = follow_id, pipe, lock
+
+    def put(self, tokens: list[int], step_ms: float) -> None:
+        self._send("put", (tokens, step_ms))
+
+    def fail(self, error: Exception) -> None:
+        self._send("fail", error)
+
+    def _send(self, kind: str, payload: Any) -> None:
+        with self.lock:
+            try:
+                self.pipe.send((kind, self.follow_id, payload))
+            except (OSError, EOFError):  # the verifier has gone: nobody reads the tokens
+                pass
+
+
+class _Child:
+    """The child's side: a VllmEngine and its sessions' KV by id."""
+
+    def __init__(self, options: Any, tokens: Connection) -> None:
+        from cloud.engine.vllm import VllmEngine, VllmRuntime
+
+        self.engine = VllmEngine(VllmRuntime(options))
+        self.kvs: dict[int, Any] = {}
+        self.tokens, self.lock = tokens, threading.Lock()
+
+    def facts(self) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "logits_width": engine.logits_width,
+            "kv_bytes_per_token": engine.kv_bytes_per_token,
+            "parameters": engine.parameters,
+            "dtype": engine.dtype,
+            "kv_tokens": engine.runtime.kv_tokens(),
+        }
+
+    def kv(self, kv_id: int) -> Any:
+        kv = self.kvs.get(kv_id)
+        if kv is None:
+            kv = self.kvs[kv_id] = self.engine.new_kv()
+        return kv
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        engine = self.engine
+        return {
+            "plan_kv": engine.plan_kv,
+            "kv_bytes_held": engine.kv_bytes_held,
+            "describe": engine.describe,
+            "own_steps": engine.own_steps,
+            "free": self.free,
+            "extend": self.extend,
+            "make_live": lambda kv_id, config, vocab: engine.make_live(self.kv(kv_id), config, vocab),
+            "follow": lambda kv_id, position, follow_id: engine.follow(
+                self.kv(kv_id), position, _PipeSink(follow_id, self.tokens, self.lock)
+            ),
+            "unfollow": lambda kv_id: engine.unfollow(self.kv(kv_id)),
+            "rows": lambda kv_id, length, block, keep: engine.rows(self.kv(kv_id), length, block, keep),
+            "forward": self.forward,
+            "run_live": self.run_live,
+        }
+
+    def extend(self, kv_id: int, tokens: list[int]) -> int:
+        kv = self.kv(kv_id)
+        self.engine.extend(kv, tokens)
+        return int(kv.get_seq_length())
+
+    def crop(self, crops: dict[int, int]) -> None:
+        for kv_id, length in crops.items():
+            if kv_id in self.kvs:
+                self.engine.crop(self.kvs[kv_id], length)
+
+    def free(self, kv_id: int) -> None:
+        kv = self.kvs.pop(kv_id, None)
+        if kv is not None:
+            self.engine.free(kv)
+
+    def forward(self, ids: list[int], blocks: list[list[int]], keeps: list[int], vocabs: list[int]) -> tuple[Any, list[int]]:
+        kvs = [self.kv(kv_id) for kv_id in ids]
+        rows = self.engine.forward(kvs, blocks, keeps, vocabs)
+        return rows, [kv.get_seq_length() for kv in kvs]
+
+    def run_live(self, steps: list[LiveStep]) -> tuple[Any, list[int]]:
+        kvs = [self.kv(step.kv) for step in steps]  # type: ignore[arg-type]  # the ids the verifier sent
+        results = self.engine.run_live([replace(step, kv=kv) for step, kv in zip(steps, kvs, strict=True)])
+        return results, [kv.get_seq_length() for kv in kvs]
+
+
+def serve(options: Any, calls: Connection, tokens: Connection) -> None:
+    """The child's loop: start the engine, then answer calls until `close` or the verifier goes."""
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        child = _Child(options, tokens)
+    except Exception as err:
+        calls.send((False, err if isinstance(err, ConfigError) else ConfigError(f"vLLM could not start: {str(err)[:300]}")))
+        return
+    calls.send((True, child.facts()))
+    handlers = child.handlers()
+    while True:
+        try:
+            method, args, crops = calls.recv()
+        except (OSError, EOFError):
+            break
+        if method == "close":
+            calls.send((True, None))
+            break
+        try:
+            child.crop(crops)
+            answer = (True, handlers[method](*args))
+        except Exception as err:  # the call's own failure, as the in-process engine raises it
+            answer = (False, err)
+        try:
+            calls.send(answer)
+        except Exception as err:  # an answer that does not pickle: the call fails, not the engine
+            calls.send((False, VerifierFault(f"vLLM's engine process could not answer {method} ({type(err).__name__})")))
+    child.engine.close()

@@ -1,0 +1,143 @@
+"""The vLLM engine in a process of its own (`--vllm-engine-process`, cloud/engine/vllm_process.py):
+the verifier's sessions, rounds, streams and stretches go over its pipes to a VllmEngine in the
+child, and every answer is what the engine in the verifier's own process gives (greedy, fp32,
+the tiny vLLM target). A child that dies fails the calls after it and the streams that follow
+it, and the engine says why."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cloud.batcher import BatchLimits
+from cloud.engine.vllm import VllmOptions
+from cloud.engine.vllm_process import ProcessEngine
+from cloud.state import ServerState
+from cloud.verifier import Verifier
+from edge.drafting.kpolicy import FixedK
+from edge.round.generate import cloud_only_generate, speculative_generate
+from shared.errors import PositionMismatch, SpecDecError
+from shared.protocol import DecodeRequest, GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
+from tests.harness import VLLM_CONTEXT, TargetEngine, gen_config, make_drafter, random_prompt, serving
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [random_prompt(seed, length=4 + seed % 5) for seed in range(300, 306)]
+BATCH = BatchLimits(max_batch_size=8, max_batch_wait_ms=20)
+
+
+def _process_engine(folder: Path) -> ProcessEngine:
+    options = VllmOptions(str(folder), "float32", VLLM_CONTEXT, max_sessions=32, max_kv_bytes=64 << 20, enforce_eager=True)
+    return ProcessEngine(options)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_target: TargetEngine) -> Iterator[ProcessEngine]:
+    assert vllm_target.folder is not None
+    engine = _process_engine(vllm_target.folder)
+    yield engine
+    engine.close()
+    assert engine._process.exitcode == 0  # the child stopped cleanly
+
+
+def _state(engine: ProcessEngine) -> ServerState:
+    return ServerState.for_verifier(Verifier(engine, "tiny-target"), BATCH)
+
+
+def test_sessions_streams_and_stretches_in_the_engine_process_equal_the_target(
+    engine: ProcessEngine, vllm_target: TargetEngine
+) -> None:
+    """Three speculative sessions, three Generate streams and a Decode stretch at once, then a
+    round and a second stretch on the stretch's session: every token is the target's greedy
+    one, and the streams and the stretch take no pass per token."""
+    expected = [vllm_target.greedy_continuation(p, 30) for p in PROMPTS]
+    cfg = gen_config(max_new_tokens=20)
+    draft = vllm_target.draft_model()
+
+    async def run() -> None:
+        async with serving(_state(engine), verify_timeout_s=30) as client:
+            speculative = [speculative_generate(p, make_drafter(draft), client, FixedK(3), cfg) for p in PROMPTS[:3]]
+            streams = [cloud_only_generate(p, client, cfg) for p in PROMPTS[3:5]]
+            opening = DecodeRequest("", 0, 20, open=OpenSessionRequest(PROMPTS[5], SessionConfig(vocab_size=96)))
+            results = await asyncio.gather(*speculative, *streams, _chunks(client.decode(opening)))
+            for result, want in zip(results[:5], expected, strict=False):
+                assert result.token_ids == want[:20]
+            chunks = results[5]
+            assert [t for c in chunks for t in c.tokens] == expected[5][:20] and chunks[-1].position == len(PROMPTS[5]) + 20
+            session, want = chunks[0].opened.session_id, expected[5]
+            reply = await client.verify(VerifyRequest(session, len(PROMPTS[5]) + 20, [want[20], want[21] + 1]))
+            assert (reply.accepted_len, reply.next_token) == (1, want[21])
+            more = await _chunks(client.decode(DecodeRequest(session, len(PROMPTS[5]) + 22, 8)))
+            assert [t for c in more for t in c.tokens] == want[22:30]
+
+    asyncio.run(run())
+
+
+async def _chunks(stream):  # type: ignore[no-untyped-def]
+    return [chunk async for chunk in stream]
+
+
+def test_a_dropped_stretch_in_the_engine_process_leaves_its_session_where_the_client_resumes(
+    engine: ProcessEngine, vllm_target: TargetEngine
+) -> None:
+    """A long stretch dropped after a few tokens: its session holds what the call streamed, and
+    a stretch from there goes on exactly (the crops and lengths the verifier keeps of the
+    child's sessions stay right)."""
+    prompt = PROMPTS[0]
+
+    async def run() -> tuple[int, list[int]]:
+        async with serving(_state(engine), verify_timeout_s=30) as client:
+            stream = client.decode(DecodeRequest("", 0, 400, open=OpenSessionRequest(prompt, SessionConfig(vocab_size=96))))
+            chunks = []
+            async for chunk in stream:
+                chunks.append(chunk)
+                if sum(len(c.tokens) for c in chunks) >= 3:
+                    break
+            await stream.aclose()
+            session, at = chunks[0].opened.session_id, 0
+            for _ in range(100):
+                with pytest.raises(PositionMismatch) as moved:
+                    await client.verify(VerifyRequest(session, len(prompt), []))
+                at = moved.value.server_position
+                if at >= len(prompt) + 3:
+                    break
+                await asyncio.sleep(0.05)
+            more = await _chunks(client.decode(DecodeRequest(session, at, 10)))
+            return at, [t for c in more for t in c.tokens]
+
+    at, more = asyncio.run(run())
+    done = at - len(prompt)
+    assert 3 <= done < 400
+    assert more == vllm_target.greedy_continuation(prompt, done + 10)[done:]
+
+
+def test_a_dead_engine_process_fails_the_calls_after_it_and_says_why(vllm_target: TargetEngine) -> None:
+    """The child killed while a stream follows its session: the stream fails instead of waiting,
+    the next round fails with INTERNAL, and the engine's failure names the process's end (what
+    the verifier's watch stops the server on)."""
+    assert vllm_target.folder is not None
+    engine = _process_engine(vllm_target.folder)
+
+    async def run() -> None:
+        async with serving(_state(engine), verify_timeout_s=30) as client:
+            opened = await client.open_session(OpenSessionRequest(PROMPTS[1], SessionConfig(vocab_size=96)))
+            stream = client.generate(GenerateRequest(PROMPTS[2], SessionConfig(vocab_size=96), 900))
+            async for _ in stream:
+                os.kill(engine._process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                break
+            with pytest.raises(SpecDecError, match="INTERNAL: vLLM's engine process ended"):
+                async for _ in stream:
+                    pass
+            with pytest.raises(SpecDecError, match="INTERNAL: vLLM's engine process ended"):
+                await client.verify(VerifyRequest(opened.session_id, opened.position, [3, 4]))
+
+    try:
+        asyncio.run(run())
+        assert (engine.failure() or "").startswith("vLLM's engine process ended")
+    finally:
+        engine.close()
