@@ -19,6 +19,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -57,10 +58,13 @@ class ProcessEngine:
         context = multiprocessing.get_context("spawn")  # CUDA and vLLM's threads: never forked
         self._calls, child_calls = context.Pipe()
         self._tokens, child_tokens = context.Pipe(duplex=False)
-        self._process = context.Process(target=serve, args=(options, child_calls, child_tokens), name="vllm-engine", daemon=True)
+        self._process = context.Process(target=serve, args=(options, child_calls, child_tokens), name="vllm-engine")
         self._process.start()
         child_calls.close()
         child_tokens.close()
+        # At exit (a verifier that stops without closing it), the child reads the end of its pipe
+        # and stops: multiprocessing waits for it then.
+        weakref.finalize(self, self._calls.close)
         self._lock = threading.Lock()  # one call on the pipe at a time
         self._ids = itertools.count(1)
         self._sinks: dict[int, TokenSink] = {}  # by follow id: a late message of an ended follow finds none
@@ -76,7 +80,8 @@ class ProcessEngine:
             facts["kv_bytes_per_token"],
             facts["parameters"],
         )
-        self.dtype, self._kv_tokens = facts["dtype"], facts["kv_tokens"]
+        self.dtype, self._kv_tokens, self._description = facts["dtype"], facts["kv_tokens"], facts["describe"]
+        self._steps: tuple[int, float] = (0, 0.0)  # the engine's steps and their seconds, as its last message said
         self._reader = threading.Thread(target=self._read_tokens, name="vllm-tokens", daemon=True)
         self._reader.start()
 
@@ -95,9 +100,10 @@ class ProcessEngine:
 
     def _answer(self) -> Any:
         try:
-            ok, value = self._calls.recv()
+            ok, value, steps = self._calls.recv()
         except (OSError, EOFError) as err:
             raise self._died(err) from err
+        self._steps = steps
         if not ok:
             raise value
         return value
@@ -115,7 +121,7 @@ class ProcessEngine:
         (its stream's end) is dropped."""
         while True:
             try:
-                kind, follow_id, payload = self._tokens.recv()
+                kind, follow_id, payload, self._steps = self._tokens.recv()
             except (OSError, EOFError) as err:  # the child has gone: no followed stream waits for it
                 if not self._closing:
                     self._died(err)
@@ -172,7 +178,7 @@ class ProcessEngine:
         return rows  # type: ignore[no-any-return]
 
     def describe(self) -> dict[str, str]:
-        return self._call("describe")  # type: ignore[no-any-return]
+        return dict(self._description)
 
     def failure(self) -> str | None:
         if self._failed is None and not self._process.is_alive():
@@ -231,7 +237,9 @@ class ProcessEngine:
         handle.length = self._call("extend", handle.kv_id, tokens)
 
     def own_steps(self) -> tuple[int, float]:
-        return self._call("own_steps") if self.failure() is None else (0, 0.0)  # type: ignore[no-any-return]
+        """As of the child's last answer or tokens: read by /metrics on the event loop, which
+        never waits for the pipe (a long prefill may hold it)."""
+        return self._steps
 
     def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
         return self._call("rows", _handle(kv).kv_id, length, block, keep)  # type: ignore[no-any-return]
@@ -252,10 +260,11 @@ def _set_lengths(handles: list[KVHandle], lengths: list[int]) -> None:
 
 
 class _PipeSink:
-    """A followed session's sink in the child: each put or failure goes to the verifier."""
+    """A followed session's sink in the child: each put or failure goes to the verifier, with the
+    engine's step counts."""
 
-    def __init__(self, follow_id: int, pipe: Connection, lock: threading.Lock) -> None:
-        self.follow_id, self.pipe, self.lock = follow_id, pipe, lock
+    def __init__(self, follow_id: int, pipe: Connection, lock: threading.Lock, steps: Callable[[], tuple[int, float]]) -> None:
+        self.follow_id, self.pipe, self.lock, self.steps = follow_id, pipe, lock, steps
 
     def put(self, tokens: list[int], step_ms: float) -> None:
         self._send("put", (tokens, step_ms))
@@ -266,7 +275,7 @@ class _PipeSink:
     def _send(self, kind: str, payload: Any) -> None:
         with self.lock:
             try:
-                self.pipe.send((kind, self.follow_id, payload))
+                self.pipe.send((kind, self.follow_id, payload, self.steps()))
             except (OSError, EOFError):  # the verifier has gone: nobody reads the tokens
                 pass
 
@@ -289,6 +298,7 @@ class _Child:
             "parameters": engine.parameters,
             "dtype": engine.dtype,
             "kv_tokens": engine.runtime.kv_tokens(),
+            "describe": engine.describe(),
         }
 
     def kv(self, kv_id: int) -> Any:
@@ -302,13 +312,11 @@ class _Child:
         return {
             "plan_kv": engine.plan_kv,
             "kv_bytes_held": engine.kv_bytes_held,
-            "describe": engine.describe,
-            "own_steps": engine.own_steps,
             "free": self.free,
             "extend": self.extend,
             "make_live": lambda kv_id, config, vocab: engine.make_live(self.kv(kv_id), config, vocab),
             "follow": lambda kv_id, position, follow_id: engine.follow(
-                self.kv(kv_id), position, _PipeSink(follow_id, self.tokens, self.lock)
+                self.kv(kv_id), position, _PipeSink(follow_id, self.tokens, self.lock, engine.own_steps)
             ),
             "unfollow": lambda kv_id: engine.unfollow(self.kv(kv_id)),
             "rows": lambda kv_id, length, block, keep: engine.rows(self.kv(kv_id), length, block, keep),
@@ -348,9 +356,11 @@ def serve(options: Any, calls: Connection, tokens: Connection) -> None:
     try:
         child = _Child(options, tokens)
     except Exception as err:
-        calls.send((False, err if isinstance(err, ConfigError) else ConfigError(f"vLLM could not start: {str(err)[:300]}")))
+        calls.send(
+            (False, err if isinstance(err, ConfigError) else ConfigError(f"vLLM could not start: {str(err)[:300]}"), (0, 0.0))
+        )
         return
-    calls.send((True, child.facts()))
+    calls.send((True, child.facts(), (0, 0.0)))
     handlers = child.handlers()
     while True:
         try:
@@ -358,7 +368,7 @@ def serve(options: Any, calls: Connection, tokens: Connection) -> None:
         except (OSError, EOFError):
             break
         if method == "close":
-            calls.send((True, None))
+            calls.send((True, None, child.engine.own_steps()))
             break
         try:
             child.crop(crops)
@@ -366,7 +376,8 @@ def serve(options: Any, calls: Connection, tokens: Connection) -> None:
         except Exception as err:  # the call's own failure, as the in-process engine raises it
             answer = (False, err)
         try:
-            calls.send(answer)
+            calls.send((*answer, child.engine.own_steps()))
         except Exception as err:  # an answer that does not pickle: the call fails, not the engine
-            calls.send((False, VerifierFault(f"vLLM's engine process could not answer {method} ({type(err).__name__})")))
+            fault = VerifierFault(f"vLLM's engine process could not answer {method} ({type(err).__name__})")
+            calls.send((False, fault, child.engine.own_steps()))
     child.engine.close()
