@@ -30,8 +30,9 @@ ways:
   model's own logits, so every accept mode reads exact distributions, at the price of one
   request (a full sort of the vocabulary and its transfer) per row.
 
-vLLM's engine core runs in this process (the verifier's model worker steps it), so the
-verifier reaches the scheduler of its live requests directly.
+vLLM's engine core runs in the process that holds the VllmEngine, on a thread of its own, so
+the engine reaches the scheduler of its live requests directly. The verifier holds it in a
+child process of its own by default (cloud/engine/vllm_process.py), or in its own process.
 """
 
 from __future__ import annotations

@@ -22,7 +22,15 @@ from cloud.verifier import Verifier
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from shared.errors import PositionMismatch, SpecDecError
-from shared.protocol import DecodeRequest, GenerateRequest, OpenSessionRequest, SessionConfig, VerifyRequest
+from shared.protocol import (
+    AcceptMode,
+    DecodeRequest,
+    GenerateRequest,
+    OpenSessionRequest,
+    SamplingParams,
+    SessionConfig,
+    VerifyRequest,
+)
 from tests.harness import VLLM_CONTEXT, TargetEngine, gen_config, make_drafter, random_prompt, serving
 
 pytestmark = pytest.mark.vllm
@@ -114,6 +122,25 @@ def test_a_dropped_stretch_in_the_engine_process_leaves_its_session_where_the_cl
     done = at - len(prompt)
     assert 3 <= done < 400
     assert more == vllm_target.greedy_continuation(prompt, done + 10)[done:]
+
+
+def test_a_sampling_session_draws_in_the_engine_process_what_it_draws_in_the_verifier_s(
+    engine: ProcessEngine, vllm_target: TargetEngine
+) -> None:
+    """Point-mode sampling with a seed and top-k: a Generate stream and a round draw the same
+    tokens with vLLM in the child as with vLLM in the verifier's own process (the session's
+    sampling settings and seed reach the child's vLLM)."""
+    sampling = SamplingParams(temperature=1.3, top_k=20)
+    config = SessionConfig(sampling=sampling, seed=7, accept_mode=AcceptMode.POINT, vocab_size=96)
+
+    def draws(verifier: Verifier) -> list[int]:
+        tokens = [t for chunk in verifier.generate(GenerateRequest(PROMPTS[3], config, 24)) for t in chunk.tokens]
+        opened = verifier.open_session(OpenSessionRequest(PROMPTS[4], config))
+        reply = verifier.verify(VerifyRequest(opened.session_id, opened.position, tokens[:3]))
+        verifier.close_session(opened.session_id)
+        return [*tokens, reply.accepted_len, reply.next_token]
+
+    assert draws(Verifier(engine, "child")) == draws(Verifier(vllm_target(), "in-process"))
 
 
 def test_a_dead_engine_process_fails_the_calls_after_it_and_says_why(vllm_target: TargetEngine) -> None:

@@ -30,26 +30,26 @@ def pair():  # type: ignore[no-untyped-def]
     return target, tiny_draft(target, noise=1.5, seed=9)
 
 
-def _target_probs(model, context: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _target_probs(model, context: list[int], params: SamplingParams = PARAMS) -> torch.Tensor:  # type: ignore[no-untyped-def]
     logits = lm.forward(model, lm.new_cache(model), context)[-1:]
-    return probs_from_logits(penalized_logits(logits, context, [], PARAMS, V), PARAMS)[0]
+    return probs_from_logits(penalized_logits(logits, context, [], params, V), params)[0]
 
 
-def _two_token_reference(target) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _two_token_reference(target, params: SamplingParams = PARAMS) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """p(t1, t2) = p(t1) p(t2 | t1), flattened to [V * V]."""
-    first = _target_probs(target, PROMPT)
-    rows = [first[t] * _target_probs(target, PROMPT + [t]) for t in range(V)]
+    first = _target_probs(target, PROMPT, params)
+    rows = [first[t] * _target_probs(target, PROMPT + [t], params) for t in range(V)]
     return torch.stack(rows).flatten()
 
 
-def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None, engine=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None, engine=None, params=PARAMS) -> torch.Tensor:  # type: ignore[no-untyped-def]
     target, draft = pair
     verifier = Verifier(engine or TransformersEngine(target), "tiny")
     drafter_mode = AcceptMode.POINT if mode is AcceptMode.TOP1 else mode
-    drafter = drafter or Drafter(TransformersDraftLM(draft), DrafterConfig(PARAMS, drafter_mode, V, draft_top_k=4), seed=123)
+    drafter = drafter or Drafter(TransformersDraftLM(draft), DrafterConfig(params, drafter_mode, V, draft_top_k=4), seed=123)
     counts = torch.zeros(V * V)
     for trial in range(TRIALS):
-        opened = verifier.open_session(OpenSessionRequest(PROMPT, SessionConfig(PARAMS, trial, mode, V)))
+        opened = verifier.open_session(OpenSessionRequest(PROMPT, SessionConfig(params, trial, mode, V)))
         committed = list(PROMPT)
         while len(committed) < len(PROMPT) + 2:
             drafter.sync(committed)
@@ -114,6 +114,21 @@ def test_exact_modes_follow_target_on_vllm(vllm_pair, mode: AcceptMode, k: int) 
     first, first_ref = counts.view(V, V).sum(dim=1), joint.view(V, V).sum(dim=1)
     assert _pvalue(counts, joint) > 1e-3 and _pvalue(first, first_ref) > 1e-3
     assert 0.5 * (first / TRIALS - first_ref).abs().sum() < 0.05
+    assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1
+
+
+@pytest.mark.vllm
+def test_top_k_rounds_on_vllm_follow_target(vllm_pair) -> None:  # type: ignore[no-untyped-def]
+    """Point-mode rounds with top-k on the vLLM engine: vLLM's rejection sampler runs in every
+    step, one without drafts too, and its top-k must leave such a step alone (on a CPU it
+    failed the engine) and constrain the rounds' rows to the target's top-k distribution."""
+    target, draft, folder = vllm_pair
+    params = SamplingParams(temperature=1.5, top_k=3)
+    joint = _two_token_reference(target, params)
+    assert (joint == 0).sum() >= V * V // 2  # top-k leaves most pairs impossible
+    counts = _sample_two_tokens((target, draft), AcceptMode.POINT, 2, engine=vllm_engine(folder), params=params)
+    assert counts[joint == 0].sum() == 0
+    assert _pvalue(counts[joint > 0], joint[joint > 0]) > 1e-3
     assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1
 
 
