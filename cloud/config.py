@@ -62,10 +62,10 @@ class VerifierSettings(BaseSettings):
         "(where the step still fits the largest graph)",
     )
     vllm_engine_process: bool = Field(
-        True,
-        description="--engine vllm: vLLM (its engine core, scheduler and model runner) in a process of its own, so "
-        "that its work per step and the serving (gRPC, the batcher, streams) do not take turns on one interpreter; "
-        "--no-vllm-engine-process keeps it in the verifier's process",
+        False,
+        description="--engine vllm: vLLM (its engine core, scheduler and model runner) in a child process, so that "
+        "its work per step and the serving (gRPC, the batcher, streams) do not take turns on one interpreter "
+        "(default: in the verifier's process, on a thread of its own)",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="--engine vllm on a GPU: the share of each GPU's memory vLLM takes (weights and KV)"

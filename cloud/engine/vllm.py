@@ -31,8 +31,8 @@ ways:
   request (a full sort of the vocabulary and its transfer) per row.
 
 vLLM's engine core runs in the process that holds the VllmEngine, on a thread of its own, so
-the engine reaches the scheduler of its live requests directly. The verifier holds it in a
-child process of its own by default (cloud/engine/vllm_process.py), or in its own process.
+the engine reaches the scheduler of its live requests directly: the verifier's own process,
+or a child of it (`--vllm-engine-process`, cloud/engine/vllm_process.py).
 """
 
 from __future__ import annotations
@@ -141,6 +141,15 @@ class VllmRuntime:
         if threading.get_ident() == self._ident:
             return fn(*args)
         return self._thread.submit(fn, *args).result()
+
+    def soon(self, fn: Callable[[], None]) -> None:
+        """fn() on vLLM's thread after what waits for it now (the step running, a pump step
+        queued): without waiting for it."""
+        self._thread.submit(fn)
+
+    def steps_taken(self) -> tuple[int, float]:
+        """The steps vLLM ran so far, and the seconds they took."""
+        return self.steps, self.step_seconds
 
     def run(self, requests: Sequence[tuple[list[int], str, Any]]) -> list[Any]:
         """Each (prompt tokens, cache salt, SamplingParams) as one request, all in flight
@@ -618,7 +627,7 @@ class VllmEngine:
         _own(kv).tokens.extend(tokens)
 
     def own_steps(self) -> tuple[int, float]:
-        return self.runtime.steps, self.runtime.step_seconds
+        return self.runtime.steps_taken()
 
     def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
         """Full rows from requests of their own under the session's cache salt (its whole

@@ -6,8 +6,8 @@ runner, in a child process, so that vLLM's Python work per step and the verifier
 The verifier holds a ProcessEngine: each engine call goes to the child over a pipe and waits for
 its answer, one call at a time (they come from the model worker, and the metrics' reads of the
 engine's steps). A session's KV is a handle there: its id and the length the child last
-reported. The tokens of followed streams come back on a second pipe, one message a step for
-every followed session, read by a thread that hands them to the streams' sinks.
+reported. The tokens of followed streams come back on a second pipe, one message for every
+followed session's tokens of a step, read by a thread that hands them to the streams' sinks.
 
 A child that dies fails every call after it (VerifierFault) and `failure()` says why, as when
 vLLM's own engine-core process dies under the in-process engine.
@@ -121,19 +121,20 @@ class ProcessEngine:
         (its stream's end) is dropped."""
         while True:
             try:
-                kind, follow_id, payload, self._steps = self._tokens.recv()
+                items, self._steps = self._tokens.recv()
             except (OSError, EOFError) as err:  # the child has gone: no followed stream waits for it
                 if not self._closing:
                     self._died(err)
                 return
-            sink = self._sinks.get(follow_id)
-            if sink is None:
-                continue
-            if kind == "put":
-                sink.put(*payload)
-            else:
-                self._sinks.pop(follow_id, None)
-                sink.fail(payload)
+            for kind, follow_id, payload in items:
+                sink = self._sinks.get(follow_id)
+                if sink is None:
+                    continue
+                if kind == "put":
+                    sink.put(*payload)
+                else:
+                    self._sinks.pop(follow_id, None)
+                    sink.fail(payload)
 
     # ---- Engine --------------------------------------------------------------------------------
 
@@ -259,25 +260,46 @@ def _set_lengths(handles: list[KVHandle], lengths: list[int]) -> None:
 # ---- the child ----------------------------------------------------------------------------------
 
 
-class _PipeSink:
-    """A followed session's sink in the child: each put or failure goes to the verifier, with the
-    engine's step counts."""
+class _Outbox:
+    """The followed sessions' tokens on their way to the verifier: what the engine puts during a
+    step is queued, and sent as ONE message on vLLM's thread once the step is over (a step's
+    tokens of every followed session)."""
 
-    def __init__(self, follow_id: int, pipe: Connection, lock: threading.Lock, steps: Callable[[], tuple[int, float]]) -> None:
-        self.follow_id, self.pipe, self.lock, self.steps = follow_id, pipe, lock, steps
+    def __init__(self, pipe: Connection, runtime: Any) -> None:
+        self.pipe, self.runtime = pipe, runtime
+        self._items: list[tuple[str, int, Any]] = []
+        self._lock = threading.Lock()
+
+    def sink(self, follow_id: int) -> _PipeSink:
+        return _PipeSink(follow_id, self)
+
+    def add(self, kind: str, follow_id: int, payload: Any) -> None:
+        with self._lock:
+            self._items.append((kind, follow_id, payload))
+            first = len(self._items) == 1
+        if first:
+            self.runtime.soon(self._send)
+
+    def _send(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        try:
+            self.pipe.send((items, self.runtime.steps_taken()))
+        except (OSError, EOFError):  # the verifier has gone: nobody reads the tokens
+            pass
+
+
+class _PipeSink:
+    """A followed session's sink in the child: its tokens and its end go to the outbox."""
+
+    def __init__(self, follow_id: int, outbox: _Outbox) -> None:
+        self.follow_id, self.outbox = follow_id, outbox
 
     def put(self, tokens: list[int], step_ms: float) -> None:
-        self._send("put", (tokens, step_ms))
+        self.outbox.add("put", self.follow_id, (tokens, step_ms))
 
     def fail(self, error: Exception) -> None:
-        self._send("fail", error)
-
-    def _send(self, kind: str, payload: Any) -> None:
-        with self.lock:
-            try:
-                self.pipe.send((kind, self.follow_id, payload, self.steps()))
-            except (OSError, EOFError):  # the verifier has gone: nobody reads the tokens
-                pass
+        self.outbox.add("fail", self.follow_id, error)
 
 
 class _Child:
@@ -288,7 +310,7 @@ class _Child:
 
         self.engine = VllmEngine(VllmRuntime(options))
         self.kvs: dict[int, Any] = {}
-        self.tokens, self.lock = tokens, threading.Lock()
+        self.outbox = _Outbox(tokens, self.engine.runtime)
 
     def facts(self) -> dict[str, Any]:
         engine = self.engine
@@ -315,9 +337,7 @@ class _Child:
             "free": self.free,
             "extend": self.extend,
             "make_live": lambda kv_id, config, vocab: engine.make_live(self.kv(kv_id), config, vocab),
-            "follow": lambda kv_id, position, follow_id: engine.follow(
-                self.kv(kv_id), position, _PipeSink(follow_id, self.tokens, self.lock, engine.own_steps)
-            ),
+            "follow": lambda kv_id, position, follow_id: engine.follow(self.kv(kv_id), position, self.outbox.sink(follow_id)),
             "unfollow": lambda kv_id: engine.unfollow(self.kv(kv_id)),
             "rows": lambda kv_id, length, block, keep: engine.rows(self.kv(kv_id), length, block, keep),
             "forward": self.forward,
