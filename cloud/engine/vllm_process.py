@@ -4,9 +4,9 @@ runner, in a child process, so that vLLM's Python work per step and the verifier
 (gRPC, the batcher, the streams' deliveries) do not take turns on one interpreter.
 
 The verifier holds a ProcessEngine: each engine call goes to the child over a pipe and waits for
-its answer, one call at a time (they come from the model worker, and the metrics' reads of the
-engine's steps). A session's KV is a handle there: its id and the length the child last
-reported. The tokens of followed streams come back on a second pipe, one message for every
+its answer, one call at a time (they come from the model worker; /metrics and /healthz read what
+the child's last message said, and never wait for the pipe). A session's KV is a handle there:
+its id and the length the child last reported. The tokens of followed streams come back on a second pipe, one message for every
 followed session's tokens of a step, read by a thread that hands them to the streams' sinks.
 
 A child that dies fails every call after it (VerifierFault) and `failure()` says why, as when
@@ -15,6 +15,7 @@ vLLM's own engine-core process dies under the in-process engine.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -23,13 +24,16 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV, TokenSink
 from shared.errors import ConfigError, VerifierFault
 from shared.protocol import SessionConfig
+
+if TYPE_CHECKING:
+    from cloud.engine.vllm import VllmOptions
 
 log = logging.getLogger("cloud-verifier")
 START_TIMEOUT_S = 1800.0  # vLLM compiles its graphs first: minutes on a GPU
@@ -54,7 +58,7 @@ class ProcessEngine:
 
     name: EngineName = "vllm"
 
-    def __init__(self, options: Any) -> None:
+    def __init__(self, options: VllmOptions) -> None:
         context = multiprocessing.get_context("spawn")  # CUDA and vLLM's threads: never forked
         self._calls, child_calls = context.Pipe()
         self._tokens, child_tokens = context.Pipe(duplex=False)
@@ -152,10 +156,13 @@ class ProcessEngine:
         return KVHandle(next(self._ids))
 
     def free(self, kv: SessionKV) -> None:
+        """Its request ends in the child; with the child gone there is nothing left to free."""
         handle = _handle(kv)
         self._sinks.pop(handle.follow_id, None)
-        self._call("free", handle.kv_id)
         handle.length = -1
+        if self.failure() is None:
+            with contextlib.suppress(VerifierFault):
+                self._call("free", handle.kv_id)
 
     def freed(self, kv: SessionKV) -> bool:
         return _handle(kv).length < 0
@@ -305,7 +312,7 @@ class _PipeSink:
 class _Child:
     """The child's side: a VllmEngine and its sessions' KV by id."""
 
-    def __init__(self, options: Any, tokens: Connection) -> None:
+    def __init__(self, options: VllmOptions, tokens: Connection) -> None:
         from cloud.engine.vllm import VllmEngine, VllmRuntime
 
         self.engine = VllmEngine(VllmRuntime(options))
@@ -370,7 +377,7 @@ class _Child:
         return results, [kv.get_seq_length() for kv in kvs]
 
 
-def serve(options: Any, calls: Connection, tokens: Connection) -> None:
+def serve(options: VllmOptions, calls: Connection, tokens: Connection) -> None:
     """The child's loop: start the engine, then answer calls until `close` or the verifier goes."""
     logging.basicConfig(level=logging.WARNING)
     try:
