@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +24,8 @@ from edge.drafting.runtime_llamacpp import LlamaCppDraftLM
 from edge.drafting.runtime_transformers import TransformersDraftLM
 from edge.round.generate import GenerationConfig
 from edge.transport.client import VerifierClient
-from shared.protocol import AcceptMode, SamplingParams, SessionConfig
+from shared.errors import PositionMismatch
+from shared.protocol import AcceptMode, DecodeRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
 from tests.ops import greedy_continuation
 from tests.tiny_models import save_gguf, save_model, tiny_draft, tiny_target, tiny_vllm_target
 
@@ -209,3 +211,31 @@ def gen_config(
 def gguf_lm(model: PreTrainedModel, folder: Path) -> LlamaCppDraftLM:
     """`model` as llama.cpp runs it: written to an f32 GGUF, one thread."""
     return LlamaCppDraftLM(save_gguf(model, folder / "draft.gguf"), threads=1, context_size=1024)
+
+
+async def dropped_stretch(
+    client: VerifierClient, prompt: list[int], stretch: int, dropped: Callable[[], None] = lambda: None
+) -> tuple[int, list[int]]:
+    """A Decode stretch of `stretch` tokens that opens its session, dropped after its first 3
+    tokens: where the server says the session is then (asked until it shows the dropped call's
+    tokens; `dropped` runs once it does), and the 10 tokens a stretch from there decodes."""
+    stream = client.decode(DecodeRequest("", 0, stretch, open=OpenSessionRequest(prompt, SessionConfig(vocab_size=96))))
+    chunks = []
+    async for chunk in stream:
+        chunks.append(chunk)
+        if sum(len(c.tokens) for c in chunks) >= 3:
+            break
+    await stream.aclose()
+    assert chunks[0].opened is not None
+    session, at = chunks[0].opened.session_id, 0
+    for _ in range(100):  # the server sees the cancel soon after the client's next call
+        try:
+            await client.verify(VerifyRequest(session, len(prompt), []))
+        except PositionMismatch as moved:  # the client asks where the session is
+            at = moved.server_position
+        if at >= len(prompt) + 3:
+            break
+        await asyncio.sleep(0.05)
+    dropped()
+    more = [t async for chunk in client.decode(DecodeRequest(session, at, 10)) for t in chunk.tokens]
+    return at, more

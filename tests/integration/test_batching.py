@@ -16,7 +16,7 @@ from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from edge.transport.client import VerifierClient
-from shared.errors import CapacityExceeded, PositionMismatch, SessionNotFound
+from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import (
     DecodeChunk,
     DecodeRequest,
@@ -25,7 +25,7 @@ from shared.protocol import (
     SessionConfig,
     VerifyRequest,
 )
-from tests.harness import TargetEngine, cap_kv, gen_config, make_drafter, random_prompt, serving
+from tests.harness import TargetEngine, cap_kv, dropped_stretch, gen_config, make_drafter, random_prompt, serving
 
 PROMPTS = [random_prompt(seed, length=3 + seed % 7) for seed in range(100, 108)]
 NEW_TOKENS = 24
@@ -335,24 +335,11 @@ def test_a_stretch_cancelled_mid_way_leaves_its_session_where_the_client_can_res
     async def run() -> tuple[int, list[int]]:
         async with batching_verifier(vllm_target, BatchLimits(max_batch_size=8, max_batch_wait_ms=20)) as (client, state):
             runtime = state.verifier.engine.runtime  # type: ignore[union-attr]
-            stream = client.decode(DecodeRequest("", 0, stretch, open=OpenSessionRequest(prompt, SessionConfig(vocab_size=96))))
-            chunks = []
-            async for chunk in stream:
-                chunks.append(chunk)
-                if sum(len(c.tokens) for c in chunks) >= 3:
-                    break
-            await stream.aclose()
-            session, at = chunks[0].opened.session_id, 0
-            for _ in range(100):  # the server sees the cancel soon after the client's next call
-                with pytest.raises(PositionMismatch) as moved:  # the client asks where the session is
-                    await client.verify(VerifyRequest(session, len(prompt), []))
-                at = moved.value.server_position
-                if at >= len(prompt) + 3:
-                    break
-                await asyncio.sleep(0.05)
-            assert not runtime.busy()  # the dropped stretch's request parked: vLLM steps for nobody
-            _, more, _ = await _stretch(client, DecodeRequest(session, at, 10))
-            return at, more
+
+            def parked() -> None:  # the dropped stretch's request parked: vLLM steps for nobody
+                assert not runtime.busy()
+
+            return await dropped_stretch(client, prompt, stretch, parked)
 
     at, more = asyncio.run(run())
     assert len(prompt) + 3 <= at < len(prompt) + stretch  # cut short, at what the call had streamed

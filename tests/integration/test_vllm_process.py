@@ -21,7 +21,7 @@ from cloud.state import ServerState
 from cloud.verifier import Verifier
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
-from shared.errors import PositionMismatch, SpecDecError
+from shared.errors import SpecDecError
 from shared.protocol import (
     AcceptMode,
     DecodeRequest,
@@ -31,7 +31,7 @@ from shared.protocol import (
     SessionConfig,
     VerifyRequest,
 )
-from tests.harness import VLLM_CONTEXT, TargetEngine, gen_config, make_drafter, random_prompt, serving
+from tests.harness import VLLM_CONTEXT, TargetEngine, dropped_stretch, gen_config, make_drafter, random_prompt, serving
 
 pytestmark = pytest.mark.vllm
 
@@ -100,23 +100,7 @@ def test_a_dropped_stretch_in_the_engine_process_leaves_its_session_where_the_cl
 
     async def run() -> tuple[int, list[int]]:
         async with serving(_state(engine), verify_timeout_s=30) as client:
-            stream = client.decode(DecodeRequest("", 0, 400, open=OpenSessionRequest(prompt, SessionConfig(vocab_size=96))))
-            chunks = []
-            async for chunk in stream:
-                chunks.append(chunk)
-                if sum(len(c.tokens) for c in chunks) >= 3:
-                    break
-            await stream.aclose()
-            session, at = chunks[0].opened.session_id, 0
-            for _ in range(100):
-                with pytest.raises(PositionMismatch) as moved:
-                    await client.verify(VerifyRequest(session, len(prompt), []))
-                at = moved.value.server_position
-                if at >= len(prompt) + 3:
-                    break
-                await asyncio.sleep(0.05)
-            more = await _chunks(client.decode(DecodeRequest(session, at, 10)))
-            return at, [t for c in more for t in c.tokens]
+            return await dropped_stretch(client, prompt, 400)
 
     at, more = asyncio.run(run())
     done = at - len(prompt)
