@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from cloud.engine import Engine, LiveSessions, TokenSink
 from cloud.sessions import Session, SessionStore
+from cloud.token_feed import taken_part
 from shared.errors import CapacityExceeded
 
 
@@ -51,14 +52,11 @@ class FollowedStretch:
     def take(self, tokens: list[int]) -> list[int]:
         """(on the event loop) The tokens the engine put that belong to the stretch: up to its
         last one, or its stop token."""
-        tokens = tokens[: self.left]
-        stop = next((i for i, token in enumerate(tokens) if token in self.stops), None)
-        if stop is not None:
-            tokens = tokens[: stop + 1]
+        tokens, stopped = taken_part(tokens, self.left, self.stops)
         self.left -= len(tokens)
         self.position += len(tokens)
         self._taken += tokens
-        self.finished = stop is not None or self.left == 0
+        self.finished = stopped or self.left == 0
         return tokens
 
     def commit(self) -> None:

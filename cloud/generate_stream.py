@@ -14,6 +14,7 @@ from cloud.batch_step import ForwardStep
 from cloud.engine import Engine, LiveSessions, TokenSink
 from cloud.rejection_sampler import AcceptedRound, sample_token
 from cloud.sessions import Session, SessionStore
+from cloud.token_feed import taken_part
 from shared.errors import InvalidRequest
 from shared.protocol import GenerateChunk, GenerateRequest, SessionConfig
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
@@ -99,12 +100,9 @@ class GenerateStream:
         """Tokens a followed stream's engine decoded, as one chunk, up to the stream's end (its
         last token, or a stop token). They stay in the engine's request: the stream's session
         is only its KV from here on."""
-        tokens = tokens[: self.req.max_new_tokens - self.produced]
-        stop = next((i for i, token in enumerate(tokens) if token in self.req.stop_token_ids), None)
-        if stop is not None:
-            tokens = tokens[: stop + 1]
+        tokens, stopped = taken_part(tokens, self.req.max_new_tokens - self.produced, self.req.stop_token_ids)
         self.produced += len(tokens)
-        self.finished = stop is not None or self.produced == self.req.max_new_tokens
+        self.finished = stopped or self.produced == self.req.max_new_tokens
         return GenerateChunk(tokens, step_ms, self.finished)
 
     def _sampled(self, logits: torch.Tensor, session: Session) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Collection
 
 
 class FeedHub:
@@ -82,3 +83,12 @@ class TokenFeed:
             if error is not None:
                 raise error
             await self._ready.wait()
+
+
+def taken_part(tokens: list[int], left: int, stops: Collection[int]) -> tuple[list[int], bool]:
+    """The tokens of a take that belong to its stream (a followed Generate stream, a Decode
+    stretch): at most the `left` it still has, up to its first stop token; and whether a stop
+    token ended them. The engine may have decoded past either."""
+    tokens = tokens[:left]
+    stop = next((i for i, token in enumerate(tokens) if token in stops), None)
+    return (tokens, False) if stop is None else (tokens[: stop + 1], True)

@@ -35,7 +35,6 @@ from shared.protocol import SessionConfig
 if TYPE_CHECKING:
     from cloud.engine.vllm import VllmOptions
 
-log = logging.getLogger("cloud-verifier")
 START_TIMEOUT_S = 1800.0  # vLLM compiles its graphs first: minutes on a GPU
 
 
