@@ -28,7 +28,8 @@
 # SLO_TTFT (the load tester's defaults, 50 and 1000 ms),
 # MAX_SESSIONS (128), STEP_S (4), RESOLUTION (0.1: the search stops within 10%), MAX_OUTPUT_TOKENS (none),
 # GPU_SHARE (0.45), KV_BYTES (18000000000), MAX_CONTEXT (4096), PREFER_ABOVE (16), TP (1), LOAD_PROCESSES (1:
-# the load generator's processes; its CPU per level is in the report),
+# the load generator's processes; its CPU per level is in the report), VERIFIER_FLAGS (more cloud-verifier flags,
+# e.g. --vllm-engine-process),
 # PYTHON (python3), READY_TIMEOUT_S (400), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092), EAGER=1 (both engines
 # without compiled graphs: a start in seconds, slower steps; for a dry run on a CPU).
 set -euo pipefail
@@ -54,14 +55,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 load=dummy
 eager=()
 [ -z "${EAGER:-}" ] || eager=(--enforce-eager)
+read -r -a extra <<< "${VERIFIER_FLAGS:-}"
 engine_flags=(--engine vllm --load-format dummy --tensor-parallel-size "${TP:-1}" --gpu-memory-utilization "$share"
-    --max-kv-bytes "$kv" "${eager[@]}")
+    --max-kv-bytes "$kv" "${eager[@]}" "${extra[@]}")
 if [ "$engine" = transformers ]; then
     if [ ! -d "$out/model" ]; then
         $py -m bench.random_weights --config-dir "$model" --out "$out/model.part" --device cuda --dtype bfloat16
         mv "$out/model.part" "$out/model"
     fi
-    model=$out/model load=auto engine_flags=(--device cuda)
+    model=$out/model load=auto engine_flags=(--device cuda "${extra[@]}")
 fi
 
 results=${RESULTS:-$out}
