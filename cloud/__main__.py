@@ -104,9 +104,8 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
         max_draft_tokens=max(settings.max_draft_tokens, 1),  # vLLM's speculative tokens a step
         pad_decode=settings.pad_decode_steps,
     )
-    engine: VllmEngine | ProcessEngine = (
-        ProcessEngine(options) if settings.vllm_engine_process else VllmEngine(VllmRuntime(options))
-    )
+    in_child = cuda if settings.vllm_engine_process is None else settings.vllm_engine_process
+    engine: VllmEngine | ProcessEngine = ProcessEngine(options) if in_child else VllmEngine(VllmRuntime(options))
     log_event(log, logging.INFO, f"vLLM on {folder}, {dtype.name} ({dtype.reason})", engine="vllm", dtype=dtype.name)
     card = TokenizerCard.from_folder(folder)
     held = engine.kv_bytes_held()

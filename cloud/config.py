@@ -61,11 +61,12 @@ class VerifierSettings(BaseSettings):
         "last token, verified like any draft) so that it runs vLLM's full CUDA graph instead of its piecewise one "
         "(where the step still fits the largest graph)",
     )
-    vllm_engine_process: bool = Field(
-        False,
+    vllm_engine_process: bool | None = Field(
+        None,
         description="--engine vllm: vLLM (its engine core, scheduler and model runner) in a child process, so that "
-        "its work per step and the serving (gRPC, the batcher, streams) do not take turns on one interpreter "
-        "(default: in the verifier's process, on a thread of its own)",
+        "its work per step and the serving (gRPC, the batcher, streams) do not take turns on one interpreter; "
+        "--no-vllm-engine-process keeps it in the verifier's process, on a thread of its own (default: a child "
+        "on a GPU, the verifier's process on a CPU)",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="--engine vllm on a GPU: the share of each GPU's memory vLLM takes (weights and KV)"

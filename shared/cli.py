@@ -53,7 +53,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
         default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
         help_text = f"{field.description or ''} [env {env}; {default}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
-        if field.annotation is bool:
+        if _unwrapped(field.annotation) is bool:  # bool | None: unset is None (the field's own default)
             target.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
         if typing.get_origin(field.annotation) is list:  # repeatable: each use adds one item

@@ -329,6 +329,18 @@ MAX_STALLED_STEPS = 8  # vLLM steps in a row that advance none of a pass's reque
 STALLED_RETRY_MS = 1000
 
 
+class BannedSpan(list[list[int]]):
+    """Single-token bad words that are one span of ids, [start, end): a session's vocabulary
+    narrower than the model's rows (a draft's 151,936 tokens on a target padded to 152,064).
+    vLLM masks bad words one word and one row at a time, a tensor write each (128 words on the
+    17 rows of a padded step: 2,176 writes a request a step); a span is masked with one write
+    for all the rows of a run of requests (cloud/engine/vllm_scheduler.py)."""
+
+    def __init__(self, start: int, end: int) -> None:
+        super().__init__([token] for token in range(start, end))
+        self.span = (start, end)
+
+
 def limit_vocab(params: Any, vocab: int, width: int) -> None:
     """Keep vLLM's sampling of `params` inside a session's vocabulary (a draft's 151,936
     tokens on a target whose rows are padded to 152,064, say): the padding rows banned as
@@ -340,7 +352,7 @@ def limit_vocab(params: Any, vocab: int, width: int) -> None:
         return
     if width - vocab <= VLLM_MAX_BANNED:
         # vLLM fills this from `bad_words` text only when some is given; ids need no tokenizer.
-        params._bad_words_token_ids = [[token] for token in range(vocab, width)]
+        params._bad_words_token_ids = BannedSpan(vocab, width)
     elif vocab <= VLLM_MAX_TOKEN_LIST:
         params.allowed_token_ids = list(range(vocab))
     else:

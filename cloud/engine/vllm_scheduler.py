@@ -157,12 +157,13 @@ class NoDrafts:
     """vLLM's proposer slot (`custom_class`), which turns on its rejection sampler and its
     1 + K batch shapes; the drafts come from the edge, so it proposes none. Built in the
     process that runs the model, where it also mends vLLM's sampling of rounds
-    (_mend_cpu_expand, _skip_empty_constraints)."""
+    (_mend_cpu_expand, _skip_empty_constraints, _mask_banned_spans)."""
 
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
         _mend_cpu_expand()
         _skip_empty_constraints()
+        _mask_banned_spans()
 
     def propose(self, sampled_token_ids: list[Any], *args: Any, **kwargs: Any) -> list[list[int]]:
         return [[] for _ in sampled_token_ids]
@@ -213,3 +214,56 @@ def _skip_empty_constraints() -> None:
 
     apply_top_k_top_p.skips_empty = True  # type: ignore[attr-defined]
     rejection_sampler.apply_top_k_top_p = apply_top_k_top_p
+
+
+def _mask_banned_spans() -> None:
+    """vLLM's bad-word masks, for the rejection sampler's draft rows and the sampler's own rows,
+    with a span of banned ids (cloud.engine.vllm.BannedSpan: bad words with a `span`) masked as
+    one slice a run of requests; other bad words as vLLM masks them."""
+    from vllm.v1.sample import rejection_sampler, sampler
+
+    each_draft_row = rejection_sampler.apply_bad_words_with_drafts
+    each_row = sampler.apply_bad_words
+    if getattr(each_row, "masks_spans", False):
+        return
+
+    def apply_bad_words_with_drafts(logits: Any, words: dict[int, Any], past: Any, drafts: list[int]) -> None:
+        rest = _mask_spans(logits, words, drafts)
+        if rest:
+            each_draft_row(logits, rest, past, drafts)
+
+    def apply_bad_words(logits: Any, words: dict[int, Any], past: Any) -> None:
+        rest = _mask_spans(logits, words, [1] * logits.shape[0])
+        if rest:
+            each_row(logits, rest, past)
+
+    apply_bad_words.masks_spans = True  # type: ignore[attr-defined]
+    rejection_sampler.apply_bad_words_with_drafts = apply_bad_words_with_drafts
+    sampler.apply_bad_words = apply_bad_words
+
+
+def _mask_spans(logits: Any, words: dict[int, Any], rows: list[int]) -> dict[int, Any]:
+    """Mask the banned spans of `words` (request index -> bad words; request i owns rows[i]
+    consecutive rows of `logits`), one slice a run of neighbours with the same span (requests
+    without rows do not break a run); returns the requests whose bad words are something else."""
+    rest: dict[int, Any] = {}
+    run: tuple[int, int, tuple[int, int]] | None = None  # first row, end row, span
+    row = 0
+    for i, count in enumerate(rows):
+        span = getattr(words.get(i), "span", None)
+        if span is None and i in words:
+            rest[i] = words[i]
+        if count and run is not None and span != run[2]:
+            _mask_run(logits, run)
+            run = None
+        if count and span is not None:
+            run = (run[0] if run else row, row + count, span)
+        row += count
+    if run is not None:
+        _mask_run(logits, run)
+    return rest
+
+
+def _mask_run(logits: Any, run: tuple[int, int, tuple[int, int]]) -> None:
+    first, end, (start, stop) = run
+    logits[first:end, start:stop] = float("-inf")  # a slice: no copy to the device, no sync

@@ -86,3 +86,19 @@ def test_vllm_takes_the_kv_it_is_given_and_on_a_gpu_else_what_its_memory_share_l
     assert vllm_kv_bytes(load_settings({"config": str(path)}), cuda=True) == 123456
     monkeypatch.setenv("SPECDEC_CLOUD_MAX_KV_BYTES", "654321")
     assert vllm_kv_bytes(load_settings({}), cuda=True) == 654321
+
+
+@pytest.mark.parametrize(
+    ("flags", "in_child"), [([], None), (["--vllm-engine-process"], True), (["--no-vllm-engine-process"], False)]
+)
+def test_the_vllm_engine_process_is_on_off_or_left_to_the_device(flags: list[str], in_child: bool | None) -> None:
+    """A switch whose unset value (None) lets the verifier choose: a child on a GPU, its own process on a CPU."""
+    import argparse
+
+    from shared.cli import add_settings_flags
+
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser, VerifierSettings)
+    given = vars(parser.parse_args(flags))
+    assert given.get("vllm_engine_process") == in_child
+    assert load_settings(given).vllm_engine_process is in_child

@@ -197,17 +197,52 @@ def test_a_generate_stream_is_vllm_decoding_its_live_request(verifier: Verifier,
     assert runtime.steps - steps <= 11  # the prefill, then one step a token (no step per token per pass)
 
 
+def _narrow_greedy(target: Any, prompt: list[int], vocab: int, n: int) -> tuple[list[int], int]:
+    """The target's greedy tokens over the first `vocab` ids, and at how many of those steps
+    its argmax over all its rows lay past them (what a missing mask would have drawn)."""
+    cache, feed, expected, outside = lm.new_cache(target), list(prompt), [], 0
+    for _ in range(n):
+        row = lm.forward(target, cache, feed)[-1]
+        expected.append(int(row[:vocab].argmax()))
+        outside += int(row.argmax()) >= vocab
+        feed = expected[-1:]
+    return expected, outside
+
+
 def test_a_narrower_session_vocabulary_is_kept(verifier: Verifier, target: Any) -> None:
     """A session whose vocabulary is narrower than the model's rows (a draft's tokenizer on a
     padded target): its tokens are the target's greedy tokens over that vocabulary only."""
     vocab = VOCAB - 40
     prompt = [t % vocab for t in _tokens(21, 30)]
-    cache, feed, expected = lm.new_cache(target), list(prompt), []
-    for _ in range(8):
-        expected.append(int(lm.forward(target, cache, feed)[-1][:vocab].argmax()))
-        feed = expected[-1:]
+    expected, _ = _narrow_greedy(target, prompt, vocab, 8)
     tokens = _generated(verifier, GenerateRequest(prompt, SessionConfig(vocab_size=vocab), 8))
     assert tokens == expected and max(tokens) < vocab
+
+
+def test_a_narrower_vocabulary_is_masked_as_one_span_in_rounds_and_padded_steps(
+    verifier: Verifier, target: Any, padded: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The padding rows of two narrower sessions, verified together in rounds and then decoding
+    in padded steps: the target's greedy tokens over the sessions' vocabulary, with vLLM's mask
+    of one bad word on one row at a time never used (one slice masks the rows of both)."""
+    from vllm.v1.sample.ops import bad_words
+
+    one_at_a_time: list[int] = []
+    each = bad_words._apply_bad_words_single_batch
+    monkeypatch.setattr(bad_words, "_apply_bad_words_single_batch", lambda *a: one_at_a_time.append(1) or each(*a))
+    vocab = VOCAB - 40
+    prompts = [[t % vocab for t in _tokens(31 + i, 24)] for i in range(2)]
+    wanted = [_narrow_greedy(target, p, vocab, 20) for p in prompts]
+    assert sum(outside for _, outside in wanted) > 0  # unmasked, the target would draw a padding row
+    opened = [_open(verifier, p, SessionConfig(vocab_size=vocab)) for p in prompts]
+    rounds = [verifier.begin_verify(VerifyRequest(s, pos, want[:4])) for (s, pos), (want, _) in zip(opened, wanted, strict=True)]
+    results = verifier.run_batch([(step, 0.0) for step in rounds])
+    assert [(r.accepted_len, r.next_token) for r in results] == [(4, want[4]) for want, _ in wanted]
+    for session_id, _ in opened:
+        verifier.close_session(session_id)
+    streams = [_generated(verifier, GenerateRequest(p, SessionConfig(vocab_size=vocab), 20)) for p in prompts]
+    assert streams == [want for want, _ in wanted]
+    assert sum(padded) > 0 and not one_at_a_time
 
 
 @pytest.mark.parametrize("mode", [AcceptMode.SPARSE, AcceptMode.SCALAR])
