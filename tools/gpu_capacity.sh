@@ -29,7 +29,7 @@
 # MAX_SESSIONS (128), STEP_S (4), RESOLUTION (0.1: the search stops within 10%), MAX_OUTPUT_TOKENS (none),
 # GPU_SHARE (0.45), KV_BYTES (18000000000), MAX_CONTEXT (4096), PREFER_ABOVE (16), TP (1), LOAD_PROCESSES (1:
 # the load generator's processes; its CPU per level is in the report), VERIFIER_FLAGS (more cloud-verifier flags,
-# e.g. --vllm-engine-process),
+# e.g. --no-vllm-engine-process),
 # PYTHON (python3), READY_TIMEOUT_S (400), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092), EAGER=1 (both engines
 # without compiled graphs: a start in seconds, slower steps; for a dry run on a CPU).
 set -euo pipefail

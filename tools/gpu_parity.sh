@@ -61,7 +61,7 @@ stop_servers
 if [ -n "${STEP_OVERHEAD:-}" ]; then
     say "a step with nothing served: a plain vLLM engine against the verifier's live sessions"
     $py -m bench.studies.vllm_step_overhead --target "$model" --load-format dummy --streams "${STREAMS:-1,24,64}" \
-        --gpu-memory 0.4 "${eager[@]}" --out "$out/step_overhead"
+        --gpu-memory 0.4 --max-sessions 2048 --max-context "$context" "${eager[@]}" --out "$out/step_overhead"
 fi
 if [ -n "${ROUND_SESSIONS-1,16}" ]; then
     say "a round against a decode step: ${ROUND_SESSIONS-1,16} sessions"

