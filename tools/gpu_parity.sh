@@ -18,9 +18,10 @@
 # cloud-verifier flags), VARIANTS (none: more verifiers beside the first, measured side by side in the same run,
 # each "LABEL SWITCH_S [FLAGS...]", separated by ';': SWITCH_S is Python's thread switch interval in its process,
 # '-' for the default; FLAGS are more cloud-verifier flags), STRETCHES=1 (each verifier also streams the tokens as
-# Decode stretches, as auto-mode edges do), STEP_OVERHEAD=1 (step 2), PYTHON (python3), READY_TIMEOUT_S (400),
-# PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092; the variants take the next odd ports), EAGER=1 (the engines without
-# compiled graphs: for a dry run on a CPU).
+# Decode stretches, as auto-mode edges do), STEP_OVERHEAD=1 (step 2), BANNED (step 2's live sessions ban that
+# many padding rows, as a draft's narrower vocabulary does; their step is also measured with vLLM's own mask),
+# PYTHON (python3), READY_TIMEOUT_S (400), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092; the variants take the next
+# odd ports), EAGER=1 (the engines without compiled graphs: for a dry run on a CPU).
 set -euo pipefail
 model=$1 out=$2
 py=${PYTHON:-python3}
@@ -61,7 +62,8 @@ stop_servers
 if [ -n "${STEP_OVERHEAD:-}" ]; then
     say "a step with nothing served: a plain vLLM engine against the verifier's live sessions"
     $py -m bench.studies.vllm_step_overhead --target "$model" --load-format dummy --streams "${STREAMS:-1,24,64}" \
-        --gpu-memory 0.4 --max-sessions 2048 --max-context "$context" "${eager[@]}" --out "$out/step_overhead"
+        --gpu-memory 0.4 --max-sessions 2048 --max-context "$context" ${BANNED:+--banned "$BANNED"} "${eager[@]}" \
+        --out "$out/step_overhead"
 fi
 if [ -n "${ROUND_SESSIONS-1,16}" ]; then
     say "a round against a decode step: ${ROUND_SESSIONS-1,16} sessions"

