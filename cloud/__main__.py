@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
 from cloud.engine.transformers import TransformersEngine
@@ -21,6 +22,9 @@ from shared.models import TARGET_MODEL
 from shared.models.hub import describe as describe_model
 from shared.models.store import ensure_model, model_folder
 from shared.tokenizer_card import TokenizerCard
+
+if TYPE_CHECKING:
+    from cloud.engine.vllm import VllmOptions
 
 log = logging.getLogger("cloud-verifier")
 
@@ -85,15 +89,32 @@ def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
 def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     """The target folder in vLLM, which holds the KV itself and serves up to
     --max-context-tokens a session. Admission counts sessions against the KV vLLM allocated."""
-    from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+    from cloud.engine.vllm import VllmEngine, VllmRuntime
     from cloud.engine.vllm_process import ProcessEngine
 
     folder = model_folder(settings.model, TARGET_MODEL)
     cuda = _cuda()
     dtype = choose_dtype(settings.dtype, "cuda" if cuda else "cpu")
-    options = VllmOptions(
+    options = vllm_options(settings, folder, dtype.name, cuda)
+    in_child = cuda if settings.vllm_engine_process is None else settings.vllm_engine_process
+    engine: VllmEngine | ProcessEngine = ProcessEngine(options) if in_child else VllmEngine(VllmRuntime(options))
+    threads = engine.describe().get("threads")  # on a CPU
+    where = f"{dtype.name} ({dtype.reason})" + (f", {threads} CPU threads" if threads else "")
+    log_event(log, logging.INFO, f"vLLM on {folder}, {where}", engine="vllm", dtype=dtype.name, threads=threads)
+    card = TokenizerCard.from_folder(folder)
+    held = engine.kv_bytes_held()
+    log_event(log, logging.INFO, f"vLLM holds KV for {engine.kv_tokens()} tokens, {held / 2**30:.2f} GiB", kv_bytes=held)
+    verifier = Verifier(engine, describe_model(folder), settings.limits(), dtype_reason=dtype.reason, tokenizer=card)
+    return _warmed(verifier)
+
+
+def vllm_options(settings: VerifierSettings, folder: str, dtype: str, cuda: bool) -> VllmOptions:
+    """What the verifier's settings ask of vLLM."""
+    from cloud.engine.vllm import VllmOptions
+
+    return VllmOptions(
         folder,
-        dtype=dtype.name,
+        dtype=dtype,
         max_context_tokens=settings.max_context_tokens,
         max_sessions=settings.max_sessions,
         max_kv_bytes=vllm_kv_bytes(settings, cuda),
@@ -103,15 +124,8 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
         load_format=settings.load_format,
         max_draft_tokens=max(settings.max_draft_tokens, 1),  # vLLM's speculative tokens a step
         pad_decode=settings.pad_decode_steps,
+        cpu_threads=settings.threads,
     )
-    in_child = cuda if settings.vllm_engine_process is None else settings.vllm_engine_process
-    engine: VllmEngine | ProcessEngine = ProcessEngine(options) if in_child else VllmEngine(VllmRuntime(options))
-    log_event(log, logging.INFO, f"vLLM on {folder}, {dtype.name} ({dtype.reason})", engine="vllm", dtype=dtype.name)
-    card = TokenizerCard.from_folder(folder)
-    held = engine.kv_bytes_held()
-    log_event(log, logging.INFO, f"vLLM holds KV for {engine.kv_tokens()} tokens, {held / 2**30:.2f} GiB", kv_bytes=held)
-    verifier = Verifier(engine, describe_model(folder), settings.limits(), dtype_reason=dtype.reason, tokenizer=card)
-    return _warmed(verifier)
 
 
 def vllm_kv_bytes(settings: VerifierSettings, cuda: bool) -> int:

@@ -101,7 +101,12 @@ class VerifierSettings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="one line per event, as text or JSON")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug adds one line per Verify round")
     log_prompts: bool = Field(False, description="debug: log prompt token ids (user data; off by default)")
-    threads: int = Field(0, ge=0, description="torch CPU threads (0 = the cores this process may use: affinity, cgroup quota)")
+    threads: int = Field(
+        0,
+        ge=0,
+        description="CPU threads the target runs on: torch's, llama.cpp's, or vLLM's on a CPU (0 = the cores this "
+        "process may use: affinity, cgroup quota)",
+    )
     max_draft_tokens: int = Field(16, ge=0, description="largest k accepted per round")
     max_context_tokens: int = Field(32768, ge=2, description="prompt + generated tokens per session")
     session_ttl_s: float = Field(600.0, gt=0, description="idle seconds before a session is dropped")

@@ -20,12 +20,15 @@
 # '-' for the default; FLAGS are more cloud-verifier flags), STRETCHES=1 (each verifier also streams the tokens as
 # Decode stretches, as auto-mode edges do), STEP_OVERHEAD=1 (step 2), BANNED (step 2's live sessions ban that
 # many padding rows, as a draft's narrower vocabulary does; their step is also measured with vLLM's own mask),
-# PYTHON (python3), READY_TIMEOUT_S (400), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092; the variants take the next
-# odd ports), EAGER=1 (the engines without compiled graphs: for a dry run on a CPU).
+# VLLM_SYNC=1 (a second vLLM server, "vllm_sync", run as the verifier runs vLLM: without async scheduling and
+# with the V1 model runner, which vLLM chooses for the proposer that carries the edge's drafts; what is left
+# between it and the verifier is the verifier's own), PYTHON (python3), READY_TIMEOUT_S (400),
+# PORT/HTTP_PORT/VLLM_PORT/VLLM_SYNC_PORT (50071/8091/8092/8190; the variants take the next odd ports), EAGER=1
+# (the engines without compiled graphs: for a dry run on a CPU).
 set -euo pipefail
 model=$1 out=$2
 py=${PYTHON:-python3}
-port=${PORT:-50071} http_port=${HTTP_PORT:-8091} vllm_port=${VLLM_PORT:-8092}
+port=${PORT:-50071} http_port=${HTTP_PORT:-8091} vllm_port=${VLLM_PORT:-8092} vllm_sync_port=${VLLM_SYNC_PORT:-8190}
 share=${GPU_SHARE:-0.4} kv=${KV_BYTES:-16000000000} context=${MAX_CONTEXT:-4096}
 mkdir -p "$out"
 say() { echo "$(date +%T) gpu_parity: $*"; }
@@ -54,8 +57,10 @@ for i in "${!variants[@]}"; do
 done
 wait_servers || exit 1
 [ "$vllm_up" = 1 ] || exit 1
-say "streams: ${STREAMS:-1,24,64} on $clouds"
-$py -m bench.studies.stream_parity --cloud "$clouds" --metrics "$metrics" --vllm-url "http://127.0.0.1:$vllm_port" \
+peers="vllm_alone=http://127.0.0.1:$vllm_port"
+[ "$vllm_sync_up" = 1 ] && peers+=",vllm_sync=http://127.0.0.1:$vllm_sync_port"
+say "streams: ${STREAMS:-1,24,64} on $clouds against $peers"
+$py -m bench.studies.stream_parity --cloud "$clouds" --metrics "$metrics" --vllm-url "$peers" \
     --streams "${STREAMS:-1,24,64}" --prompt-tokens "${PROMPT_TOKENS:-200}" --new-tokens "${NEW_TOKENS:-256}" \
     --repeats "${REPEATS:-3}" --vocab "$vocab" --out "$out/stream_parity" ${STRETCHES:+--stretches}
 stop_servers

@@ -56,7 +56,10 @@ class StreamParitySettings(BaseSettings):
 
     cloud: str = Field(description="the verifier's HOST:PORT, or several as LABEL=HOST:PORT, comma-separated")
     metrics: str = Field("", description="the verifiers' /metrics URLs (loopback), comma-separated, in --cloud's order")
-    vllm_url: str = Field(description="vLLM's own server, http://HOST:PORT")
+    vllm_url: str = Field(
+        description="vLLM's own server, http://HOST:PORT, or several as LABEL=http://HOST:PORT, comma-separated "
+        "(the first is the one the ratios are of)"
+    )
     streams: str = Field("1,24,64", description="concurrent streams per level, comma-separated")
     prompt_tokens: int = Field(200, ge=1, description="prompt tokens of each stream (random ids)")
     new_tokens: int = Field(256, ge=2, description="tokens each stream generates")
@@ -159,15 +162,28 @@ def verifiers(args: StreamParitySettings) -> list[tuple[str, str, str]]:
     return found
 
 
+def peers(args: StreamParitySettings) -> list[tuple[str, str]]:
+    """(label, URL) of each vLLM server --vllm-url names; the first is unlabelled "vllm_alone"."""
+    items = [item.strip() for item in args.vllm_url.split(",") if item.strip()]
+    found = []
+    for i, item in enumerate(items):
+        label, named, url = item.partition("=")
+        found.append((label, url) if named else ("vllm_alone" if i == 0 else f"vllm_{i}", item))
+    return found
+
+
 async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
-    server = await PeerServer.from_url(args.vllm_url).wait_ready(args.ready_timeout)
+    systems: dict[str, tuple[Stream, str]] = {}
+    for label, url in peers(args):
+        server = await PeerServer.from_url(url).wait_ready(args.ready_timeout)
+        systems[label] = (vllm_stream(server, args.new_tokens), "")
+    reference = next(iter(systems))
     clients = [(label, VerifierClient(address, verify_timeout_s=600.0), url) for label, address, url in verifiers(args)]
-    systems = {"vllm_alone": (vllm_stream(server, args.new_tokens), "")}
     for label, client, url in clients:  # each verifier answers (tools/gpu_parity.sh waits for them)
         systems[label] = (verifier_stream(client, args.vocab, args.new_tokens), url)
         if args.stretches:
             systems[f"{label} stretch"] = (stretch_stream(client, args.vocab, args.new_tokens), url)
-    result["systems"] = list(systems)
+    result["systems"], result["reference"] = list(systems), reference
     rng = np.random.default_rng(0)
     high = min(args.vocab, 30_000)
 
@@ -188,7 +204,7 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
                 row[name] = sorted(measured, key=lambda r: r["tok_s"])[len(measured) // 2]
                 row[name]["tok_s_runs"] = [r["tok_s"] for r in measured]
             for name in systems:
-                row[name]["over_vllm_alone"] = round(row[name]["tok_s"] / row["vllm_alone"]["tok_s"], 3)
+                row[name]["over_vllm_alone"] = round(row[name]["tok_s"] / row[reference]["tok_s"], 3)
             result["rows"].append(row)
             write_result(args.out, "stream_parity", result, report(result))  # each level as it comes
     finally:
@@ -203,7 +219,7 @@ def report(result: dict[str, Any]) -> str:
         f"{machine_line(result['provenance']['machine'])}; {result['prompt_tokens']} prompt tokens and "
         f"{result['new_tokens']} generated tokens a stream, greedy; median of {result['repeats']} runs a level.",
         "",
-        "| streams | system | tok/s | / vLLM alone | TPOT median, ms | TTFT median, ms | tokens a delivery |"
+        f"| streams | system | tok/s | / {result['reference']} | TPOT median, ms | TTFT median, ms | tokens a delivery |"
         " engine steps | ms an engine step |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

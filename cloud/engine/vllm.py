@@ -59,6 +59,7 @@ import torch
 from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV, TokenSink
 from shared import lm
 from shared.errors import CapacityExceeded, ConfigError, SessionNotFound, VerifierFault
+from shared.hardware import usable_cores
 from shared.protocol import AcceptMode, SessionConfig
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class VllmOptions:
     max_draft_tokens: int = 16  # drafts a round may verify (vLLM's speculative tokens per step)
     pad_decode: bool = True  # steps of requests decoding on their own padded to K drafts, for vLLM's full CUDA graph
     pad_limit: int = 0  # the most tokens such a step may have (0: vLLM's largest CUDA graph)
+    cpu_threads: int = 0  # on a CPU, the threads vLLM's model runs on (0: the cores this process may use)
 
 
 class VllmRuntime:
@@ -110,6 +112,8 @@ class VllmRuntime:
         args = _engine_args(options, self.max_context_tokens + 1, cpu)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm")
         self._ident = self._thread.submit(threading.get_ident).result()
+        if cpu:
+            self.call(_set_cpu_threads, options.cpu_threads or usable_cores())
         try:
             # The engine core in this process: the verifier wakes and parks live requests in its
             # scheduler between steps. vLLM reads the setting while it builds the engine only.
@@ -123,6 +127,7 @@ class VllmRuntime:
             self.scheduler.pad_limit = options.pad_limit or _largest_graph(self.llm.vllm_config)
         self.options = options
         self.device = "cpu" if cpu else "cuda"
+        self.cpu_threads = self.call(torch.get_num_threads) if cpu else 0  # what vLLM's CPU kernels run on
         self._ids = itertools.count()
         self._pending: set[str] = set()  # requests of the pass in flight
         self._done: dict[str, Any] = {}  # their outputs, until the pass takes them
@@ -429,6 +434,14 @@ def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
     )
 
 
+def _set_cpu_threads(threads: int) -> None:
+    """The threads of vLLM's CPU kernels, set on vLLM's thread before vLLM starts: OpenMP keeps
+    the setting per thread, and vLLM's CPU worker then replaces torch.set_num_threads with a
+    no-op, so torch's own binding is called. Threads beyond the cores free for them stall each
+    parallel region at its barrier while the serving (gRPC, the streams) holds a core."""
+    torch._C.set_num_threads(threads)
+
+
 def _largest_graph(config: Any) -> int:
     """The most tokens of a step vLLM runs as one full CUDA graph (0: none, as on a CPU or with
     --enforce-eager)."""
@@ -556,7 +569,10 @@ class VllmEngine:
     def describe(self) -> dict[str, str]:
         import vllm
 
-        return {"engine": self.name, "dtype": self.dtype, "device": self.runtime.device, "vllm": vllm.__version__}
+        facts = {"engine": self.name, "dtype": self.dtype, "device": self.runtime.device, "vllm": vllm.__version__}
+        if self.runtime.device == "cpu":
+            facts["threads"] = str(self.runtime.cpu_threads)
+        return facts
 
     def close(self) -> None:
         if self.owns_runtime:

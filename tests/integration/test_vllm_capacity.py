@@ -118,3 +118,27 @@ def test_capacity_against_vllm_alone_in_one_run(
         (system, n) for system in SYSTEMS for n in (1, 2)
     )
     assert "vllm_alone" in (out / "capacity.md").read_text() and (out / "capacity.png").stat().st_size > 0
+
+
+def test_stream_parity_sets_the_verifier_s_streams_beside_several_vllm_servers(
+    verifier: tuple[str, int], vllm_server: str, tmp_path: Path
+) -> None:
+    """bench.studies.stream_parity end to end: Generate streams and Decode stretches through the
+    verifier beside streams of vLLM's own server, here named twice (as a second vLLM setting
+    would be), every ratio of the first."""
+    out = tmp_path / "parity"
+    where = ["--cloud", f"verifier={verifier[0]}", "--metrics", f"http://127.0.0.1:{verifier[1]}/metrics"]
+    where += ["--vllm-url", f"{vllm_server},again={vllm_server}"]
+    _run("-m", "bench.studies.stream_parity", *where, "--streams", "1,2", "--prompt-tokens", "6", "--new-tokens", "5",
+         "--repeats", "1", "--vocab", "96", "--stretches", "--out", str(out))  # fmt: skip
+    result = json.loads((out / "stream_parity.json").read_text())
+    assert result["systems"] == ["vllm_alone", "again", "verifier", "verifier stretch"]
+    assert result["reference"] == "vllm_alone"
+    assert [row["streams"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["vllm_alone"]["over_vllm_alone"] == 1.0
+        for system in result["systems"]:
+            assert row[system]["tokens"] == 5 * row["streams"]
+            assert row[system]["over_vllm_alone"] == round(row[system]["tok_s"] / row["vllm_alone"]["tok_s"], 3)
+        assert row["verifier"]["engine_steps"] >= 4  # the verifier's own vLLM steps, from its /metrics
+    assert "| 2 | again |" in (out / "report.md").read_text() and "/ vllm_alone |" in (out / "report.md").read_text()

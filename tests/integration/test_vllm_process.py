@@ -22,6 +22,7 @@ from cloud.verifier import Verifier
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from shared.errors import SpecDecError
+from shared.hardware import usable_cores
 from shared.protocol import (
     AcceptMode,
     DecodeRequest,
@@ -39,8 +40,10 @@ PROMPTS = [random_prompt(seed, length=4 + seed % 5) for seed in range(300, 306)]
 BATCH = BatchLimits(max_batch_size=8, max_batch_wait_ms=20)
 
 
-def _process_engine(folder: Path) -> ProcessEngine:
-    options = VllmOptions(str(folder), "float32", VLLM_CONTEXT, max_sessions=32, max_kv_bytes=64 << 20, enforce_eager=True)
+def _process_engine(folder: Path, cpu_threads: int = 0) -> ProcessEngine:
+    options = VllmOptions(
+        str(folder), "float32", VLLM_CONTEXT, max_sessions=32, max_kv_bytes=64 << 20, enforce_eager=True, cpu_threads=cpu_threads
+    )
     return ProcessEngine(options)
 
 
@@ -125,6 +128,24 @@ def test_a_sampling_session_draws_in_the_engine_process_what_it_draws_in_the_ver
         return [*tokens, reply.accepted_len, reply.next_token]
 
     assert draws(Verifier(engine, "child")) == draws(Verifier(vllm_target(), "in-process"))
+
+
+def test_vllm_runs_its_cpu_kernels_on_the_threads_it_is_given(vllm_target: TargetEngine) -> None:
+    """--threads on a CPU: vLLM's model in the child runs on that many threads (and decodes the
+    target's tokens on them); in the verifier's own process, by default, on every core the
+    process may use."""
+    assert vllm_target.folder is not None
+    engine = _process_engine(vllm_target.folder, cpu_threads=1)
+    try:
+        assert engine.describe()["threads"] == "1"
+        config = SessionConfig(vocab_size=96)
+        tokens = [
+            t for chunk in Verifier(engine, "one-thread").generate(GenerateRequest(PROMPTS[0], config, 8)) for t in chunk.tokens
+        ]
+        assert tokens == vllm_target.greedy_continuation(PROMPTS[0], 8)
+    finally:
+        engine.close()
+    assert vllm_target().describe()["threads"] == str(usable_cores())
 
 
 def test_a_dead_engine_process_fails_the_calls_after_it_and_says_why(vllm_target: TargetEngine) -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cloud.__main__ import main, vllm_kv_bytes
+from cloud.__main__ import main, vllm_kv_bytes, vllm_options
 from cloud.config import VerifierSettings, load_settings
 from shared.errors import ConfigError
 
@@ -86,6 +86,11 @@ def test_vllm_takes_the_kv_it_is_given_and_on_a_gpu_else_what_its_memory_share_l
     assert vllm_kv_bytes(load_settings({"config": str(path)}), cuda=True) == 123456
     monkeypatch.setenv("SPECDEC_CLOUD_MAX_KV_BYTES", "654321")
     assert vllm_kv_bytes(load_settings({}), cuda=True) == 654321
+
+
+def test_vllm_on_a_cpu_runs_on_the_threads_asked() -> None:
+    assert vllm_options(load_settings({"threads": 3}), "/models/target", "bfloat16", cuda=False).cpu_threads == 3
+    assert vllm_options(load_settings({}), "/models/target", "bfloat16", cuda=False).cpu_threads == 0  # every usable core
 
 
 @pytest.mark.parametrize(
