@@ -16,7 +16,8 @@ stretch" row): each stream a Decode call that opens its session, as an auto-mode
 when it lets the target decode, closed after it.
 
 `--cloud` may name several verifiers (LABEL=HOST:PORT, comma-separated: variants of one
-setting, side by side). With `--metrics` (their /metrics URLs, in the same order) each verifier
+setting, side by side), and `--vllm-url` several vLLM servers (LABEL=URL: vLLM alone with other
+settings, such as without asynchronous scheduling); every ratio is of the first vLLM server. With `--metrics` (their /metrics URLs, in the same order) each verifier
 row also says how many steps its engine ran in the level and how long a step took
 (specdec_engine_steps_total, specdec_engine_step_seconds_total: the vLLM engine).
 
