@@ -17,9 +17,10 @@ when it lets the target decode, closed after it.
 
 `--cloud` may name several verifiers (LABEL=HOST:PORT, comma-separated: variants of one
 setting, side by side), and `--vllm-url` several vLLM servers (LABEL=URL: vLLM alone with other
-settings, such as without asynchronous scheduling); every ratio is of the first vLLM server. With `--metrics` (their /metrics URLs, in the same order) each verifier
-row also says how many steps its engine ran in the level and how long a step took
-(specdec_engine_steps_total, specdec_engine_step_seconds_total: the vLLM engine).
+settings, such as without asynchronous scheduling); every ratio is of the first vLLM server.
+With `--metrics` (their /metrics URLs, in the same order) each verifier row also says how many
+steps its engine ran in the level and how long a step took (specdec_engine_steps_total,
+specdec_engine_step_seconds_total: the vLLM engine).
 
     python -m bench.studies.stream_parity --cloud 127.0.0.1:50071 --vllm-url http://127.0.0.1:8092 \\
         [--metrics http://127.0.0.1:8091/metrics] [--streams 1,24,64] [--prompt-tokens 200] [--new-tokens 256] \\

@@ -43,6 +43,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from bench.cli import study_settings, vllm_version
 from bench.environment import machine_line, provenance, write_result
 from shared.cli import run_cli
+from shared.errors import ConfigError
 
 WARM_UP_STEPS = 20
 T = TypeVar("T")
@@ -241,7 +242,17 @@ def _in_own_process(measure: Callable[[StepOverheadSettings, list[int]], T], arg
     with ProcessPoolExecutor(
         max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_in_process_core
     ) as pool:
-        return pool.submit(measure, args, counts).result()
+        return pool.submit(_measured, measure, args, counts).result()
+
+
+def _measured(measure: Callable[[StepOverheadSettings, list[int]], T], args: StepOverheadSettings, counts: list[int]) -> T:
+    """measure(args, counts) in the measuring process; a failure comes back as one line (vLLM's
+    own errors, a pydantic one among them, do not survive the trip between processes)."""
+    try:
+        return measure(args, counts)
+    except Exception as err:
+        said = " ".join(line.strip() for line in str(err).splitlines()[:2])
+        raise ConfigError(f"vLLM could not run the steps: {said[:300]}") from None
 
 
 def _in_process_core() -> None:

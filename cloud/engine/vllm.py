@@ -123,6 +123,8 @@ class VllmRuntime:
             self._thread.shutdown()
             raise ConfigError(f"vLLM could not start on {options.model}: {str(err)[:300]}") from err
         self.scheduler: LiveScheduler = self.llm.engine_core.engine_core.scheduler
+        self._caught = _CaughtOutputs(self.llm.engine_core.get_output)
+        self.llm.engine_core.get_output = self._caught
         if options.pad_decode:
             self.scheduler.pad_limit = options.pad_limit or _largest_graph(self.llm.vllm_config)
         self.options = options
@@ -131,7 +133,7 @@ class VllmRuntime:
         self._ids = itertools.count()
         self._pending: set[str] = set()  # requests of the pass in flight
         self._done: dict[str, Any] = {}  # their outputs, until the pass takes them
-        self._live: dict[str, LiveRequest] = {}  # live requests by their own id
+        self._live: dict[str, LiveRequest] = {}  # live requests by vLLM's id of them
         self._followed: dict[str, LiveRequest] = {}  # live requests whose tokens go to a sink, by vLLM's id
         self._pumping = False  # a pump step is queued on vLLM's thread
         self._stalled = 0  # pump steps in a row that gave a followed request no token
@@ -201,7 +203,10 @@ class VllmRuntime:
             live.engine_id = self.llm.add_request(live.request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
         except Exception as err:
             raise VerifierFault(f"vLLM could not start the session's request ({type(err).__name__})") from err
-        self._live[live.request_id] = live
+        # Its tokens are read from the engine core's outputs (step): vLLM's output processor,
+        # which would build a RequestOutput for it each step, forgets it (the engine keeps it).
+        self.llm.output_processor.abort_requests([live.engine_id], internal=True)
+        self._live[live.engine_id] = live
         return live
 
     def wake(self, live: LiveRequest, drafts: list[int], tokens: int, stops: frozenset[int]) -> None:
@@ -215,8 +220,11 @@ class VllmRuntime:
 
     def end_live(self, live: LiveRequest) -> None:
         self.unfollow(live, SessionNotFound("the session was closed or evicted"))
-        if self._live.pop(live.request_id, None) is not None and not live.ended:
-            self._abort([live.request_id])
+        if self._live.pop(live.engine_id, None) is not None and not live.ended:
+            try:
+                self.llm.engine_core.abort_requests([live.engine_id])
+            except Exception:
+                log.exception("vLLM could not abort a session's request")
 
     def follow(self, live: LiveRequest, position: int, sink: TokenSink) -> None:
         """Hand `sink` the tokens `live` holds from `position` on, then each step's, while it
@@ -282,8 +290,9 @@ class VllmRuntime:
             raise VerifierFault(self._failed)
         self.steps += 1
         start = time.perf_counter()
+        self._caught.last = None
         try:
-            outputs = self.llm.step()
+            outputs = self.llm.step()  # the passes' requests; the live ones' come as the engine core gave them
         except Exception as err:
             self._failed = f"vLLM's engine failed in a step ({type(err).__name__}: {str(err)[:200]})"
             for followed in list(self._followed.values()):
@@ -291,19 +300,26 @@ class VllmRuntime:
             raise VerifierFault(self._failed) from err
         step_ms = (time.perf_counter() - start) * 1000.0
         self.step_seconds += step_ms / 1000.0
+        self._hand_out(step_ms)
         for output in outputs:
-            live = self._live.get(output.request_id)
-            if live is not None:
-                new = list(output.outputs[0].token_ids)  # the step's new tokens
-                live.tokens.extend(new)
-                live.ended = output.finished
-                if live.sink is not None:
-                    live.sink.put(new, step_ms)
-                if live.ended:
-                    self.unfollow(live)
-            elif output.finished and output.request_id in self._pending:
+            if output.finished and output.request_id in self._pending:
                 self._pending.discard(output.request_id)
                 self._done[output.request_id] = output
+
+    def _hand_out(self, step_ms: float) -> None:
+        """The live requests' new tokens of the step: to their tokens, and to the sinks of those
+        a stream follows."""
+        for output in self._caught.last.outputs if self._caught.last is not None else ():
+            live = self._live.get(output.request_id)
+            if live is None or not (output.new_token_ids or output.finished):
+                continue
+            new = list(output.new_token_ids)  # one token, or more where drafts passed
+            live.tokens.extend(new)
+            live.ended = output.finished
+            if live.sink is not None:
+                live.sink.put(new, step_ms)
+            if live.ended:
+                self.unfollow(live)
 
     def _abort(self, ids: list[str]) -> None:
         self._pending.difference_update(ids)
@@ -463,6 +479,19 @@ def _shutdown(llm: Any, thread: ThreadPoolExecutor, closing: threading.Event) ->
     except Exception:
         log.exception("vLLM did not shut down cleanly")
     thread.shutdown(wait=False)
+
+
+class _CaughtOutputs:
+    """Stands in for the engine core's get_output: hands vLLM's LLMEngine a step's outputs and
+    keeps them, so that the live requests' tokens are read from them as they are."""
+
+    def __init__(self, fetch: Callable[[], Any]) -> None:
+        self.fetch = fetch
+        self.last: Any = None  # the last step's EngineCoreOutputs
+
+    def __call__(self) -> Any:
+        self.last = self.fetch()
+        return self.last
 
 
 @dataclass

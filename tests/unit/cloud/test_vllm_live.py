@@ -177,6 +177,23 @@ def _agree(drafts: list[int], target: list[int]) -> int:
     return n
 
 
+def test_a_live_request_s_tokens_skip_vllm_s_output_processor(verifier: Verifier, target: Any) -> None:
+    """A live request's tokens are read from the engine core's outputs as they come: vLLM's
+    output processor, which builds a RequestOutput for each of its requests each step, does
+    not hold it, and its rounds still read the target's tokens."""
+    runtime = _engine(verifier).runtime
+    prompt = _tokens(7, 30)
+    expected = greedy_continuation(target, prompt, 6)
+    session_id, position = _open(verifier, prompt)
+    live = _kv(verifier, session_id).live
+    assert live is not None and live.engine_id in runtime.scheduler.requests
+    assert live.engine_id not in runtime.llm.output_processor.request_states
+    result = verifier.verify(VerifyRequest(session_id, position, expected[:4]))
+    assert (result.accepted_len, result.next_token) == (4, expected[4])
+    assert live.tokens == prompt + expected[:5]
+    verifier.close_session(session_id)
+
+
 def test_closing_a_parked_session_ends_its_request(verifier: Verifier) -> None:
     runtime = _engine(verifier).runtime
     session_id, _ = _open(verifier, _tokens(5, 20))
