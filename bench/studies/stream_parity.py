@@ -153,25 +153,28 @@ async def level(stream: Stream, prompts: list[list[int]], metrics: str = "") -> 
     return row
 
 
+def _labelled(listed: str) -> list[tuple[str, str]]:
+    """(label, value) of each comma-separated item, LABEL=VALUE or VALUE ("" as its label)."""
+    found = []
+    for item in (item.strip() for item in listed.split(",")):
+        if item:
+            label, _, value = item.rpartition("=")
+            found.append((label, value))
+    return found
+
+
 def verifiers(args: StreamParitySettings) -> list[tuple[str, str, str]]:
     """(label, address, metrics URL) of each verifier --cloud names."""
-    items = [item.strip() for item in args.cloud.split(",") if item.strip()]
     urls = [url.strip() for url in args.metrics.split(",")] if args.metrics else []
-    found = []
-    for i, item in enumerate(items):
-        label, _, address = item.rpartition("=")
-        found.append((label or "cloud_only", address, urls[i] if i < len(urls) else ""))
-    return found
+    return [
+        (label or "cloud_only", address, urls[i] if i < len(urls) else "")
+        for i, (label, address) in enumerate(_labelled(args.cloud))
+    ]
 
 
 def peers(args: StreamParitySettings) -> list[tuple[str, str]]:
     """(label, URL) of each vLLM server --vllm-url names; the first is unlabelled "vllm_alone"."""
-    items = [item.strip() for item in args.vllm_url.split(",") if item.strip()]
-    found = []
-    for i, item in enumerate(items):
-        label, named, url = item.partition("=")
-        found.append((label, url) if named else ("vllm_alone" if i == 0 else f"vllm_{i}", item))
-    return found
+    return [(label or ("vllm_alone" if i == 0 else f"vllm_{i}"), url) for i, (label, url) in enumerate(_labelled(args.vllm_url))]
 
 
 async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:

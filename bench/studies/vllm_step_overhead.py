@@ -104,9 +104,8 @@ def _median_ms(step: Callable[[], Any], steps: int) -> float:
 
 
 def _max_tokens(args: StepOverheadSettings) -> int:
-    return (
-        4 * (WARM_UP_STEPS + args.steps) + 8
-    )  # every request decodes through the measured steps (up to three runs of them, live)
+    # Every request decodes through the measured steps (up to three runs of them, live).
+    return 4 * (WARM_UP_STEPS + args.steps) + 8
 
 
 def _context(args: StepOverheadSettings) -> int:
