@@ -98,9 +98,12 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     options = vllm_options(settings, folder, dtype.name, cuda)
     in_child = cuda if settings.vllm_engine_process is None else settings.vllm_engine_process
     engine: VllmEngine | ProcessEngine = ProcessEngine(options) if in_child else VllmEngine(VllmRuntime(options))
-    threads = engine.describe().get("threads")  # on a CPU
-    where = f"{dtype.name} ({dtype.reason})" + (f", {threads} CPU threads" if threads else "")
-    log_event(log, logging.INFO, f"vLLM on {folder}, {where}", engine="vllm", dtype=dtype.name, threads=threads)
+    facts = engine.describe()
+    threads, scheduling = facts.get("threads"), facts["scheduling"]  # threads: on a CPU
+    where = f"{dtype.name} ({dtype.reason})" + (f", {threads} CPU threads" if threads else "") + f", {scheduling} scheduling"
+    log_event(
+        log, logging.INFO, f"vLLM on {folder}, {where}", engine="vllm", dtype=dtype.name, threads=threads, scheduling=scheduling
+    )
     card = TokenizerCard.from_folder(folder)
     held = engine.kv_bytes_held()
     log_event(log, logging.INFO, f"vLLM holds KV for {engine.kv_tokens()} tokens, {held / 2**30:.2f} GiB", kv_bytes=held)
@@ -125,6 +128,7 @@ def vllm_options(settings: VerifierSettings, folder: str, dtype: str, cuda: bool
         max_draft_tokens=max(settings.max_draft_tokens, 1),  # vLLM's speculative tokens a step
         pad_decode=settings.pad_decode_steps,
         cpu_threads=settings.threads,
+        async_scheduling=settings.vllm_async_scheduling,
     )
 
 

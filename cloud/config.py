@@ -61,6 +61,13 @@ class VerifierSettings(BaseSettings):
         "last token, verified like any draft) so that it runs vLLM's full CUDA graph instead of its piecewise one "
         "(where the step still fits the largest graph)",
     )
+    vllm_async_scheduling: bool = Field(
+        False,
+        description="--engine vllm: vLLM schedules each step while the one before it runs, as it does for its own "
+        "proposers, so that its Python work per step overlaps the GPU's. Steps are then not padded "
+        "(--pad-decode-steps does nothing), and a stream may decode one token past its stop token (kept for "
+        "the session's next steps). Exact like the default; on a CPU it gains nothing",
+    )
     vllm_engine_process: bool | None = Field(
         None,
         description="--engine vllm: vLLM (its engine core, scheduler and model runner) in a child process, so that "

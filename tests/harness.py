@@ -95,19 +95,23 @@ class TargetEngine:
 
 VLLM_CONTEXT = 1000  # under the tiny models' 1024 positions
 VLLM_FLAGS = ("--max-context-tokens", str(VLLM_CONTEXT), "--max-kv-bytes", str(64 << 20), "--enforce-eager")
-_VLLM_RUNTIMES: dict[Path, Any] = {}
+_VLLM_RUNTIMES: dict[tuple[Path, bool], Any] = {}
 
 
-def vllm_engine(folder: Path) -> Engine:
+def vllm_engine(folder: Path, async_scheduling: bool = False) -> Engine:
     """A fresh vLLM Engine of the model in `folder`; its vLLM (seconds to start) is shared by
-    every engine of that folder in this test process, each session under its own cache salt."""
+    every engine of that folder and scheduling in this test process, each session under its own
+    cache salt. Asynchronous scheduling, which vLLM leaves off on a CPU, is the GPU's way of
+    stepping: on, it tests the same scheduler logic a GPU runs."""
     from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
 
-    if folder not in _VLLM_RUNTIMES:
+    key = (folder, async_scheduling)
+    if key not in _VLLM_RUNTIMES:
         options = VllmOptions(str(folder), "float32", VLLM_CONTEXT, max_sessions=32, max_kv_bytes=64 << 20, enforce_eager=True)
-        _VLLM_RUNTIMES[folder] = VllmRuntime(options)
-        measure_decode_step(VllmEngine(_VLLM_RUNTIMES[folder], owns_runtime=False))  # as the verifier's warm-up
-    return VllmEngine(_VLLM_RUNTIMES[folder], owns_runtime=False)
+        options = replace(options, async_scheduling=async_scheduling)
+        _VLLM_RUNTIMES[key] = VllmRuntime(options)
+        measure_decode_step(VllmEngine(_VLLM_RUNTIMES[key], owns_runtime=False))  # as the verifier's warm-up
+    return VllmEngine(_VLLM_RUNTIMES[key], owns_runtime=False)
 
 
 @contextmanager

@@ -50,7 +50,6 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -90,6 +89,7 @@ class VllmOptions:
     pad_decode: bool = True  # steps of requests decoding on their own padded to K drafts, for vLLM's full CUDA graph
     pad_limit: int = 0  # the most tokens such a step may have (0: vLLM's largest CUDA graph)
     cpu_threads: int = 0  # on a CPU, the threads vLLM's model runs on (0: the cores this process may use)
+    async_scheduling: bool = False  # vLLM schedules a step while the one before it runs (no pads then)
 
 
 class VllmRuntime:
@@ -102,8 +102,6 @@ class VllmRuntime:
     the other calls, and each step's new tokens go to the streams' sinks."""
 
     def __init__(self, options: VllmOptions) -> None:
-        from vllm.v1.engine.llm_engine import LLMEngine
-
         cpu = not torch.cuda.is_available()
         if not cpu:  # workers of a target over several GPUs: the verifier may have touched CUDA
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -118,14 +116,14 @@ class VllmRuntime:
             # The engine core in this process: the verifier wakes and parks live requests in its
             # scheduler between steps. vLLM reads the setting while it builds the engine only.
             with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-                self.llm: Any = self.call(partial(LLMEngine.from_engine_args, args, enable_multiprocessing=False))
+                self.llm: Any = self.call(_start_engine, args, options.async_scheduling)
         except Exception as err:  # vLLM's own config errors name the setting that failed
             self._thread.shutdown()
             raise ConfigError(f"vLLM could not start on {options.model}: {str(err)[:300]}") from err
         self.scheduler: LiveScheduler = self.llm.engine_core.engine_core.scheduler
         self._caught = _CaughtOutputs(self.llm.engine_core.get_output)
         self.llm.engine_core.get_output = self._caught
-        if options.pad_decode:
+        if options.pad_decode and not options.async_scheduling:
             self.scheduler.pad_limit = options.pad_limit or _largest_graph(self.llm.vllm_config)
         self.options = options
         self.device = "cpu" if cpu else "cuda"
@@ -139,8 +137,7 @@ class VllmRuntime:
         self._stalled = 0  # pump steps in a row that gave a followed request no token
         self._failed: str | None = None  # why vLLM can run no more steps
         self._closing = threading.Event()
-        self.steps = 0  # vLLM steps run
-        self.step_seconds = 0.0  # and the time they took
+        self.step_seconds = 0.0  # the time vLLM's steps took
         self._closer = weakref.finalize(self, _shutdown, self.llm, self._thread, self._closing)
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -153,6 +150,11 @@ class VllmRuntime:
         """fn() on vLLM's thread after what waits for it now (the step running, a pump step
         queued): without waiting for it."""
         self._thread.submit(fn)
+
+    @property
+    def steps(self) -> int:
+        """The steps vLLM ran the model in so far."""
+        return self.scheduler.steps
 
     def steps_taken(self) -> tuple[int, float]:
         """The steps vLLM ran so far, and the seconds they took."""
@@ -218,6 +220,10 @@ class VllmRuntime:
     def parked(self, live: LiveRequest) -> bool:
         return self.scheduler.is_parked(live.engine_id)
 
+    def settling(self, live: LiveRequest) -> bool:
+        """Parked, the outputs of its last step still to come (asynchronous scheduling)."""
+        return live.engine_id in self.scheduler.settling
+
     def end_live(self, live: LiveRequest) -> None:
         self.unfollow(live, SessionNotFound("the session was closed or evicted"))
         if self._live.pop(live.engine_id, None) is not None and not live.ended:
@@ -280,15 +286,16 @@ class VllmRuntime:
         return int(request.num_computed_tokens) if request is not None else 0
 
     def busy(self) -> bool:
-        """Whether vLLM has a request to step (one decoding on its own, or waking)."""
-        return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0
+        """Whether vLLM has a request to step (one decoding on its own, or waking), or a step's
+        outputs still to come."""
+        return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0 or self.scheduler.in_flight()
 
     def step(self) -> None:
-        """One step of vLLM: every running request advances; outputs go to their owners. A
-        step that fails leaves vLLM in a state nobody knows: no step runs after it."""
+        """One step of vLLM: every running request advances; outputs go to their owners (under
+        asynchronous scheduling, those of the step before, while this one runs). A step that
+        fails leaves vLLM in a state nobody knows: no step runs after it."""
         if self._failed is not None:
             raise VerifierFault(self._failed)
-        self.steps += 1
         start = time.perf_counter()
         self._caught.last = None
         try:
@@ -450,6 +457,23 @@ def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
     )
 
 
+def _start_engine(args: Any, async_scheduling: bool) -> Any:
+    """vLLM's engine, its engine core in this process. vLLM turns asynchronous scheduling off
+    for a proposer of its own (the edge's drafts come in that slot) and on a CPU; the live
+    scheduler keeps a live request's drafts the edge's under it, so it is set back on after
+    vLLM's checks when asked for."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.executor.abstract import Executor
+
+    from cloud.engine.vllm_scheduler import AsyncLiveScheduler
+
+    config = args.create_engine_config()
+    if async_scheduling:
+        config.scheduler_config.async_scheduling = True
+        config.scheduler_config.scheduler_cls = f"{AsyncLiveScheduler.__module__}.{AsyncLiveScheduler.__name__}"
+    return LLMEngine(vllm_config=config, executor_class=Executor.get_class(config), log_stats=False, multiprocess_mode=False)
+
+
 def _set_cpu_threads(threads: int) -> None:
     """The threads of vLLM's CPU kernels, set on vLLM's thread before vLLM starts: OpenMP keeps
     the setting per thread, and vLLM's CPU worker then replaces torch.set_num_threads with a
@@ -599,6 +623,7 @@ class VllmEngine:
         import vllm
 
         facts = {"engine": self.name, "dtype": self.dtype, "device": self.runtime.device, "vllm": vllm.__version__}
+        facts["scheduling"] = "asynchronous" if self.runtime.llm.vllm_config.scheduler_config.async_scheduling else "synchronous"
         if self.runtime.device == "cpu":
             facts["threads"] = str(self.runtime.cpu_threads)
         return facts
@@ -697,6 +722,7 @@ class VllmEngine:
         """On vLLM's thread: advance every work, and step vLLM while any is undecided."""
         stalled = 0
         while True:
+            self._settle(works)
             for work in works:
                 if not work.decided:
                     self._advance(work)
@@ -713,6 +739,14 @@ class VllmEngine:
             if stalled >= MAX_STALLED_STEPS:
                 self._give_up(undecided)
                 return
+
+    def _settle(self, works: list[_LiveWork]) -> None:
+        """Under asynchronous scheduling: the outputs still to come of the works' parked
+        requests (a prefill's token, the step a stream took past its stop) come in first, so
+        that the rounds among the works are woken together and share one step."""
+        runtime = self.runtime
+        while any(w.kv.live is not None and runtime.settling(w.kv.live) for w in works if not w.decided):
+            runtime.step()
 
     def _progress(self, works: list[_LiveWork]) -> list[tuple[int, int]]:
         """How far the works' requests got: their tokens, and the tokens vLLM computed of them."""

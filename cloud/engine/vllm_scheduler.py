@@ -18,8 +18,15 @@ their last token as pads. A pad is a draft like any other, verified by the rejec
 (a point draft: exact, greedy or not): a rejected one costs nothing more, an accepted one is
 a token decoded ahead.
 
-vLLM loads this class in its engine core (`scheduler_cls`) and the verifier reaches it in the
-same process (the engine core runs in-process: cloud/engine/vllm.py). The scheduler API is
+Under asynchronous scheduling (AsyncLiveScheduler) vLLM schedules a step before the outputs
+of the one before it come back, so a request's next token is not known when its next step is
+scheduled. A live request then takes no pads and none of vLLM's draft placeholders (its only
+drafts are the edge's), and a request whose work the scheduled tokens complete (a round, a
+prefill) parks at once. Until the outputs of its last step come back it is parked but
+settling: not scheduled, and not yet given new work.
+
+vLLM loads these classes in its engine core (`scheduler_cls`) and the verifier reaches them in
+the same process (the engine core runs in-process: cloud/engine/vllm.py). The scheduler API is
 vLLM's internal one; the vLLM versions this runs on are pinned (pyproject.toml).
 """
 
@@ -29,6 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
@@ -51,9 +59,11 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.parked: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}  # not scheduled, nothing in flight: ready for work
+        self.settling: dict[str, Request] = {}  # not scheduled, a step's outputs still to come
         self.work: dict[str, LiveWork] = {}
         self.pad_limit = 0  # the most tokens a step padded to 1 + K a request may have (0: no pads)
+        self.steps = 0  # steps scheduled that run the model
 
     # ---- what the verifier calls ------------------------------------------------------------
 
@@ -71,19 +81,24 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         """Stop a live request decoding on its own (between two steps); whether it is parked
         now (one that waits to be scheduled, or was preempted, parks after its next step)."""
         request = self.requests.get(request_id)
-        if request_id in self.parked:
-            return True
+        if request_id in self.parked or request_id in self.settling:
+            return request_id in self.parked
         if request is None or request.status != RequestStatus.RUNNING or request not in self.running:
             work = self.work.get(request_id)
             if request is not None and work is not None:
-                work.until = min(work.until, request.num_tokens + 1)
+                work.until = min(work.until, _due(request) + 1)
             return False
         self.running = remove_all(self.running, {request})
         self._park(request)
-        return True
+        return request_id in self.parked
 
     def is_parked(self, request_id: str) -> bool:
+        """Parked with nothing in flight: ready for work."""
         return request_id in self.parked
+
+    def in_flight(self) -> bool:
+        """Whether a parked request still waits for the outputs of its last step."""
+        return bool(self.settling)
 
     # ---- vLLM's scheduler, for live requests --------------------------------------------------
 
@@ -97,12 +112,15 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._pad_own_decoding()
-        return super().schedule(*args, **kwargs)
+        output = super().schedule(*args, **kwargs)
+        self.steps += output.total_num_scheduled_tokens > 0
+        return output
 
     def _pad_own_decoding(self) -> None:
         """K pads on each request decoding on its own, when that makes the step a uniform batch
         (every running request decodes, with K drafts or on its own; nothing waits) that fits
-        pad_limit."""
+        pad_limit. A request whose last token is still in flight (asynchronous scheduling) has
+        no pads: its token is not known."""
         k = self.num_spec_tokens
         if not self.pad_limit or not k or self.get_request_counts()[1] or len(self.running) * (1 + k) > self.pad_limit:
             return
@@ -120,6 +138,22 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         for request in own:
             request.spec_token_ids = [request.all_token_ids[-1]] * k
 
+    def _update_after_schedule(self, scheduler_output: Any) -> None:
+        """After vLLM's own bookkeeping of a step: under asynchronous scheduling, the scheduled
+        requests drop vLLM's draft placeholders, and those whose work the step's tokens
+        complete park now (they settle when its outputs come back)."""
+        super()._update_after_schedule(scheduler_output)
+        done = set()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests[request_id]
+            if not request.num_output_placeholders:  # a synchronous step, or a prefill chunk
+                continue
+            request.spec_token_ids = []
+            work = self.work.get(request_id)
+            if work is not None and _due(request) >= work.until:
+                done.add(request)
+        self._park_all(done)
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         before = {rid: self.requests[rid].num_tokens for rid in scheduler_output.num_scheduled_tokens if rid in self.work}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -132,35 +166,67 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
             new = request.all_token_ids[length:]  # one token, or more where drafts (pads) passed
             if request.num_tokens >= work.until or work.stops.intersection(new):
                 done.add(request)
-        if done:
-            self.running = remove_all(self.running, done)
-            for request in done:
-                self._park(request)
+        self._park_all(done)
+        self._settle()
         return outputs
 
+    def _park_all(self, requests: set[Request]) -> None:
+        if requests:
+            self.running = remove_all(self.running, requests)
+            for request in requests:
+                self._park(request)
+
     def _park(self, request: Request) -> None:
-        self.parked[request.request_id] = request
+        parked = self.settling if request.num_output_placeholders else self.parked
+        parked[request.request_id] = request
         request.spec_token_ids = []
         self.work.pop(request.request_id, None)
+
+    def _settle(self) -> None:
+        """Settling requests whose last outputs came back are parked (those vLLM ended go)."""
+        for request_id, request in list(self.settling.items()):
+            if request.is_finished():
+                del self.settling[request_id]
+            elif not request.num_output_placeholders:
+                self.parked[request_id] = self.settling.pop(request_id)
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
         ids = (request_ids,) if isinstance(request_ids, str) else list(request_ids if request_ids is not None else self.requests)
         for request_id in ids:
             self.work.pop(request_id, None)
-            parked = self.parked.pop(request_id, None)
+            parked = self.parked.pop(request_id, None) or self.settling.pop(request_id, None)
             if parked is not None:  # finished from the running list, as vLLM expects
                 self.running.append(parked)
         return super().finish_requests(ids, finished_status)  # type: ignore[no-any-return]
+
+
+class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  # vLLM is untyped here
+    """The live scheduler under vLLM's asynchronous scheduling: it schedules a step while the
+    one before it runs on the GPU."""
+
+    def wake(self, request_id: str, drafts: list[int], tokens: int, stops: Iterable[int] = ()) -> None:
+        super().wake(request_id, drafts, tokens, stops)
+        # Its next step sends the model runner all its tokens, as for a request that was not in
+        # the step before, and the runner takes it as new (NoDrafts): the tokens it holds on
+        # the device may be those of a round that verified drafts.
+        self.prev_step_scheduled_req_ids.discard(request_id)
+
+
+def _due(request: Request) -> int:
+    """The tokens a request will hold once its scheduled steps' outputs are in."""
+    return int(request.num_tokens + request.num_output_placeholders)
 
 
 class NoDrafts:
     """vLLM's proposer slot (`custom_class`), which turns on its rejection sampler and its
     1 + K batch shapes; the drafts come from the edge, so it proposes none. Built in the
     process that runs the model, where it also mends vLLM's sampling of rounds
-    (_mend_cpu_expand, _skip_empty_constraints, _mask_banned_spans)."""
+    (_mend_cpu_expand, _skip_empty_constraints, _mask_banned_spans) and its model runner's
+    asynchronous steps (_step_async_without_proposer)."""
 
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
+        _step_async_without_proposer()
         _mend_cpu_expand()
         _skip_empty_constraints()
         _mask_banned_spans()
@@ -170,6 +236,55 @@ class NoDrafts:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def _step_async_without_proposer() -> None:
+    """vLLM's model runner under asynchronous scheduling keeps each request's sampled token on
+    the device as the input of its next step, and takes the drafts of a request that was in
+    the step before from the device too: a proposer of vLLM's own (EAGLE, n-gram on the GPU)
+    keeps both there. The edge's drafts have no such proposer, so for the runners this
+    proposer serves:
+    - after a step that verified drafts, each request's first sampled token is kept: a request
+      decoding on its own sampled just that one, and a round's request parked when it was
+      scheduled, so what it sampled is never its next input;
+    - a woken request (one the scheduler sends all its tokens for: AsyncLiveScheduler.wake)
+      leaves the runner's batch and its record of the step before, so the runner adds it as a
+      new request: its inputs, the edge's drafts included, come from those tokens, whatever
+      steps ran since it parked."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    bookkeeping, execute = GPUModelRunner._bookkeeping_sync, GPUModelRunner.execute_model
+    if getattr(bookkeeping, "keeps_first_token", False):
+        return
+
+    def _bookkeeping_sync(self: Any, scheduler_output: Any, sampler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        sampled = sampler_output.sampled_token_ids
+        if _edge_drafted(self) and self.input_batch.prev_sampled_token_ids is None and sampled.shape[-1] > 1:
+            self.input_batch.prev_sampled_token_ids = sampled[:, :1]
+        return bookkeeping(self, scheduler_output, sampler_output, *args, **kwargs)
+
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if _edge_drafted(self):
+            _forget_woken(self.input_batch, scheduler_output.scheduled_cached_reqs.all_token_ids)
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    _bookkeeping_sync.keeps_first_token = True  # type: ignore[attr-defined]
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    GPUModelRunner.execute_model = execute_model
+
+
+def _forget_woken(batch: Any, woken: dict[str, list[int]]) -> None:
+    previous = batch.prev_req_id_to_index
+    for request_id in woken:
+        if previous:
+            previous.pop(request_id, None)
+        if request_id in batch.req_id_to_index:
+            batch.remove_request(request_id)
+
+
+def _edge_drafted(runner: Any) -> bool:
+    """A model runner stepping asynchronously for the live scheduler (this proposer's)."""
+    return bool(runner.use_async_scheduling) and isinstance(getattr(runner, "drafter", None), NoDrafts)
 
 
 def _mend_cpu_expand() -> None:

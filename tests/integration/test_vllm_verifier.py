@@ -78,6 +78,22 @@ def test_vllm_in_its_own_process_serves_the_same_tokens(
         assert outputs == reference
 
 
+def test_vllm_scheduling_asynchronously_serves_the_same_tokens(
+    models: tuple[Path, Path], verifier: tuple[str, int], tmp_path: Path
+) -> None:
+    """cloud-verifier --vllm-async-scheduling, with vLLM in a child process as on a GPU: vLLM
+    schedules each step while the one before it runs, and edge-agent gets the tokens of the
+    synchronous engine in both modes."""
+    prompts = [f"w{i + 1} w{i + 5} w{2 * i + 2}" for i in range(3)]
+    (tmp_path / "sync").mkdir()
+    reference = _generate(["--draft-model", str(models[0])], verifier[0], prompts, tmp_path / "sync", 16)
+    flags = (*VLLM_FLAGS, "--vllm-engine-process", "--vllm-async-scheduling")
+    for address, _ in serve_vllm_verifier(models[1], tmp_path / "verifier.log", *flags):
+        outputs = _generate(["--draft-model", str(models[0])], address, prompts, tmp_path, 16)
+        assert outputs == reference
+    assert "asynchronous scheduling" in (tmp_path / "verifier.log").read_text()  # as vLLM's engine reports it
+
+
 def test_healthz_names_the_engine(verifier: tuple[str, int]) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{verifier[1]}/healthz", timeout=10) as reply:
         health = json.load(reply)

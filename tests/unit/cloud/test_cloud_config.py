@@ -93,6 +93,18 @@ def test_vllm_on_a_cpu_runs_on_the_threads_asked() -> None:
     assert vllm_options(load_settings({}), "/models/target", "bfloat16", cuda=False).cpu_threads == 0  # every usable core
 
 
+def test_vllm_schedules_asynchronously_only_when_asked() -> None:
+    import argparse
+
+    from shared.cli import add_settings_flags
+
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser, VerifierSettings)
+    for flags, asked in (([], False), (["--vllm-async-scheduling"], True)):
+        settings = load_settings(vars(parser.parse_args(flags)))
+        assert vllm_options(settings, "/models/target", "bfloat16", cuda=True).async_scheduling is asked
+
+
 @pytest.mark.parametrize(
     ("flags", "in_child"), [([], None), (["--vllm-engine-process"], True), (["--no-vllm-engine-process"], False)]
 )

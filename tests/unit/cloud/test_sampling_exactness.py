@@ -104,13 +104,16 @@ def vllm_pair(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(("mode", "k"), [(AcceptMode.SPARSE, 2), (AcceptMode.POINT, 3)])
-def test_exact_modes_follow_target_on_vllm(vllm_pair, mode: AcceptMode, k: int) -> None:  # type: ignore[no-untyped-def]
-    """The same on the vLLM engine, whose sampling rounds read full rows of raw logits."""
+def test_exact_modes_follow_target_on_vllm(vllm_pair, mode: AcceptMode, k: int, async_scheduling: bool) -> None:  # type: ignore[no-untyped-def]
+    """The same on the vLLM engine, whose sampling rounds read full rows of raw logits (sparse)
+    or run vLLM's rejection sampler on a live request (point), stepping synchronously (a CPU's
+    way) or asynchronously (a GPU's)."""
     target, draft, folder = vllm_pair
     joint = _two_token_reference(target)
     assert joint.max() < 0.5  # a distribution with room to be wrong in
-    counts = _sample_two_tokens((target, draft), mode, k, engine=vllm_engine(folder))
+    counts = _sample_two_tokens((target, draft), mode, k, engine=vllm_engine(folder, async_scheduling))
     first, first_ref = counts.view(V, V).sum(dim=1), joint.view(V, V).sum(dim=1)
     assert _pvalue(counts, joint) > 1e-3 and _pvalue(first, first_ref) > 1e-3
     assert 0.5 * (first / TRIALS - first_ref).abs().sum() < 0.05
@@ -133,11 +136,12 @@ def test_top_k_rounds_on_vllm_follow_target(vllm_pair) -> None:  # type: ignore[
 
 
 @pytest.mark.vllm
-def test_generate_on_vllm_follows_target(vllm_pair) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_generate_on_vllm_follows_target(vllm_pair, async_scheduling: bool) -> None:  # type: ignore[no-untyped-def]
     """cloud_only on the vLLM engine is vLLM's own sampling, seeded per session."""
     target, _, folder = vllm_pair
     joint = _two_token_reference(target)
-    verifier = Verifier(vllm_engine(folder), "tiny")
+    verifier = Verifier(vllm_engine(folder, async_scheduling), "tiny")
     counts = torch.zeros(V * V)
     for trial in range(TRIALS):
         chunks = verifier.generate(GenerateRequest(PROMPT, SessionConfig(PARAMS, trial, vocab_size=V), 2))

@@ -28,10 +28,11 @@ def target(vllm_target: TargetEngine) -> Any:
     return vllm_target.model
 
 
-@pytest.fixture
-def verifier(vllm_target: TargetEngine) -> Verifier:
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def verifier(vllm_target: TargetEngine, request: pytest.FixtureRequest) -> Verifier:
+    """A verifier on vLLM stepping synchronously (a CPU's way) or asynchronously (a GPU's)."""
     assert vllm_target.folder is not None
-    return Verifier(vllm_engine(vllm_target.folder), "tiny")
+    return Verifier(vllm_engine(vllm_target.folder, async_scheduling=request.param), "tiny")
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -59,9 +60,17 @@ def _generated(verifier: Verifier, req: GenerateRequest) -> list[int]:
 
 
 def _parked(verifier: Verifier, session_id: str) -> bool:
+    """Out of vLLM's running list: parked, or (asynchronous scheduling) parked with the outputs
+    of its last step still to come."""
     live = _kv(verifier, session_id).live
     assert live is not None
-    return _engine(verifier).runtime.parked(live)
+    scheduler = _engine(verifier).runtime.scheduler
+    return live.engine_id in scheduler.parked or live.engine_id in scheduler.settling
+
+
+def _idle(runtime: Any) -> bool:
+    """No request for vLLM to schedule (outputs of a step taken may still be on their way)."""
+    return not runtime.scheduler.running and not runtime.scheduler.waiting
 
 
 def test_rounds_are_steps_of_one_live_request_verified_by_vllm(verifier: Verifier, target: Any) -> None:
@@ -83,9 +92,20 @@ def test_rounds_are_steps_of_one_live_request_verified_by_vllm(verifier: Verifie
     result = verifier.verify(VerifyRequest(session_id, result.new_base_position, expected[8:13]))
     assert (result.accepted_len, result.next_token) == (5, expected[13])
     assert runtime.steps - steps == 3
-    assert _kv(verifier, session_id).live is request and _parked(verifier, session_id) and not runtime.busy()
+    assert _kv(verifier, session_id).live is request and _parked(verifier, session_id) and _idle(runtime)
     assert verifier.sessions.get(session_id).tokens == prompt + expected[:14]
     verifier.close_session(session_id)
+
+
+def test_the_engine_steps_as_it_was_asked(verifier: Verifier) -> None:
+    """Asynchronous scheduling, which vLLM turns off for a proposer of its own and on a CPU, is
+    on where asked: vLLM's engine core keeps two steps in flight, under the live scheduler."""
+    engine = _engine(verifier)
+    asked = engine.runtime.options.async_scheduling
+    core = engine.runtime.llm.engine_core.engine_core
+    assert engine.describe()["scheduling"] == ("asynchronous" if asked else "synchronous")
+    assert core.batch_queue_size == (2 if asked else 1)
+    assert type(core.scheduler).__name__ == ("AsyncLiveScheduler" if asked else "LiveScheduler")
 
 
 def test_a_first_draft_the_prefill_did_not_sample_is_corrected_without_a_step(verifier: Verifier, target: Any) -> None:
@@ -118,7 +138,8 @@ def test_rounds_of_several_sessions_share_one_vllm_step(verifier: Verifier, targ
 
 def test_a_decode_stretch_is_vllm_decoding_on_its_own_up_to_a_stop_token(verifier: Verifier, target: Any) -> None:
     """A stretch's first token sets the request decoding on its own (one vLLM step a token, no
-    wake per token); vLLM parks it at the stretch's stop token, and a round after it accepts."""
+    wake per token); vLLM parks it at the stretch's stop token, and a round after it accepts
+    (the token decoded past the stop under asynchronous scheduling is the round's first)."""
     runtime = _engine(verifier).runtime
     prompt = _tokens(3, 25)
     expected = greedy_continuation(target, prompt, 12)
@@ -133,8 +154,11 @@ def test_a_decode_stretch_is_vllm_decoding_on_its_own_up_to_a_stop_token(verifie
         result = verifier._run_alone(verifier.begin_verify(req, "", stretch), 0.0)
         tokens.append(result.next_token)
     request = _kv(verifier, session_id).live
-    assert tokens == expected[: len(tokens)] and _parked(verifier, session_id) and not runtime.busy()
-    assert request is not None and request.tokens[len(prompt) :] == tokens  # nothing decoded past the stop
+    assert tokens == expected[: len(tokens)] and _parked(verifier, session_id) and _idle(runtime)
+    # Nothing decoded past the stop; asynchronously, at most the step scheduled before its token came back.
+    past = len(request.tokens) - len(prompt) - len(tokens) if request is not None else -1
+    assert request is not None and request.tokens[len(prompt) : len(prompt) + len(tokens)] == tokens
+    assert past == 0 or (runtime.options.async_scheduling and past == 1)
     result = verifier.verify(VerifyRequest(session_id, result.new_base_position, expected[len(tokens) : len(tokens) + 3]))
     assert (result.accepted_len, result.next_token) == (3, expected[len(tokens) + 3])
 
