@@ -129,6 +129,7 @@ def vllm_options(settings: VerifierSettings, folder: str, dtype: str, cuda: bool
         pad_decode=settings.pad_decode_steps,
         cpu_threads=settings.threads,
         async_scheduling=settings.vllm_async_scheduling,
+        cudagraph_mode="" if settings.vllm_cudagraph_mode == "auto" else settings.vllm_cudagraph_mode,
     )
 
 

@@ -68,6 +68,13 @@ class VerifierSettings(BaseSettings):
         "(--pad-decode-steps does nothing), and a stream may decode one token past its stop token (kept for "
         "the session's next steps). Exact like the default; on a CPU it gains nothing",
     )
+    vllm_cudagraph_mode: Literal["auto", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE"] = Field(
+        "auto",
+        description="--engine vllm on a GPU: vLLM's CUDA graph mode. A step of requests decoding on their own (one "
+        "token each, no pads) is not the uniform batch of 1 + K tokens a request that vLLM's default "
+        "(FULL_AND_PIECEWISE) runs as a full graph; FULL runs steps of any shape as full graphs where the "
+        "attention backend allows it (vLLM falls back and says so where it does not). auto: vLLM's choice",
+    )
     vllm_engine_process: bool | None = Field(
         None,
         description="--engine vllm: vLLM (its engine core, scheduler and model runner) in a child process, so that "

@@ -90,6 +90,7 @@ class VllmOptions:
     pad_limit: int = 0  # the most tokens such a step may have (0: vLLM's largest CUDA graph)
     cpu_threads: int = 0  # on a CPU, the threads vLLM's model runs on (0: the cores this process may use)
     async_scheduling: bool = False  # vLLM schedules a step while the one before it runs (no pads then)
+    cudagraph_mode: str = ""  # vLLM's CUDA graph mode (FULL: full graphs for steps of any shape); "": vLLM's choice
 
 
 class VllmRuntime:
@@ -285,10 +286,13 @@ class VllmRuntime:
         request = self.scheduler.requests.get(live.engine_id)
         return int(request.num_computed_tokens) if request is not None else 0
 
+    def stepping(self) -> bool:
+        """Whether vLLM has a request to step (one decoding on its own, or waking)."""
+        return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0
+
     def busy(self) -> bool:
-        """Whether vLLM has a request to step (one decoding on its own, or waking), or a step's
-        outputs still to come."""
-        return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0 or self.scheduler.in_flight()
+        """Whether vLLM has a request to step, or a parked request's outputs still to come."""
+        return self.stepping() or self.scheduler.in_flight()
 
     def step(self) -> None:
         """One step of vLLM: every running request advances; outputs go to their owners (under
@@ -431,6 +435,7 @@ def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
 
     from cloud.engine.vllm_scheduler import LiveScheduler, NoDrafts
 
+    graphs = {"compilation_config": {"cudagraph_mode": options.cudagraph_mode}} if options.cudagraph_mode else {}
     return EngineArgs(
         model=options.model,
         dtype=options.dtype,
@@ -454,6 +459,7 @@ def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
             "model": f"{NoDrafts.__module__}.{NoDrafts.__name__}",
             "num_speculative_tokens": options.max_draft_tokens,
         },
+        **graphs,
     )
 
 
@@ -745,7 +751,9 @@ class VllmEngine:
         requests (a prefill's token, the step a stream took past its stop) come in first, so
         that the rounds among the works are woken together and share one step."""
         runtime = self.runtime
-        while any(w.kv.live is not None and runtime.settling(w.kv.live) for w in works if not w.decided):
+        for _ in range(MAX_STALLED_STEPS):  # a step or two: as many as vLLM keeps in flight
+            if not any(w.kv.live is not None and runtime.settling(w.kv.live) for w in works if not w.decided):
+                return
             runtime.step()
 
     def _progress(self, works: list[_LiveWork]) -> list[tuple[int, int]]:

@@ -105,6 +105,20 @@ def test_vllm_schedules_asynchronously_only_when_asked() -> None:
         assert vllm_options(settings, "/models/target", "bfloat16", cuda=True).async_scheduling is asked
 
 
+def test_vllm_cuda_graphs_are_vllm_s_choice_unless_a_mode_is_named() -> None:
+    import argparse
+
+    from shared.cli import add_settings_flags
+
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser, VerifierSettings)
+    for flags, mode in (([], ""), (["--vllm-cudagraph-mode", "FULL"], "FULL")):
+        settings = load_settings(vars(parser.parse_args(flags)))
+        assert vllm_options(settings, "/models/target", "bfloat16", cuda=True).cudagraph_mode == mode
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--vllm-cudagraph-mode", "SOME"])
+
+
 @pytest.mark.parametrize(
     ("flags", "in_child"), [([], None), (["--vllm-engine-process"], True), (["--no-vllm-engine-process"], False)]
 )

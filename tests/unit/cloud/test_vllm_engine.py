@@ -107,3 +107,12 @@ def test_limits_it_cannot_serve_are_one_line(folder: Path) -> None:
     assert plan.max_kv_bytes == engine.kv_bytes_held() - slack and (60 << 20) < plan.max_kv_bytes <= 64 << 20
     plan = engine.plan_kv(KVRequest("packed", max_sessions=2, max_kv_bytes=1 << 20, max_context_tokens=64, slot_tokens=0))
     assert plan.max_kv_bytes == 1 << 20
+
+
+def test_a_cuda_graph_mode_named_reaches_vllm(folder: Path) -> None:
+    """--vllm-cudagraph-mode goes into vLLM's compilation settings; unnamed, vLLM chooses."""
+    from cloud.engine.vllm import VllmOptions, _engine_args
+
+    named = _engine_args(VllmOptions(str(folder), cudagraph_mode="FULL"), 100, cpu=False)
+    assert named.compilation_config.cudagraph_mode.name == "FULL"
+    assert _engine_args(VllmOptions(str(folder)), 100, cpu=False).compilation_config.cudagraph_mode is None

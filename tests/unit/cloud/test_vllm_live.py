@@ -68,11 +68,6 @@ def _parked(verifier: Verifier, session_id: str) -> bool:
     return live.engine_id in scheduler.parked or live.engine_id in scheduler.settling
 
 
-def _idle(runtime: Any) -> bool:
-    """No request for vLLM to schedule (outputs of a step taken may still be on their way)."""
-    return not runtime.scheduler.running and not runtime.scheduler.waiting
-
-
 def test_rounds_are_steps_of_one_live_request_verified_by_vllm(verifier: Verifier, target: Any) -> None:
     """All drafts right, a wrong one at position 2, all right again: the accepted counts the
     target's greedy tokens give, one vLLM step a round, the same request throughout, parked
@@ -92,7 +87,7 @@ def test_rounds_are_steps_of_one_live_request_verified_by_vllm(verifier: Verifie
     result = verifier.verify(VerifyRequest(session_id, result.new_base_position, expected[8:13]))
     assert (result.accepted_len, result.next_token) == (5, expected[13])
     assert runtime.steps - steps == 3
-    assert _kv(verifier, session_id).live is request and _parked(verifier, session_id) and _idle(runtime)
+    assert _kv(verifier, session_id).live is request and _parked(verifier, session_id) and not runtime.stepping()
     assert verifier.sessions.get(session_id).tokens == prompt + expected[:14]
     verifier.close_session(session_id)
 
@@ -154,7 +149,7 @@ def test_a_decode_stretch_is_vllm_decoding_on_its_own_up_to_a_stop_token(verifie
         result = verifier._run_alone(verifier.begin_verify(req, "", stretch), 0.0)
         tokens.append(result.next_token)
     request = _kv(verifier, session_id).live
-    assert tokens == expected[: len(tokens)] and _parked(verifier, session_id) and _idle(runtime)
+    assert tokens == expected[: len(tokens)] and _parked(verifier, session_id) and not runtime.stepping()
     # Nothing decoded past the stop; asynchronously, at most the step scheduled before its token came back.
     past = len(request.tokens) - len(prompt) - len(tokens) if request is not None else -1
     assert request is not None and request.tokens[len(prompt) : len(prompt) + len(tokens)] == tokens
