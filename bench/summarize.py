@@ -129,6 +129,15 @@ def identical_count(records: Sequence[dict[str, Any]], reference: dict[str, list
     return sum(reference.get(r["id"]) == r["token_ids"] for r in records)
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (the shorter one's end where one goes
+    on past the other), or None where they are equal."""
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def load_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

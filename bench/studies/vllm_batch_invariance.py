@@ -32,6 +32,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from bench.cli import settings_parser
 from bench.environment import machine_line, provenance, write_result
 from bench.processes import BenchError, running
+from bench.summarize import first_difference
 from shared.cli import settings_from_args
 
 MODES = ("speculative", "cloud_only")
@@ -78,13 +79,6 @@ def _answers(args: InvarianceSettings, address: str, mode: str, out: Path) -> di
     return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    for index, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def run_setting(args: InvarianceSettings, setting: str) -> dict[str, Any]:
     os.environ["VLLM_BATCH_INVARIANT"] = setting  # the verifier inherits it
     log = args.out / f"verifier_{setting}.log"
@@ -94,7 +88,7 @@ def run_setting(args: InvarianceSettings, setting: str) -> dict[str, Any]:
         for mode in MODES:
             records[mode] = _answers(args, address, mode, args.out / f"{mode}_{setting}.jsonl")
     spec, only = records["speculative"], records["cloud_only"]
-    differences = {pid: _first_difference(spec[pid]["token_ids"], only[pid]["token_ids"]) for pid in only}
+    differences = {pid: first_difference(spec[pid]["token_ids"], only[pid]["token_ids"]) for pid in only}
     tokens = {mode: sum(len(r["token_ids"]) for r in records[mode].values()) for mode in MODES}
     seconds = {mode: sum(r["elapsed_s"] for r in records[mode].values()) for mode in MODES}
     rounds = sum(r["rounds"] for r in spec.values())

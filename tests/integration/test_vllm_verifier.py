@@ -160,3 +160,24 @@ def test_greedy_speculative_equals_cloud_only_on_vllm_with_the_real_0_5b(tmp_pat
     ):
         outputs = _generate(["--draft-model", str(folder)], address, prompts, tmp_path, 32)
         assert outputs["speculative"] == outputs["cloud_only"]
+
+
+def test_the_async_parity_study_finds_both_schedulings_give_the_same_tokens(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """bench.studies.vllm_async_parity end to end on the tiny target in fp32: the same streams
+    and rounds on a synchronous and an asynchronous engine, every round equal to its stream and
+    both engines' tokens equal, as its exit status and report say."""
+    out = tmp_path / "study"
+    study = ["-m", "bench.studies.vllm_async_parity", "--target", str(models[1]), "--enforce-eager"]
+    done = subprocess.run(
+        [sys.executable, *study, "--sessions", "4", "--tokens", "24", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "vllm_async_parity.json").read_text())
+    assert [run["scheduling"] for run in result["runs"].values()] == ["synchronous", "asynchronous"]
+    assert all(run["rounds_equal_streams"] == 4 and all(len(t) == 24 for t in run["rounds"]) for run in result["runs"].values())
+    assert result["asynchronous_against_synchronous"]["all_equal"]
+    assert "**all equal**" in (out / "report.md").read_text()
