@@ -158,6 +158,31 @@ def test_a_decode_stretch_is_vllm_decoding_on_its_own_up_to_a_stop_token(verifie
     assert (result.accepted_len, result.next_token) == (3, expected[len(tokens) + 3])
 
 
+def test_a_stretch_decoding_on_its_own_shares_steps_with_other_sessions_rounds(verifier: Verifier, target: Any) -> None:
+    """One session's Decode stretch (its request decoding on its own, step after step) while
+    another session's rounds, a draft wrong in every other one, ride the same vLLM steps: the
+    stretch's request goes on from what it sampled in steps that also verified drafts, and
+    both sessions get the target's greedy tokens."""
+    prompts = [_tokens(20, 30), _tokens(21, 26)]
+    expected = [greedy_continuation(target, p, n) for p, n in zip(prompts, (12, 52), strict=True)]
+    (a, at), (b, bt) = (_open(verifier, p) for p in prompts)
+    stretch, got = DecodeStretchStep(24), [[], []]
+    for turn in range(12):
+        drafts = list(expected[1][len(got[1]) : len(got[1]) + 3])
+        if turn % 2:
+            drafts[1] = (drafts[1] + 1) % VOCAB
+        steps = [
+            verifier.begin_verify(VerifyRequest(a, at, []), "", stretch),
+            verifier.begin_verify(VerifyRequest(b, bt, drafts)),
+        ]
+        ra, rb = verifier.run_batch([(step, 0.0) for step in steps])
+        got[0].append(ra.next_token)
+        got[1] += [*drafts[: rb.accepted_len], rb.next_token]
+        at, bt = ra.new_base_position, rb.new_base_position
+    assert got[0] == expected[0]
+    assert got[1] == expected[1][: len(got[1])] and len(got[1]) >= 24
+
+
 def test_a_decode_stretch_near_the_context_limit_decodes_up_to_it(verifier: Verifier) -> None:
     """A stretch longer than the room left: vLLM decodes the tokens the context holds, and the
     token after them is refused as any round past the limit is."""
@@ -213,13 +238,22 @@ def test_a_live_request_s_tokens_skip_vllm_s_output_processor(verifier: Verifier
     verifier.close_session(session_id)
 
 
-def test_closing_a_parked_session_ends_its_request(verifier: Verifier) -> None:
+def test_closing_a_parked_session_ends_its_request(verifier: Verifier, target: Any) -> None:
+    """Closed right after its prefill (under asynchronous scheduling, while the prefill's token
+    is still on its way): the request ends, and the output that comes back for it later harms
+    no other session's step."""
     runtime = _engine(verifier).runtime
     session_id, _ = _open(verifier, _tokens(5, 20))
     live = _kv(verifier, session_id).live
     assert live is not None and live.engine_id in runtime.scheduler.requests
     verifier.close_session(session_id)
-    assert live.engine_id not in runtime.scheduler.requests and not runtime.scheduler.is_parked(live.engine_id)
+    scheduler = runtime.scheduler
+    assert live.engine_id not in scheduler.requests and live.engine_id not in {**scheduler.parked, **scheduler.settling}
+    prompt = _tokens(6, 30)
+    expected = greedy_continuation(target, prompt, 4)
+    other, position = _open(verifier, prompt)
+    result = verifier.verify(VerifyRequest(other, position, expected[:3]))
+    assert (result.accepted_len, result.next_token) == (3, expected[3])
 
 
 def test_a_generate_stream_is_vllm_decoding_its_live_request(verifier: Verifier, target: Any) -> None:
