@@ -98,6 +98,8 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     options = vllm_options(settings, folder, dtype.name, cuda)
     in_child = cuda if settings.vllm_engine_process is None else settings.vllm_engine_process
     engine: VllmEngine | ProcessEngine = ProcessEngine(options) if in_child else VllmEngine(VllmRuntime(options))
+    if settings.vllm_async_scheduling and not cuda:
+        log.warning("--vllm-async-scheduling on a CPU: the model runs on the thread that schedules, so no step overlaps")
     facts = engine.describe()
     threads, scheduling = facts.get("threads"), facts["scheduling"]  # threads: on a CPU
     where = f"{dtype.name} ({dtype.reason})" + (f", {threads} CPU threads" if threads else "") + f", {scheduling} scheduling"
