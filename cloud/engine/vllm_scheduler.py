@@ -138,22 +138,6 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         for request in own:
             request.spec_token_ids = [request.all_token_ids[-1]] * k
 
-    def _update_after_schedule(self, scheduler_output: Any) -> None:
-        """After vLLM's own bookkeeping of a step: under asynchronous scheduling, the scheduled
-        requests drop vLLM's draft placeholders, and those whose work the step's tokens
-        complete park now (they settle when its outputs come back)."""
-        super()._update_after_schedule(scheduler_output)
-        done = set()
-        for request_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests[request_id]
-            if not request.num_output_placeholders:  # a synchronous step, or a prefill chunk
-                continue
-            request.spec_token_ids = []
-            work = self.work.get(request_id)
-            if work is not None and _due(request) >= work.until:
-                done.add(request)
-        self._park_all(done)
-
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         before = {rid: self.requests[rid].num_tokens for rid in scheduler_output.num_scheduled_tokens if rid in self.work}
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -210,6 +194,22 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
         # the step before, and the runner takes it as new (NoDrafts): the tokens it holds on
         # the device may be those of a round that verified drafts.
         self.prev_step_scheduled_req_ids.discard(request_id)
+
+    def _update_after_schedule(self, scheduler_output: Any) -> None:
+        """After vLLM's own bookkeeping of a step: the scheduled requests drop vLLM's draft
+        placeholders, and those whose work the step's tokens complete park now (they settle
+        when its outputs come back)."""
+        super()._update_after_schedule(scheduler_output)
+        done = set()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests[request_id]
+            if not request.num_output_placeholders:  # a prefill chunk: no token sampled
+                continue
+            request.spec_token_ids = []
+            work = self.work.get(request_id)
+            if work is not None and _due(request) >= work.until:
+                done.add(request)
+        self._park_all(done)
 
 
 def _due(request: Request) -> int:
