@@ -1,5 +1,6 @@
 """cloud-verifier settings: flags over environment over config file over defaults."""
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ from pydantic import ValidationError
 
 from cloud.__main__ import main, vllm_kv_bytes, vllm_options
 from cloud.config import VerifierSettings, load_settings
+from shared.cli import add_settings_flags
 from shared.errors import ConfigError
 
 FILES = {
@@ -93,25 +95,22 @@ def test_vllm_on_a_cpu_runs_on_the_threads_asked() -> None:
     assert vllm_options(load_settings({}), "/models/target", "bfloat16", cuda=False).cpu_threads == 0  # every usable core
 
 
-def test_vllm_schedules_asynchronously_only_when_asked() -> None:
-    import argparse
-
-    from shared.cli import add_settings_flags
-
+def _flags_parser() -> argparse.ArgumentParser:
+    """cloud-verifier's settings as command-line flags."""
     parser = argparse.ArgumentParser()
     add_settings_flags(parser, VerifierSettings)
+    return parser
+
+
+def test_vllm_schedules_asynchronously_only_when_asked() -> None:
+    parser = _flags_parser()
     for flags, asked in (([], False), (["--vllm-async-scheduling"], True)):
         settings = load_settings(vars(parser.parse_args(flags)))
         assert vllm_options(settings, "/models/target", "bfloat16", cuda=True).async_scheduling is asked
 
 
 def test_vllm_cuda_graphs_are_vllm_s_choice_unless_a_mode_is_named() -> None:
-    import argparse
-
-    from shared.cli import add_settings_flags
-
-    parser = argparse.ArgumentParser()
-    add_settings_flags(parser, VerifierSettings)
+    parser = _flags_parser()
     for flags, mode in (([], ""), (["--vllm-cudagraph-mode", "FULL"], "FULL")):
         settings = load_settings(vars(parser.parse_args(flags)))
         assert vllm_options(settings, "/models/target", "bfloat16", cuda=True).cudagraph_mode == mode
@@ -124,12 +123,7 @@ def test_vllm_cuda_graphs_are_vllm_s_choice_unless_a_mode_is_named() -> None:
 )
 def test_the_vllm_engine_process_is_on_off_or_left_to_the_device(flags: list[str], in_child: bool | None) -> None:
     """A switch whose unset value (None) lets the verifier choose: a child on a GPU, its own process on a CPU."""
-    import argparse
-
-    from shared.cli import add_settings_flags
-
-    parser = argparse.ArgumentParser()
-    add_settings_flags(parser, VerifierSettings)
+    parser = _flags_parser()
     given = vars(parser.parse_args(flags))
     assert given.get("vllm_engine_process") == in_child
     assert load_settings(given).vllm_engine_process is in_child
