@@ -471,13 +471,21 @@ def _start_engine(args: Any, async_scheduling: bool) -> Any:
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.executor.abstract import Executor
 
-    from cloud.engine.vllm_scheduler import AsyncLiveScheduler
-
     config = args.create_engine_config()
     if async_scheduling:
-        config.scheduler_config.async_scheduling = True
-        config.scheduler_config.scheduler_cls = f"{AsyncLiveScheduler.__module__}.{AsyncLiveScheduler.__name__}"
+        _schedule_asynchronously(config)
     return LLMEngine(vllm_config=config, executor_class=Executor.get_class(config), log_stats=False, multiprocess_mode=False)
+
+
+def _schedule_asynchronously(config: Any) -> None:
+    """vLLM's config set for asynchronous steps under the live scheduler, with what vLLM's own
+    checks set for its asynchronous drafts: no cascade attention (a prefix many requests share,
+    on a GPU), which does not yet work with them."""
+    from cloud.engine.vllm_scheduler import AsyncLiveScheduler
+
+    config.scheduler_config.async_scheduling = True
+    config.scheduler_config.scheduler_cls = f"{AsyncLiveScheduler.__module__}.{AsyncLiveScheduler.__name__}"
+    config.model_config.disable_cascade_attn = True
 
 
 def _set_cpu_threads(threads: int) -> None:
