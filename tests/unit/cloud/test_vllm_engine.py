@@ -120,11 +120,12 @@ def test_a_cuda_graph_mode_named_reaches_vllm(folder: Path) -> None:
 
 def test_asynchronous_steps_are_set_as_vllm_sets_them_for_its_own_drafts(folder: Path) -> None:
     """--vllm-async-scheduling sets vLLM's config after vLLM's checks, so it also sets what those
-    checks set for vLLM's own asynchronous drafts: no cascade attention (kept on a GPU else)."""
+    checks set for vLLM's own asynchronous drafts: no cascade attention, which a GPU keeps on
+    otherwise."""
     from cloud.engine.vllm import VllmOptions, _engine_args, _schedule_asynchronously
 
     config = _engine_args(VllmOptions(str(folder)), 100, cpu=True).create_engine_config()
-    assert not config.scheduler_config.async_scheduling  # vLLM's checks turn it off for the edge's drafts
+    assert not config.scheduler_config.async_scheduling  # off after vLLM's checks (the proposer slot, a CPU)
     config.model_config.disable_cascade_attn = False  # as on a GPU
     _schedule_asynchronously(config)
     assert config.scheduler_config.async_scheduling and config.model_config.disable_cascade_attn
