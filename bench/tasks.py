@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 from edge.prompts import Prompt
 
 # The eight MT-bench labels form Spec-Bench's multi-turn conversation task; the other five
@@ -53,3 +55,9 @@ def write_prompts(prompts: Sequence[Prompt], path: Path) -> None:
     """The {"id", "prompt", "category"} JSONL that edge-agent and the in-process runner read."""
     lines = (json.dumps({"id": p.id, "prompt": p.text, "category": p.category}) for p in prompts)
     path.write_text("".join(line + "\n" for line in lines))
+
+
+def random_token_ids(rng: np.random.Generator, vocab: int, size: int) -> list[int]:
+    """`size` random ids of a `vocab`-wide vocabulary for the studies' prompts and drafts: past
+    the special tokens a real vocabulary starts with, within its first 30,000 ids."""
+    return rng.integers(min(100, vocab // 2), min(vocab, 30_000), size=size).tolist()  # type: ignore[no-any-return]

@@ -46,6 +46,7 @@ from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
 from bench.loadtest import engine_steps
 from bench.loadtest_vllm import PeerServer
+from bench.tasks import random_token_ids
 from edge.transport.client import VerifierClient
 from shared.cli import run_cli
 from shared.protocol import DecodeRequest, GenerateRequest, OpenSessionRequest, SessionConfig
@@ -190,10 +191,9 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
             systems[f"{label} stretch"] = (stretch_stream(client, args.vocab, args.new_tokens), url)
     result["systems"], result["reference"] = list(systems), reference
     rng = np.random.default_rng(0)
-    high = min(args.vocab, 30_000)
 
     def prompts(n: int) -> list[list[int]]:
-        return [rng.integers(min(100, high // 2), high, size=args.prompt_tokens).tolist() for _ in range(n)]
+        return [random_token_ids(rng, args.vocab, args.prompt_tokens) for _ in range(n)]
 
     try:
         for stream, _ in systems.values():  # warm-up: each server's first streams

@@ -38,6 +38,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from bench.cli import study_settings, vllm_version
 from bench.environment import machine_line, provenance, write_result
 from bench.summarize import first_difference
+from bench.tasks import random_token_ids
 from shared.cli import run_cli
 
 SCHEDULINGS = {"synchronous": False, "asynchronous": True}
@@ -87,8 +88,7 @@ def _verifier(args: AsyncParitySettings, async_scheduling: bool) -> Any:
 
 def _prompts(args: AsyncParitySettings, vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(0)
-    low, high = min(100, vocab // 2), min(vocab, 30_000)
-    return [rng.integers(low, high, size=args.prompt_tokens).tolist() for _ in range(args.sessions)]
+    return [random_token_ids(rng, vocab, args.prompt_tokens) for _ in range(args.sessions)]
 
 
 def _streams(verifier: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:

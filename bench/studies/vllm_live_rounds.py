@@ -28,6 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import study_settings, vllm_version
 from bench.environment import machine_line, provenance, write_result
+from bench.tasks import random_token_ids
 from shared.cli import run_cli
 
 
@@ -82,7 +83,7 @@ class Sessions:
         rng = np.random.default_rng(0)
         self.ids, self.positions = [], []
         for _ in range(count):
-            prompt = rng.integers(min(100, vocab // 2), min(vocab, 30_000), size=args.context).tolist()
+            prompt = random_token_ids(rng, vocab, args.context)
             opened = verifier.open_session(OpenSessionRequest(prompt, SessionConfig(vocab_size=vocab)))
             self.ids.append(opened.session_id)
             self.positions.append(opened.position)
@@ -94,7 +95,7 @@ class Sessions:
             self.verifier.close_session(session_id)
 
     def _drafts(self) -> list[int]:
-        return self.rng.integers(min(100, self.vocab // 2), min(self.vocab, 30_000), size=self.k).tolist()  # type: ignore[no-any-return]
+        return random_token_ids(self.rng, self.vocab, self.k)
 
     def batch_ms(self, drafts: bool) -> float:
         """One batch of rounds (with drafts) or decode steps (without), in ms."""

@@ -42,6 +42,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import study_settings, vllm_version
 from bench.environment import machine_line, provenance, write_result
+from bench.tasks import random_token_ids
 from shared.cli import run_cli
 from shared.errors import ConfigError
 
@@ -88,7 +89,7 @@ class StepOverheadSettings(BaseSettings):
 
 def _prompts(args: StepOverheadSettings, count: int, vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(count)
-    return [rng.integers(min(100, vocab // 2), min(vocab, 30_000), size=args.prompt_tokens).tolist() for _ in range(count)]
+    return [random_token_ids(rng, vocab, args.prompt_tokens) for _ in range(count)]
 
 
 def _median_ms(step: Callable[[], Any], steps: int) -> float:
