@@ -1,0 +1,75 @@
+"""Which verifier flags served target-only streams fastest in a run of tools/gpu_parity.sh,
+of those an asynchronous-parity run allows: the flags tools/gpu_measure.sh then runs the
+capacity search with.
+
+The candidates are the verifier as it starts by default (`cloud_only`, no flags) and each
+labelled variant ("LABEL SWITCH_S FLAGS...;...", the format of gpu_parity.sh's VARIANTS).
+They are ranked by tok/s at the middle stream count of the run (24 of 1,24,64). A variant with
+asynchronous scheduling is a candidate only where the parity study found the asynchronous
+engine's tokens equal to the synchronous one's; a missing or unfinished study allows none.
+With no parity result the default's flags (none) are printed.
+
+    python -m bench.fastest_verifier --parity PARITY.json [--async-parity ASYNC.json] [--variants V]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from shared.cli import run_cli
+
+DEFAULT = "cloud_only"  # tools/gpu_parity.sh's label for the verifier as it starts by default
+ASYNC_FLAG = "--vllm-async-scheduling"
+
+
+def candidates(variants: str) -> dict[str, str]:
+    """Label -> cloud-verifier flags, the default first."""
+    flags = {DEFAULT: ""}
+    for variant in filter(None, (v.strip() for v in variants.split(";"))):
+        label, _switch, *rest = variant.split(maxsplit=2) + [""]
+        flags[label] = rest[0].strip()
+    return flags
+
+
+def asynchronous_is_exact(study: dict[str, Any] | None) -> bool:
+    compared = (study or {}).get("asynchronous_against_synchronous")
+    return bool(compared and compared.get("all_equal"))
+
+
+def fastest(parity: dict[str, Any] | None, flags: dict[str, str], async_exact: bool) -> str:
+    """The flags of the allowed candidate with the most tok/s at the run's middle stream count."""
+    rows = sorted((parity or {}).get("rows", []), key=lambda row: row["streams"])
+    if not rows:
+        return flags[DEFAULT]
+    row = rows[len(rows) // 2]
+    allowed = {label: f for label, f in flags.items() if async_exact or ASYNC_FLAG not in f.split()}
+    measured = {label: row[label]["tok_s"] for label in allowed if label in row}
+    if not measured:
+        return flags[DEFAULT]
+    return allowed[max(measured, key=lambda label: measured[label])]
+
+
+def _read(path: Path | None) -> dict[str, Any] | None:
+    if path is None or not path.is_file():
+        return None
+    loaded: dict[str, Any] = json.loads(path.read_text())
+    return loaded
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fastest_verifier", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parity", type=Path, required=True, help="tools/gpu_parity.sh's stream_parity.json")
+    parser.add_argument("--async-parity", type=Path, help="bench.studies.vllm_async_parity's JSON result")
+    parser.add_argument("--variants", default="", help="gpu_parity.sh's VARIANTS of that run")
+    args = parser.parse_args(argv)
+    flags = candidates(args.variants)
+    print(fastest(_read(args.parity), flags, asynchronous_is_exact(_read(args.async_parity))))  # noqa: T201
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli("python -m bench.fastest_verifier", main))
