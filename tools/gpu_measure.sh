@@ -2,7 +2,7 @@
 # On a CUDA machine, in one call: how the verifier's vLLM engine does on this GPU, the most telling part first.
 # Each part writes its results into OUT_DIR as they come, so a call cut short keeps what it measured:
 #   1. OUT_DIR/async_parity: do greedy sessions give the same tokens on the engine stepping synchronously and
-#      asynchronously, on this GPU? A tiny random target in fp32 (bench/studies/vllm_async_parity.py); the
+#      asynchronously, on this GPU? A tiny random target in fp32, else bf16 (bench/studies/vllm_async_parity.py); the
 #      asynchronous figures of part 2 mean something only where it says yes;
 #   2. OUT_DIR/parity: target-only streams on MODEL_DIR against vLLM alone (tools/gpu_parity.sh with
 #      VLLM_SYNC=1): the verifier as it starts by default (cloud_only) and each of VARIANTS beside it;
@@ -29,10 +29,18 @@ eager=()
 [ -z "${EAGER:-}" ] || eager=(--enforce-eager)
 
 if [[ " $parts " == *" 1 "* ]]; then
-    say "part 1: synchronous against asynchronous steps, a tiny target in fp32"
+    say "part 1: synchronous against asynchronous steps, a tiny target"
     $py -c "import sys; from pathlib import Path; from bench.tiny_models import save_pair; save_pair(Path(sys.argv[1]), vllm=True)" "$out/tiny"
-    $py -m bench.studies.vllm_async_parity --target "$out/tiny/target" --dtype float32 "${eager[@]}" \
-        --out "$out/async_parity" || say "part 1: the two schedulings differ (or the study failed): see $out/async_parity"
+    study=$out/async_parity/vllm_async_parity.json
+    for dtype in float32 bfloat16; do  # bf16 where fp32 does not run (an attention backend without it)
+        rm -f "$study"
+        $py -m bench.studies.vllm_async_parity --target "$out/tiny/target" --dtype "$dtype" "${eager[@]}" \
+            --out "$out/async_parity" && break
+        if grep -q '"asynchronous_against_synchronous"' "$study" 2>/dev/null; then
+            say "part 1: the two schedulings differ in $dtype: see $out/async_parity"; break
+        fi
+        say "part 1: the study did not run in $dtype"
+    done
 fi
 if [[ " $parts " == *" 2 "* ]]; then
     say "part 2: streams against vLLM alone"
