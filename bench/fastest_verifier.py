@@ -30,8 +30,8 @@ def candidates(variants: str) -> dict[str, str]:
     """Label -> cloud-verifier flags, the default first."""
     flags = {DEFAULT: ""}
     for variant in filter(None, (v.strip() for v in variants.split(";"))):
-        label, _switch, *rest = variant.split(maxsplit=2) + [""]
-        flags[label] = rest[0].strip()
+        label, *rest = variant.split(maxsplit=2)  # LABEL, SWITCH_S, FLAGS
+        flags[label] = rest[1] if len(rest) > 1 else ""
     return flags
 
 

@@ -49,7 +49,7 @@ if [[ " $parts " == *" 2 "* ]]; then
 fi
 if [[ " $parts " == *" 3 "* ]]; then
     flags=$($py -m bench.fastest_verifier --parity "$out/parity/stream_parity/stream_parity.json" \
-        --async-parity "$out/async_parity/vllm_async_parity.json" --variants "$variants")
+        --async-parity "$out/async_parity/vllm_async_parity.json" --variants "$variants") || flags=
     echo "$flags" > "$out/capacity.flags"
     say "part 3: sessions per GPU on ${CAPACITY_MODEL:-bench/data/configs/qwen2.5-coder-7b}, verifier flags: ${flags:-none}"
     TOKENIZER_DIR=$model VERIFIER_FLAGS="${VERIFIER_FLAGS:-} $flags" \

@@ -26,6 +26,7 @@ def test_variants_are_read_as_gpu_parity_reads_them() -> None:
         "one": "--threads 1",
     }
     assert candidates("") == {"cloud_only": ""}
+    assert candidates("plain -; ") == {"cloud_only": "", "plain": ""}
 
 
 def test_the_fastest_at_the_middle_stream_count_wins_peers_and_stretches_aside() -> None:
