@@ -14,16 +14,29 @@ With no parity result the default's flags (none) are printed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from shared.cli import run_cli
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bench.cli import settings_parser
+from shared.cli import run_cli, settings_from_args
 
 DEFAULT = "cloud_only"  # tools/gpu_parity.sh's label for the verifier as it starts by default
 ASYNC_FLAG = "--vllm-async-scheduling"
+
+
+class FastestVerifierSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_FASTEST_VERIFIER_")
+
+    parity: Path = Field(description="tools/gpu_parity.sh's stream_parity.json")
+    async_parity: Path | None = Field(None, description="bench.studies.vllm_async_parity's JSON result")
+    variants: str = Field("", description="gpu_parity.sh's VARIANTS of that run")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {"the runs": ("parity", "async_parity", "variants")}
 
 
 def candidates(variants: str) -> dict[str, str]:
@@ -61,15 +74,16 @@ def _read(path: Path | None) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.fastest_verifier", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parity", type=Path, required=True, help="tools/gpu_parity.sh's stream_parity.json")
-    parser.add_argument("--async-parity", type=Path, help="bench.studies.vllm_async_parity's JSON result")
-    parser.add_argument("--variants", default="", help="gpu_parity.sh's VARIANTS of that run")
-    args = parser.parse_args(argv)
+    prog = "python -m bench.fastest_verifier"
+    args = settings_parser(prog, __doc__, FastestVerifierSettings).parse_args(argv)
+    return run_cli(prog, lambda: _print_choice(settings_from_args(FastestVerifierSettings, args)))
+
+
+def _print_choice(args: FastestVerifierSettings) -> int:
     flags = candidates(args.variants)
     print(fastest(_read(args.parity), flags, asynchronous_is_exact(_read(args.async_parity))))  # noqa: T201
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli("python -m bench.fastest_verifier", main))
+    sys.exit(main())

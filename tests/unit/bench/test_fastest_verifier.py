@@ -58,3 +58,12 @@ def test_the_command_prints_the_chosen_flags(tmp_path, capsys) -> None:
     argv = ["--parity", str(tmp_path / "parity.json"), "--async-parity", str(tmp_path / "async.json"), "--variants", VARIANTS]
     assert main(argv) == 0
     assert capsys.readouterr().out == "--vllm-async-scheduling --vllm-cudagraph-mode FULL\n"
+
+
+def test_bad_input_is_one_line_and_status_1(tmp_path, capsys) -> None:
+    assert main([]) == 1
+    assert capsys.readouterr().err == "python -m bench.fastest_verifier: error: parity: Field required\n"
+    (tmp_path / "parity.json").write_text("{not json")
+    assert main(["--parity", str(tmp_path / "parity.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m bench.fastest_verifier: error: ") and err.count("\n") == 1
