@@ -153,6 +153,12 @@ class VerifierSettings(BaseSettings):
     kv_slot_tokens: int = Field(
         4096, ge=2, description="--kv-layout slots: KV positions per session (also its context limit, with --max-context-tokens)"
     )
+    prefix_reuse: bool = Field(
+        True,
+        description="a closed session's KV serves the next session of the same API key that starts with the same "
+        "tokens (a chat's next turn prefills only the new ones); kept KV counts against the KV caps and goes "
+        "before any session's; never shared across API keys (--engine vllm: its prefix cache, salted per key)",
+    )
 
     max_batch_size: int = Field(
         16, ge=1, description="rounds (and Generate steps) of different sessions batched into one forward pass (1 = no batching)"
@@ -217,6 +223,7 @@ class VerifierSettings(BaseSettings):
             sessions=sessions,
             kv_layout=self.kv_layout,
             kv_slot_tokens=self.kv_slot_tokens,
+            reuse_prefixes=self.prefix_reuse,
         )
 
 

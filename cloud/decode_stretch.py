@@ -148,7 +148,7 @@ class SessionCalls:
                     first = stream.produced == 0
                     step = stream.begin_step
                     yield await self.batcher.submit(
-                        stream.stream_id, len(stream.feed), step, self.deadline, admitting=first, key=self.key
+                        stream.stream_id, stream.tokens_to_feed, step, self.deadline, admitting=first, key=self.key
                     )
                     if first and not stream.finished:
                         feed = self.feeds.feed()
@@ -162,9 +162,10 @@ class SessionCalls:
         sessions = self.verifier.sessions
         session_id = sessions.new_id()
         with sessions.holding(session_id):
-            prompt = len(req.prompt_tokens)
+            # what the prefill computes: the prompt but for what a kept prefix of the key holds
+            fed = len(req.prompt_tokens) - sessions.reusable(self.key, req.prompt_tokens)
             step = partial(begin, req, session_id, self.key)
-            return await self.batcher.submit(session_id, prompt, step, self.deadline, admitting=True, key=self.key)
+            return await self.batcher.submit(session_id, fed, step, self.deadline, admitting=True, key=self.key)
 
 
 def _chunk(result: VerifyResult, start: float, finished: bool, opened: OpenSessionResult | None = None) -> DecodeChunk:

@@ -48,9 +48,12 @@ class GenerateStream:
         self._undo_to: int | None = None  # the cache length before the step in flight (None: the prefill)
 
     @property
-    def feed(self) -> list[int]:
-        """Tokens the next step feeds: the prompt (the prefill), then the last token."""
-        return list(self.req.prompt_tokens) if self.session is None else self.session.tokens[-1:]
+    def tokens_to_feed(self) -> int:
+        """Tokens the next step feeds, as far as can be told before it begins: the prompt but for
+        what a kept prefix holds (the prefill), then the last token."""
+        if self.session is None:
+            return len(self.req.prompt_tokens) - self.opener.sessions.reusable(self.owner, self.req.prompt_tokens)
+        return 1
 
     def begin_step(self) -> ForwardStep[GenerateChunk]:
         if self.finished:
@@ -59,7 +62,8 @@ class GenerateStream:
             planned = len(self.req.prompt_tokens) + self.req.max_new_tokens - 1
             self.session = self.opener.new_session(self.stream_id, self.req.config, self.req.prompt_tokens, self.owner, planned)
             self._undo_to = None
-            return self._step(self.session, list(self.session.tokens))
+            held = self.session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
+            return self._step(self.session, self.session.tokens[held:])
         session = self.opener.sessions.get(self.stream_id, self.owner)  # evicted only if the caller has gone
         self._undo_to = session.cache.get_seq_length()
         return self._step(session, session.tokens[-1:])
@@ -120,5 +124,5 @@ class GenerateStream:
             self.engine.crop(self.session.cache, self._undo_to)
 
     def close(self) -> None:
-        """Drop the stream's KV (on the model worker)."""
-        self.opener.sessions.discard(self.stream_id)
+        """End the stream (on the model worker): its KV may stay as a kept prefix of its key."""
+        self.opener.sessions.retire(self.stream_id)

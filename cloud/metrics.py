@@ -108,6 +108,19 @@ class VerifierMetrics:
         for reason in EVICTION_REASONS:  # every reason's series exists from the start, at 0
             self.evicted_sessions.labels(reason)
         self._evictions_seen: dict[str, int] = {}
+        self.prefix_reused_tokens = Counter(
+            "specdec_prefix_reused_tokens",
+            "prompt tokens of new sessions whose KV came from a closed session of the same API key (a kept prefix)",
+            registry=r,
+        )
+        self.prefix_prefilled_tokens = Counter(
+            "specdec_prefix_prefilled_tokens", "prompt tokens of new sessions the target computed (prefill)", registry=r
+        )
+        self.prefix_cache_bytes = Gauge(
+            "specdec_prefix_cache_bytes", "KV bytes kept from closed sessions for their keys' next sessions", registry=r
+        )
+        self.prefix_cache_entries = Gauge("specdec_prefix_cache_entries", "closed sessions' KV kept for reuse", registry=r)
+        self._prefix_seen = (0, 0)
 
     def record_refusal(self, code: str, key: str) -> None:
         self.refused_calls.labels(code, key).inc()
@@ -141,6 +154,15 @@ class VerifierMetrics:
             if new > 0:
                 self.evicted_sessions.labels(reason).inc(new)
                 self._evictions_seen[reason] = total
+
+    def record_prefixes(self, reused: int, prefilled: int, entries: int, nbytes: int) -> None:
+        """The kept prefixes now, and the prompt-token totals of new sessions as they stand."""
+        seen_reused, seen_prefilled = self._prefix_seen
+        self.prefix_reused_tokens.inc(max(reused - seen_reused, 0))
+        self.prefix_prefilled_tokens.inc(max(prefilled - seen_prefilled, 0))
+        self._prefix_seen = (max(reused, seen_reused), max(prefilled, seen_prefilled))
+        self.prefix_cache_entries.set(entries)
+        self.prefix_cache_bytes.set(nbytes)
 
     def record_engine_steps(self, steps: int, seconds: float) -> None:
         """The engine's own step totals, as they stand now."""

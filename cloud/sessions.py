@@ -4,7 +4,10 @@ Caps never cross API keys: a new session or a round that needs room may evict on
 key's idle sessions (least recently used first), at the key's own caps and at the global ones
 alike; when its key has none to give up it is refused (RESOURCE_EXHAUSTED with a retry hint),
 so one key's traffic never ends another key's session. Without API keys every client is one
-key and this is plain LRU. Each eviction is one INFO line and is counted by its reason."""
+key and this is plain LRU. Each eviction is one INFO line and is counted by its reason.
+
+A closed session's KV may stay as a kept prefix (cloud/prefix_cache.py) for its key's next
+session: kept prefixes count against the same caps and are the first KV to go."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Protocol
 import torch
 
 from cloud.engine import SessionKV
+from cloud.prefix_cache import PrefixCache
 from cloud.quotas import KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import SessionConfig
@@ -83,6 +87,7 @@ class SessionStore:
         clock: Callable[[], float] = time.monotonic,
         slot_bytes: int = 0,
         kv: KVFree | None = None,
+        keep_prefixes: bool = False,
     ) -> None:
         self.limits = limits
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -93,6 +98,8 @@ class SessionStore:
         self._lock = threading.RLock()  # held by every change of _sessions and by snapshot()
         self.busy: Counter[str] = Counter()  # sessions with a step queued or running: never evicted
         self.evictions: Counter[str] = Counter()  # sessions dropped by the store, by reason (ttl, kv_cap, ...)
+        self.keep_prefixes = keep_prefixes  # a closed session's KV stays for its key's next session
+        self.prefixes = PrefixCache(clock)
 
     @contextmanager
     def holding(self, session_id: str) -> Iterator[None]:
@@ -121,8 +128,9 @@ class SessionStore:
         return secrets.token_urlsafe(9)
 
     def kv_bytes(self, owner: str | None = None) -> int:
-        """KV bytes of every session, or of `owner`'s."""
-        return sum(self.session_bytes(s) for s in self._sessions.values() if owner is None or s.owner == owner)
+        """KV bytes of every session and kept prefix, or of `owner`'s."""
+        held = sum(self.session_bytes(s) for s in self._sessions.values() if owner is None or s.owner == owner)
+        return held + self.prefixes.nbytes(owner)
 
     def session_bytes(self, session: Session) -> int:
         if self.slot_bytes:
@@ -131,11 +139,57 @@ class SessionStore:
 
     def _drop(self, session: Session) -> None:
         """Free the KV of a session leaving the store."""
+        self._free(session.cache)
+
+    def _free(self, kv: SessionKV) -> None:
         if self.kv is not None:
-            self.kv.free(session.cache)
+            self.kv.free(kv)
+
+    def _retire(self, session: Session) -> None:
+        """A session that ended well: its KV stays as a kept prefix of its key when the store
+        keeps them and nothing may still write to it (no call of it in flight), else it goes."""
+        held = session.cache.get_seq_length()
+        if not self.keep_prefixes or self.busy.get(session.session_id) or not 0 < held <= len(session.tokens):
+            self._drop(session)
+            return
+        nbytes = self.slot_bytes or held * self.kv_bytes_per_token
+        with self._lock:
+            self.prefixes.keep(session.owner, session.tokens[:held], session.cache, nbytes)
+
+    def take_prefix(self, owner: str, prompt: list[int]) -> tuple[SessionKV, int] | None:
+        """A kept prefix of `owner`'s for a new session's prompt (its handle and the tokens of
+        the prompt it holds, at most all but the last), or None."""
+        with self._lock:
+            return self.prefixes.take(owner, prompt, len(prompt) - 1)
+
+    def reusable(self, owner: str, prompt: list[int]) -> int:
+        """Tokens of `prompt` a kept prefix of `owner`'s holds now (safe from the event loop)."""
+        with self._lock:
+            return self.prefixes.reusable(owner, prompt)
+
+    def _pop_prefix(self, owner: str | None = None, kept_before: float | None = None) -> SessionKV | None:
+        with self._lock:
+            return self.prefixes.pop_oldest(owner, kept_before)
+
+    def _evict_prefix(self, owner: str | None) -> bool:
+        """Free the least recently kept prefix (of `owner`, or anyone's: a kept prefix is only
+        a cache, its key loses nothing but a re-prefill)."""
+        kv = self._pop_prefix(owner)
+        if kv is None:
+            return False
+        self._free(kv)
+        return True
+
+    def room_for_session(self) -> None:
+        """Free kept prefixes while they and the sessions fill the session cap: each holds an
+        engine handle (a llama.cpp sequence, a KV slot) a new session may need."""
+        while len(self._sessions) + len(self.prefixes) >= self.limits.max_sessions and self._evict_prefix(None):
+            pass
 
     def expire(self) -> None:
         now = self.clock()
+        while (kv := self._pop_prefix(kept_before=now - self.limits.ttl_s)) is not None:
+            self._free(kv)
         while self._sessions:
             oldest = next(iter(self._sessions.values()))
             if now - oldest.last_used < self.limits.ttl_s or self.busy.get(oldest.session_id):
@@ -179,7 +233,7 @@ class SessionStore:
                 continue
             if need > cap:
                 raise CapacityExceeded(f"{new_tokens} tokens need {need} KV bytes, over the cap of {cap}")
-            while self.kv_bytes(whose) + need > cap and self._evict_one(keep, owner, reason):
+            while self.kv_bytes(whose) + need > cap and (self._evict_prefix(whose) or self._evict_one(keep, owner, reason)):
                 pass
             if self.kv_bytes(whose) + need > cap:
                 raise CapacityExceeded(
@@ -209,11 +263,20 @@ class SessionStore:
         return sum(1 for s in self._sessions.values() if s.owner == owner)
 
     def remove(self, session_id: str, owner: str = "") -> Session:
+        """Close `owner`'s session: its KV may stay as a kept prefix."""
         session = self.get(session_id, owner)
         with self._lock:
             del self._sessions[session_id]
-        self._drop(session)
+        self._retire(session)
         return session
+
+    def retire(self, session_id: str) -> None:
+        """Close a session that ended well if it is still here (a finished Generate stream): its
+        KV may stay as a kept prefix."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._retire(session)
 
     def discard(self, session_id: str) -> None:
         """Drop a session if it is still here (a prefill that failed, or one evicted meanwhile)."""
@@ -233,6 +296,13 @@ class SessionStore:
                 self._count_eviction(session, reason)
                 return True
         return False
+
+    def prefix_totals(self) -> tuple[int, int, int, int]:
+        """New sessions' prompt tokens reused and prefilled so far, and the kept prefixes now
+        (entries, bytes); safe to read from the event loop."""
+        with self._lock:
+            totals = self.prefixes.totals
+            return totals.reused, totals.prefilled, len(self.prefixes), self.prefixes.nbytes()
 
     def eviction_totals(self) -> dict[str, int]:
         """Sessions evicted so far by reason (safe to read from the event loop)."""

@@ -165,6 +165,8 @@ class ServerState:
         if caller.sees_all:
             self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))
         self.metrics.record_evictions(store.eviction_totals())
+        reused, prefilled, entries, nbytes = store.prefix_totals()
+        self.metrics.record_prefixes(reused, prefilled, entries, nbytes)
         if isinstance(self.verifier.engine, LiveSessions):
             self.metrics.record_engine_steps(*self.verifier.engine.own_steps())
         return rows

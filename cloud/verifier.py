@@ -9,6 +9,7 @@ rounds never interleave on a cache.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -55,6 +56,10 @@ class VerifierLimits:
     # slots: positions per session (its context limit); the pool holds min(max_sessions,
     # max_kv_bytes / slot bytes) slots
     kv_slot_tokens: int = 4096
+    # A closed session's KV stays for its key's next session with the same first tokens (a
+    # chat's next turn): kept by the verifier (cloud/prefix_cache.py), or by an engine with a
+    # prefix cache of its own (vLLM), scoped to the key
+    reuse_prefixes: bool = True
 
 
 def _kv_request(limits: VerifierLimits) -> KVRequest:
@@ -93,7 +98,11 @@ class Verifier:
         self.limits = _fitted(limits, self.kv_plan)
         self.model_vocab = engine.logits_width
         self.sessions = SessionStore(
-            self.limits.sessions, engine.kv_bytes_per_token, kv=engine, slot_bytes=self.kv_plan.session_bytes
+            self.limits.sessions,
+            engine.kv_bytes_per_token,
+            kv=engine,
+            slot_bytes=self.kv_plan.session_bytes,
+            keep_prefixes=self.limits.reuse_prefixes and not engine.caches_prefixes,
         )
         self.checks = RequestChecks(self.limits, self.model_vocab)
         self.step = BatchStep(engine, sampler or RejectionSampler())
@@ -130,8 +139,9 @@ class Verifier:
             session.session_id, len(session.tokens), self.limits.max_draft_tokens, vocab, 0.0, self.model_id
         )
         prefill = _Prefill(self.sessions, session, opened, start)
+        held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         last = req.prompt_tokens[-1:]  # the first round feeds it; a live engine computes it now
-        return ForwardStep(session.cache, req.prompt_tokens[:-1], 1, prefill, argmax_vocab=NO_ROW, known=last)
+        return ForwardStep(session.cache, req.prompt_tokens[held:-1], 1, prefill, argmax_vocab=NO_ROW, known=last)
 
     def begin_open_decode(
         self, req: OpenSessionRequest, session_id: str, owner: str = "", stretch: DecodeStretchStep | None = None
@@ -153,24 +163,45 @@ class Verifier:
         token = _Round(self.sessions, self.engine, first, session, self.checks.vocab(session.config), prefill.start, position)
         opened = _OpenedRound(prefill, token)
         ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position)
-        return ForwardStep(session.cache, list(req.prompt_tokens), 1, opened, token.argmax_vocab(), 0, ahead, stops)
+        held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
+        return ForwardStep(session.cache, req.prompt_tokens[held:], 1, opened, token.argmax_vocab(), 0, ahead, stops)
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
-        against the caps from now on."""
-        self.sessions.reserve(max(len(prompt), planned), owner=owner)
-        now = self.sessions.clock()
-        generator = torch.Generator().manual_seed(config.seed)
-        kv = self.engine.new_kv()
+        against the caps from now on. Its KV starts as a kept prefix of its key's when one holds
+        the prompt's first tokens (its length says how many), else empty."""
+        kept = self.sessions.take_prefix(owner, prompt)
+        kv, held = kept if kept is not None else (None, 0)
+        try:
+            self.sessions.reserve(max(len(prompt), planned), owner=owner)
+            if kv is None:
+                self.sessions.room_for_session()
+                kv = self.engine.new_kv(self._prefix_scope(owner))
+            else:
+                self.engine.crop(kv, held)
+        except BaseException:
+            if kv is not None:
+                self.engine.free(kv)
+            raise
         if isinstance(self.engine, LiveSessions):
             self.engine.make_live(kv, config, self.checks.vocab(config))
+        now = self.sessions.clock()
+        generator = torch.Generator().manual_seed(config.seed)
         session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
         try:
             self.sessions.add(session)
         except BaseException:
             self.engine.free(kv)  # never stored: the store cannot free it
             raise
+        self.sessions.prefixes.count_open(held, len(prompt))
         return session
+
+    def _prefix_scope(self, owner: str) -> str:
+        """Whose cached prefixes a new session's KV may share in an engine that caches them
+        itself: its key's (a hash: the key never reaches the engine), or none."""
+        if not self.limits.reuse_prefixes:
+            return ""
+        return hashlib.sha256(b"specedge-prefix-scope:" + owner.encode()).hexdigest()
 
     def close_session(self, session_id: str, owner: str = "") -> CloseSessionResult:
         session = self.sessions.remove(session_id, owner)

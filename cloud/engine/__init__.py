@@ -59,12 +59,19 @@ class Engine(Protocol):
     logits_width: int  # rows of the output layer (may exceed the tokenizer's vocabulary)
     kv_bytes_per_token: int
     parameters: int  # the model's parameter count, as a client's size check reads it
+    # True: the engine keeps the KV of past sessions' prefixes itself and serves new sessions
+    # from it within their scope (vLLM's prefix cache); False: the verifier keeps closed
+    # sessions' KV for reuse (cloud/prefix_cache.py)
+    caches_prefixes: bool
 
     def plan_kv(self, request: KVRequest) -> KVPlan:
         """Hold the KV for these limits (a pool, when the layout has one); called once, first."""
         ...
 
-    def new_kv(self) -> SessionKV: ...
+    def new_kv(self, scope: str = "") -> SessionKV:
+        """A new session's empty KV. `scope`: the sessions whose cached prefixes it may share in
+        an engine that caches prefixes itself (one API key's); "" shares with none."""
+        ...
 
     def free(self, kv: SessionKV) -> None: ...
 

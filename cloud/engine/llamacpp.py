@@ -45,6 +45,7 @@ class LlamaCppEngine:
     verifier's limits."""
 
     name: EngineName = "llama.cpp"
+    caches_prefixes = False
 
     def __init__(self, gguf: str | Path, *, threads: int = 0, batch_tokens: int = 2048) -> None:
         self.api = llama = llamacpp.api("--engine llama.cpp")
@@ -109,7 +110,7 @@ class LlamaCppEngine:
 
     # ---- a session's KV -----------------------------------------------------------------
 
-    def new_kv(self) -> LlamaCppKV:
+    def new_kv(self, scope: str = "") -> LlamaCppKV:
         if not self.free_ids:
             raise CapacityExceeded("every llama.cpp sequence is in use (raise --max-sessions)")
         return LlamaCppKV(self.free_ids.pop())

@@ -22,6 +22,7 @@ class TransformersEngine:
     """A transformers causal LM (full attention) and its sessions' KV, packed or in slots."""
 
     name: EngineName = "transformers"
+    caches_prefixes = False
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
@@ -49,7 +50,7 @@ class TransformersEngine:
     def close(self) -> None:
         pass  # the model and its KV go with the process
 
-    def new_kv(self) -> KVCache:
+    def new_kv(self, scope: str = "") -> KVCache:
         return self.pool.acquire() if self.pool else lm.new_cache(self.model)
 
     def free(self, kv: SessionKV) -> None:

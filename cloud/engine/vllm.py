@@ -547,7 +547,8 @@ class LiveRequest:
 @dataclass
 class VllmKV:
     """One session as vLLM serves it: its tokens (those whose KV a step computed), the salt
-    that keeps its cached blocks its own, and its live request once it has one."""
+    that keeps its cached blocks its scope's (its own, or its API key's sessions'), and its
+    live request once it has one."""
 
     salt: str = field(default_factory=lambda: uuid.uuid4().hex)
     tokens: list[int] = field(default_factory=list)
@@ -598,6 +599,7 @@ class VllmEngine:
     the engine that owns it stops it on close."""
 
     name: EngineName = "vllm"
+    caches_prefixes = True  # its prefix cache, salted by each session's scope
 
     def __init__(self, runtime: VllmRuntime, owns_runtime: bool = True) -> None:
         config = runtime.llm.model_config
@@ -648,8 +650,10 @@ class VllmEngine:
 
     # ---- a session's KV -----------------------------------------------------------------
 
-    def new_kv(self) -> VllmKV:
-        return VllmKV()
+    def new_kv(self, scope: str = "") -> VllmKV:
+        """A session whose cached blocks are its scope's (its API key's sessions share them), or
+        its own alone."""
+        return VllmKV(salt=scope) if scope else VllmKV()
 
     def free(self, kv: SessionKV) -> None:
         kv = _own(kv)

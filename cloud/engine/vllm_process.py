@@ -46,6 +46,7 @@ class KVHandle:
     kv_id: int
     length: int = 0
     live: bool = False
+    scope: str = ""  # whose cached prefixes it may share (Engine.new_kv)
     follow_id: int = 0  # the follow its tokens come back under (0: none)
 
     def get_seq_length(self) -> int:
@@ -56,6 +57,7 @@ class ProcessEngine:
     """Engine and LiveSessions, answered by a VllmEngine in a child process."""
 
     name: EngineName = "vllm"
+    caches_prefixes = True
 
     def __init__(self, options: VllmOptions) -> None:
         context = multiprocessing.get_context("spawn")  # CUDA and vLLM's threads: never forked
@@ -151,8 +153,8 @@ class ProcessEngine:
         """The tokens of KV vLLM allocated."""
         return self._kv_tokens
 
-    def new_kv(self) -> KVHandle:
-        return KVHandle(next(self._ids))
+    def new_kv(self, scope: str = "") -> KVHandle:
+        return KVHandle(next(self._ids), scope=scope)  # the child makes its KV at the first call of it
 
     def free(self, kv: SessionKV) -> None:
         """Its request ends in the child; with the child gone there is nothing left to free."""
@@ -211,7 +213,7 @@ class ProcessEngine:
 
     def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
         handle = _handle(kv)
-        handle.live = bool(self._call("make_live", handle.kv_id, config, vocab))
+        handle.live = bool(self._call("make_live", handle.kv_id, config, vocab, handle.scope))
         return handle.live
 
     def is_live(self, kv: SessionKV) -> bool:
@@ -329,10 +331,10 @@ class _Child:
             "describe": engine.describe(),
         }
 
-    def kv(self, kv_id: int) -> Any:
+    def kv(self, kv_id: int, scope: str = "") -> Any:
         kv = self.kvs.get(kv_id)
         if kv is None:
-            kv = self.kvs[kv_id] = self.engine.new_kv()
+            kv = self.kvs[kv_id] = self.engine.new_kv(scope)
         return kv
 
     def handlers(self) -> dict[str, Callable[..., Any]]:
@@ -342,7 +344,7 @@ class _Child:
             "kv_bytes_held": engine.kv_bytes_held,
             "free": self.free,
             "extend": self.extend,
-            "make_live": lambda kv_id, config, vocab: engine.make_live(self.kv(kv_id), config, vocab),
+            "make_live": lambda kv_id, config, vocab, scope: engine.make_live(self.kv(kv_id, scope), config, vocab),
             "follow": lambda kv_id, position, follow_id: engine.follow(self.kv(kv_id), position, self.outbox.sink(follow_id)),
             "unfollow": lambda kv_id: engine.unfollow(self.kv(kv_id)),
             "rows": lambda kv_id, length, block, keep: engine.rows(self.kv(kv_id), length, block, keep),

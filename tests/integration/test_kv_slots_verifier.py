@@ -37,9 +37,10 @@ def _check_accounting(verifier: Verifier) -> None:
     assert pool is not None
     assert pool.nbytes == sum(t.numel() * t.element_size() for t in (*pool.keys, *pool.values))
     assert verifier.limits.sessions.max_kv_bytes == pool.nbytes  # the cap is what was allocated
-    assert verifier.sessions.kv_bytes() == len(verifier.sessions) * pool.slot_bytes
-    assert pool.free_slots == pool.slots - len(verifier.sessions)
-    held = [s.cache for s in verifier.sessions]
+    holders = len(verifier.sessions) + len(verifier.sessions.prefixes)  # kept prefixes hold their slots
+    assert verifier.sessions.kv_bytes() == holders * pool.slot_bytes
+    assert pool.free_slots == pool.slots - holders
+    held = [s.cache for s in verifier.sessions] + [kept.kv for kept in verifier.sessions.prefixes.entries()]
     assert all(isinstance(kv, SlotKV) and not kv.released for kv in held)
     assert len({kv.slot for kv in held if isinstance(kv, SlotKV)}) == len(held)  # no slot shared
 

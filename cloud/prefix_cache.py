@@ -1,0 +1,116 @@
+"""Prefixes kept for reuse: the KV a closed session leaves behind, for the next session of the
+same API key whose prompt starts with the same tokens (a chat client resends the whole
+conversation every turn, so each turn's session starts with the last one's tokens).
+
+A kept prefix is one entry: the tokens whose KV its engine handle holds, and the handle. A new
+session takes the entry of its key that shares the longest prefix with its prompt (llama-server
+picks a slot by prompt similarity the same way), crops it to the shared part and prefills only
+the rest; the entry leaves the cache, so each handle has one owner at a time. Entries never
+cross API keys: a session can only take its own key's.
+
+Kept prefixes are the first KV to go: the session store counts their bytes against the key's
+and the global KV caps and their handles against the session cap, and evicts them (least
+recently kept first) before any session. Idle entries expire with the sessions' TTL.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+
+from cloud.engine import SessionKV
+
+# A session takes an entry only when the shared prefix covers at least this share of the
+# entry's tokens: it continues that conversation. Another conversation that shares only a
+# system prompt with it leaves it for its own next turn (llama-server's slot similarity, 0.5).
+MIN_SHARED_FRACTION = 0.5
+
+
+@dataclass
+class KeptPrefix:
+    owner: str  # the API key whose session left it
+    tokens: list[int]  # the tokens whose KV `kv` holds, in order
+    kv: SessionKV
+    nbytes: int
+    kept_at: float
+
+
+@dataclass
+class ReuseTotals:
+    """Prompt tokens of new sessions so far: taken from a kept prefix, and computed."""
+
+    reused: int = 0
+    prefilled: int = 0
+
+
+@dataclass
+class PrefixCache:
+    """The kept prefixes of every key, least recently kept first. Changed only from the
+    verifier's model worker (through the session store, which owns it)."""
+
+    clock: Callable[[], float]
+    _entries: OrderedDict[int, KeptPrefix] = field(default_factory=OrderedDict)
+    _ids: count[int] = field(default_factory=count)
+    totals: ReuseTotals = field(default_factory=ReuseTotals)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[KeptPrefix]:
+        return list(self._entries.values())
+
+    def keep(self, owner: str, tokens: list[int], kv: SessionKV, nbytes: int) -> None:
+        self._entries[next(self._ids)] = KeptPrefix(owner, tokens, kv, nbytes, self.clock())
+
+    def take(self, owner: str, prompt: list[int], limit: int) -> tuple[SessionKV, int] | None:
+        """The handle of `owner`'s entry sharing the longest prefix (at most `limit` tokens) with
+        `prompt`, and that prefix's length; the entry leaves the cache. None: no entry shares
+        enough (the caller makes a new handle)."""
+        best = self._best(owner, prompt, limit)
+        if best is None:
+            return None
+        entry_id, shared = best
+        return self._entries.pop(entry_id).kv, shared
+
+    def reusable(self, owner: str, prompt: list[int]) -> int:
+        """How many of `prompt`'s tokens `take` would reuse now (an estimate for admission: the
+        entry may be gone by the time the session opens)."""
+        best = self._best(owner, prompt, len(prompt) - 1)
+        return best[1] if best else 0
+
+    def _best(self, owner: str, prompt: list[int], limit: int) -> tuple[int, int] | None:
+        best: tuple[int, int] | None = None
+        for entry_id, entry in self._entries.items():
+            if entry.owner != owner:
+                continue
+            shared = min(shared_prefix(entry.tokens, prompt), limit)
+            if shared > (best[1] if best else 0) and shared >= MIN_SHARED_FRACTION * len(entry.tokens):
+                best = (entry_id, shared)
+        return best
+
+    def count_open(self, reused: int, prompt: int) -> None:
+        self.totals.reused += reused
+        self.totals.prefilled += prompt - reused
+
+    def nbytes(self, owner: str | None = None) -> int:
+        return sum(e.nbytes for e in self._entries.values() if owner is None or e.owner == owner)
+
+    def pop_oldest(self, owner: str | None = None, kept_before: float | None = None) -> SessionKV | None:
+        """The handle of the least recently kept entry (of `owner`, kept before `kept_before`),
+        removed from the cache; None when there is none."""
+        for entry_id, entry in self._entries.items():
+            if (owner is None or entry.owner == owner) and (kept_before is None or entry.kept_at < kept_before):
+                del self._entries[entry_id]
+                return entry.kv
+        return None
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

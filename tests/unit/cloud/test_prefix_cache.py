@@ -1,0 +1,171 @@
+"""Kept prefixes: which entry a new session takes, that keys never share them, and that the
+session store counts them against its caps and drops them before any session."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cloud.prefix_cache import PrefixCache, shared_prefix
+from cloud.quotas import KeyLimits
+from cloud.sessions import Session, SessionLimits, SessionStore
+from shared.errors import CapacityExceeded
+from shared.protocol import SessionConfig
+from tests.unit.cloud.test_sessions import FakeClock
+
+
+@dataclass(eq=False)
+class FakeKV:
+    """A KV handle of `length` positions (only lengths matter to the store)."""
+
+    length: int
+    freed: bool = False
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class Freer:
+    def __init__(self) -> None:
+        self.freed: list[FakeKV] = []
+
+    def free(self, kv: FakeKV) -> None:  # type: ignore[override]
+        kv.freed = True
+        self.freed.append(kv)
+
+
+def _store(clock: FakeClock | None = None, **limits: object) -> tuple[SessionStore, Freer]:
+    freer = Freer()
+    store = SessionStore(
+        SessionLimits(**limits),  # type: ignore[arg-type]
+        kv_bytes_per_token=10,
+        clock=clock or FakeClock(),
+        kv=freer,  # type: ignore[arg-type]
+        keep_prefixes=True,
+    )
+    return store, freer
+
+
+def _open(store: SessionStore, sid: str, tokens: list[int], owner: str = "") -> Session:
+    now = store.clock()
+    kv = FakeKV(len(tokens) - 1)  # a session's KV holds all its tokens but the last
+    session = Session(sid, SessionConfig(), list(tokens), kv, torch.Generator(), now, now, owner=owner)  # type: ignore[arg-type]
+    store.add(session)
+    return session
+
+
+def test_shared_prefix() -> None:
+    assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert shared_prefix([], [1]) == 0
+    assert shared_prefix([1, 2], [1, 2]) == 2
+
+
+def test_takes_the_longest_shared_prefix_of_its_own_key_only() -> None:
+    cache = PrefixCache(FakeClock())
+    short, long, other_key = FakeKV(3), FakeKV(6), FakeKV(8)
+    cache.keep("alice", [1, 2, 3], short, 30)
+    cache.keep("alice", [1, 2, 3, 4, 5, 6], long, 60)
+    cache.keep("bob", [1, 2, 3, 4, 5, 6, 7, 8], other_key, 80)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert cache.reusable("alice", prompt) == 6
+    assert cache.take("alice", prompt, limit=len(prompt) - 1) == (long, 6)
+    assert cache.take("alice", prompt, limit=len(prompt) - 1) == (short, 3)  # the next best, once taken
+    assert cache.take("alice", prompt, limit=len(prompt) - 1) is None  # bob's is never alice's
+    assert cache.take("carol", prompt, limit=8) is None
+    assert len(cache) == 1 and cache.nbytes("bob") == 80 and cache.nbytes("alice") == 0
+
+
+def test_a_prompt_that_shares_only_a_little_leaves_the_entry_for_its_own_conversation() -> None:
+    cache = PrefixCache(FakeClock())
+    kv = FakeKV(10)
+    cache.keep("", list(range(10)), kv, 100)
+    assert cache.take("", [0, 1, 2, 99, 98, 97], limit=5) is None  # 3 of 10: another conversation
+    assert cache.take("", [0, 1, 2, 3, 4, 5, 99], limit=6) == (kv, 6)  # 6 of 10: this one, edited
+
+
+def test_the_take_leaves_the_prompts_last_token_to_compute() -> None:
+    cache = PrefixCache(FakeClock())
+    kv = FakeKV(5)
+    cache.keep("", [1, 2, 3, 4, 5], kv, 50)
+    assert cache.take("", [1, 2, 3, 4, 5], limit=4) == (kv, 4)  # the same prompt again: its last row is needed
+
+
+def test_a_closed_session_is_kept_and_counted_against_the_caps() -> None:
+    store, freer = _store(max_kv_bytes=1000)
+    _open(store, "a", list(range(11)))  # 10 positions: 100 bytes
+    store.remove("a")
+    assert len(store) == 0 and len(store.prefixes) == 1
+    assert store.kv_bytes() == 100 and not freer.freed
+    kept = store.take_prefix("", list(range(15)))
+    assert kept is not None and kept[1] == 10
+    assert store.prefix_totals()[2:] == (0, 0)
+
+
+def test_kept_prefixes_go_before_any_session_under_the_kv_cap() -> None:
+    store, freer = _store(max_kv_bytes=300)
+    _open(store, "kept", list(range(11)))
+    store.remove("kept")  # kept: 100 bytes
+    live = _open(store, "live", list(range(11)))  # 100 bytes, idle
+    store.reserve(10)  # 100 more: 300 fits exactly, nothing goes
+    assert len(store.prefixes) == 1
+    store.reserve(11)  # 110 more: the kept prefix goes, not the idle session
+    assert len(store.prefixes) == 0 and freer.freed and store.holds(live)
+
+
+def test_another_keys_room_may_take_a_kept_prefix_but_never_a_session() -> None:
+    store, _ = _store(max_kv_bytes=250)
+    _open(store, "a", list(range(11)), owner="alice")
+    store.remove("a", owner="alice")
+    b = _open(store, "b", list(range(11)), owner="alice")
+    store.reserve(5, owner="bob")  # 50: fits beside both
+    store.reserve(6, owner="bob")  # 60: alice's kept prefix is only a cache: it goes
+    assert len(store.prefixes) == 0 and store.holds(b)
+    with pytest.raises(CapacityExceeded):
+        store.reserve(16, owner="bob")  # alice's session is never bob's to evict
+
+
+def test_a_keys_own_kv_cap_counts_its_kept_prefixes() -> None:
+    store, _ = _store(max_kv_bytes=10_000, per_key=KeyLimits(max_kv_bytes=150))
+    _open(store, "a", list(range(11)), owner="alice")
+    store.remove("a", owner="alice")
+    assert store.kv_bytes("alice") == 100
+    store.reserve(6, owner="alice")  # 60 more over alice's 150: her kept prefix goes
+    assert len(store.prefixes) == 0
+
+
+def test_kept_prefixes_give_up_their_handles_for_new_sessions() -> None:
+    store, freer = _store(max_sessions=2)
+    _open(store, "a", list(range(5)))
+    _open(store, "b", list(range(5)))
+    store.remove("a")
+    store.room_for_session()  # one session and one kept prefix fill the cap: the prefix goes
+    assert len(store.prefixes) == 0 and len(freer.freed) == 1
+
+
+def test_kept_prefixes_expire_with_the_session_ttl() -> None:
+    clock = FakeClock()
+    store, freer = _store(clock, ttl_s=10)
+    _open(store, "a", list(range(5)))
+    store.remove("a")
+    clock.now = 9.0
+    store.expire()
+    assert len(store.prefixes) == 1
+    clock.now = 10.5
+    store.expire()
+    assert len(store.prefixes) == 0 and freer.freed
+
+
+def test_a_session_closed_with_a_call_in_flight_is_not_kept() -> None:
+    store, freer = _store()
+    _open(store, "a", list(range(5)))
+    with store.holding("a"):  # a step of it may still write to its KV
+        store.remove("a")
+    assert len(store.prefixes) == 0 and freer.freed
+
+
+def test_nothing_is_kept_when_reuse_is_off() -> None:
+    freer = Freer()
+    store = SessionStore(SessionLimits(), 10, clock=FakeClock(), kv=freer)  # type: ignore[arg-type]
+    _open(store, "a", list(range(5)))
+    store.remove("a")
+    assert len(store.prefixes) == 0 and freer.freed
