@@ -9,7 +9,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,11 +68,14 @@ def run_measured(cmd: Sequence[str], log: Path, what: str, on_tick: Callable[[],
 
 
 @contextmanager
-def running(cmd: Sequence[str], log: Path, ready: str, what: str, timeout_s: float = 900.0) -> Iterator[tuple[int, str]]:
-    """Start a server, wait for the log line matching `ready` (its group 1 is the address),
-    yield (pid, address), then stop it with SIGTERM."""
+def running(
+    cmd: Sequence[str], log: Path, ready: str, what: str, timeout_s: float = 900.0, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[int, str]]:
+    """Start a server (with `env` as its environment, else this process's), wait for the log
+    line matching `ready` (its group 1 is the address), yield (pid, address), then stop it with
+    SIGTERM."""
     handle = log.open("w")
-    proc = subprocess.Popen(list(cmd), stdout=handle, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + timeout_s
         while True:

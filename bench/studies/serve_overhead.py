@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Self
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from bench.chat_turns import stream_chat
 from bench.cli import settings_parser
 from bench.environment import machine, versions
 from bench.processes import running
@@ -99,24 +100,9 @@ class Sample:
 
 
 def _api_sample(client: Any, prompt: Prompt, repeat: int, max_tokens: int) -> Sample:
-    start, first, pieces, usage, stats = time.perf_counter(), None, [], None, {}
-    stream = client.chat.completions.create(
-        model="any",
-        messages=[{"role": "user", "content": prompt.text}],
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter()
-            pieces.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage, stats = chunk.usage, (chunk.model_extra or {}).get("speculative_decoding", {})
-    elapsed = time.perf_counter() - start
-    tokens = usage.completion_tokens if usage is not None else 0
-    return Sample("api", prompt.id, repeat, (first or start) - start, elapsed, tokens, stats.get("rounds", 0), "".join(pieces))
+    reply = stream_chat(client, [{"role": "user", "content": prompt.text}], max_tokens, 0.0)
+    rounds = reply.stats.get("rounds", 0)
+    return Sample("api", prompt.id, repeat, reply.ttft_s or 0.0, reply.total_s, reply.completion_tokens or 0, rounds, reply.text)
 
 
 class _FirstToken:
