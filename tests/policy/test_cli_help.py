@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from pydantic_settings import BaseSettings
 
-from bench import hf_runner, random_weights, retarget_traces, summarize
+from bench import chat_turns, hf_runner, random_weights, retarget_traces, summarize
 from bench.__main__ import _parser as bench_parser
 from bench.config import BenchFlags
 from bench.dashboard_render import DashboardRenderSettings
@@ -75,6 +75,7 @@ SETTINGS_COMMANDS: dict[str, tuple[Callable[[], argparse.ArgumentParser], tuple[
     "python -m bench.random_weights": (random_weights.parser, (random_weights.RandomWeightsSettings,)),
     "python -m bench.retarget_traces": (retarget_traces.parser, (retarget_traces.RetargetSettings,)),
     "python -m bench.summarize": (summarize.parser, (summarize.SummarizeSettings,)),
+    "python -m bench.chat_turns": (chat_turns.parser, (chat_turns.ChatTurnsSettings,)),
     "python -m bench.hf_runner": (hf_runner.parser, (hf_runner.HfRunnerSettings,)),
     "python -m bench.studies.kv_layout_timing": (kv_layout_timing.parser, (kv_layout_timing.KvLayoutSettings,)),
     "python -m bench.studies.prefill_stall": (
