@@ -43,6 +43,7 @@ class EdgeSettings(BaseSettings):
             "draft_context",
             "draft_window",
             "draft_prefill",
+            "conversation_cache_mb",
             "dtype",
             "device",
             "threads",
@@ -141,6 +142,15 @@ class EdgeSettings(BaseSettings):
         ge=16,
         description="llama.cpp: tokens the draft's KV cache holds per session "
         "(prompt + generated; 4096 keeps the 0.5B edge under 700 MiB)",
+    )
+    # About 20 conversations of the packaged 0.5B draft in llama.cpp (a 4,096-token context
+    # holds 48 MiB of KV).
+    conversation_cache_mb: int = Field(
+        1024,
+        ge=0,
+        description="edge-agent serve: MiB of draft KV kept from ended generations, so that a conversation's next "
+        "turn drafts on from its last turn's instead of prefilling the history again (its draft window stretching "
+        "up to --draft-context tokens); least recently used evicted first (0 = off)",
     )
     dtype: str = Field(
         "auto",

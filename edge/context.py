@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.config import EdgeSettings
-from edge.drafting.drafter import Drafter, DrafterConfig, DraftLM, DraftSource
+from edge.drafting.drafter import Drafter, DrafterConfig, DraftKV, DraftLM, DraftSource
 from edge.drafting.gating import EscalationRules, GatingThresholds, load_gating_config
 from edge.drafting.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
 from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
@@ -96,11 +96,12 @@ class EdgeContext:
             return CostK(1, s.k_max, s.overlap, self.round_costs)
         return FixedK(s.fixed_k())
 
-    def draft_source(self, seed: int) -> DraftSource:
-        """The drafter of --drafter: the model, an n-gram store, or both."""
+    def draft_source(self, seed: int, kv: DraftKV | None = None) -> DraftSource:
+        """The drafter of --drafter: the model, an n-gram store, or both. kv: a draft cache for
+        the model's drafter to begin from (a conversation's last turn)."""
         s = self.settings
         if s.drafter == "model":
-            return self.drafter(seed)
+            return self.drafter(seed, kv)
         mode = s.resolved_accept_mode()
         signals = s.gating or s.resolved_k_policy() == "egag"
         ngram = NGramDrafter(
@@ -112,9 +113,9 @@ class EdgeContext:
         )
         if s.drafter == "ngram":
             return ngram
-        return HybridDrafter(self.drafter(seed), ngram, s.hybrid_min_order, s.hybrid_min_count)
+        return HybridDrafter(self.drafter(seed, kv), ngram, s.hybrid_min_order, s.hybrid_min_count)
 
-    def drafter(self, seed: int) -> Drafter:
+    def drafter(self, seed: int, kv: DraftKV | None = None) -> Drafter:
         if self.draft_lm is None:
             raise ConfigError("this mode needs a draft model")
         s = self.settings
@@ -130,7 +131,7 @@ class EdgeContext:
             mc_passes=s.mc_passes if s.gating else 0,
             window=s.draft_window,
         )
-        return Drafter(self.draft_lm, config, seed + 1)  # the cloud's generator uses `seed`
+        return Drafter(self.draft_lm, config, seed + 1, kv)  # the cloud's generator uses `seed`
 
 
 def load_draft_lm(settings: EdgeSettings, folder: str) -> DraftLM:

@@ -8,7 +8,7 @@ small HTTP server in a background thread.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from edge.round.generate import GenerationResult, Observer, RoundRecord
 
@@ -45,6 +45,22 @@ class EdgeMetrics:
             ["to", "why"],
             registry=r,
         )
+        self.draft_reused_tokens = Counter(
+            "specdec_edge_draft_reused_tokens",
+            "edge-agent serve: prompt tokens whose draft KV came from the conversation cache",
+            registry=r,
+        )
+        self.draft_prefilled_tokens = Counter(
+            "specdec_edge_draft_prefilled_tokens",
+            "edge-agent serve: prompt tokens whose draft KV the draft model computed",
+            registry=r,
+        )
+        self.conversation_cache_bytes = Gauge(
+            "specdec_edge_conversation_cache_bytes", "draft KV kept for conversations' next turns (edge-agent serve)", registry=r
+        )
+        self.conversation_cache_entries = Gauge(
+            "specdec_edge_conversation_cache_entries", "draft caches kept for conversations' next turns", registry=r
+        )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the exposition server; returns the bound port (port 0 = any free one)."""
@@ -73,6 +89,15 @@ class EdgeMetrics:
             self.tokens_by_mode.labels(mode).inc(tokens)
         for switch in result.mode_switches:
             self.mode_switches.labels(switch["to"], switch["why"]).inc()
+
+    def record_draft_prompt(self, reused: int, prefilled: int) -> None:
+        """A served generation's drafter: its prompt's KV taken from the conversation cache, and computed."""
+        self.draft_reused_tokens.inc(reused)
+        self.draft_prefilled_tokens.inc(prefilled)
+
+    def record_conversation_cache(self, nbytes: int, entries: int) -> None:
+        self.conversation_cache_bytes.set(nbytes)
+        self.conversation_cache_entries.set(entries)
 
 
 class MeteredObserver:

@@ -83,3 +83,13 @@ def find_gguf(path: str | Path, flag: str) -> Path | None:
 
 def logits_width(llama: Any, model: Any) -> int:
     return int(llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model)))
+
+
+F16_BYTES = 2  # llama.cpp's KV cache type unless a context asks for another
+
+
+def kv_bytes_per_token(llama: Any, model: Any) -> int:
+    """Bytes of one position of a context's KV cache (keys and values of every layer, f16)."""
+    layers, embd = llama.llama_model_n_layer(model), llama.llama_model_n_embd(model)
+    heads, kv_heads = llama.llama_model_n_head(model), llama.llama_model_n_head_kv(model)
+    return int(layers * 2 * (embd // heads) * kv_heads * F16_BYTES)

@@ -123,6 +123,13 @@ def crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-excess)  # transformers 5: a negative count of tokens to remove
 
 
+def cache_bytes(cache: DynamicCache) -> int:
+    """The memory a cache's keys and values hold: their storage, which a crop leaves in place
+    until the next feed."""
+    tensors = [tensor for layer in cache.layers for tensor in _keys_values(layer) if tensor is not None]
+    return sum(tensor.untyped_storage().nbytes() for tensor in tensors)
+
+
 def logits_width(model: PreTrainedModel) -> int:
     """Rows of the output embedding; may exceed the tokenizer (padded vocabularies)."""
     return int(model.get_output_embeddings().weight.shape[0])

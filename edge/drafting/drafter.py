@@ -95,6 +95,19 @@ class DraftCache(Protocol):
 
     def mc_dropout_variance(self, token: int, passes: int, dropout_p: float) -> float: ...
 
+    def nbytes(self) -> int: ...  # the memory the cache holds
+
+
+@dataclass
+class DraftKV:
+    """A draft cache and what it holds: the KV of `cached`, the sequence's tokens from `start`
+    (the draft window's start) on. What a drafter hands on when its generation ends, and what
+    another can begin from (edge/drafting/conversations.py)."""
+
+    cache: DraftCache
+    cached: list[int]
+    start: int
+
 
 class DraftLM(Protocol):
     """A loaded draft model: weights shared by every session, one cache per session."""
@@ -109,17 +122,24 @@ class DraftLM(Protocol):
 class Drafter:
     filler_top_k = 0  # a model drafter learns nothing from the target's top-K
 
-    def __init__(self, lm: DraftLM, config: DrafterConfig, seed: int) -> None:
+    def __init__(self, lm: DraftLM, config: DrafterConfig, seed: int, kv: DraftKV | None = None) -> None:
+        """kv: another drafter's cache to begin from (its window's start kept); the first sync
+        keeps the KV of the longest prefix it shares with the tokens, as every sync does."""
         if config.mc_passes > 0 and lm.runtime != "transformers":
             raise ConfigError("MC-dropout signals need --draft-runtime transformers (they read hidden states)")
+        if config.mc_passes > 0 and kv is not None:  # its dropout masks come from the cache's seeded generator
+            raise ConfigError("MC-dropout signals need a cache of their own seed: a drafter with them begins afresh")
         self.lm = lm
         self.config = config
         self.rng = np.random.Generator(np.random.PCG64(seed))  # one per session, never reseeded
-        self.cache = lm.new_cache(seed + 1)  # dropout masks: drafts stay reproducible
+        self.cache = lm.new_cache(seed + 1) if kv is None else kv.cache  # seed: dropout masks, drafts reproducible
         self.tokens: list[int] = []  # the sequence drafts continue from (from `start` on)
-        self.start: int | None = None  # where the window begins, fixed by the first sync
-        self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
+        self.start: int | None = None if kv is None else kv.start  # where the window begins, fixed by the first sync
+        self.cached: list[int] = [] if kv is None else list(kv.cached)  # the tokens whose KV the cache holds, in order
         self.forward_passes = 0
+        self.reused_tokens = 0  # prompt tokens whose KV came with `kv` (counted by the first sync)
+        self.prefilled_tokens = 0  # prompt tokens whose KV this drafter computed
+        self._prompt_end: int | None = None  # the first sync's tokens (the prompt) in `tokens`
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Continue from `tokens` (from the window's start on); keep the cached KV of its
@@ -133,6 +153,15 @@ class Drafter:
             keep += 1
         self.cache.crop(keep)
         del self.cached[keep:]
+        if self._prompt_end is None:  # the first sync is on the prompt
+            self._prompt_end, self.reused_tokens = len(self.tokens), keep
+
+    def kv(self) -> DraftKV | None:
+        """The cache and what it holds, to hand on once this drafter is done (None before
+        its first sync: it holds nothing)."""
+        if self.start is None:
+            return None
+        return DraftKV(self.cache, list(self.cached), self.start)
 
     def update(self, feedback: RoundFeedback) -> None:
         pass  # the model's drafts follow from the committed tokens it is synced to
@@ -144,6 +173,8 @@ class Drafter:
 
     def _feed(self, token_ids: list[int]) -> np.ndarray:  # [V_model] logits after the last fed token
         logits = self.cache.feed(token_ids)
+        prompt_end = self._prompt_end or 0
+        self.prefilled_tokens += max(min(len(self.cached) + len(token_ids), prompt_end) - len(self.cached), 0)
         self.cached.extend(token_ids)
         self.forward_passes += 1
         return logits

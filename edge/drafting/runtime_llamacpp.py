@@ -84,6 +84,9 @@ class LlamaCppCache:
     def mc_dropout_variance(self, token: int, passes: int, dropout_p: float) -> float:
         raise ConfigError("MC-dropout signals need --draft-runtime transformers")
 
+    def nbytes(self) -> int:
+        return self.context_size * self.lm.kv_bytes_per_token  # the whole context is allocated up front
+
 
 def _free_context(api: Any, ctx: Any, batch: Any) -> None:
     api.llama_batch_free(batch)
@@ -108,6 +111,7 @@ class LlamaCppDraftLM:
         self.parameters = int(self.api.llama_model_n_params(self.model))
         self.threads = threads or usable_cores()  # affinity, capped by a container's CPU quota
         self.context_size, self.batch_size = context_size, batch_size
+        self.kv_bytes_per_token = llamacpp.kv_bytes_per_token(self.api, self.model)
 
     def new_cache(self, seed: int) -> LlamaCppCache:
         return LlamaCppCache(self)

@@ -40,6 +40,9 @@ class TransformersCache:
             return 0.0
         return mc_dropout_variance(self.hidden, self.model.get_output_embeddings(), token, passes, dropout_p, self.generator)
 
+    def nbytes(self) -> int:
+        return lm.cache_bytes(self.kv)
+
 
 class TransformersDraftLM:
     runtime = "transformers"

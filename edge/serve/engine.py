@@ -8,6 +8,8 @@ cloud session, its settings the server's with the request's values over them.
   provisional tokens become previews when the request asks for them.
 - Cancelling a generation (its client went away) ends its task; the round loop closes the
   cloud session on the way out.
+- When a generation ends, its model drafter's cache goes to the conversation cache
+  (edge/drafting/conversations.py), from which the next turn of the conversation begins.
 - One verifier client serves every request (one gRPC channel per verifier address); each
   reply carries its own bytes, so requests in flight together count only their own.
 """
@@ -19,21 +21,25 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, ParamSpec, TypeVar
 
 import numpy as np
 
 from edge.config import EdgeSettings
 from edge.context import EdgeContext, verifier_client
-from edge.drafting.drafter import DraftCache, DraftLM
+from edge.drafting.conversations import ConversationCache, model_drafter
+from edge.drafting.drafter import Draft, DraftCache, DraftKV, DraftLM, DraftSource, StopRule
+from edge.drafting.feedback import RoundFeedback
 from edge.round.generate import GenerationResult, RoundRecord, SpeculativeRun, cloud_only_generate
 from edge.serve.text import TextStreamer
 from shared.errors import ConfigError, InvalidParameter, SpecDecError
 
 log = logging.getLogger("edge-agent")
 CLOSE_WAIT_S = 10.0  # at shutdown, for cancelled generations to close their sessions
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class LockedCache:
@@ -57,6 +63,9 @@ class LockedCache:
         with self.lock:
             return self.inner.mc_dropout_variance(token, passes, dropout_p)
 
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
 
 class LockedDraftLM:
     """The shared draft model: one forward pass at a time, whichever request asks."""
@@ -70,6 +79,52 @@ class LockedDraftLM:
     def new_cache(self, seed: int) -> LockedCache:
         with self.lock:
             return LockedCache(self.inner.new_cache(seed), self.lock)
+
+
+class DrafterHandedBack(Exception):  # noqa: N818 (a call nobody reads the answer of)
+    """A worker thread of a cancelled generation called its drafter after the generation ended."""
+
+
+class DrafterLease:
+    """A generation's draft source until the generation ends: one call at a time, none after.
+    asyncio cannot stop a worker thread, so a cancelled generation may still be drafting in one;
+    `end` waits for that call to return and refuses later ones, so a cache handed on is never
+    fed by two generations. A call that raised leaves `failed` set: the cache may be out of step
+    with its tokens."""
+
+    def __init__(self, source: DraftSource) -> None:
+        self.source, self.filler_top_k = source, source.filler_top_k
+        self.failed = False
+        self._ended = False
+        self._lock = threading.Lock()
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        self._call(self.source.sync, tokens)
+
+    def prefill(self) -> None:
+        self._call(self.source.prefill)
+
+    def propose(self, k: int, stop_after: StopRule | None = None) -> Draft:
+        return self._call(self.source.propose, k, stop_after)
+
+    def update(self, feedback: RoundFeedback) -> None:
+        self._call(self.source.update, feedback)
+
+    def end(self) -> DraftSource:
+        """The source, once no call is running (blocks: from a worker thread)."""
+        with self._lock:
+            self._ended = True
+        return self.source
+
+    def _call(self, method: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        with self._lock:
+            if self._ended:
+                raise DrafterHandedBack
+            try:
+                return method(*args, **kwargs)
+            except BaseException:
+                self.failed = True
+                raise
 
 
 class StopText(Exception):  # noqa: N818 (control flow, not an error)
@@ -121,6 +176,8 @@ class Generation:
     streamer: TextStreamer
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
+    draft_reused_tokens: int = 0  # prompt tokens whose draft KV came from the conversation cache
+    draft_prefilled_tokens: int = 0  # prompt tokens whose draft KV the draft model computed
 
     async def events(self) -> AsyncIterator[Event]:
         """Every event up to and including the last ("done" or "error")."""
@@ -134,6 +191,15 @@ class Generation:
         """Stop a generation still running (its client went away); the session closes."""
         if self.task is not None and _cancel_once(self.task):
             log.info("%s: client gone after %d tokens; generation cancelled", self.id, len(self.streamer.ids))
+
+
+def _conversation_cache(ctx: EdgeContext) -> ConversationCache | None:
+    """The pool of draft caches between a conversation's turns; None where it is off, there is
+    no draft model, or MC dropout draws its masks from each cache's own seeded generator."""
+    s = ctx.settings
+    if not s.conversation_cache_mb or ctx.draft_lm is None or (s.gating and s.mc_passes > 0):
+        return None
+    return ConversationCache(s.conversation_cache_mb << 20)
 
 
 def _cancel_once(task: asyncio.Task[None]) -> bool:
@@ -151,6 +217,7 @@ class Engine:
         self.ctx, self.address = ctx, address
         self.client = verifier_client(ctx.settings, address)
         self.running: set[asyncio.Task[None]] = set()
+        self.conversations = _conversation_cache(ctx)  # None: off
 
     def start(
         self, request_id: str, settings: EdgeSettings, prompt_ids: list[int], stop: Sequence[str], previews: bool
@@ -171,6 +238,8 @@ class Engine:
         if uses_model and self.ctx.draft_lm is None:
             raise InvalidParameter('this server loaded no draft model (drafter "ngram" needs none)', "speculative.drafter")
         context = getattr(self.ctx.draft_lm, "context_size", None)
+        # A fresh drafter's window; one that continues a conversation's keeps an earlier start
+        # only where the prompt from there and max_tokens fit this context (ConversationCache.take).
         drafted_from = min(prompt_tokens, settings.draft_window) if settings.draft_window else prompt_tokens
         if uses_model and context and drafted_from + settings.max_new_tokens > context:
             raise InvalidParameter(
@@ -181,7 +250,7 @@ class Engine:
 
     async def _run(self, gen: Generation, ctx: EdgeContext, prompt_ids: list[int], relay: _Relay) -> None:
         try:
-            result = await self._generate(ctx, prompt_ids, relay)
+            result = await self._generate(gen, ctx, prompt_ids, relay)
             tail = gen.streamer.finish()
             if tail:
                 gen.queue.put_nowait(Event("text", tail))
@@ -193,7 +262,7 @@ class Engine:
                 log.warning("%s failed: %s: %s", gen.id, type(err).__name__, err, exc_info=not isinstance(err, SpecDecError))
             gen.queue.put_nowait(Event("error", error=err))
 
-    async def _generate(self, ctx: EdgeContext, prompt_ids: list[int], relay: _Relay) -> GenerationResult:
+    async def _generate(self, gen: Generation, ctx: EdgeContext, prompt_ids: list[int], relay: _Relay) -> GenerationResult:
         s = ctx.settings
         cfg = ctx.generation_config(s.seed)
         started = time.perf_counter()
@@ -202,15 +271,47 @@ class Engine:
             if s.mode == "cloud_only":
                 relay.live = GenerationResult()
                 return await cloud_only_generate(prompt_ids, self.client, cfg, observer, result=relay.live)
-            source = await asyncio.to_thread(ctx.draft_source, s.seed)  # a llama.cpp context: allocation
-            run = SpeculativeRun(prompt_ids, source, self.client, ctx.k_policy(), cfg, observer)
+            kv = self._take_draft_kv(s, prompt_ids)
+            lease = DrafterLease(await asyncio.to_thread(ctx.draft_source, s.seed, kv))  # a llama.cpp context: allocation
+            run = SpeculativeRun(prompt_ids, lease, self.client, ctx.k_policy(), cfg, observer)
             relay.live = run.result
-            result = await run.run()
+            try:
+                result = await run.run()
+            finally:
+                await self._hand_back(gen, lease, prompt_ids)
             if ctx.metrics is not None:
                 ctx.metrics.record_generation(result)
             return result
         except StopText:
             return relay.stopped_result(started)
+
+    def _take_draft_kv(self, settings: EdgeSettings, prompt_ids: list[int]) -> DraftKV | None:
+        """The conversation cache's draft KV for this prompt, if any is worth taking."""
+        if self.conversations is None or settings.drafter == "ngram":
+            return None
+        context = getattr(self.ctx.draft_lm, "context_size", None) or settings.draft_context
+        kv = self.conversations.take(prompt_ids, settings.draft_window, settings.max_new_tokens, context)
+        self._count_conversations()
+        return kv
+
+    async def _hand_back(self, gen: Generation, lease: DrafterLease, prompt_ids: list[int]) -> None:
+        """Count what the model drafter computed of the prompt and what it reused, and keep its
+        cache for the conversation's next turn unless a call of it failed. A cancelled
+        generation's drafter may still be drafting in a worker thread: `end` waits it out."""
+        drafter = model_drafter(await asyncio.to_thread(lease.end))
+        if drafter is None:
+            return
+        gen.draft_reused_tokens, gen.draft_prefilled_tokens = drafter.reused_tokens, drafter.prefilled_tokens
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.record_draft_prompt(drafter.reused_tokens, drafter.prefilled_tokens)
+        kv = drafter.kv()
+        if self.conversations is not None and kv is not None and not lease.failed:
+            self.conversations.give_back(prompt_ids, kv)
+            self._count_conversations()
+
+    def _count_conversations(self) -> None:
+        if self.ctx.metrics is not None and self.conversations is not None:
+            self.ctx.metrics.record_conversation_cache(self.conversations.nbytes, len(self.conversations))
 
     async def close(self) -> None:
         """Cancel what still runs, let it close its sessions, then close the client."""

@@ -39,7 +39,11 @@ def _why_not(settings: EdgeSettings, disabled_by_request: bool, result: Generati
     return None
 
 
-def speculation_stats(result: GenerationResult, settings: EdgeSettings, disabled_by_request: bool) -> dict[str, Any]:
+def speculation_stats(
+    result: GenerationResult, settings: EdgeSettings, disabled_by_request: bool, draft_prompt: tuple[int, int] = (0, 0)
+) -> dict[str, Any]:
+    """draft_prompt: the prompt tokens whose draft KV came from the conversation cache, and
+    those the draft model computed."""
     speculative = settings.drafts()
     reason = _why_not(settings, disabled_by_request, result)
     verified = result.verified_speculative_tokens()
@@ -67,6 +71,8 @@ def speculation_stats(result: GenerationResult, settings: EdgeSettings, disabled
         "drafted_by": result.drafted_by,
         "accepted_by": result.accepted_by,
         "target_forward_passes": result.target_forward_passes,
+        "draft_reused_tokens": draft_prompt[0],
+        "draft_prefilled_tokens": draft_prompt[1],
         "bytes_up": result.bytes_up,
         "bytes_down": result.bytes_down,
         "verify_bytes_up": result.verify_bytes_up,

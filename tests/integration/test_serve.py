@@ -197,6 +197,28 @@ def test_four_concurrent_streams_stay_apart(client: OpenAI, expected: dict[str, 
     assert max(start for _, start, _ in results.values()) < min(end for _, _, end in results.values())  # overlapped
 
 
+def test_a_conversations_next_turn_feeds_the_drafter_only_what_is_new(client: OpenAI) -> None:
+    """The client resends the whole conversation; the drafter begins from the last turn's draft
+    KV (the conversation cache) and computes only the new tokens' KV."""
+
+    def turn(messages: list[dict[str, str]]) -> tuple[str, int, dict[str, Any]]:
+        reply = client.chat.completions.create(
+            model="any", messages=messages, temperature=0, extra_body={"speculative": {"enabled": True}}
+        )
+        assert reply.usage is not None
+        return reply.choices[0].message.content or "", reply.usage.prompt_tokens, reply.model_extra["speculative_decoding"]  # type: ignore[index]
+
+    messages = _chat(" ".join(f"w{i}" for i in range(20, 60)))
+    answer, first_prompt, first = turn(messages)
+    assert first["draft_reused_tokens"] + first["draft_prefilled_tokens"] == first_prompt
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "w5 w9"}]
+    _, second_prompt, second = turn(messages)
+    # All of the first turn's prompt but its last token, which this chat template does not repeat
+    assert second["draft_reused_tokens"] >= first_prompt - 1
+    assert second["draft_prefilled_tokens"] == second_prompt - second["draft_reused_tokens"]
+    assert second["exact"] and second["draft_tokens"] > 0
+
+
 def test_a_client_that_goes_away_frees_its_session(client: OpenAI, served: Server, verifier: tuple[str, int]) -> None:
     stream = client.chat.completions.create(model="any", messages=_chat(PROMPTS["p0"]), stream=True, max_tokens=900)
     chunks = iter(stream)
