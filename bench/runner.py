@@ -201,6 +201,10 @@ class BenchRunner:
             s.dtype,
             "--engine",
             s.engine,
+            # Every system runs the same prompts on this verifier: none may start from the KV
+            # another system's session left (a chat's kept prefix), or the later ones would skip
+            # their prefill.
+            "--no-prefix-reuse",
             *placement.thread_flags(),
         ]
         with running(cmd, self.files / f"verifier.{placement.name}.log", r"serving .* on (\S+:\d+)", "cloud-verifier") as started:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from cloud.engine import SessionKV
+from shared.token_ids import shared_prefix
 
 # A session takes an entry only when the shared prefix covers at least this share of the
 # entry's tokens: it continues that conversation. Another conversation that shares only a
@@ -105,12 +106,3 @@ class PrefixCache:
                 del self._entries[entry_id]
                 return entry.kv
         return None
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -25,7 +25,6 @@ from shared import llamacpp
 from shared.errors import CapacityExceeded, ConfigError, VerifierFault
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
-_F16_BYTES = 2  # the KV cache's type (llama.cpp's default)
 
 
 @dataclass
@@ -53,7 +52,7 @@ class LlamaCppEngine:
         self.model = llamacpp.load_model(llama, gguf)
         llamacpp.free_with(self, llama, self.model)
         self.logits_width = llamacpp.logits_width(llama, self.model)
-        self.kv_bytes_per_token = self._kv_bytes_per_token()
+        self.kv_bytes_per_token = llamacpp.kv_bytes_per_token(llama, self.model)
         self.parameters = int(self.api.llama_model_n_params(self.model))
         self.threads, self.batch_tokens = threads, batch_tokens
         self.ctx: Any = None
@@ -92,12 +91,6 @@ class LlamaCppEngine:
         if not ctx:
             raise ConfigError(f"llama.cpp could not create a context of {n_ctx} tokens for {sequences} sessions")
         return ctx
-
-    def _kv_bytes_per_token(self) -> int:
-        llama, model = self.api, self.model
-        layers, embd = llama.llama_model_n_layer(model), llama.llama_model_n_embd(model)
-        heads, kv_heads = llama.llama_model_n_head(model), llama.llama_model_n_head_kv(model)
-        return int(layers * 2 * (embd // heads) * kv_heads * _F16_BYTES)
 
     def failure(self) -> str | None:
         return None  # in-process: a failure raises from its pass

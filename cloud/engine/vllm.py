@@ -60,6 +60,7 @@ from shared import lm
 from shared.errors import CapacityExceeded, ConfigError, SessionNotFound, VerifierFault
 from shared.hardware import usable_cores
 from shared.protocol import AcceptMode, SessionConfig
+from shared.token_ids import shared_prefix
 
 if TYPE_CHECKING:
     from cloud.engine.vllm_scheduler import LiveScheduler
@@ -395,14 +396,6 @@ def _delta() -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     return RequestOutputKind.DELTA  # each output carries the step's new tokens only
-
-
-def _matched(drafts: list[int], sampled: list[int]) -> int:
-    """How many drafts equal the tokens vLLM sampled at their positions, from the first."""
-    n = 0
-    while n < len(drafts) and n < len(sampled) and drafts[n] == sampled[n]:
-        n += 1
-    return n
 
 
 @contextlib.contextmanager
@@ -802,7 +795,7 @@ class VllmEngine:
             work.tokens = []
             return
         ahead = live.tokens[len(work.base) :]
-        matched = _matched(step.drafts, ahead)
+        matched = shared_prefix(step.drafts, ahead)
         if matched < len(ahead):  # a draft differs from what vLLM sampled there, or all pass and it holds the next
             work.tokens = [*step.drafts[:matched], ahead[matched]]
             self._decode_on(live, step, ahead[matched:])

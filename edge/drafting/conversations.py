@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from edge.drafting.drafter import Drafter, DraftKV, DraftSource
 from edge.drafting.ngram import HybridDrafter
+from shared.token_ids import shared_prefix
 
 
 @dataclass(frozen=True)
@@ -90,16 +91,6 @@ class ConversationCache:
         self._entries.append(_Entry(kv, [*prompt[: kv.start], *kv.cached], nbytes))
         while self.nbytes > self.max_bytes:
             self._entries.pop(0)
-
-
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of a and b."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def model_drafter(source: DraftSource) -> Drafter | None:

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cloud.prefix_cache import PrefixCache, shared_prefix
+from cloud.prefix_cache import PrefixCache
 from cloud.quotas import KeyLimits
 from cloud.sessions import Session, SessionLimits, SessionStore
 from shared.errors import CapacityExceeded
 from shared.protocol import SessionConfig
+from shared.token_ids import shared_prefix
 from tests.unit.cloud.test_sessions import FakeClock
 
 
