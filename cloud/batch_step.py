@@ -87,6 +87,7 @@ class ForwardStep(Generic[R]):
     stops: frozenset[int] = frozenset()  # tokens that end such a run
     known: list[int] = field(default_factory=list)  # tokens after the block the session holds (a prefill's last prompt token)
     distributions: bool = False  # a round on a live engine that must return the target's distributions (want_top_k)
+    cached: int = 0  # the block's first tokens the engine likely serves from its own prefix cache (a prefill's)
 
     def live(self) -> LiveStep:
         """The step as an engine with live sessions takes it."""
@@ -95,14 +96,16 @@ class ForwardStep(Generic[R]):
         return LiveStep(self.cache, fed, self.block[verified:], reads, self.ahead, self.stops, len(self.known))
 
     def split(self, chunk: int) -> tuple[ForwardStep[Partial], ForwardStep[R]] | None:
-        """A long prefill as two steps for consecutive passes: the first `chunk` tokens
-        (their result is PARTIAL), then the rest, which keeps the rows and the work. Each
-        part undoes the whole step. None when the block is short enough to feed at once."""
-        head = min(chunk, len(self.block) - self.keep)
-        if chunk <= 0 or head <= 0 or len(self.block) <= chunk:
+        """A long prefill as two steps for consecutive passes: the first `chunk` tokens past
+        those the engine's own prefix cache likely serves (their result is PARTIAL), then the
+        rest, which keeps the rows and the work. Each part undoes the whole step. None when
+        the block is short enough to feed at once."""
+        size = chunk + self.cached  # a pass computes about `chunk` tokens of it
+        head = min(size, len(self.block) - self.keep)
+        if chunk <= 0 or head <= 0 or len(self.block) <= size:
             return None
         first = ForwardStep(self.cache, self.block[:head], 1, _Head(self.work), argmax_vocab=NO_ROW)
-        return first, replace(self, block=self.block[head:])
+        return first, replace(self, block=self.block[head:], cached=0)
 
 
 Batch = list[tuple[ForwardStep[Any], float]]  # each step with the ms it queued

@@ -6,6 +6,7 @@ TokenFeed: no pass per token); on the other engines each token is one more step.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -26,6 +27,8 @@ class SessionOpener(Protocol):
     sessions: SessionStore
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session: ...
+
+    def engine_cached(self, owner: str, block: list[int]) -> int: ...
 
 
 class GenerateStream:
@@ -63,7 +66,8 @@ class GenerateStream:
             self.session = self.opener.new_session(self.stream_id, self.req.config, self.req.prompt_tokens, self.owner, planned)
             self._undo_to = None
             held = self.session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
-            return self._step(self.session, self.session.tokens[held:])
+            block = self.session.tokens[held:]
+            return replace(self._step(self.session, block), cached=self.opener.engine_cached(self.owner, block))
         session = self.opener.sessions.get(self.stream_id, self.owner)  # evicted only if the caller has gone
         self._undo_to = session.cache.get_seq_length()
         return self._step(session, session.tokens[-1:])

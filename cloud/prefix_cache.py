@@ -11,6 +11,11 @@ cross API keys: a session can only take its own key's.
 Kept prefixes are the first KV to go: the session store counts their bytes against the key's
 and the global KV caps and their handles against the session cap, and evicts them (least
 recently kept first) before any session. Idle entries expire with the sessions' TTL.
+
+An engine with a prefix cache of its own (vLLM) keeps the KV itself; the cache then only notes
+the tokens of closed sessions (a bounded number of notes, no KV): how much of a new prompt the
+engine likely serves from its cache, so that admission counts only the rest and a chunked
+prefill feeds the cached part in its first pass instead of one pass per chunk.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from shared.token_ids import shared_prefix
 # entry's tokens: it continues that conversation. Another conversation that shares only a
 # system prompt with it leaves it for its own next turn (llama-server's slot similarity, 0.5).
 MIN_SHARED_FRACTION = 0.5
+MAX_NOTES = 256  # closed sessions' tokens noted for an engine's own prefix cache
 
 
 @dataclass
@@ -35,6 +41,15 @@ class KeptPrefix:
     tokens: list[int]  # the tokens whose KV `kv` holds, in order
     kv: SessionKV
     nbytes: int
+    kept_at: float
+
+
+@dataclass(frozen=True)
+class Note:
+    """A closed session's tokens, whose KV an engine's own prefix cache keeps."""
+
+    owner: str
+    tokens: list[int]
     kept_at: float
 
 
@@ -55,6 +70,7 @@ class PrefixCache:
     _entries: OrderedDict[int, KeptPrefix] = field(default_factory=OrderedDict)
     _ids: count[int] = field(default_factory=count)
     totals: ReuseTotals = field(default_factory=ReuseTotals)
+    _notes: OrderedDict[int, Note] = field(default_factory=OrderedDict)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -76,10 +92,21 @@ class PrefixCache:
         return self._entries.pop(entry_id).kv, shared
 
     def reusable(self, owner: str, prompt: list[int]) -> int:
-        """How many of `prompt`'s tokens `take` would reuse now (an estimate for admission: the
-        entry may be gone by the time the session opens)."""
+        """How many of `prompt`'s tokens `take` would reuse now, or the engine's own cache
+        likely serves (an estimate: the entry may be gone, the engine may have evicted it)."""
         best = self._best(owner, prompt, len(prompt) - 1)
-        return best[1] if best else 0
+        noted = [shared_prefix(n.tokens, prompt) for n in self._notes.values() if n.owner == owner]
+        return min(max([best[1] if best else 0, *noted]), max(len(prompt) - 1, 0))
+
+    def note(self, owner: str, tokens: list[int]) -> None:
+        """A closed session's tokens, whose KV the engine's own prefix cache keeps."""
+        self._notes[next(self._ids)] = Note(owner, tokens, self.clock())
+        while len(self._notes) > MAX_NOTES:
+            self._notes.popitem(last=False)
+
+    def forget_notes(self, kept_before: float) -> None:
+        while self._notes and next(iter(self._notes.values())).kept_at < kept_before:
+            self._notes.popitem(last=False)
 
     def _best(self, owner: str, prompt: list[int], limit: int) -> tuple[int, int] | None:
         best: tuple[int, int] | None = None

@@ -88,6 +88,7 @@ class SessionStore:
         slot_bytes: int = 0,
         kv: KVFree | None = None,
         keep_prefixes: bool = False,
+        note_prefixes: bool = False,
     ) -> None:
         self.limits = limits
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -99,6 +100,7 @@ class SessionStore:
         self.busy: Counter[str] = Counter()  # sessions with a step queued or running: never evicted
         self.evictions: Counter[str] = Counter()  # sessions dropped by the store, by reason (ttl, kv_cap, ...)
         self.keep_prefixes = keep_prefixes  # a closed session's KV stays for its key's next session
+        self.note_prefixes = note_prefixes  # the engine's own prefix cache keeps it: its tokens are noted
         self.prefixes = PrefixCache(clock)
 
     @contextmanager
@@ -149,6 +151,9 @@ class SessionStore:
         """A session that ended well: its KV stays as a kept prefix of its key when the store
         keeps them and nothing may still write to it (no call of it in flight), else it goes."""
         held = session.cache.get_seq_length()
+        if self.note_prefixes and 0 < held <= len(session.tokens):
+            with self._lock:
+                self.prefixes.note(session.owner, session.tokens[:held])
         if not self.keep_prefixes or self.busy.get(session.session_id) or not 0 < held <= len(session.tokens):
             self._drop(session)
             return
@@ -190,6 +195,8 @@ class SessionStore:
         now = self.clock()
         while (kv := self._pop_prefix(kept_before=now - self.limits.ttl_s)) is not None:
             self._free(kv)
+        with self._lock:
+            self.prefixes.forget_notes(now - self.limits.ttl_s)
         while self._sessions:
             oldest = next(iter(self._sessions.values()))
             if now - oldest.last_used < self.limits.ttl_s or self.busy.get(oldest.session_id):

@@ -103,6 +103,7 @@ class Verifier:
             kv=engine,
             slot_bytes=self.kv_plan.session_bytes,
             keep_prefixes=self.limits.reuse_prefixes and not engine.caches_prefixes,
+            note_prefixes=self.limits.reuse_prefixes and engine.caches_prefixes,
         )
         self.checks = RequestChecks(self.limits, self.model_vocab)
         self.step = BatchStep(engine, sampler or RejectionSampler())
@@ -141,7 +142,10 @@ class Verifier:
         prefill = _Prefill(self.sessions, session, opened, start)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         last = req.prompt_tokens[-1:]  # the first round feeds it; a live engine computes it now
-        return ForwardStep(session.cache, req.prompt_tokens[held:-1], 1, prefill, argmax_vocab=NO_ROW, known=last)
+        block = req.prompt_tokens[held:-1]
+        return ForwardStep(
+            session.cache, block, 1, prefill, argmax_vocab=NO_ROW, known=last, cached=self.engine_cached(owner, block)
+        )
 
     def begin_open_decode(
         self, req: OpenSessionRequest, session_id: str, owner: str = "", stretch: DecodeStretchStep | None = None
@@ -164,7 +168,9 @@ class Verifier:
         opened = _OpenedRound(prefill, token)
         ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
-        return ForwardStep(session.cache, req.prompt_tokens[held:], 1, opened, token.argmax_vocab(), 0, ahead, stops)
+        block = req.prompt_tokens[held:]
+        cached = self.engine_cached(owner, block)
+        return ForwardStep(session.cache, block, 1, opened, token.argmax_vocab(), 0, ahead, stops, cached=cached)
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
@@ -195,6 +201,12 @@ class Verifier:
             raise
         self.sessions.prefixes.count_open(held, len(prompt))
         return session
+
+    def engine_cached(self, owner: str, block: list[int]) -> int:
+        """Of a new session's first block, the tokens the engine's own prefix cache likely
+        serves (closed sessions of its key noted them): a chunked prefill feeds them in its
+        first pass. 0 where the verifier keeps prefixes itself (the block starts after them)."""
+        return self.sessions.reusable(owner, block) if self.sessions.note_prefixes else 0
 
     def _prefix_scope(self, owner: str) -> str:
         """Whose cached prefixes a new session's KV may share in an engine that caches them

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cloud.prefix_cache import PrefixCache
+from cloud.batch_step import ForwardStep
+from cloud.prefix_cache import MAX_NOTES, PrefixCache
 from cloud.quotas import KeyLimits
 from cloud.sessions import Session, SessionLimits, SessionStore
 from shared.errors import CapacityExceeded
@@ -170,3 +171,50 @@ def test_nothing_is_kept_when_reuse_is_off() -> None:
     _open(store, "a", list(range(5)))
     store.remove("a")
     assert len(store.prefixes) == 0 and freer.freed
+
+
+def test_notes_of_an_engines_own_cache_estimate_its_reuse_and_are_bounded() -> None:
+    clock = FakeClock()
+    cache = PrefixCache(clock)
+    cache.note("alice", [1, 2, 3, 4])
+    assert cache.reusable("alice", [1, 2, 3, 9]) == 3  # any shared prefix: the engine's cache serves blocks
+    assert cache.reusable("alice", [1, 2, 3, 4]) == 3  # never the prompt's last token
+    assert cache.reusable("bob", [1, 2, 3, 9]) == 0
+    assert len(cache) == 0 and cache.take("alice", [1, 2, 3, 9], limit=3) is None  # a note holds no KV
+    for i in range(MAX_NOTES):
+        cache.note("alice", [100 + i])
+    assert cache.reusable("alice", [1, 2, 3, 9]) == 0  # the oldest note went
+    clock.now = 50.0
+    cache.forget_notes(kept_before=10.0)
+    assert cache.reusable("alice", [100 + MAX_NOTES - 1, 5]) == 0
+
+
+def test_a_store_whose_engine_caches_prefixes_notes_closed_sessions_and_frees_their_kv() -> None:
+    freer = Freer()
+    store = SessionStore(SessionLimits(), 10, clock=FakeClock(), kv=freer, note_prefixes=True)  # type: ignore[arg-type]
+    _open(store, "a", list(range(9)))
+    store.remove("a")
+    assert freer.freed and len(store.prefixes) == 0 and store.kv_bytes() == 0
+    assert store.reusable("", [*range(8), 50, 51]) == 8
+
+
+class _Work:
+    def round_logits(self, *_: object) -> None:
+        return None
+
+    def finish(self, *_: object) -> None:
+        return None
+
+    def undo(self) -> None:
+        pass
+
+
+def test_a_chunked_prefill_feeds_what_the_engines_cache_serves_in_its_first_pass() -> None:
+    step = ForwardStep(FakeKV(0), list(range(1000)), 1, _Work(), cached=600)
+    parts = step.split(256)
+    assert parts is not None
+    head, rest = parts
+    assert len(head.block) == 856 and rest.block == list(range(856, 1000)) and rest.cached == 0
+    assert ForwardStep(FakeKV(0), list(range(800)), 1, _Work(), cached=600).split(256) is None  # one pass
+    head, rest = ForwardStep(FakeKV(0), list(range(1000)), 1, _Work()).split(256)  # type: ignore[misc]
+    assert len(head.block) == 256
