@@ -112,6 +112,7 @@ def _add_telemetry(app: FastAPI, state: ServerState, caller: Any) -> None:
             "uptime_s": round(state.uptime_s(), 3),
             "open_sessions": len(rows),
             "kv_bytes": sum(r.kv_bytes for r in rows),
+            "prefix_reuse": state.prefix_reuse(who),
             **state.live_for(who).snapshot(),
         }
 

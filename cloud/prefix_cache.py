@@ -70,6 +70,7 @@ class PrefixCache:
     _entries: OrderedDict[int, KeptPrefix] = field(default_factory=OrderedDict)
     _ids: count[int] = field(default_factory=count)
     totals: ReuseTotals = field(default_factory=ReuseTotals)
+    totals_by_owner: dict[str, ReuseTotals] = field(default_factory=dict)  # keys come from the keys file: bounded
     _notes: OrderedDict[int, Note] = field(default_factory=OrderedDict)
 
     def __len__(self) -> int:
@@ -118,9 +119,10 @@ class PrefixCache:
                 best = (entry_id, shared)
         return best
 
-    def count_open(self, reused: int, prompt: int) -> None:
-        self.totals.reused += reused
-        self.totals.prefilled += prompt - reused
+    def count_open(self, owner: str, reused: int, prompt: int) -> None:
+        for totals in (self.totals, self.totals_by_owner.setdefault(owner, ReuseTotals())):
+            totals.reused += reused
+            totals.prefilled += prompt - reused
 
     def nbytes(self, owner: str | None = None) -> int:
         return sum(e.nbytes for e in self._entries.values() if owner is None or e.owner == owner)

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from cloud.engine import SessionKV
-from cloud.prefix_cache import PrefixCache
+from cloud.prefix_cache import PrefixCache, ReuseTotals
 from cloud.quotas import KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import SessionConfig
@@ -304,12 +304,14 @@ class SessionStore:
                 return True
         return False
 
-    def prefix_totals(self) -> tuple[int, int, int, int]:
+    def prefix_totals(self, owner: str | None = None) -> tuple[int, int, int, int]:
         """New sessions' prompt tokens reused and prefilled so far, and the kept prefixes now
-        (entries, bytes); safe to read from the event loop."""
+        (entries, bytes): every key's, or `owner`'s; safe to read from the event loop."""
         with self._lock:
-            totals = self.prefixes.totals
-            return totals.reused, totals.prefilled, len(self.prefixes), self.prefixes.nbytes()
+            prefixes = self.prefixes
+            totals = prefixes.totals if owner is None else prefixes.totals_by_owner.get(owner, ReuseTotals())
+            entries = sum(1 for e in prefixes.entries() if owner is None or e.owner == owner)
+            return totals.reused, totals.prefilled, entries, prefixes.nbytes(owner)
 
     def eviction_totals(self) -> dict[str, int]:
         """Sessions evicted so far by reason (safe to read from the event loop)."""

@@ -142,6 +142,15 @@ class ServerState:
             own = self.live_by_key.setdefault(key, LiveStats(self.live.max_k))
             own.record_round(k, result.accepted_len, result.metrics.verify_ms)
 
+    def prefix_reuse(self, caller: Caller) -> dict[str, int]:
+        """New sessions' prompt tokens served from kept prefixes and prefilled, and the kept
+        prefixes now: every key's for the server's view, else the caller's own."""
+        if self.verifier is None:
+            return {}
+        owner = None if caller.sees_all else caller.name
+        reused, prefilled, entries, nbytes = self.verifier.sessions.prefix_totals(owner)
+        return {"reused_tokens": reused, "prefilled_tokens": prefilled, "kept_prefixes": entries, "kept_bytes": nbytes}
+
     def live_for(self, caller: Caller) -> LiveStats:
         """The recent rounds `caller` may see: every key's, or its own."""
         if caller.sees_all:

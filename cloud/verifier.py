@@ -199,7 +199,7 @@ class Verifier:
         except BaseException:
             self.engine.free(kv)  # never stored: the store cannot free it
             raise
-        self.sessions.prefixes.count_open(held, len(prompt))
+        self.sessions.prefixes.count_open(owner, held, len(prompt))
         return session
 
     def engine_cached(self, owner: str, block: list[int]) -> int:
