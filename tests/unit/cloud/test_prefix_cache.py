@@ -13,6 +13,7 @@ from cloud.sessions import Session, SessionLimits, SessionStore
 from shared.errors import CapacityExceeded
 from shared.protocol import SessionConfig
 from shared.token_ids import shared_prefix
+from tests.integration.test_kv_slots_verifier import _NoWork
 from tests.unit.cloud.test_sessions import FakeClock
 
 
@@ -198,23 +199,12 @@ def test_a_store_whose_engine_caches_prefixes_notes_closed_sessions_and_frees_th
     assert store.reusable("", [*range(8), 50, 51]) == 8
 
 
-class _Work:
-    def round_logits(self, *_: object) -> None:
-        return None
-
-    def finish(self, *_: object) -> None:
-        return None
-
-    def undo(self) -> None:
-        pass
-
-
 def test_a_chunked_prefill_feeds_what_the_engines_cache_serves_in_its_first_pass() -> None:
-    step = ForwardStep(FakeKV(0), list(range(1000)), 1, _Work(), cached=600)
+    step = ForwardStep(FakeKV(0), list(range(1000)), 1, _NoWork(), cached=600)
     parts = step.split(256)
     assert parts is not None
     head, rest = parts
     assert len(head.block) == 856 and rest.block == list(range(856, 1000)) and rest.cached == 0
-    assert ForwardStep(FakeKV(0), list(range(800)), 1, _Work(), cached=600).split(256) is None  # one pass
-    head, rest = ForwardStep(FakeKV(0), list(range(1000)), 1, _Work()).split(256)  # type: ignore[misc]
+    assert ForwardStep(FakeKV(0), list(range(800)), 1, _NoWork(), cached=600).split(256) is None  # one pass
+    head, rest = ForwardStep(FakeKV(0), list(range(1000)), 1, _NoWork()).split(256)  # type: ignore[misc]
     assert len(head.block) == 256
