@@ -12,7 +12,7 @@ import pytest
 from cloud.batch_step import ForwardStep
 from cloud.grpc_server import create_server
 from cloud.state import ServerState
-from cloud.verifier import Verifier
+from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
 from edge.transport.client import CapacityRetry, VerifierClient
@@ -26,10 +26,11 @@ SESSIONS = 8
 
 
 class SlowVerifier(Verifier):
-    """A real verifier whose forward passes take MS_PER_TOKEN per fed token longer."""
+    """A real verifier whose forward passes take MS_PER_TOKEN per computed token longer (a
+    token an engine's own prefix cache serves costs nothing)."""
 
     def run_batch(self, steps: list[tuple[ForwardStep[Any], float]]) -> list[Any]:
-        time.sleep(sum(len(step.block) for step, _ in steps) * MS_PER_TOKEN / 1000.0)
+        time.sleep(sum(len(step.block) - step.cached for step, _ in steps) * MS_PER_TOKEN / 1000.0)
         return super().run_batch(steps)
 
 
@@ -59,7 +60,9 @@ def test_sessions_opened_at_once_are_admitted_or_refused_in_time(target_engine: 
     prompts = [random_prompt(100 + i, length=48) for i in range(SESSIONS)]
 
     async def run() -> None:
-        server, state, address = await _serve(SlowVerifier(target_engine(), "tiny"))
+        # The second wave sends the first one's prompts: without prefix reuse, so that both
+        # waves prefill all of them and the second meets an admission that knows the cost.
+        server, state, address = await _serve(SlowVerifier(target_engine(), "tiny", VerifierLimits(reuse_prefixes=False)))
         try:
             first = await asyncio.gather(*(_one_session(address, draft_model, p) for p in prompts))
             # Once the verifier knows its prefill speed, a second wave is refused at the door.

@@ -58,7 +58,8 @@ def test_generate_streams_count_against_the_kv_cap(target_engine: TargetEngine) 
             store = verifier.sessions
             # What stays is kept prefixes (the KV a stream's next turn would start from), and
             # they give way to any session's need: the whole cap is free again.
-            assert len(store) == 0 and store.kv_bytes() == store.prefixes.nbytes() > 0
+            assert len(store) == 0 and store.kv_bytes() == store.prefixes.nbytes()
+            assert store.kv_bytes() > 0 or verifier.engine.caches_prefixes  # vLLM keeps them in its own cache
             store.reserve(2 * (len(prompt) + n))
             assert store.kv_bytes() == 0
 
