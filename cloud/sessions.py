@@ -151,10 +151,11 @@ class SessionStore:
         """A session that ended well: its KV stays as a kept prefix of its key when the store
         keeps them and nothing may still write to it (no call of it in flight), else it goes."""
         held = session.cache.get_seq_length()
-        if self.note_prefixes and 0 < held <= len(session.tokens):
+        kept = 0 < held <= len(session.tokens)  # its KV holds its first `held` tokens
+        if kept and self.note_prefixes:
             with self._lock:
                 self.prefixes.note(session.owner, session.tokens[:held])
-        if not self.keep_prefixes or self.busy.get(session.session_id) or not 0 < held <= len(session.tokens):
+        if not (kept and self.keep_prefixes) or self.busy.get(session.session_id):
             self._drop(session)
             return
         nbytes = self.slot_bytes or held * self.kv_bytes_per_token

@@ -20,6 +20,7 @@ from edge.experimental.mc_dropout import with_mc_variance
 from shared.errors import ConfigError
 from shared.protocol import AcceptMode, SamplingParams, SparseDistribution
 from shared.sampling import edge_numpy
+from shared.token_ids import shared_prefix
 
 
 @dataclass
@@ -147,10 +148,7 @@ class Drafter:
         if self.start is None:
             self.start = max(len(tokens) - self.config.window, 0) if self.config.window else 0
         self.tokens = list(tokens[self.start :])
-        keep = 0
-        limit = min(len(self.cached), len(self.tokens) - 1)
-        while keep < limit and self.cached[keep] == self.tokens[keep]:
-            keep += 1
+        keep = max(min(shared_prefix(self.cached, self.tokens), len(self.tokens) - 1), 0)  # the last is fed
         self.cache.crop(keep)
         del self.cached[keep:]
         if self._prompt_end is None:  # the first sync is on the prompt
