@@ -113,6 +113,20 @@ def _open(prompt: list[int]) -> OpenSessionRequest:
     return OpenSessionRequest(prompt, SessionConfig())
 
 
+def _keys_reaching_each(addresses: list[str], per_address: int) -> list[str]:
+    """Session keys whose first rendezvous choice is each address `per_address` times (the port is
+    picked at random, so which address a fixed key lands on varies from run to run)."""
+    firsts: dict[str, list[str]] = {address: [] for address in addresses}
+    for i in range(64 * per_address * len(addresses)):
+        key = f"{i:016x}"
+        chosen = firsts[rendezvous_order(key, addresses)[0]]
+        if len(chosen) < per_address:
+            chosen.append(key)
+        if all(len(keys) == per_address for keys in firsts.values()):
+            return sorted(k for keys in firsts.values() for k in keys)
+    raise AssertionError("rendezvous hashing sends no key to some address")
+
+
 def test_sessions_reach_each_address_of_the_name_by_rendezvous_over_addresses(tmp_path: Path) -> None:
     """Over TLS: the certificate names localhost and 127.0.0.1, not 127.0.0.2, so the calls to
     127.0.0.2 pass only because the channel checks the certificate against the name."""
@@ -120,7 +134,7 @@ def test_sessions_reach_each_address_of_the_name_by_rendezvous_over_addresses(tm
     pki = make_pki(tmp_path)
     tls = (pki.server_cert.read_bytes(), pki.server_key.read_bytes())
     addresses = [f"{host}:{port}" for host in HOSTS]
-    keys = [f"{i:016x}" for i in range(12)]
+    keys = _keys_reaching_each(addresses, per_address=6)
 
     async def run() -> None:
         async with _replicas(port, tls) as replicas:
