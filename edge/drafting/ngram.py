@@ -102,7 +102,9 @@ class NGramDrafter:
         with_signals: bool = False,
     ) -> None:
         self.store = store
-        self.filler_top_k = filler_top_k
+        # The target's top-K asked for each round: none where one candidate (the token the
+        # round committed, which sync learns) is all the filler would take.
+        self.filler_top_k = filler_top_k if filler_top_k > 1 else 0
         self.stop_token_ids = stop_token_ids
         # Keep a Draft's per-token lists aligned with a model drafter's in the same session:
         # sparse entries only in SPARSE mode, gating signals only when gating reads them.

@@ -73,3 +73,11 @@ def test_top_k_filler_teaches_unseen_continuations() -> None:
     napd = NGramDrafter(NGramStore(order=2), filler_top_k=1)
     napd.learn([[10, 11]], [SparseDistribution([20], [0.6])])
     assert napd.predict([11]) is None  # NAPD: only committed tokens teach it
+
+
+def test_a_drafter_that_learns_no_filler_asks_for_no_top_k() -> None:
+    """The round asks the verifier for `filler_top_k` candidates a position (each a full row
+    the target computes): NAPD reads none of them, so it asks for none."""
+    assert NGramDrafter(NGramStore(order=2), filler_top_k=1).filler_top_k == 0
+    assert NGramDrafter(NGramStore(order=2), filler_top_k=0).filler_top_k == 0
+    assert NGramDrafter(NGramStore(order=2), filler_top_k=3).filler_top_k == 3
