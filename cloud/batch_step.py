@@ -26,6 +26,7 @@ import torch
 from cloud.engine import Engine, LiveSessions, LiveStep, SessionKV
 from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits, RoundOutcome
 from shared.errors import SessionNotFound, SpecDecError, VerifierFault
+from shared.protocol import SparseDistribution
 
 log = logging.getLogger("cloud-verifier")
 R = TypeVar("R")
@@ -88,12 +89,13 @@ class ForwardStep(Generic[R]):
     known: list[int] = field(default_factory=list)  # tokens after the block the session holds (a prefill's last prompt token)
     distributions: bool = False  # a round on a live engine that must return the target's distributions (want_top_k)
     cached: int = 0  # the block's first tokens the engine likely serves from its own prefix cache (a prefill's)
+    draft_q: list[SparseDistribution] = field(default_factory=list)  # a sparse round: the edge's q over each draft
 
     def live(self) -> LiveStep:
         """The step as an engine with live sessions takes it."""
         verified = len(self.block) - (self.drafts or 0)
         fed, reads = self.block[:verified] + self.known, self.argmax_vocab != NO_ROW
-        return LiveStep(self.cache, fed, self.block[verified:], reads, self.ahead, self.stops, len(self.known))
+        return LiveStep(self.cache, fed, self.block[verified:], reads, self.ahead, self.stops, len(self.known), self.draft_q)
 
     def split(self, chunk: int) -> tuple[ForwardStep[Partial], ForwardStep[R]] | None:
         """A long prefill as two steps for consecutive passes: the first `chunk` tokens past

@@ -17,7 +17,7 @@ from cloud.rejection_sampler import AcceptedRound, sample_token
 from cloud.sessions import Session, SessionStore
 from cloud.token_feed import taken_part
 from shared.errors import InvalidRequest
-from shared.protocol import GenerateChunk, GenerateRequest, SessionConfig
+from shared.protocol import AcceptMode, GenerateChunk, GenerateRequest, SessionConfig
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 
 
@@ -63,7 +63,8 @@ class GenerateStream:
             raise InvalidRequest("the stream has finished")
         if self.session is None:  # its whole length is reserved now: a stream is never cut short for KV
             planned = len(self.req.prompt_tokens) + self.req.max_new_tokens - 1
-            self.session = self.opener.new_session(self.stream_id, self.req.config, self.req.prompt_tokens, self.owner, planned)
+            config = _target_only(self.req.config)
+            self.session = self.opener.new_session(self.stream_id, config, self.req.prompt_tokens, self.owner, planned)
             self._undo_to = None
             held = self.session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
             block = self.session.tokens[held:]
@@ -130,3 +131,9 @@ class GenerateStream:
     def close(self) -> None:
         """End the stream (on the model worker): its KV may stay as a kept prefix of its key."""
         self.opener.sessions.retire(self.stream_id)
+
+
+def _target_only(config: SessionConfig) -> SessionConfig:
+    """A stream's session verifies no drafts: whatever accept mode its caller names, its tokens
+    are the target's own draws (an engine that refuses approximate modes serves it)."""
+    return replace(config, accept_mode=AcceptMode.GREEDY if config.sampling.greedy else AcceptMode.POINT)

@@ -176,6 +176,8 @@ class Verifier:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
         against the caps from now on. Its KV starts as a kept prefix of its key's when one holds
         the prompt's first tokens (its length says how many), else empty."""
+        if isinstance(self.engine, LiveSessions):  # refused before any KV is made room for
+            self.engine.check_session(config, self.checks.vocab(config))
         kept = self.sessions.take_prefix(owner, prompt)
         kv, held = kept if kept is not None else (None, 0)
         try:
@@ -185,12 +187,12 @@ class Verifier:
                 kv = self.engine.new_kv(self._prefix_scope(owner))
             else:
                 self.engine.crop(kv, held)
+            if isinstance(self.engine, LiveSessions):
+                self.engine.make_live(kv, config, self.checks.vocab(config))
         except BaseException:
             if kv is not None:
                 self.engine.free(kv)
             raise
-        if isinstance(self.engine, LiveSessions):
-            self.engine.make_live(kv, config, self.checks.vocab(config))
         now = self.sessions.clock()
         generator = torch.Generator().manual_seed(config.seed)
         session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
@@ -243,7 +245,16 @@ class Verifier:
         ahead, stops = _ahead(stretch, room)
         k = len(req.draft_tokens)
         return ForwardStep(
-            session.cache, block, k + 1, work, work.argmax_vocab(), k, ahead, stops, distributions=req.want_top_k > 0
+            session.cache,
+            block,
+            k + 1,
+            work,
+            work.argmax_vocab(),
+            k,
+            ahead,
+            stops,
+            distributions=req.want_top_k > 0,
+            draft_q=req.sparse_draft,
         )
 
     def follow_stretch(

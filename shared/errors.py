@@ -42,6 +42,13 @@ class PositionMismatch(SpecDecError):
         self.server_position = server_position
 
 
+class SessionRefused(SpecDecError):
+    """The verifier's engine cannot verify a session the way it asks (an accept mode or a
+    vocabulary it has no exact rule for); the message names the engine and what it refused."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class CapacityExceeded(SpecDecError):
     """The verifier is full (queue, sessions or KV memory); retry_after_ms is its hint for
     when a retry may succeed (0: no hint, e.g. a prompt that can never fit)."""

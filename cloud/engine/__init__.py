@@ -20,7 +20,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from shared.protocol import SessionConfig
+from shared.protocol import SessionConfig, SparseDistribution
 
 EngineName = Literal["transformers", "llama.cpp", "vllm"]
 ENGINES: tuple[EngineName, ...] = ("transformers", "llama.cpp", "vllm")
@@ -121,7 +121,9 @@ class LiveStep:
     stretch): the engine may decode them on its own in one go, stopping at a token of `stops`,
     for the session's next steps to read. The last `known` tokens of `fed` are tokens the
     session holds but its KV does not count yet (a prefill's last prompt token, which the first
-    round feeds): the engine may compute them now, and the session's length grows by the rest."""
+    round feeds): the engine may compute them now, and the session's length grows by the rest.
+    `draft_q` is the edge's distribution over each draft (a sparse round); none: each draft is
+    a point, q = 1."""
 
     kv: SessionKV
     fed: list[int]
@@ -130,6 +132,7 @@ class LiveStep:
     ahead: int = 1
     stops: frozenset[int] = frozenset()
     known: int = 0
+    draft_q: Sequence[SparseDistribution] = ()
 
 
 class TokenSink(Protocol):
@@ -147,6 +150,12 @@ class LiveSessions(Protocol):
     round's drafts with its own rejection sampler and decodes in its own loop, so a step
     returns tokens instead of rows of logits. Only sessions whose accept mode and sampling it
     verifies exactly go live; the others keep the forward pass."""
+
+    def check_session(self, config: SessionConfig, vocab: int) -> None:
+        """Raise SessionRefused (shared/errors.py) for a session the engine cannot verify exactly
+        (an accept mode it has no exact rule for, settings or a vocabulary it cannot sample
+        with), naming the engine and what it refused; before anything is held for it."""
+        ...
 
     def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
         """Whether kv's steps run live (before its first step): `config` says how its tokens

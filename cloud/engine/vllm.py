@@ -4,30 +4,31 @@ prefix-cached blocks and batches every request of a step itself.
 A session is ONE live vLLM request for its whole life (LiveSessions in cloud/engine/__init__.py,
 the scheduler in cloud/engine/vllm_scheduler.py). Its prefill is the request's prompt; a
 Verify round puts the edge's drafts on it as speculative tokens for one step, verified by
-vLLM's rejection sampler; a Generate stream or a Decode stretch is vLLM decoding it on its
-own. Between its steps the request is parked: it keeps its KV and costs no step. The tokens a
-request holds past the session's own (a stretch decoded ahead, the token its prefill
-sampled) are read by the session's next steps: a draft that equals the token vLLM sampled
-there is accepted without a step, the first that differs is corrected by it; greedy or not,
-this is the same exact rule (a draft is a point: q = 1). A session whose tokens no longer
-extend its request's (a round that caught up on tokens of its own) gets a new request; its
-salted prefix-cache blocks serve the whole blocks of it.
+vLLM's rejection sampler: greedy drafts by the argmax, point drafts as q = 1, sparse drafts
+with the edge's distribution over each handed to the sampler as its draft probabilities. A
+Generate stream or a Decode stretch is vLLM decoding it on its own. Between its steps the
+request is parked: it keeps its KV and costs no step. The tokens a request holds past the
+session's own (a stretch decoded ahead, the token its prefill sampled) are read by the
+session's next steps: a draft that equals the token vLLM sampled there is accepted without a
+step, the first that differs is corrected by it. Whatever the accept mode, this is exact: the
+token at that position is the target's own draw (a sparse draft is accepted there with
+probability p(y) where the sampler's rule gives min(1, p(y)/q(y)): a lower acceptance, at one
+position after a prefill). A session whose tokens no longer extend its request's (a round
+that caught up on tokens of its own) gets a new request; its salted prefix-cache blocks serve
+the whole blocks of it. A session vLLM cannot verify exactly (an approximate accept mode, a
+vocabulary narrower than the model's that vLLM cannot mask) is refused when it opens.
 
-Sessions vLLM's sampler cannot verify exactly (the sparse and the approximate accept modes, a
-vocabulary narrower than the model's it cannot mask) keep a forward pass of rows instead: a
-step is a request for the session's tokens so far plus the block, under a cache salt of its
-own, whose prefix cache serves the whole blocks it already holds. Rows come back in one of two
-ways:
-- argmax rows (a step that reads only each row's argmax over a vocabulary: greedy without a
-  penalty): ONE request with prompt log-probabilities, whose rows hold the TOP_ROWS largest
-  raw logits (the rest -inf). The argmax inside the vocabulary is among them whenever one of
-  them lies inside it; a step with a row whose largest logits all lie past it (padded
-  embedding rows) runs again for full rows. vLLM leaves the rows of positions its cache
-  served unset, so a request whose cache hit reaches a kept row runs again without reading
-  the cache.
-- full rows (every other step: sampling, penalties): one request per kept row, ending at
-  that row, asking for the raw logits of every token of its sampled row. They are the
-  model's own logits, so every accept mode reads exact distributions, at the price of one
+Rows of logits (the target's top-k a round asks for, `want_top_k`) come from requests of their
+own: a step is a request for the session's tokens so far plus the block, under its cache salt,
+whose prefix cache serves the whole blocks it already holds. They come back in one of two ways:
+- argmax rows (a step that reads only each row's argmax over a vocabulary): ONE request with
+  prompt log-probabilities, whose rows hold the TOP_ROWS largest raw logits (the rest -inf).
+  The argmax inside the vocabulary is among them whenever one of them lies inside it; a step
+  with a row whose largest logits all lie past it (padded embedding rows) runs again for full
+  rows. vLLM leaves the rows of positions its cache served unset, so a request whose cache
+  hit reaches a kept row runs again without reading the cache.
+- full rows (every other step): one request per kept row, ending at that row, asking for the
+  raw logits of every token of its sampled row: the model's own logits, at the price of one
   request (a full sort of the vocabulary and its transfer) per row.
 
 vLLM's engine core runs in the process that holds the VllmEngine, on a thread of its own, so
@@ -57,9 +58,9 @@ import torch
 
 from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV, TokenSink
 from shared import lm
-from shared.errors import CapacityExceeded, ConfigError, SessionNotFound, VerifierFault
+from shared.errors import CapacityExceeded, ConfigError, SessionNotFound, SessionRefused, VerifierFault
 from shared.hardware import usable_cores
-from shared.protocol import AcceptMode, SessionConfig
+from shared.protocol import SessionConfig, SparseDistribution
 from shared.token_ids import shared_prefix
 
 if TYPE_CHECKING:
@@ -213,8 +214,13 @@ class VllmRuntime:
         self._live[live.engine_id] = live
         return live
 
-    def wake(self, live: LiveRequest, drafts: list[int], tokens: int, stops: frozenset[int]) -> None:
-        self.scheduler.wake(live.engine_id, drafts, tokens, stops)
+    def wake(
+        self, live: LiveRequest, drafts: list[int], tokens: int, stops: frozenset[int], draft_q: Sequence[SparseDistribution] = ()
+    ) -> None:
+        """Run a parked request for `tokens` more tokens, `drafts` (with the edge's `draft_q`
+        over each: a sparse round) verified in its first step."""
+        q = [(list(d.token_ids), list(d.probs)) for d in draft_q] or None
+        self.scheduler.wake(live.engine_id, drafts, tokens, stops, q)
 
     def park(self, live: LiveRequest) -> bool:
         return self.scheduler.park(live.engine_id)
@@ -663,14 +669,28 @@ class VllmEngine:
 
     # ---- live sessions ----------------------------------------------------------------------
 
+    def check_session(self, config: SessionConfig, vocab: int) -> None:
+        self._sampling(config, vocab)
+
     def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
-        """A session goes live when vLLM's rejection sampler verifies its rounds exactly
-        (greedy, or point drafts: q = 1) and its sampler takes its settings and vocabulary."""
+        """Every session is live: vLLM's rejection sampler verifies its rounds exactly (greedy,
+        point drafts as q = 1, sparse drafts with the edge's q as its draft probabilities)."""
+        own = _own(kv)
+        own.params, own.seed = self._sampling(config, vocab), config.seed
+        return True
+
+    def _sampling(self, config: SessionConfig, vocab: int) -> Any:
+        """vLLM's sampling of a session; SessionRefused for one it cannot verify exactly (an
+        approximate accept mode, settings or a vocabulary vLLM refuses), which is never
+        verified by another rule."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
 
-        if config.accept_mode not in (AcceptMode.GREEDY, AcceptMode.POINT):
-            return False
+        if not config.accept_mode.exact:
+            raise SessionRefused(
+                f"the vllm engine verifies only exact accept modes (greedy, point, sparse), not "
+                f"{config.accept_mode.value}: use --accept-mode sparse or point"
+            )
         sampling = config.sampling
         try:
             params = SamplingParams(
@@ -683,12 +703,9 @@ class VllmEngine:
                 output_kind=_delta(),
             )
             limit_vocab(params, vocab, self.logits_width)
-        except (VLLMValidationError, ValueError):
-            log.debug("vLLM does not sample with %s in a vocabulary of %d: a forward pass per step", sampling, vocab)
-            return False
-        own = _own(kv)
-        own.params, own.seed = params, config.seed
-        return True
+        except (VLLMValidationError, ValueError) as err:
+            raise SessionRefused(f"the vllm engine cannot sample this session: {str(err)[:200]}") from err
+        return params
 
     def is_live(self, kv: SessionKV) -> bool:
         return _own(kv).params is not None
@@ -800,13 +817,13 @@ class VllmEngine:
             work.tokens = [*step.drafts[:matched], ahead[matched]]
             self._decode_on(live, step, ahead[matched:])
             return
-        drafts = step.drafts[matched:]
+        drafts, draft_q = step.drafts[matched:], step.draft_q[matched:]
         if live.ended:
             work.error = VerifierFault("vLLM ended the session's request at the context's end")
         elif runtime.parked(live):
-            runtime.wake(live, drafts, 1 if drafts else max(step.ahead, 1), step.stops)
+            runtime.wake(live, drafts, 1 if drafts else max(step.ahead, 1), step.stops, draft_q)
         elif drafts and runtime.park(live):  # decoding on its own: the drafts go on it from its next step
-            runtime.wake(live, drafts, 1, step.stops)
+            runtime.wake(live, drafts, 1, step.stops, draft_q)
 
     def _decode_on(self, live: LiveRequest, step: LiveStep, held: list[int]) -> None:
         """After a step without drafts read the first of the tokens vLLM `held` past the session:

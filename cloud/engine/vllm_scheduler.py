@@ -5,7 +5,10 @@ but leaves vLLM's running list, so vLLM neither schedules it nor spins for it. W
 for a number of tokens:
 - a Verify round: the edge's drafts become the request's speculative tokens for one step,
   which vLLM's rejection sampler verifies like its own drafts (the rejected positions roll
-  back `num_computed_tokens`; their KV slots are overwritten later, nothing is recomputed);
+  back `num_computed_tokens`; their KV slots are overwritten later, nothing is recomputed).
+  A round of sparse drafts also hands the sampler the edge's distribution over each draft
+  (DraftDistribution): the step's scheduler output carries them (`edge_draft_q`) to the model
+  runner, which gives them to the rejection sampler as its draft probabilities;
 - a Decode stretch or a Generate stream: vLLM decodes it on its own for n tokens or until a
   stop token.
 After the work's tokens the request is parked again.
@@ -43,6 +46,9 @@ from vllm.v1.request import Request, RequestStatus
 
 LIVE_PREFIX = "live-"  # the ids of live requests (the others are plain vLLM requests)
 
+# The edge's distribution over one draft: (token ids, their probabilities), the rest 0.
+DraftDistribution = tuple[list[int], list[float]]
+
 
 @dataclass
 class LiveWork:
@@ -62,18 +68,29 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         self.parked: dict[str, Request] = {}  # not scheduled, nothing in flight: ready for work
         self.settling: dict[str, Request] = {}  # not scheduled, a step's outputs still to come
         self.work: dict[str, LiveWork] = {}
+        self.draft_q: dict[str, list[DraftDistribution]] = {}  # a woken round's sparse drafts' distributions
         self.pad_limit = 0  # the most tokens a step padded to 1 + K a request may have (0: no pads)
         self.steps = 0  # steps scheduled that run the model
 
     # ---- what the verifier calls ------------------------------------------------------------
 
-    def wake(self, request_id: str, drafts: list[int], tokens: int, stops: Iterable[int] = ()) -> None:
+    def wake(
+        self,
+        request_id: str,
+        drafts: list[int],
+        tokens: int,
+        stops: Iterable[int] = (),
+        draft_q: list[DraftDistribution] | None = None,
+    ) -> None:
         """Run a parked live request for `tokens` more tokens (1: one step, whatever it accepts),
-        with `drafts` as its speculative tokens for the first step."""
+        with `drafts` as its speculative tokens for the first step and `draft_q` the edge's
+        distribution over each (None: point drafts, q = 1)."""
         request = self.parked.pop(request_id, None)
         if request is None:
             raise KeyError(request_id)
         request.spec_token_ids = list(drafts)
+        if draft_q:
+            self.draft_q[request_id] = draft_q
         self.work[request_id] = LiveWork(request.num_tokens + tokens, frozenset(stops))
         self.running.append(request)
 
@@ -114,7 +131,13 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         self._pad_own_decoding()
         output = super().schedule(*args, **kwargs)
         self.steps += output.total_num_scheduled_tokens > 0
+        output.edge_draft_q = self._scheduled_draft_q(output.scheduled_spec_decode_tokens)
         return output
+
+    def _scheduled_draft_q(self, scheduled: dict[str, list[int]]) -> dict[str, list[DraftDistribution]]:
+        """The distributions of the sparse drafts this step verifies (as many as vLLM scheduled
+        of each round's drafts); a round's go with its one step."""
+        return {rid: self.draft_q.pop(rid)[: len(drafts)] for rid, drafts in scheduled.items() if rid in self.draft_q}
 
     def _pad_own_decoding(self) -> None:
         """K pads on each request decoding on its own, when that makes the step a uniform batch
@@ -165,6 +188,7 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         parked[request.request_id] = request
         request.spec_token_ids = []
         self.work.pop(request.request_id, None)
+        self.draft_q.pop(request.request_id, None)
 
     def _settle(self) -> None:
         """Settling requests whose last outputs came back are parked (those vLLM ended go)."""
@@ -178,6 +202,7 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         ids = (request_ids,) if isinstance(request_ids, str) else list(request_ids if request_ids is not None else self.requests)
         for request_id in ids:
             self.work.pop(request_id, None)
+            self.draft_q.pop(request_id, None)
             parked = self.parked.pop(request_id, None) or self.settling.pop(request_id, None)
             if parked is not None:  # finished from the running list, as vLLM expects
                 self.running.append(parked)
@@ -188,8 +213,15 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
     """The live scheduler under vLLM's asynchronous scheduling: it schedules a step while the
     one before it runs on the GPU."""
 
-    def wake(self, request_id: str, drafts: list[int], tokens: int, stops: Iterable[int] = ()) -> None:
-        super().wake(request_id, drafts, tokens, stops)
+    def wake(
+        self,
+        request_id: str,
+        drafts: list[int],
+        tokens: int,
+        stops: Iterable[int] = (),
+        draft_q: list[DraftDistribution] | None = None,
+    ) -> None:
+        super().wake(request_id, drafts, tokens, stops, draft_q)
         # Its next step sends the model runner all its tokens, as for a request that was not in
         # the step before, and the runner takes it as new (NoDrafts): the tokens it holds on
         # the device may be those of a round that verified drafts.
@@ -220,12 +252,14 @@ def _due(request: Request) -> int:
 class NoDrafts:
     """vLLM's proposer slot (`custom_class`), which turns on its rejection sampler and its
     1 + K batch shapes; the drafts come from the edge, so it proposes none. Built in the
-    process that runs the model, where it also mends vLLM's sampling of rounds
-    (_mend_cpu_expand, _skip_empty_constraints, _mask_banned_spans) and its model runner's
-    asynchronous steps (_step_async_without_proposer)."""
+    process that runs the model, where it also hands the rejection sampler the edge's draft
+    distributions (_hand_edge_draft_probs), mends vLLM's sampling of rounds (_mend_cpu_expand,
+    _skip_empty_constraints, _mask_banned_spans) and its model runner's asynchronous steps
+    (_step_async_without_proposer)."""
 
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
+        _hand_edge_draft_probs()
         _step_async_without_proposer()
         _mend_cpu_expand()
         _skip_empty_constraints()
@@ -271,6 +305,64 @@ def _step_async_without_proposer() -> None:
     _bookkeeping_sync.keeps_first_token = True  # type: ignore[attr-defined]
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     GPUModelRunner.execute_model = execute_model
+
+
+def _hand_edge_draft_probs() -> None:
+    """vLLM's rejection sampler takes the draft probabilities of a step's drafts ([drafts, V]),
+    which its model runner asks its proposer for (`_get_spec_decode_draft_probs`; none from
+    ours: each draft is then a point, q = 1). The runner takes the edge's distributions of
+    sparse drafts from the step's scheduler output instead (LiveScheduler.schedule:
+    `edge_draft_q`) and hands the sampler dense rows: those distributions for a sparse round's
+    drafts, a point at the draft for every other draft (point rounds, pads), which is the rule
+    the sampler applies to them without rows. A step with no sparse drafts hands none."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    execute, proposed = GPUModelRunner.execute_model, GPUModelRunner._get_spec_decode_draft_probs
+    if getattr(proposed, "hands_edge_draft_probs", False):
+        return
+
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        self.edge_draft_q = getattr(scheduler_output, "edge_draft_q", None)
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    def _get_spec_decode_draft_probs(self: Any, spec_decode_metadata: Any) -> Any:
+        wanted = getattr(self, "edge_draft_q", None)
+        if not wanted:
+            return proposed(self, spec_decode_metadata)
+        return _dense_draft_probs(wanted, self.input_batch.req_ids, spec_decode_metadata, self.input_batch.vocab_size)
+
+    _get_spec_decode_draft_probs.hands_edge_draft_probs = True  # type: ignore[attr-defined]
+    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
+
+
+def _dense_draft_probs(wanted: dict[str, list[DraftDistribution]], req_ids: list[str], metadata: Any, width: int) -> Any:
+    """The rejection sampler's draft probabilities [drafts, width] of a step (its requests in
+    the batch's order, each with its scheduled drafts): each sparse draft's distribution, a
+    point at the draft for the others."""
+    import torch
+
+    draft_ids = metadata.draft_token_ids
+    rows = int(draft_ids.shape[0])
+    probs = torch.zeros(rows, width, dtype=torch.float32, device=draft_ids.device)
+    points = torch.ones(rows, dtype=torch.bool)
+    at: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    first = 0
+    for req_id, count in zip(req_ids, metadata.num_draft_tokens, strict=False):
+        for row, (token_ids, q) in enumerate(wanted.get(req_id, ())[:count], start=first):
+            points[row] = False
+            at += [row] * len(token_ids)
+            ids += token_ids
+            values += q
+        first += count
+    point_rows = points.nonzero().flatten().to(draft_ids.device)
+    probs[point_rows, draft_ids[point_rows].long()] = 1.0
+    if at:
+        where = torch.tensor([at, ids], dtype=torch.long).to(draft_ids.device, non_blocking=True)
+        probs[where[0], where[1]] = torch.tensor(values, dtype=torch.float32).to(draft_ids.device, non_blocking=True)
+    return probs
 
 
 def _forget_woken(batch: Any, woken: dict[str, list[int]]) -> None:

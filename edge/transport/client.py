@@ -35,6 +35,7 @@ from shared.errors import (
     ConfigError,
     DeadlineExceeded,
     PositionMismatch,
+    SessionRefused,
     SpecDecError,
     TlsHandshakeFailed,
     Unauthenticated,
@@ -175,8 +176,9 @@ def _error_from_rpc(err: grpc.aio.AioRpcError) -> SpecDecError:
     code, details = err.code(), err.details() or ""
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         metadata = dict(err.trailing_metadata() or ())
-        position = int(metadata.get(wire.SERVER_POSITION_KEY, -1))
-        return PositionMismatch(details, position)
+        if wire.SERVER_POSITION_KEY not in metadata:  # not a position: the session as asked
+            return SessionRefused(f"the verifier refused the session: {details}")
+        return PositionMismatch(details, int(metadata[wire.SERVER_POSITION_KEY]))
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return CapacityExceeded(f"{code.name}: {details}", _retry_hint_ms(dict(err.trailing_metadata() or ())))
     if code == grpc.StatusCode.UNAUTHENTICATED:  # not recoverable: the edge stops, saying why

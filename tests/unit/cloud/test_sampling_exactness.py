@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 from bench.tiny_models import random_llama
 from cloud.engine.transformers import TransformersEngine
 from cloud.verifier import Verifier
-from edge.drafting.drafter import Drafter, DrafterConfig
+from edge.drafting.drafter import Draft, Drafter, DrafterConfig
 from edge.drafting.ngram import NGramDrafter, NGramStore
 from edge.drafting.runtime_transformers import TransformersDraftLM
 from shared import lm
@@ -21,7 +21,9 @@ from tests.tiny_models import save_model, tiny_draft, tiny_target
 V = 8
 PROMPT = [3]
 PARAMS = SamplingParams(temperature=1.5)
+CHAT = SamplingParams(temperature=0.7, top_p=0.95)  # what most chat traffic samples with
 TRIALS = 2000
+VLLM_TRIALS = 4000
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +44,24 @@ def _two_token_reference(target, params: SamplingParams = PARAMS) -> torch.Tenso
     return torch.stack(rows).flatten()
 
 
-def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None, engine=None, params=PARAMS) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _sample_two_tokens(  # type: ignore[no-untyped-def]
+    pair, mode: AcceptMode, k: int, drafter=None, engine=None, params=PARAMS, trials=TRIALS, switching=False
+) -> torch.Tensor:
+    """Per trial a session's first two tokens, from rounds of k drafts; `switching`: a third of
+    the sessions switch from a round of drafts to a draft-less round (the target's own token,
+    as auto mode's Decode), a third the other way, a third keep to rounds of drafts."""
     target, draft = pair
     verifier = Verifier(engine or TransformersEngine(target), "tiny")
     drafter_mode = AcceptMode.POINT if mode is AcceptMode.TOP1 else mode
     drafter = drafter or Drafter(TransformersDraftLM(draft), DrafterConfig(params, drafter_mode, V, draft_top_k=4), seed=123)
     counts = torch.zeros(V * V)
-    for trial in range(TRIALS):
+    for trial in range(trials):
         opened = verifier.open_session(OpenSessionRequest(PROMPT, SessionConfig(params, trial, mode, V)))
         committed = list(PROMPT)
         while len(committed) < len(PROMPT) + 2:
             drafter.sync(committed)
-            d = drafter.propose(k)
+            drafts = 0 if switching and (trial % 3, len(committed) - len(PROMPT)) in ((1, 1), (2, 0)) else k
+            d = drafter.propose(drafts) if drafts else Draft()
             reply = verifier.verify(VerifyRequest(opened.session_id, len(committed), d.token_ids, d.probs, sparse_draft=d.sparse))
             committed += d.token_ids[: reply.accepted_len] + [reply.next_token]
         verifier.close_session(opened.session_id)
@@ -61,8 +69,33 @@ def _sample_two_tokens(pair, mode: AcceptMode, k: int, drafter=None, engine=None
     return counts
 
 
+def _later_round_acceptance(  # type: ignore[no-untyped-def]
+    pair, engine, params: SamplingParams, trials: int, mode: AcceptMode = AcceptMode.SPARSE, k: int = 3
+) -> torch.Tensor:
+    """Per trial the drafts a session's second round accepted (its first round, of one draft,
+    leaves the session past any token the engine sampled at its prefill)."""
+    target, draft = pair
+    verifier = Verifier(engine, "tiny")
+    drafter = Drafter(TransformersDraftLM(draft), DrafterConfig(params, mode, V, draft_top_k=4), seed=123)
+    accepted = []
+    for trial in range(trials):
+        opened = verifier.open_session(OpenSessionRequest(PROMPT, SessionConfig(params, trial, mode, V)))
+        committed = list(PROMPT)
+        for drafts in (1, k):
+            drafter.sync(committed)
+            d = drafter.propose(drafts)
+            reply = verifier.verify(VerifyRequest(opened.session_id, len(committed), d.token_ids, sparse_draft=d.sparse))
+            committed += d.token_ids[: reply.accepted_len] + [reply.next_token]
+        verifier.close_session(opened.session_id)
+        accepted.append(reply.accepted_len)
+    return torch.tensor(accepted, dtype=torch.float64)
+
+
 def _pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square with cells of expected count < 5 pooled into one."""
+    """Chi-square with cells of expected count < 5 pooled into one; impossible cells (the
+    callers check that none was drawn) left out."""
+    possible = probs > 0
+    counts, probs = counts[possible], probs[possible]
     expected = probs * counts.sum()
     small = expected < 5
     obs, exp = counts[~small], expected[~small]
@@ -73,13 +106,17 @@ def _pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
+@pytest.mark.parametrize("params", [PARAMS, CHAT], ids=["T1.5", "T0.7-top-p0.95"])
 @pytest.mark.parametrize("runtime", ["transformers", "llama.cpp"])
 @pytest.mark.parametrize(("mode", "k"), [(AcceptMode.SPARSE, 2), (AcceptMode.POINT, 3)])
-def test_exact_modes_follow_target(pair, mode: AcceptMode, k: int, runtime: str, tmp_path) -> None:
-    joint = _two_token_reference(pair[0])
+def test_exact_modes_follow_target(pair, mode: AcceptMode, k: int, runtime: str, params: SamplingParams, tmp_path) -> None:
+    joint = _two_token_reference(pair[0], params)
+    if params.top_p < 1.0:
+        assert (joint == 0).sum() > 0  # top-p leaves some pairs impossible: a wrong cut shows
     draft_lm = gguf_lm(pair[1], tmp_path) if runtime == "llama.cpp" else TransformersDraftLM(pair[1])
-    drafter = Drafter(draft_lm, DrafterConfig(PARAMS, mode, V, draft_top_k=4), seed=123)
-    counts = _sample_two_tokens(pair, mode, k, drafter)
+    drafter = Drafter(draft_lm, DrafterConfig(params, mode, V, draft_top_k=4), seed=123)
+    counts = _sample_two_tokens(pair, mode, k, drafter, params=params)
+    assert counts[joint == 0].sum() == 0
     assert _pvalue(counts, joint) > 1e-3
     first, first_ref = counts.view(V, V).sum(dim=1), joint.view(V, V).sum(dim=1)
     assert _pvalue(first, first_ref) > 1e-3
@@ -100,6 +137,8 @@ def vllm_pair(tmp_path_factory):  # type: ignore[no-untyped-def]
     """A target of the shape vLLM's CPU attention runs, in one folder (one vLLM for the module),
     and its draft."""
     target = random_llama(4, vocab=V, hidden=128, mlp=256, layers=2, heads=2, kv_heads=1)
+    with torch.no_grad():  # logits with some spread: top-p 0.95 at T = 0.7 cuts a fifth of the pairs
+        target.lm_head.weight.mul_(2.0)
     return target, tiny_draft(target, noise=1.5, seed=9), save_model(target, tmp_path_factory.mktemp("vllm") / "target")
 
 
@@ -107,17 +146,40 @@ def vllm_pair(tmp_path_factory):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(("mode", "k"), [(AcceptMode.SPARSE, 2), (AcceptMode.POINT, 3)])
 def test_exact_modes_follow_target_on_vllm(vllm_pair, mode: AcceptMode, k: int, async_scheduling: bool) -> None:  # type: ignore[no-untyped-def]
-    """The same on the vLLM engine, whose sampling rounds read full rows of raw logits (sparse)
-    or run vLLM's rejection sampler on a live request (point), stepping synchronously (a CPU's
-    way) or asynchronously (a GPU's)."""
+    """The same on the vLLM engine at a chat's settings, every round verified by vLLM's
+    rejection sampler on the session's live request (sparse drafts with the edge's q as its
+    draft probabilities, point drafts as q = 1), stepping synchronously (a CPU's way) or
+    asynchronously (a GPU's); two thirds of the sessions switch between a round of drafts and
+    the target's own token."""
     target, draft, folder = vllm_pair
-    joint = _two_token_reference(target)
-    assert joint.max() < 0.5  # a distribution with room to be wrong in
-    counts = _sample_two_tokens((target, draft), mode, k, engine=vllm_engine(folder, async_scheduling))
+    joint = _two_token_reference(target, CHAT)
+    assert joint.max() < 0.5 and (joint == 0).sum() > 0  # room to be wrong in, and pairs top-p cuts
+    engine = vllm_engine(folder, async_scheduling)
+    counts = _sample_two_tokens((target, draft), mode, k, engine=engine, params=CHAT, trials=VLLM_TRIALS, switching=True)
     first, first_ref = counts.view(V, V).sum(dim=1), joint.view(V, V).sum(dim=1)
+    assert counts[joint == 0].sum() == 0
     assert _pvalue(counts, joint) > 1e-3 and _pvalue(first, first_ref) > 1e-3
-    assert 0.5 * (first / TRIALS - first_ref).abs().sum() < 0.05
-    assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1
+    assert 0.5 * (first / VLLM_TRIALS - first_ref).abs().sum() < 0.05
+    assert 0.5 * (counts / VLLM_TRIALS - joint).abs().sum() < 0.1
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("params", [PARAMS, CHAT], ids=["T1.5", "T0.7-top-p0.95"])
+def test_sparse_rounds_on_vllm_accept_as_often_as_the_reference(vllm_pair, params: SamplingParams) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's rejection sampler reads the edge's q: its sparse rounds accept min(1, p/q) of each
+    draft, as the reference engine's do. Without q each draft is a point and passes with p(y)
+    alone (the point mode's rule), which on this flat target accepts far less."""
+    target, draft, folder = vllm_pair
+    trials = 1500
+    reference = _later_round_acceptance((target, draft), TransformersEngine(target), params, trials)
+    on_vllm = _later_round_acceptance((target, draft), vllm_engine(folder), params, trials)
+    as_points = _later_round_acceptance((target, draft), TransformersEngine(target), params, trials, AcceptMode.POINT)
+
+    def error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.var() / trials + b.var() / trials).sqrt())
+
+    assert abs(float(on_vllm.mean() - reference.mean())) < 4 * error(on_vllm, reference)
+    assert float(on_vllm.mean() - as_points.mean()) > 8 * error(on_vllm, as_points)  # the test tells the rules apart
 
 
 @pytest.mark.vllm
