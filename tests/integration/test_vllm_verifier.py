@@ -181,3 +181,30 @@ def test_the_async_parity_study_finds_both_schedulings_give_the_same_tokens(mode
     assert all(run["rounds_equal_streams"] == 4 and all(len(t) == 24 for t in run["rounds"]) for run in result["runs"].values())
     assert result["asynchronous_against_synchronous"]["all_equal"]
     assert "**all equal**" in (out / "report.md").read_text()
+
+
+def test_an_approximate_accept_mode_is_refused_at_open_with_the_engine_and_mode_named(
+    models: tuple[Path, Path], verifier: tuple[str, int], tmp_path: Path
+) -> None:
+    """vLLM verifies only the exact modes: a session asking for the scalar mode is refused when
+    it opens (FAILED_PRECONDITION), never verified by another rule, and edge-agent says why in
+    one line."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"id": "p0", "prompt": "w1 w2 w3"}) + "\n")
+    flags = [
+        "--draft-model",
+        str(models[0]),
+        "--cloud",
+        verifier[0],
+        "--prompts",
+        str(path),
+        "--output",
+        str(tmp_path / "o.jsonl"),
+    ]
+    sampling = ["--temperature", "0.8", "--accept-mode", "scalar", "--max-new-tokens", "8"]
+    done = subprocess.run(edge_command(*flags, *sampling), capture_output=True, text=True, env=ENV, timeout=600)
+    assert done.returncode != 0
+    [why] = [line for line in done.stderr.splitlines() if "refused the session" in line]
+    assert "the vllm engine verifies only exact accept modes" in why and "not scalar" in why, done.stderr[-2000:]
+    [output] = map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())
+    assert output["finish_reason"] == "error" and output["token_ids"] == []
