@@ -24,7 +24,7 @@ from shared.models.store import ensure_model, model_folder
 from shared.tokenizer_card import TokenizerCard
 
 if TYPE_CHECKING:
-    from cloud.engine.vllm import VllmOptions
+    from cloud.engine.vllm_runtime import VllmOptions
 
 log = logging.getLogger("cloud-verifier")
 
@@ -89,8 +89,9 @@ def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
 def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     """The target folder in vLLM, which holds the KV itself and serves up to
     --max-context-tokens a session. Admission counts sessions against the KV vLLM allocated."""
-    from cloud.engine.vllm import VllmEngine, VllmRuntime
+    from cloud.engine.vllm import VllmEngine
     from cloud.engine.vllm_process import ProcessEngine
+    from cloud.engine.vllm_runtime import VllmRuntime
 
     folder = model_folder(settings.model, TARGET_MODEL)
     cuda = _cuda()
@@ -115,7 +116,7 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
 
 def vllm_options(settings: VerifierSettings, folder: str, dtype: str, cuda: bool) -> VllmOptions:
     """What the verifier's settings ask of vLLM."""
-    from cloud.engine.vllm import VllmOptions
+    from cloud.engine.vllm_runtime import VllmOptions
 
     return VllmOptions(
         folder,

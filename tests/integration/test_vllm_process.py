@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from cloud.batcher import BatchLimits
-from cloud.engine.vllm import VllmOptions
 from cloud.engine.vllm_process import ProcessEngine
+from cloud.engine.vllm_runtime import VllmOptions
 from cloud.state import ServerState
 from cloud.verifier import Verifier
 from edge.drafting.kpolicy import FixedK

@@ -22,7 +22,7 @@ def masks() -> tuple[Any, Any, Any, Any]:
     from vllm.v1.sample import rejection_sampler, sampler
     from vllm.v1.sample.ops import bad_words
 
-    from cloud.engine.vllm_scheduler import _mask_banned_spans
+    from cloud.engine.vllm_patches import _mask_banned_spans
 
     _mask_banned_spans()
     return (
@@ -77,7 +77,7 @@ def test_sampled_rows_are_masked_as_vllm_masks_them(masks: tuple[Any, ...], seed
 
 def test_one_span_over_several_requests_is_one_write(masks: tuple[Any, ...]) -> None:
     """Neighbours with the same span share one slice: the rows of four requests, one write."""
-    from cloud.engine.vllm_scheduler import _mask_spans
+    from cloud.engine.vllm_patches import _mask_spans
 
     writes: list[Any] = []
 

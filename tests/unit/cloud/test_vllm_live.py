@@ -342,7 +342,7 @@ def test_a_step_vllm_fails_in_ends_the_engine_and_the_verifier_stops(vllm_target
 def failing_engine(folder: str) -> None:
     import asyncio
 
-    from cloud.engine.vllm import VllmOptions, VllmRuntime
+    from cloud.engine.vllm_runtime import VllmOptions, VllmRuntime
     from cloud.process import _engine_failed
     from cloud.state import ServerState
     from shared.errors import EngineFailed, VerifierFault
