@@ -211,6 +211,9 @@ class ProcessEngine:
 
     # ---- LiveSessions --------------------------------------------------------------------------
 
+    def check_session(self, config: SessionConfig, vocab: int) -> None:
+        self._call("check_session", config, vocab)
+
     def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
         handle = _handle(kv)
         handle.live = bool(self._call("make_live", handle.kv_id, config, vocab, handle.scope))
@@ -345,6 +348,7 @@ class _Child:
             "kv_bytes_held": engine.kv_bytes_held,
             "free": self.free,
             "extend": self.extend,
+            "check_session": engine.check_session,
             "make_live": lambda kv_id, config, vocab, scope: engine.make_live(self.kv(kv_id, scope), config, vocab),
             "follow": lambda kv_id, position, follow_id: engine.follow(self.kv(kv_id), position, self.outbox.sink(follow_id)),
             "unfollow": lambda kv_id: engine.unfollow(self.kv(kv_id)),
