@@ -90,8 +90,12 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         if request is None:
             raise KeyError(request_id)
         request.spec_token_ids = list(drafts)
+        # Until the step that schedules the drafts takes them: under asynchronous scheduling the
+        # request parks while that step is scheduled (AsyncLiveScheduler._update_after_schedule).
         if draft_q:
             self.draft_q[request_id] = draft_q
+        else:
+            self.draft_q.pop(request_id, None)
         self.work[request_id] = LiveWork(request.num_tokens + tokens, frozenset(stops))
         self.running.append(request)
 
@@ -189,7 +193,6 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         parked[request.request_id] = request
         request.spec_token_ids = []
         self.work.pop(request.request_id, None)
-        self.draft_q.pop(request.request_id, None)
 
     def _settle(self) -> None:
         """Settling requests whose last outputs came back are parked (those vLLM ended go)."""

@@ -164,15 +164,20 @@ def test_exact_modes_follow_target_on_vllm(vllm_pair, mode: AcceptMode, k: int, 
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("params", [PARAMS, CHAT], ids=["T1.5", "T0.7-top-p0.95"])
-def test_sparse_rounds_on_vllm_accept_as_often_as_the_reference(vllm_pair, params: SamplingParams) -> None:  # type: ignore[no-untyped-def]
-    """vLLM's rejection sampler reads the edge's q: its sparse rounds accept min(1, p/q) of each
-    draft, as the reference engine's do. Without q each draft is a point and passes with p(y)
-    alone (the point mode's rule), which on this flat target accepts far less."""
+@pytest.mark.parametrize(
+    ("params", "async_scheduling"), [(PARAMS, False), (CHAT, False), (CHAT, True)], ids=["T1.5", "T0.7-top-p0.95", "async"]
+)
+def test_sparse_rounds_on_vllm_accept_as_often_as_the_reference(
+    vllm_pair, params: SamplingParams, async_scheduling: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's rejection sampler reads the edge's q, stepping synchronously or asynchronously:
+    its sparse rounds accept min(1, p/q) of each draft, as the reference engine's do. Without q
+    each draft is a point and passes with p(y) alone (the point mode's rule), which on this flat
+    target accepts far less."""
     target, draft, folder = vllm_pair
     trials = 1500
     reference = _later_round_acceptance((target, draft), TransformersEngine(target), params, trials)
-    on_vllm = _later_round_acceptance((target, draft), vllm_engine(folder), params, trials)
+    on_vllm = _later_round_acceptance((target, draft), vllm_engine(folder, async_scheduling), params, trials)
     as_points = _later_round_acceptance((target, draft), TransformersEngine(target), params, trials, AcceptMode.POINT)
 
     def error(a: torch.Tensor, b: torch.Tensor) -> float:
