@@ -81,7 +81,8 @@ def test_exact_sampling_stays_exact_across_forced_switches(mode: AcceptMode) -> 
 @pytest.mark.vllm
 def test_exact_sampling_stays_exact_across_forced_switches_on_vllm(tmp_path: Path) -> None:
     """The same on the vLLM engine, where each Decode stretch is one request vLLM samples on its
-    own (seeded by the session's seed and the stretch's position) and each round reads full rows."""
+    own (seeded by the session's seed and the stretch's position) and each round's sparse drafts
+    are verified by vLLM's rejection sampler with the edge's q."""
     target = random_llama(4, vocab=V, hidden=128, mlp=256, layers=2, heads=2, kv_heads=1)  # a shape vLLM's CPU attention runs
     draft = tiny_draft(target, noise=0.6, seed=9)
     served = TargetEngine("vllm", target, folder=save_model(target, tmp_path / "target"))

@@ -14,7 +14,7 @@ import pytest
 from cloud.engine.vllm import VllmEngine, VllmKV
 from cloud.verifier import DecodeStretchStep, Verifier
 from shared import lm
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, SessionRefused
 from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
 from tests.harness import TargetEngine, padded_steps, vllm_engine
 from tests.ops import greedy_continuation
@@ -315,14 +315,24 @@ def test_a_narrower_vocabulary_is_masked_as_one_span_in_rounds_and_padded_steps(
     assert sum(padded) > 0 and not one_at_a_time
 
 
-@pytest.mark.parametrize("mode", [AcceptMode.SPARSE, AcceptMode.SCALAR])
-def test_sessions_vllm_cannot_verify_keep_the_forward_pass(verifier: Verifier, mode: AcceptMode) -> None:
+@pytest.mark.parametrize("mode", [AcceptMode.SPARSE, AcceptMode.POINT])
+def test_every_exact_sampling_session_goes_live(verifier: Verifier, mode: AcceptMode) -> None:
     config = SessionConfig(SamplingParams(temperature=0.8), seed=1, accept_mode=mode, vocab_size=VOCAB)
     session_id, _ = _open(verifier, _tokens(7, 20), config)
-    assert _kv(verifier, session_id).live is None and not _engine(verifier).is_live(_kv(verifier, session_id))
-    point = SessionConfig(SamplingParams(temperature=0.8), seed=1, accept_mode=AcceptMode.POINT, vocab_size=VOCAB)
-    session_id, _ = _open(verifier, _tokens(7, 20), point)
-    assert _engine(verifier).is_live(_kv(verifier, session_id))
+    assert _kv(verifier, session_id).live is not None and _engine(verifier).is_live(_kv(verifier, session_id))
+    verifier.close_session(session_id)
+
+
+@pytest.mark.parametrize("mode", [AcceptMode.SCALAR, AcceptMode.SHORTCUT, AcceptMode.TOP1])
+def test_an_approximate_mode_is_refused_before_anything_is_held(verifier: Verifier, mode: AcceptMode) -> None:
+    """Never verified by another rule: refused (FAILED_PRECONDITION) with the engine and the mode
+    named, and no session, KV or live request left behind."""
+    config = SessionConfig(SamplingParams(temperature=0.8), seed=1, accept_mode=mode, vocab_size=VOCAB)
+    sessions, requests = len(verifier.sessions), len(_engine(verifier).runtime.scheduler.requests)
+    with pytest.raises(SessionRefused, match=f"vllm engine verifies only exact accept modes.*not {mode.value}") as refused:
+        _open(verifier, _tokens(7, 20), config)
+    assert refused.value.status == "FAILED_PRECONDITION"
+    assert len(verifier.sessions) == sessions and len(_engine(verifier).runtime.scheduler.requests) == requests
 
 
 def test_a_step_vllm_fails_in_ends_the_engine_and_the_verifier_stops(vllm_target: TargetEngine) -> None:
