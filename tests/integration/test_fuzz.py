@@ -809,6 +809,13 @@ MODE_TO_PB = {
 POOL_MAX = 12
 
 
+def _refused_session(result: Result) -> bool:
+    """The engine refused to open a session it cannot verify exactly (vLLM: an approximate mode):
+    FAILED_PRECONDITION without a position, its reason naming the engine."""
+    positioned = wire.SERVER_POSITION_KEY in result.trailing
+    return result.code == "FAILED_PRECONDITION" and not positioned and "vllm engine" in result.details
+
+
 def _describe(message: Any) -> str:
     if isinstance(message, bytes):
         text = repr(message[:600]) + (f"... ({len(message)} bytes)" if len(message) > 600 else "")
@@ -832,6 +839,7 @@ class Fuzz:
         self.reference = reference
         self.bystander = Bystander(self.stub, reference)
         self.pool: list[Tracked] = []
+        self.refused_modes: set[AcceptMode] = set()  # modes the engine refuses to open
         self.codes: dict[str, Counter[str]] = {}
         self.details: dict[str, str] = {}  # one status detail per (call, code), for the report
         self.cases = 0
@@ -853,6 +861,9 @@ class Fuzz:
             if result.details:
                 self.details.setdefault(f"{label} {result.code}", result.details[:200])
             self._check_status(method, request, result, timeout)
+            if _refused_session(result):  # the engine verifies no such session: nothing was opened
+                assert method in ("OpenSession", "Decode", "Generate"), f"{method} refused a session: {result.details!r}"
+                return
             decoded = request if isinstance(request, Message) else self._decode(method, request, result, timeout)
             if decoded is not None:
                 getattr(self, f"_after_{method}")(decoded, result, timeout)
@@ -872,7 +883,7 @@ class Fuzz:
             assert result.details, f"no reason given: {where}"
         if result.code == "DEADLINE_EXCEEDED":
             assert timeout < LONG_TIMEOUT, f"the server hung for {LONG_TIMEOUT} s: {where}"
-        if result.code == "FAILED_PRECONDITION":
+        if result.code == "FAILED_PRECONDITION" and not _refused_session(result):
             assert int(result.trailing[wire.SERVER_POSITION_KEY]) >= 0, where
         if wire.RETRY_AFTER_MS_KEY in result.trailing:
             assert result.code == "RESOURCE_EXHAUSTED" and int(result.trailing[wire.RETRY_AFTER_MS_KEY]) >= 0, where
@@ -1118,7 +1129,7 @@ class Fuzz:
     def ensure_pool(self) -> None:
         """At least one tracked session of every accept mode, greedy ones in a smaller vocabulary too."""
         for i, mode in enumerate(MODES):
-            if any(t.mode is mode for t in self.pool):
+            if mode in self.refused_modes or any(t.mode is mode for t in self.pool):
                 continue
             sampling = (
                 pb.SamplingConfig()
@@ -1136,8 +1147,15 @@ class Fuzz:
                 vocab_size=vocab,
                 accept_mode=MODE_TO_PB.get(mode, pb.ACCEPT_MODE_UNSPECIFIED),
             )
-            reply = self.stub.OpenSession(req, timeout=LONG_TIMEOUT)
-            self.setup_calls += 1
+            try:
+                reply = self.stub.OpenSession(req, timeout=LONG_TIMEOUT)
+            except grpc.RpcError as err:  # an engine that verifies only the exact modes refuses the others
+                if err.code() != grpc.StatusCode.FAILED_PRECONDITION or mode.exact:
+                    raise
+                self.refused_modes.add(mode)
+                continue
+            finally:
+                self.setup_calls += 1
             self._adopt(Tracked(reply.session_id, mode, vocab, reply.position))
 
     def pick(self, n: int) -> Tracked:
