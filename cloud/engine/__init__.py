@@ -149,7 +149,7 @@ class LiveSessions(Protocol):
     """An engine that runs each session as one live request of its own (vLLM): it verifies a
     round's drafts with its own rejection sampler and decodes in its own loop, so a step
     returns tokens instead of rows of logits. Only sessions whose accept mode and sampling it
-    verifies exactly go live; the others keep the forward pass."""
+    verifies exactly are opened (check_session refuses the others), and each goes live."""
 
     def check_session(self, config: SessionConfig, vocab: int) -> None:
         """Raise SessionRefused (shared/errors.py) for a session the engine cannot verify exactly
