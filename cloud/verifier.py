@@ -176,8 +176,10 @@ class Verifier:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
         against the caps from now on. Its KV starts as a kept prefix of its key's when one holds
         the prompt's first tokens (its length says how many), else empty."""
-        if isinstance(self.engine, LiveSessions):  # refused before any KV is made room for
-            self.engine.check_session(config, self.checks.vocab(config))
+        live = self.engine if isinstance(self.engine, LiveSessions) else None
+        vocab = self.checks.vocab(config)
+        if live is not None:  # refused before any KV is made room for
+            live.check_session(config, vocab)
         kept = self.sessions.take_prefix(owner, prompt)
         kv, held = kept if kept is not None else (None, 0)
         try:
@@ -187,8 +189,8 @@ class Verifier:
                 kv = self.engine.new_kv(self._prefix_scope(owner))
             else:
                 self.engine.crop(kv, held)
-            if isinstance(self.engine, LiveSessions):
-                self.engine.make_live(kv, config, self.checks.vocab(config))
+            if live is not None:
+                live.make_live(kv, config, vocab)
         except BaseException:
             if kv is not None:
                 self.engine.free(kv)
