@@ -1,32 +1,26 @@
 """One batch step, a straight line: the steps of several sessions and streams (a round, a
-prefill or a chunk of it, a Generate token) -> ONE forward pass of the target -> ONE batched
-accept over every round of the pass (cloud/rejection_sampler.py) -> each step commits its
-own result. On an engine with live sessions (cloud/engine/__init__.py: LiveSessions) the
-steps of live sessions go to the engine as session steps instead, which returns each one's
-tokens (its accepted drafts and next token) in place of rows and an accept.
+prefill or a chunk of it, a Generate token) -> ONE call of the engine with their session steps
+(cloud/engine/__init__.py: forward, accept and crop, or the engine's own live steps) -> each
+step commits its own outcome.
 
-A step is one sequence's share of the pass (ForwardStep); what it does with its rows and
-how it is put back after a failure is its StepWork. A failed pass leaves every cache as it
-was; a step that fails after the pass (in the accept or its commit) is undone alone, so it
-never fails or corrupts the others of its pass.
+A step is one sequence's share of the batch (ForwardStep); what it does with its outcome and
+how it is put back after a failure is its StepWork. A failed batch leaves every cache as it
+was; a step that fails in the engine or in its commit is undone alone, so it never fails or
+corrupts the others of its batch.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
-import torch
-
-from cloud.engine import Engine, LiveSessions, LiveStep, SessionKV
-from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits, RoundOutcome
+from cloud.engine import Engine, SessionKV, SessionStep, StepOutcome
+from cloud.rejection_sampler import RoundRule
 from shared.errors import SessionNotFound, SpecDecError, VerifierFault
-from shared.protocol import SparseDistribution
 
 log = logging.getLogger("cloud-verifier")
 R = TypeVar("R")
@@ -34,15 +28,16 @@ R_co = TypeVar("R_co", covariant=True)
 
 
 class StepWork(Protocol[R_co]):
-    """What a step does once its forward pass ran, and how it is undone when the pass or its
-    own finish fails."""
+    """What a step reads and does once the engine ran it, and how it is undone when the batch or
+    its own finish fails."""
 
-    def round_logits(self, logits: torch.Tensor) -> RoundLogits | None:
-        """A Verify round's input to the batched accept; None for a step that accepts nothing."""
+    def rule(self) -> RoundRule | None:
+        """How the step's drafts are accepted and its next token drawn; None for a step that
+        reads nothing (a prefill)."""
         ...
 
-    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> R_co:
-        """The step's result, from its rows and (a round) its accepted outcome."""
+    def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> R_co:
+        """The step's result, from its outcome (None for a step that reads nothing)."""
         ...
 
     def undo(self) -> None: ...
@@ -53,7 +48,6 @@ class Partial:
 
 
 PARTIAL = Partial()
-NO_ROW = sys.maxsize  # a step's argmax_vocab when it reads no row (a prefill)
 
 
 @dataclass(frozen=True)
@@ -63,10 +57,10 @@ class _Head:
 
     whole: StepWork[Any]
 
-    def round_logits(self, logits: torch.Tensor) -> None:
+    def rule(self) -> None:
         return None
 
-    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> Partial:
+    def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> Partial:
         return PARTIAL
 
     def undo(self) -> None:
@@ -75,27 +69,25 @@ class _Head:
 
 @dataclass
 class ForwardStep(Generic[R]):
-    """One sequence's share of a forward pass that may be batched with others: feed `block`
-    after `cache`, keep the last `keep` rows of logits, and hand them to `work`."""
+    """One sequence's share of a batch: feed `block` after `cache`, its last `drafts` tokens
+    verified (a round), and hand the outcome to `work`."""
 
     cache: SessionKV
     block: list[int]
-    keep: int
     work: StepWork[R]
-    argmax_vocab: int = 0  # > 0: work reads only each row's argmax among these ids (an engine may send less); NO_ROW: none
-    drafts: int | None = None  # a round: the block's last `drafts` tokens are verified (None: no round)
-    ahead: int = 1  # tokens its session reads from this step on without drafts (a live engine may decode them in one go)
+    drafts: int = 0
+    ahead: int = 1  # tokens its session reads from this step on without drafts (an engine may decode them in one go)
     stops: frozenset[int] = frozenset()  # tokens that end such a run
     known: list[int] = field(default_factory=list)  # tokens after the block the session holds (a prefill's last prompt token)
-    distributions: bool = False  # a round on a live engine that must return the target's distributions (want_top_k)
+    top_k: int = 0  # the target's top-k the step returns at each row up to its next token
     cached: int = 0  # the block's first tokens the engine likely serves from its own prefix cache (a prefill's)
-    draft_q: list[SparseDistribution] = field(default_factory=list)  # a sparse round: the edge's q over each draft
 
-    def live(self) -> LiveStep:
-        """The step as an engine with live sessions takes it."""
-        verified = len(self.block) - (self.drafts or 0)
-        fed, reads = self.block[:verified] + self.known, self.argmax_vocab != NO_ROW
-        return LiveStep(self.cache, fed, self.block[verified:], reads, self.ahead, self.stops, len(self.known), self.draft_q)
+    def session_step(self) -> SessionStep:
+        """The step as the engine takes it."""
+        verified = len(self.block) - self.drafts
+        fed = self.block[:verified] + self.known
+        rule = self.work.rule()
+        return SessionStep(self.cache, fed, self.block[verified:], rule, len(self.known), self.ahead, self.stops, self.top_k)
 
     def split(self, chunk: int) -> tuple[ForwardStep[Partial], ForwardStep[R]] | None:
         """A long prefill as two steps for consecutive passes: the first `chunk` tokens past
@@ -103,10 +95,10 @@ class ForwardStep(Generic[R]):
         rest, which keeps the rows and the work. Each part undoes the whole step. None when
         the block is short enough to feed at once."""
         size = chunk + self.cached  # a pass computes about `chunk` tokens of it
-        head = min(size, len(self.block) - self.keep)
+        head = min(size, len(self.block) - self.drafts - 1)
         if chunk <= 0 or head <= 0 or len(self.block) <= size:
             return None
-        first = ForwardStep(self.cache, self.block[:head], 1, _Head(self.work), argmax_vocab=NO_ROW)
+        first = ForwardStep(self.cache, self.block[:head], _Head(self.work))
         return first, replace(self, block=self.block[head:], cached=0)
 
 
@@ -120,115 +112,35 @@ class BatchRunner(Protocol):
 
 
 class BatchStep:
-    """Runs batch steps on one engine with one accept; counts the forward passes (a batch of
-    one-token prompts runs none)."""
+    """Runs batch steps on one engine; counts the batches that computed tokens (a batch of
+    one-token prompts computes none)."""
 
-    def __init__(self, engine: Engine, sampler: RejectionSampler) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.sampler = sampler
         self.passes = 0
 
     def run(self, steps: Batch) -> list[Any]:
-        """ONE forward pass over every (step, queue_ms), ONE accept over its rounds; returns
-        each step's result, or the exception that ended it."""
-        return _run(self, steps)
-
-
-def _run(runner: BatchStep, steps: Batch) -> list[Any]:
-    if not steps:
-        return []
-    gone = [i for i, (step, _) in enumerate(steps) if runner.engine.freed(step.cache)]
-    if gone:  # its session left between two chunks of a prefill: that step alone fails
-        kept = iter(_run(runner, [s for i, s in enumerate(steps) if i not in gone]))
-        closed = SessionNotFound("the session was closed or evicted while its step waited")
-        return [closed if i in gone else next(kept) for i in range(len(steps))]
-    engine = runner.engine
-    live = [i for i, (step, _) in enumerate(steps) if engine.is_live(step.cache)] if isinstance(engine, LiveSessions) else []
-    if not live:
-        return _forward_and_accept(runner, steps)
-    passed = iter(_forward_and_accept(runner, [s for i, s in enumerate(steps) if i not in live]))
-    ran = dict(zip(live, _run_live(runner, [steps[i] for i in live]), strict=True))
-    return [ran[i] if i in ran else next(passed) for i in range(len(steps))]
-
-
-def _forward_and_accept(runner: BatchStep, steps: Batch) -> list[Any]:
-    """ONE forward pass over the steps, ONE accept over their rounds."""
-    if not steps:
-        return []
-    fed = [step for step, _ in steps if step.block]  # a one-token prompt has nothing to prefill
-    forward_start = time.perf_counter()
-    with _undone_on_failure(steps):
-        caches, blocks, keeps = [s.cache for s in fed], [s.block for s in fed], [s.keep for s in fed]
-        logits = runner.engine.forward(caches, blocks, keeps, [s.argmax_vocab for s in fed]) if fed else []
-    forward_ms = (time.perf_counter() - forward_start) * 1000.0
-    runner.passes += 1 if fed else 0
-    rows_of = iter(logits)
-    rows = [next(rows_of) if step.block else torch.empty(0) for step, _ in steps]
-    accepted = _accept_rounds(runner.sampler, [step.work for step, _ in steps], rows)
-    return [
-        _finish(step, step_rows, outcome, forward_ms, queue_ms)
-        for (step, queue_ms), step_rows, outcome in zip(steps, rows, accepted, strict=True)
-    ]
-
-
-def _run_live(runner: BatchStep, steps: Batch) -> list[Any]:
-    """The steps of live sessions as the engine's session steps: each one's tokens become its
-    accepted round (a round, or a Generate token as a round with no drafts), or nothing (a
-    prefill)."""
-    engine = runner.engine
-    assert isinstance(engine, LiveSessions)
-    start = time.perf_counter()
-    lengths = [step.cache.get_seq_length() for step, _ in steps]
-    with _undone_on_failure(steps):
-        produced = engine.run_live([step.live() for step, _ in steps])
-    forward_ms = (time.perf_counter() - start) * 1000.0
-    runner.passes += 1
-    results = []
-    for (step, queue_ms), tokens, length in zip(steps, produced, lengths, strict=True):
-        try:
-            if isinstance(tokens, BaseException):
-                raise tokens
-            probs = (
-                _distributions(engine, runner.sampler, step, length)
-                if step.distributions
-                else torch.empty(0, engine.logits_width)
-            )
-        except BaseException as err:
-            results.append(_finish(step, torch.empty(0), err, forward_ms, queue_ms))
-            continue
-        rows, accepted = _live_outcome(step, tokens, probs)
-        results.append(_finish(step, rows, accepted, forward_ms, queue_ms))
-    return results
-
-
-def _distributions(engine: LiveSessions, sampler: RejectionSampler, step: ForwardStep[Any], length: int) -> torch.Tensor:
-    """The target's distributions at a live round's rows, which its live step does not return:
-    its rows from the engine, processed as the accept would process them."""
-    rows = engine.rows(step.cache, length, step.block, step.keep)
-    round_logits = step.work.round_logits(rows)
-    assert round_logits is not None  # only rounds ask
-    [probs] = sampler.distributions([round_logits])
-    if isinstance(probs, Exception):
-        raise probs
-    return probs
-
-
-def _live_outcome(step: ForwardStep[Any], tokens: list[int], probs: torch.Tensor) -> tuple[torch.Tensor, AcceptedRound | None]:
-    """What a step's work reads of the tokens a live step yielded, as an accepted round with no
-    rows: a round's accepted drafts and next token (each draft's acceptance as the 0 or 1 it
-    was: the engine reports no p/q) and the distributions it asked for (`probs`, else empty),
-    a Generate step's token as a round with no drafts, a prefill nothing."""
-    if not tokens:
-        return torch.empty(0), None
-    drafts, accepted = step.drafts or 0, len(tokens) - 1
-    passed = torch.tensor([1.0] * accepted + [0.0] * (drafts - accepted))
-    outcome = RoundOutcome(accepted, tokens[-1], accepted == drafts, passed)
-    return torch.empty(0), AcceptedRound(outcome, probs)
+        """ONE engine call over every (step, queue_ms); returns each step's result, or the
+        exception that ended it."""
+        if not steps:
+            return []
+        gone = [i for i, (step, _) in enumerate(steps) if self.engine.freed(step.cache)]
+        if gone:  # its session left between two chunks of a prefill: that step alone fails
+            kept = iter(self.run([s for i, s in enumerate(steps) if i not in gone]))
+            closed = SessionNotFound("the session was closed or evicted while its step waited")
+            return [closed if i in gone else next(kept) for i in range(len(steps))]
+        start = time.perf_counter()
+        with _undone_on_failure(steps):
+            session_steps = [step.session_step() for step, _ in steps]
+            outcomes = self.engine.run_steps(session_steps)
+        forward_ms = (time.perf_counter() - start) * 1000.0
+        self.passes += 1 if any(s.grows_by or s.drafts for s in session_steps) else 0
+        return [_finish(step, outcome, forward_ms, queue_ms) for (step, queue_ms), outcome in zip(steps, outcomes, strict=True)]
 
 
 @contextmanager
 def _undone_on_failure(steps: Batch) -> Iterator[None]:
-    """A pass that raises leaves every step of it undone (its caches as they were)."""
+    """A batch that raises leaves every step of it undone (its caches as they were)."""
     try:
         yield
     except BaseException:
@@ -237,38 +149,15 @@ def _undone_on_failure(steps: Batch) -> Iterator[None]:
         raise
 
 
-def _accept_rounds(
-    sampler: RejectionSampler, works: list[StepWork[Any]], rows: list[torch.Tensor]
-) -> list[AcceptedRound | BaseException | None]:
-    """Per step its accepted round (None for a step that is no round), or what failed it."""
-    inputs: list[RoundLogits | BaseException | None] = []
-    for work, step_rows in zip(works, rows, strict=True):
-        try:
-            inputs.append(work.round_logits(step_rows))
-        except Exception as err:  # this step alone fails (undone in _finish)
-            inputs.append(err)
-    rounds = [i for i, r in enumerate(inputs) if isinstance(r, RoundLogits)]
+def _finish(step: ForwardStep[Any], outcome: StepOutcome | BaseException | None, forward_ms: float, queue_ms: float) -> Any:
     try:
-        outcomes: list[AcceptedRound | Exception] = sampler.accept_rounds([inputs[i] for i in rounds])  # type: ignore[misc]
-    except Exception as err:  # a failure of the accept as a whole: each of its rounds fails
-        outcomes = [err] * len(rounds)
-    out: list[AcceptedRound | BaseException | None] = [r if isinstance(r, BaseException) else None for r in inputs]
-    for i, outcome in zip(rounds, outcomes, strict=True):
-        out[i] = outcome
-    return out
-
-
-def _finish(
-    step: ForwardStep[Any], rows: torch.Tensor, accepted: AcceptedRound | BaseException | None, forward_ms: float, queue_ms: float
-) -> Any:
-    try:
-        if isinstance(accepted, BaseException):
-            raise accepted
-        return step.work.finish(rows, accepted, forward_ms, queue_ms)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return step.work.finish(outcome, forward_ms, queue_ms)
     except SpecDecError as err:
         step.work.undo()
         return err
     except Exception:  # a bug in one step's accept/sample path: that step alone fails
-        log.exception("a step failed after the forward pass; undone")
+        log.exception("a step failed in the engine or its commit; undone")
         step.work.undo()
         return VerifierFault("the verifier failed on this step (see its log)")

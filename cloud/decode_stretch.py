@@ -1,7 +1,7 @@
 """The target's own decoding on a session (the Decode call): a stretch of tokens, each one a
 Verify round with no draft tokens, so decoding and speculative rounds advance one session
 with one KV and one generator. Each token is one step for the batcher, batched with other
-sessions' rounds and other streams' tokens; on an engine with live sessions (vLLM) only the
+sessions' rounds and other streams' tokens; on an engine that decodes ahead (vLLM) only the
 first is: the session's request decodes the rest of the stretch in one go, and the call reads
 the tokens as they come (cloud/followed_stretch.py). Opening a session (its prefill) is one
 step too, shared by OpenSession and a Decode call that opens its session. SessionCalls also
@@ -18,7 +18,6 @@ from typing import TypeVar
 
 from cloud.batch_step import ForwardStep
 from cloud.batcher import ForwardBatcher
-from cloud.engine import LiveSessions
 from cloud.followed_stretch import FollowedStretch
 from cloud.token_feed import FeedHub, TokenFeed
 from cloud.verifier import DecodeStretchStep, Verifier
@@ -89,7 +88,7 @@ class SessionCalls:
         drafts batched with other sessions' steps, until the engine decodes the rest on its own
         (then the call reads it, cloud/followed_stretch.py)."""
         catchup, stops = req.committed_tokens, frozenset(req.stop_token_ids)
-        may_follow = isinstance(self.verifier.engine, LiveSessions)
+        may_follow = self.verifier.engine.decodes_ahead
         while True:
             if produced and may_follow:
                 may_follow, feed = False, self.feeds.feed()

@@ -1,5 +1,5 @@
 """A Decode stretch that reads its session's own decoding: after the stretch's first token (one
-batched step), an engine with live sessions (vLLM) decodes the rest of the stretch in its own
+batched step), an engine that decodes ahead on its own (vLLM) decodes the rest of the stretch in its own
 loop, and the call takes the tokens from a TokenFeed as they come (cloud/token_feed.py), with
 no pass per token. The session takes them when the call commits them: its tokens, its KV's
 length and its rounds are then what one step a token would have left (each token counts as a
@@ -10,7 +10,7 @@ where only this object's own counts change."""
 
 from __future__ import annotations
 
-from cloud.engine import Engine, LiveSessions, TokenSink
+from cloud.engine import Engine, TokenSink
 from cloud.sessions import Session, SessionStore
 from cloud.token_feed import taken_part
 from shared.errors import CapacityExceeded
@@ -19,7 +19,7 @@ from shared.errors import CapacityExceeded
 class FollowedStretch:
     """The rest of one Decode stretch: `left` tokens at most, ending after a token of `stops`."""
 
-    def __init__(self, sessions: SessionStore, engine: LiveSessions, session: Session, left: int, stops: frozenset[int]) -> None:
+    def __init__(self, sessions: SessionStore, engine: Engine, session: Session, left: int, stops: frozenset[int]) -> None:
         self.sessions = sessions
         self.engine = engine
         self.session = session
@@ -37,7 +37,7 @@ class FollowedStretch:
         """(on the model worker) The stretch's rest from the session's request, its tokens going
         to `sink`; None when the engine does not decode the session on its own, or the KV for
         the rest cannot be held now (its tokens then go one step each, as they would anyway)."""
-        if not isinstance(engine, LiveSessions) or not engine.is_live(session.cache):
+        if not engine.decodes_ahead:
             return None
         try:
             sessions.reserve(left, keep=session.session_id, owner=session.owner)

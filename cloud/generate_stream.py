@@ -1,24 +1,22 @@
-"""Target-only decoding (the cloud_only baseline): one Generate call. Its first step (the
-prompt's prefill and the first token) is batched with other streams' steps and sessions'
-rounds. After it, on an engine with live sessions (vLLM) the stream follows its request,
-which decodes the rest in the engine's own loop, and reads its tokens as they come (a
-TokenFeed: no pass per token); on the other engines each token is one more step."""
+"""Target-only decoding (the cloud_only baseline): one Generate call, a session whose every
+step is a round with no drafts (its token drawn by the same rule as a Decode stretch's). Its
+first step (the prompt's prefill and the first token) is batched with other streams' steps
+and sessions' rounds. After it, on an engine that decodes ahead on its own (vLLM) the stream
+follows its session, and reads its tokens as they come (a TokenFeed: no pass per token); on
+the other engines each token is one more step."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Protocol
 
-import torch
-
 from cloud.batch_step import ForwardStep
-from cloud.engine import Engine, LiveSessions, TokenSink
-from cloud.rejection_sampler import AcceptedRound, sample_token
+from cloud.engine import Engine, StepOutcome, TokenSink
+from cloud.rejection_sampler import RoundRule
 from cloud.sessions import Session, SessionStore
 from cloud.token_feed import taken_part
 from shared.errors import InvalidRequest
 from shared.protocol import AcceptMode, GenerateChunk, GenerateRequest, SessionConfig
-from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 
 
 class SessionOpener(Protocol):
@@ -75,22 +73,20 @@ class GenerateStream:
 
     def _step(self, session: Session, block: list[int]) -> ForwardStep[GenerateChunk]:
         """A step feeding `block`: the stream reads its next token, and the rest of the stream
-        (the tokens and stops left) is what an engine with live sessions may decode in one go."""
+        (the tokens and stops left) is what an engine that decodes ahead may make in one go."""
         left, stops = self.req.max_new_tokens - self.produced, frozenset(self.req.stop_token_ids)
-        return ForwardStep(session.cache, block, 1, self, self._argmax_vocab, ahead=left, stops=stops)
+        return ForwardStep(session.cache, block, self, ahead=left, stops=stops)
 
-    @property
-    def _argmax_vocab(self) -> int:
-        return self.vocab if self.req.config.sampling.argmax_only else 0  # greedy: a token is the row's argmax
+    def rule(self) -> RoundRule:
+        """A round with no drafts: the token is the target's own draw."""
+        session = self.session
+        assert session is not None  # the first step stored it
+        config = session.config
+        return RoundRule(config.accept_mode, config.sampling, self.vocab, session.tokens, [], [], [], session.generator)
 
-    def round_logits(self, logits: torch.Tensor) -> None:
-        return None  # a target-only token: sampled here, not accepted
-
-    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> GenerateChunk:
-        """The token: sampled here from the row, or (an engine with live sessions) the one the
-        engine sampled."""
-        assert self.session is not None
-        token = accepted.outcome.next_token if accepted is not None else self._sampled(logits, self.session)
+    def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> GenerateChunk:
+        assert self.session is not None and outcome is not None  # every step reads its token
+        token = outcome.round.next_token
         self.session.tokens.append(token)
         self.opener.sessions.touch(self.session)
         self.produced += 1
@@ -101,9 +97,9 @@ class GenerateStream:
         """(on the model worker, after the first step) Whether the rest of the stream comes from
         the engine's own decoding, each token as it is made, to `sink`."""
         session = self.session
-        if session is None or self.finished or not isinstance(self.engine, LiveSessions):
+        if session is None or self.finished:
             return False
-        return self.engine.is_live(session.cache) and self.engine.follow(session.cache, len(session.tokens), sink)
+        return self.engine.follow(session.cache, len(session.tokens), sink)
 
     def take(self, tokens: list[int], step_ms: float) -> GenerateChunk:
         """Tokens a followed stream's engine decoded, as one chunk, up to the stream's end (its
@@ -113,13 +109,6 @@ class GenerateStream:
         self.produced += len(tokens)
         self.finished = stopped or self.produced == self.req.max_new_tokens
         return GenerateChunk(tokens, step_ms, self.finished)
-
-    def _sampled(self, logits: torch.Tensor, session: Session) -> int:
-        params = self.req.config.sampling
-        penalized = penalized_logits(logits, session.tokens, [], params, self.vocab)  # [1, V]
-        if params.greedy:
-            return int(penalized[0].argmax())
-        return sample_token(probs_from_logits(penalized, params)[0], session.generator)
 
     def undo(self) -> None:
         """The step in flight failed: a prefill drops the stream, a token step its KV row."""

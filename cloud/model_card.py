@@ -8,8 +8,11 @@ from __future__ import annotations
 import statistics
 import time
 
-from cloud.engine import Engine, LiveSessions, LiveStep, SessionKV
-from shared.errors import InvalidRequest
+import torch
+
+from cloud.engine import Engine, SessionStep, StepOutcome
+from cloud.rejection_sampler import RoundRule
+from shared.errors import InvalidRequest, VerifierFault
 from shared.protocol import ModelDescription, SessionConfig
 from shared.tokenizer_card import BLOCK, TokenizerCard
 
@@ -64,38 +67,26 @@ class ModelCard:
 
 
 def measure_decode_step(engine: Engine) -> float:
-    """Milliseconds of one decode step of one session on this engine: a short prefill, then the
-    median of a few single-token steps (the first passes of a model are slower: this warms it
-    too). Runs on the engine directly, before the verifier serves, and frees its KV. An engine
-    with live sessions times a greedy live session's steps (each feeding the token the last
-    one read, so each is one step of the engine's)."""
+    """Milliseconds of one decode step of one session on this engine: a short prompt and its
+    first token, then the median of a few greedy single-token steps (the first steps of a model
+    are slower: this warms it too), each feeding the token the last one drew. Runs on the engine
+    directly, before the verifier serves, and frees its KV."""
     kv = engine.new_kv()
-    live = isinstance(engine, LiveSessions) and engine.make_live(kv, SessionConfig(), engine.logits_width)
+    config = SessionConfig()
     try:
-        if live:
-            return _live_decode_step_ms(engine, kv)  # type: ignore[arg-type]  # live: a LiveSessions
-        engine.forward([kv], [[0] * WARMUP_TOKENS], [1])
+        engine.start_session(kv, config, engine.logits_width)
+        tokens = [0] * WARMUP_TOKENS
+        fed = tokens
         times = []
-        for _ in range(TIMED_STEPS):
+        for _ in range(TIMED_STEPS + 1):
             start = time.perf_counter()
-            engine.forward([kv], [[0]], [1])
+            rule = RoundRule(config.accept_mode, config.sampling, engine.logits_width, tokens, [], [], [], torch.Generator())
+            [outcome] = engine.run_steps([SessionStep(kv, fed, rule=rule)])
+            if not isinstance(outcome, StepOutcome):
+                raise outcome or VerifierFault("a decode step read no token")
             times.append((time.perf_counter() - start) * 1000.0)
-        return statistics.median(times)
+            tokens = [*tokens, outcome.round.next_token]
+            fed = tokens[-1:]
+        return statistics.median(times[1:])  # the first fed the prompt
     finally:
         engine.free(kv)
-
-
-def _live_decode_step_ms(engine: LiveSessions, kv: SessionKV) -> float:
-    def step(fed: list[int]) -> list[int]:
-        [tokens] = engine.run_live([LiveStep(kv, fed, [])])
-        if isinstance(tokens, Exception):
-            raise tokens
-        return tokens
-
-    token = step([0] * WARMUP_TOKENS)  # the prefill samples the first token
-    times = []
-    for _ in range(TIMED_STEPS):
-        start = time.perf_counter()
-        token = step(token[-1:])
-        times.append((time.perf_counter() - start) * 1000.0)
-    return statistics.median(times)

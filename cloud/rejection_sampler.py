@@ -27,7 +27,7 @@ Temperature 0 is GREEDY: accept while the draft equals the target argmax. Exact.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import groupby
 from typing import TypeVar
 
@@ -241,19 +241,38 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 @dataclass(frozen=True)
-class RoundLogits:
-    """One Verify round as its forward pass left it: the target's logits after the last
-    committed token and each draft, and what its session's settings make of them."""
+class RoundRule:
+    """How one round is accepted, before its forward pass: its session's settings, its drafts
+    and what the edge said of them. A round with no drafts draws the session's next token."""
 
     mode: AcceptMode
     sampling: SamplingParams
     vocab: int  # the session's vocabulary (the logits may be wider: padded embeddings)
-    logits: torch.Tensor  # [k + 1, V_model]
     context: Sequence[int]  # tokens before row 0's prediction (prompt + committed)
     draft_token_ids: Sequence[int]
     draft_probs: Sequence[float]  # q(y) per draft: SCALAR and SHORTCUT
     sparse_draft: Sequence[SparseDistribution]  # the draft's distributions: SPARSE
     generator: torch.Generator  # the session's own
+
+    def with_logits(self, logits: torch.Tensor) -> RoundLogits:
+        """The round as its forward pass left it, with the target's rows [k + 1, V_model]."""
+        return RoundLogits(**{f.name: getattr(self, f.name) for f in fields(RoundRule)}, logits=logits)
+
+
+@dataclass(frozen=True)
+class RoundLogits(RoundRule):
+    """One Verify round as its forward pass left it: the target's logits after the last
+    committed token and each draft, and what its session's settings make of them."""
+
+    logits: torch.Tensor  # [k + 1, V_model]
+
+
+def top_k_rows(probs: torch.Tensor, k: int) -> list[SparseDistribution]:
+    """The k most likely tokens of each row of probs [rows, V], as the wire sends them."""
+    if k <= 0:
+        return []
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    return [SparseDistribution(ids.tolist(), vals.tolist()) for ids, vals in zip(top.indices, top.values, strict=True)]
 
 
 @dataclass(frozen=True)

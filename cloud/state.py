@@ -10,7 +10,6 @@ from importlib import metadata
 
 from cloud.auth import ApiKeys, Caller
 from cloud.batcher import BatchLimits, ForwardBatcher
-from cloud.engine import LiveSessions
 from cloud.live import LiveStats
 from cloud.logs import RefusalLog
 from cloud.metrics import VerifierMetrics
@@ -176,6 +175,5 @@ class ServerState:
         self.metrics.record_evictions(store.eviction_totals())
         reused, prefilled, entries, nbytes = store.prefix_totals()
         self.metrics.record_prefixes(reused, prefilled, entries, nbytes)
-        if isinstance(self.verifier.engine, LiveSessions):
-            self.metrics.record_engine_steps(*self.verifier.engine.own_steps())
+        self.metrics.record_engine_steps(*self.verifier.engine.own_steps())
         return rows

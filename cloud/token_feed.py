@@ -1,6 +1,6 @@
 """Tokens an engine makes on its own thread, handed to the asyncio tasks that stream them.
 
-A followed Generate stream on an engine with live sessions (vLLM) reads its tokens from a
+A followed Generate stream on an engine that decodes ahead (vLLM) reads its tokens from a
 TokenFeed instead of a batcher pass per token: the engine puts each step's new tokens of
 every followed session, and the event loop is woken once for all the feeds written since it
 last looked (one wake-up a step, however many streams). A stream that falls behind takes all

@@ -17,12 +17,12 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from cloud.batch_step import NO_ROW, Batch, BatchStep, ForwardStep
-from cloud.engine import Engine, KVPlan, KVRequest, LiveSessions, TokenSink
+from cloud.batch_step import Batch, BatchStep, ForwardStep
+from cloud.engine import Engine, KVPlan, KVRequest, StepOutcome, TokenSink
 from cloud.followed_stretch import FollowedStretch
 from cloud.generate_stream import GenerateStream
 from cloud.model_card import ModelCard, measure_decode_step
-from cloud.rejection_sampler import AcceptedRound, RejectionSampler, RoundLogits
+from cloud.rejection_sampler import RoundRule
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
 from shared.protocol import (
@@ -33,7 +33,6 @@ from shared.protocol import (
     OpenSessionResult,
     RoundMetrics,
     SessionConfig,
-    SparseDistribution,
     VerifyRequest,
     VerifyResult,
 )
@@ -86,7 +85,6 @@ class Verifier:
         model_id: str,
         limits: VerifierLimits | None = None,
         dtype_reason: str = "",
-        sampler: RejectionSampler | None = None,
         tokenizer: TokenizerCard | None = None,
     ) -> None:
         self.engine = engine
@@ -106,7 +104,7 @@ class Verifier:
             note_prefixes=self.limits.reuse_prefixes and engine.caches_prefixes,
         )
         self.checks = RequestChecks(self.limits, self.model_vocab)
-        self.step = BatchStep(engine, sampler or RejectionSampler())
+        self.step = BatchStep(engine)
 
     @property
     def forward_passes(self) -> int:
@@ -143,9 +141,7 @@ class Verifier:
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         last = req.prompt_tokens[-1:]  # the first round feeds it; a live engine computes it now
         block = req.prompt_tokens[held:-1]
-        return ForwardStep(
-            session.cache, block, 1, prefill, argmax_vocab=NO_ROW, known=last, cached=self.engine_cached(owner, block)
-        )
+        return ForwardStep(session.cache, block, prefill, known=last, cached=self.engine_cached(owner, block))
 
     def begin_open_decode(
         self, req: OpenSessionRequest, session_id: str, owner: str = "", stretch: DecodeStretchStep | None = None
@@ -170,16 +166,14 @@ class Verifier:
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         block = req.prompt_tokens[held:]
         cached = self.engine_cached(owner, block)
-        return ForwardStep(session.cache, block, 1, opened, token.argmax_vocab(), 0, ahead, stops, cached=cached)
+        return ForwardStep(session.cache, block, opened, 0, ahead, stops, cached=cached)
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
         against the caps from now on. Its KV starts as a kept prefix of its key's when one holds
         the prompt's first tokens (its length says how many), else empty."""
-        live = self.engine if isinstance(self.engine, LiveSessions) else None
         vocab = self.checks.vocab(config)
-        if live is not None:  # refused before any KV is made room for
-            live.check_session(config, vocab)
+        self.engine.check_session(config, vocab)  # refused before any KV is made room for
         kept = self.sessions.take_prefix(owner, prompt)
         kv, held = kept if kept is not None else (None, 0)
         try:
@@ -189,8 +183,7 @@ class Verifier:
                 kv = self.engine.new_kv(self._prefix_scope(owner))
             else:
                 self.engine.crop(kv, held)
-            if live is not None:
-                live.make_live(kv, config, vocab)
+            self.engine.start_session(kv, config, vocab)
         except BaseException:
             if kv is not None:
                 self.engine.free(kv)
@@ -245,19 +238,7 @@ class Verifier:
         work = _Round(self.sessions, self.engine, req, session, self.checks.vocab(session.config), start, len(session.tokens))
         room = self.limits.max_context_tokens - len(session.tokens) - len(req.committed_tokens)  # the rest would be refused
         ahead, stops = _ahead(stretch, room)
-        k = len(req.draft_tokens)
-        return ForwardStep(
-            session.cache,
-            block,
-            k + 1,
-            work,
-            work.argmax_vocab(),
-            k,
-            ahead,
-            stops,
-            distributions=req.want_top_k > 0,
-            draft_q=req.sparse_draft,
-        )
+        return ForwardStep(session.cache, block, work, len(req.draft_tokens), ahead, stops, top_k=req.want_top_k)
 
     def follow_stretch(
         self, session_id: str, owner: str, left: int, stops: frozenset[int], sink: TokenSink
@@ -316,12 +297,10 @@ class _Prefill:
     opened: OpenSessionResult  # the result, but for the time it took
     start: float
 
-    def round_logits(self, logits: torch.Tensor) -> None:
+    def rule(self) -> None:
         return None
 
-    def finish(
-        self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float
-    ) -> OpenSessionResult:
+    def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> OpenSessionResult:
         return replace(self.opened, prefill_ms=_ms_since(self.start))
 
     def undo(self) -> None:
@@ -330,8 +309,8 @@ class _Prefill:
 
 @dataclass(frozen=True)
 class _Round:
-    """One Verify round after its forward pass: its input to the batched accept, then the
-    commit of the accepted prefix and the next token; undone, the cache drops the round's rows."""
+    """One Verify round: its accept rule before the engine runs it, then the commit of the
+    accepted prefix and the next token; undone, the cache drops the round's positions."""
 
     sessions: SessionStore
     engine: Engine
@@ -341,18 +320,12 @@ class _Round:
     start: float
     position: int  # the session's length when the round began
 
-    def argmax_vocab(self) -> int:
-        """The vocabulary whose argmax is all the round reads of its rows (greedy, no penalty, no
-        top-k asked), else 0: it reads the full distributions."""
-        return self.vocab if self.session.config.sampling.argmax_only and not self.req.want_top_k else 0
-
-    def round_logits(self, logits: torch.Tensor) -> RoundLogits:
+    def rule(self) -> RoundRule:
         req, config = self.req, self.session.config
-        return RoundLogits(
+        return RoundRule(
             config.accept_mode,
             config.sampling,
             self.vocab,
-            logits,
             self.session.tokens + req.committed_tokens,
             req.draft_tokens,
             req.draft_probs,
@@ -360,25 +333,24 @@ class _Round:
             self.session.generator,
         )
 
-    def finish(self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float) -> VerifyResult:
-        assert accepted is not None  # a round's step always gets its accept
-        req, session, outcome = self.req, self.session, accepted.outcome
-        session.tokens.extend([*req.committed_tokens, *req.draft_tokens[: outcome.accepted_len], outcome.next_token])
-        self.engine.crop(session.cache, len(session.tokens) - 1)
+    def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> VerifyResult:
+        assert outcome is not None  # a round reads its outcome
+        req, session, accepted = self.req, self.session, outcome.round
+        session.tokens.extend([*req.committed_tokens, *req.draft_tokens[: accepted.accepted_len], accepted.next_token])
         session.rounds += 1
         self.sessions.touch(session)
         k = len(req.draft_tokens)
         metrics = RoundMetrics(
-            alpha_mean=float(outcome.accept_probs.mean()) if k else 0.0,
-            la_over_k=outcome.accepted_len / k if k else 0.0,
+            alpha_mean=float(accepted.accept_probs.mean()) if k else 0.0,
+            la_over_k=accepted.accepted_len / k if k else 0.0,
             verify_ms=_ms_since(self.start) + queue_ms,
             queue_ms=queue_ms,
             forward_ms=forward_ms,
             hard_tokens=sum(req.hard_mask),
-            alpha_prefix=_prefix_acceptance(outcome.accept_probs, outcome.accepted_len),
+            alpha_prefix=_prefix_acceptance(accepted.accept_probs, accepted.accepted_len),
         )
-        top_k = _top_k(accepted.probs[: outcome.accepted_len + 1], req.want_top_k)
-        return VerifyResult(outcome.accepted_len, outcome.next_token, outcome.bonus, len(session.tokens), metrics, top_k)
+        new_base = len(session.tokens)
+        return VerifyResult(accepted.accepted_len, accepted.next_token, accepted.bonus, new_base, metrics, outcome.top_k)
 
     def undo(self) -> None:
         self.engine.crop(self.session.cache, self.position - 1)
@@ -392,14 +364,12 @@ class _OpenedRound:
     prefill: _Prefill
     first: _Round
 
-    def round_logits(self, logits: torch.Tensor) -> RoundLogits:
-        return self.first.round_logits(logits)
+    def rule(self) -> RoundRule:
+        return self.first.rule()
 
-    def finish(
-        self, logits: torch.Tensor, accepted: AcceptedRound | None, forward_ms: float, queue_ms: float
-    ) -> tuple[OpenSessionResult, VerifyResult]:
-        opened = self.prefill.finish(logits, accepted, forward_ms, queue_ms)
-        return opened, self.first.finish(logits, accepted, forward_ms, queue_ms)
+    def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> tuple[OpenSessionResult, VerifyResult]:
+        opened = self.prefill.finish(outcome, forward_ms, queue_ms)
+        return opened, self.first.finish(outcome, forward_ms, queue_ms)
 
     def undo(self) -> None:
         self.prefill.undo()
@@ -421,10 +391,3 @@ def _prefix_acceptance(accept_probs: torch.Tensor, accepted_len: int) -> float |
     if k == 0:
         return None
     return float(accept_probs[: min(accepted_len + 1, k)].mean())
-
-
-def _top_k(probs: torch.Tensor, k: int) -> list[SparseDistribution]:
-    if k <= 0:
-        return []
-    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-    return [SparseDistribution(ids.tolist(), vals.tolist()) for ids, vals in zip(top.indices, top.values, strict=True)]

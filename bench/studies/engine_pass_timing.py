@@ -19,11 +19,11 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from pydantic import Field
@@ -61,12 +61,19 @@ class PassTimingSettings(BaseSettings):
     }
 
 
+class PassEngine(Engine, Protocol):
+    """An engine whose passes can be timed alone: forward passes (transformers, llama.cpp), or
+    vLLM's rows of logits."""
+
+    def forward(self, kvs: Sequence[Any], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class Measured:
     """One engine as measured, and its name in the report."""
 
     name: str
-    engine: Engine
+    engine: PassEngine
 
 
 def _engines(args: PassTimingSettings, max_sessions: int) -> list[Measured]:

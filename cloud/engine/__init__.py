@@ -1,25 +1,27 @@
-"""The verifier's model behind one interface, at two levels.
+"""The verifier's model behind one interface: a batch of session steps in, per step its outcome.
 
-- Engine: a forward pass over several sessions' new tokens, each after its own KV, and that
-  KV's life (new, crop, free). cloud/batch_step.py runs the accept rule on its rows
-  (cloud/rejection_sampler.py). transformers.py runs a transformers model (`--engine
-  transformers`, the default: the reference); llamacpp.py runs the target's GGUF in
-  llama.cpp (`--engine llama.cpp`).
-- LiveSessions: an engine that also runs a session's steps itself (prefill, decode n
-  tokens, verify these drafts) and returns tokens: vllm.py (`--engine vllm`), where each
-  session is one live vLLM request that vLLM decodes and verifies in its own loop.
+A session step feeds a session's new tokens after its KV and, when it reads, accepts its drafts
+and draws its next token by the session's rule (cloud/rejection_sampler.py): a prefill, a
+Verify round, a token of a Decode stretch or a Generate stream are all one step. The engine
+also owns each session's KV (new, crop, free) and says which sessions it can verify exactly.
 
-Sessions, admission, the batcher and the wire see only these Protocols. Another engine is
-one more module that implements Engine, and one more entry in ENGINES."""
+- transformers.py (`--engine transformers`, the default: the reference) and llamacpp.py
+  (`--engine llama.cpp`) run forward passes; forward_steps.py turns their one pass over a
+  batch into its steps' outcomes (forward -> the batched accept -> each KV cropped).
+- vllm.py (`--engine vllm`) runs each session as one live vLLM request, which verifies its
+  drafts with vLLM's own rejection sampler and may decode ahead of the session on its own
+  (a stream follows it); vllm_process.py runs the same engine in a child process.
+
+Sessions, admission, the batcher and the wire see only this Protocol. Another engine is one
+more module that implements Engine, and one more entry in ENGINES."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
-import torch
-
+from cloud.rejection_sampler import RoundOutcome, RoundRule
 from shared.protocol import SessionConfig, SparseDistribution
 
 EngineName = Literal["transformers", "llama.cpp", "vllm"]
@@ -52,8 +54,54 @@ class KVPlan:
     session_bytes: int = 0  # > 0: each session holds this many bytes whatever its length (a slot)
 
 
+@dataclass(frozen=True)
+class SessionStep:
+    """One session's share of a batch: the session takes `fed` as given after its KV (its last
+    token, tokens it caught up on, or a prompt), then `drafts` are verified and its next token
+    drawn by `rule` (a step with no rule reads nothing: a prefill). The last `known` tokens of
+    `fed` are tokens the session holds but its KV does not count yet (a prefill's last prompt
+    token, which the first round feeds): an engine may compute them now or later, and the KV
+    grows by the rest. `ahead` is how many tokens the session reads from this step on without
+    drafts (a Generate stream, a Decode stretch), stopping at a token of `stops`: an engine
+    that decodes on its own may make them in one go for the session's next steps. `top_k`:
+    the target's most likely tokens the step returns at each row up to its next token."""
+
+    kv: SessionKV
+    fed: list[int]
+    drafts: list[int] = field(default_factory=list)
+    rule: RoundRule | None = None
+    known: int = 0
+    ahead: int = 1
+    stops: frozenset[int] = frozenset()
+    top_k: int = 0
+
+    @property
+    def grows_by(self) -> int:
+        """Positions the step computes before its drafts (fed but for the known tokens)."""
+        return len(self.fed) - self.known
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a step that reads yields: its accepted drafts and next token (`round`; an engine
+    that reports no p/q gives each draft's acceptance as the 1 or 0 it was) and the top-k rows
+    it asked for."""
+
+    round: RoundOutcome
+    top_k: list[SparseDistribution] = field(default_factory=list)
+
+
+class TokenSink(Protocol):
+    """Where a followed session's tokens go as the engine makes them, from the engine's own
+    thread (cloud/token_feed.py)."""
+
+    def put(self, tokens: list[int], step_ms: float) -> None: ...
+
+    def fail(self, error: Exception) -> None: ...
+
+
 class Engine(Protocol):
-    """The target model as the verifier drives it. Logits come back as float32 on the CPU."""
+    """The target model as the verifier drives it."""
 
     name: EngineName
     logits_width: int  # rows of the output layer (may exceed the tokenizer's vocabulary)
@@ -63,6 +111,9 @@ class Engine(Protocol):
     # from it within their scope (vLLM's prefix cache); False: the verifier keeps closed
     # sessions' KV for reuse (cloud/prefix_cache.py)
     caches_prefixes: bool
+    # True: a session may decode past its step in the engine's own loop, and a stream can
+    # follow those tokens (follow); False: each token is a step
+    decodes_ahead: bool
 
     def plan_kv(self, request: KVRequest) -> KVPlan:
         """Hold the KV for these limits (a pool, when the layout has one); called once, first."""
@@ -83,90 +134,22 @@ class Engine(Protocol):
         """Keep the first `length` positions (no-op when already shorter)."""
         ...
 
-    def forward(
-        self,
-        kvs: Sequence[SessionKV],
-        blocks: Sequence[Sequence[int]],
-        keeps: Sequence[int],
-        argmax_vocab: Sequence[int] = (),
-    ) -> list[torch.Tensor]:
-        """ONE pass: each block after its KV (which gains the block's KV); per block its last
-        keeps[i] rows of logits [keep, logits_width] (all rows when 0). A pass that raises leaves
-        every KV as it was. A long prompt comes in several calls (chunked prefill), each block
-        after the KV the previous calls left. argmax_vocab[i] > 0: the caller reads only each
-        row's argmax among the first argmax_vocab[i] ids, so the engine may return rows that
-        hold just enough of the largest logits for that (the rest -inf); 0: full rows."""
-        ...
-
-    def describe(self) -> dict[str, str]:
-        """What /healthz reports of it: the engine, its dtype and device."""
-        ...
-
-    def failure(self) -> str | None:
-        """Why the engine can run no more passes (its own processes died), or None."""
-        ...
-
-    def close(self) -> None:
-        """Release what outlives the process's memory (vLLM's processes); after the last pass."""
-        ...
-
-
-@dataclass(frozen=True)
-class LiveStep:
-    """One session's step as an engine with live sessions takes it: the session takes `fed` as
-    given after its KV (its last token, tokens it caught up on, or a prompt), then `drafts` are
-    verified. A step that `reads` yields tokens: the accepted drafts and one more (the
-    correction, or the bonus when all pass); a prefill reads nothing. `ahead` is how many
-    tokens the session reads from this step on without drafts (a Generate stream, a Decode
-    stretch): the engine may decode them on its own in one go, stopping at a token of `stops`,
-    for the session's next steps to read. The last `known` tokens of `fed` are tokens the
-    session holds but its KV does not count yet (a prefill's last prompt token, which the first
-    round feeds): the engine may compute them now, and the session's length grows by the rest.
-    `draft_q` is the edge's distribution over each draft (a sparse round); none: each draft is
-    a point, q = 1."""
-
-    kv: SessionKV
-    fed: list[int]
-    drafts: list[int]
-    reads: bool = True
-    ahead: int = 1
-    stops: frozenset[int] = frozenset()
-    known: int = 0
-    draft_q: Sequence[SparseDistribution] = ()
-
-
-class TokenSink(Protocol):
-    """Where a followed live session's tokens go as the engine makes them, from the engine's
-    own thread (cloud/token_feed.py)."""
-
-    def put(self, tokens: list[int], step_ms: float) -> None: ...
-
-    def fail(self, error: Exception) -> None: ...
-
-
-@runtime_checkable
-class LiveSessions(Protocol):
-    """An engine that runs each session as one live request of its own (vLLM): it verifies a
-    round's drafts with its own rejection sampler and decodes in its own loop, so a step
-    returns tokens instead of rows of logits. Only sessions whose accept mode and sampling it
-    verifies exactly are opened (check_session refuses the others), and each goes live."""
-
     def check_session(self, config: SessionConfig, vocab: int) -> None:
         """Raise SessionRefused (shared/errors.py) for a session the engine cannot verify exactly
         (an accept mode it has no exact rule for, settings or a vocabulary it cannot sample
         with), naming the engine and what it refused; before anything is held for it."""
         ...
 
-    def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
-        """Whether kv's steps run live (before its first step): `config` says how its tokens
-        are sampled and accepted, `vocab` the ids they may take."""
+    def start_session(self, kv: SessionKV, config: SessionConfig, vocab: int) -> None:
+        """kv is a session's, sampled and accepted as `config` says within `vocab` ids (before
+        its first step)."""
         ...
 
-    def is_live(self, kv: SessionKV) -> bool: ...
-
-    def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]:
-        """Every step at once (the engine batches them in its own steps): per step the tokens
-        it yields, or what failed it alone. A failure of the engine itself raises."""
+    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
+        """Every step at once: per step its outcome (None for a step that reads nothing), or what
+        failed it alone (its KV as it was). Each KV then holds the step's fed tokens and its
+        accepted drafts, not its next token (the session's next step feeds it). A failure of
+        the engine itself raises, and leaves every KV as it was."""
         ...
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
@@ -177,8 +160,7 @@ class LiveSessions(Protocol):
 
     def unfollow(self, kv: SessionKV) -> None:
         """No more of kv's tokens go to the sink it followed with, and kv's session stops
-        decoding on its own: its stream ended, or stopped reading. What it decoded past the
-        stream's tokens stays for the session's next steps."""
+        decoding on its own. What it decoded past the stream's tokens stays for its next steps."""
         ...
 
     def extend(self, kv: SessionKV, tokens: list[int]) -> None:
@@ -187,12 +169,18 @@ class LiveSessions(Protocol):
         ...
 
     def own_steps(self) -> tuple[int, float]:
-        """The steps the engine ran so far (for passes and for followed streams alike) and the
-        seconds they took."""
+        """The steps the engine ran in its own loop so far and the seconds they took (0 for an
+        engine whose every pass is a batch's)."""
         ...
 
-    def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
-        """The target's last `keep` rows of logits [keep, logits_width] for `block` after the
-        first `length` tokens of kv's session, leaving kv as it is (a round that asks for the
-        target's distributions, which a live step does not return)."""
+    def describe(self) -> dict[str, str]:
+        """What /healthz reports of it: the engine, its dtype and device."""
+        ...
+
+    def failure(self) -> str | None:
+        """Why the engine can run no more steps (its own processes died), or None."""
+        ...
+
+    def close(self) -> None:
+        """Release what outlives the process's memory (vLLM's processes); after the last step."""
         ...

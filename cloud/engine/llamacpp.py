@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV
+from cloud.engine.forward_steps import ForwardEngine
 from shared import llamacpp
 from shared.errors import CapacityExceeded, ConfigError, VerifierFault
 
@@ -39,12 +40,11 @@ class LlamaCppKV:
         return self.length
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(ForwardEngine):
     """A GGUF target; its context (one sequence per session) is made by plan_kv for the
     verifier's limits."""
 
     name: EngineName = "llama.cpp"
-    caches_prefixes = False
 
     def __init__(self, gguf: str | Path, *, threads: int = 0, batch_tokens: int = 2048) -> None:
         self.api = llama = llamacpp.api("--engine llama.cpp")
@@ -131,7 +131,6 @@ class LlamaCppEngine:
         kvs: Sequence[SessionKV],
         blocks: Sequence[Sequence[int]],
         keeps: Sequence[int],
-        argmax_vocab: Sequence[int] = (),  # full rows are as cheap here
     ) -> list[torch.Tensor]:
         """Feed each block after its KV in one pass; per block, the last keeps[i] rows of
         float32 logits [keep, V] (all rows when 0). On failure every KV is as it was."""

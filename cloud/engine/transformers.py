@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV
+from cloud.engine.forward_steps import ForwardEngine
 from cloud.engine.kv_slots import SlotKV, SlotPool, forward_slots
 from shared import lm
 from shared.errors import ConfigError
@@ -18,11 +19,10 @@ from shared.errors import ConfigError
 KVCache = DynamicCache | SlotKV  # a session's own cache, or its slot of a pool (cloud/engine/kv_slots.py)
 
 
-class TransformersEngine:
+class TransformersEngine(ForwardEngine):
     """A transformers causal LM (full attention) and its sessions' KV, packed or in slots."""
 
     name: EngineName = "transformers"
-    caches_prefixes = False
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
@@ -68,7 +68,6 @@ class TransformersEngine:
         kvs: Sequence[SessionKV],
         blocks: Sequence[Sequence[int]],
         keeps: Sequence[int],
-        argmax_vocab: Sequence[int] = (),  # full rows are as cheap here
     ) -> list[torch.Tensor]:
         return forward_packed(self.model, [_own(kv) for kv in kvs], blocks, keeps)
 

@@ -1,8 +1,8 @@
 """The vLLM engine: the target in vLLM (`--engine vllm`), which owns the KV as paged,
 prefix-cached blocks and batches every request of a step itself.
 
-A session is ONE live vLLM request for its whole life (LiveSessions in cloud/engine/__init__.py,
-the scheduler in cloud/engine/vllm_scheduler.py). Its prefill is the request's prompt; a
+A session is ONE live vLLM request for its whole life (the scheduler in
+cloud/engine/vllm_scheduler.py); a session step (cloud/engine/__init__.py) is a step of it. Its prefill is the request's prompt; a
 Verify round puts the edge's drafts on it as speculative tokens for one step, verified by
 vLLM's rejection sampler: greedy drafts by the argmax, point drafts as q = 1, sparse drafts
 with the edge's distribution over each handed to the sampler as its draft probabilities. A
@@ -19,7 +19,8 @@ the whole blocks of it. A session vLLM cannot verify exactly (an approximate acc
 vocabulary narrower than the model's that vLLM cannot mask) is refused when it opens.
 
 Rows of logits (the target's top-k a round asks for, `want_top_k`) come from requests of their
-own after the round's live step: one request per row, for the session's tokens up to it,
+own after the round's live step, processed by the session's rule as the reference accept
+processes them: one request per row, for the session's tokens up to it,
 under its cache salt (vLLM's prefix cache serves the whole blocks it already holds), asking
 for the raw logit of every token of the row it samples: the model's own logits, at the price
 of one request (a full sort of the vocabulary and its transfer) per row.
@@ -36,15 +37,16 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV, TokenSink
+from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV, SessionStep, StepOutcome, TokenSink
 from cloud.engine.vllm_runtime import MAX_STALLED_STEPS, STALLED_RETRY_MS, LiveRequest, VllmRuntime
+from cloud.rejection_sampler import RejectionSampler, RoundOutcome, top_k_rows
 from shared import lm
 from shared.errors import CapacityExceeded, ConfigError, SessionRefused, VerifierFault
-from shared.protocol import SessionConfig
+from shared.protocol import SessionConfig, SparseDistribution
 from shared.token_ids import shared_prefix
 
 log = logging.getLogger("cloud-verifier")
@@ -89,6 +91,78 @@ def _delta() -> Any:
     return RequestOutputKind.DELTA  # each output carries the step's new tokens only
 
 
+@dataclass(frozen=True)
+class LiveStep:
+    """A session step as the live request takes it (what crosses to the engine process): the
+    session takes `fed` as given after its tokens, then `drafts` are verified, each a point
+    (q = 1) or, with `draft_q`, drawn from the edge's q over it. A step that `reads` yields
+    the accepted drafts and one more token; the rest is SessionStep's."""
+
+    kv: Any  # the session's VllmKV (its id on the way to the engine process)
+    fed: list[int]
+    drafts: list[int]
+    reads: bool = True
+    ahead: int = 1
+    stops: frozenset[int] = frozenset()
+    known: int = 0
+    draft_q: Sequence[SparseDistribution] = ()
+
+    @classmethod
+    def of(cls, step: SessionStep) -> LiveStep:
+        rule = step.rule
+        draft_q = rule.sparse_draft if rule is not None else ()
+        return cls(step.kv, step.fed, step.drafts, rule is not None, step.ahead, step.stops, step.known, draft_q)
+
+
+class LiveRuns(Protocol):
+    """An engine whose sessions are live requests: VllmEngine, or the same in a child process."""
+
+    def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]: ...
+
+    def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor: ...
+
+    def crop(self, kv: SessionKV, length: int) -> None: ...
+
+
+def steps_as_live(engine: LiveRuns, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
+    """Session steps as live requests' steps: each one's tokens become its outcome, and its KV
+    is cropped to the drafts it accepted."""
+    lengths = [step.kv.get_seq_length() for step in steps]
+    produced = engine.run_live([LiveStep.of(step) for step in steps])
+    outcomes: list[StepOutcome | None | Exception] = []
+    for step, tokens, length in zip(steps, produced, lengths, strict=True):
+        try:
+            if isinstance(tokens, Exception):
+                raise tokens
+            outcomes.append(_live_outcome(engine, step, tokens, length))
+        except Exception as err:  # this step alone fails
+            outcomes.append(err)
+    return outcomes
+
+
+def _live_outcome(engine: LiveRuns, step: SessionStep, tokens: list[int], length: int) -> StepOutcome | None:
+    """A step's tokens as its outcome (each draft's acceptance as the 1 or 0 it was: vLLM
+    reports no p/q); a step that reads nothing has none."""
+    if step.rule is None:
+        return None
+    drafts, accepted = len(step.drafts), len(tokens) - 1
+    top_k = _top_k(engine, step, length, accepted) if step.top_k else []
+    engine.crop(step.kv, length + step.grows_by + accepted)
+    passed = torch.tensor([1.0] * accepted + [0.0] * (drafts - accepted))
+    return StepOutcome(RoundOutcome(accepted, tokens[-1], accepted == drafts, passed), top_k)
+
+
+def _top_k(engine: LiveRuns, step: SessionStep, length: int, accepted: int) -> list[SparseDistribution]:
+    """The top-k rows a step asked for: its rows from requests of their own, processed by its
+    rule as the reference accept would process them."""
+    assert step.rule is not None  # only a step that reads asks
+    rows = engine.rows(step.kv, length, step.fed[: step.grows_by] + step.drafts, len(step.drafts) + 1)
+    [probs] = RejectionSampler().distributions([step.rule.with_logits(rows)])
+    if isinstance(probs, Exception):
+        raise probs
+    return top_k_rows(probs[: accepted + 1], step.top_k)
+
+
 @dataclass
 class VllmKV:
     """One session as vLLM serves it: its tokens (those whose KV a step computed), the salt
@@ -128,6 +202,7 @@ class VllmEngine:
 
     name: EngineName = "vllm"
     caches_prefixes = True  # its prefix cache, salted by each session's scope
+    decodes_ahead = True
 
     def __init__(self, runtime: VllmRuntime, owns_runtime: bool = True) -> None:
         config = runtime.llm.model_config
@@ -201,12 +276,11 @@ class VllmEngine:
     def check_session(self, config: SessionConfig, vocab: int) -> None:
         self._sampling(config, vocab)
 
-    def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
+    def start_session(self, kv: SessionKV, config: SessionConfig, vocab: int) -> None:
         """Every session is live: vLLM's rejection sampler verifies its rounds exactly (greedy,
         point drafts as q = 1, sparse drafts with the edge's q as its draft probabilities)."""
         own = _own(kv)
         own.params, own.seed = self._sampling(config, vocab), config.seed
-        return True
 
     def _sampling(self, config: SessionConfig, vocab: int) -> Any:
         """vLLM's sampling of a session; SessionRefused for one it cannot verify exactly (an
@@ -236,8 +310,8 @@ class VllmEngine:
             raise SessionRefused(f"the vllm engine cannot sample this session: {str(err)[:200]}") from err
         return params
 
-    def is_live(self, kv: SessionKV) -> bool:
-        return _own(kv).params is not None
+    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
+        return steps_as_live(self, steps)
 
     def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]:
         """Each step advanced as far as the tokens its request holds decide it; vLLM steps while
@@ -378,10 +452,9 @@ class VllmEngine:
         kvs: Sequence[SessionKV],
         blocks: Sequence[Sequence[int]],
         keeps: Sequence[int],
-        argmax_vocab: Sequence[int] = (),
     ) -> list[torch.Tensor]:
         """Every block's rows as requests in flight together: per block its last keeps[i] rows
-        [keep, V] (all rows when 0), full rows whatever `argmax_vocab` allows. A session's tokens
+        [keep, V] (all rows when 0). A session's tokens
         grow only when the whole pass succeeded. (Sessions run live: this serves `rows`.)"""
         caches = [_own(kv) for kv in kvs]
         steps = [(kv.tokens + list(block), keep or len(block)) for kv, block, keep in zip(caches, blocks, keeps, strict=True)]

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cloud.engine import EngineName, KVPlan, KVRequest, LiveStep, SessionKV, TokenSink
+from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV, SessionStep, StepOutcome, TokenSink
+from cloud.engine.vllm import LiveStep, steps_as_live
 from shared.errors import ConfigError, VerifierFault
 from shared.protocol import SessionConfig
 
@@ -45,7 +46,6 @@ class KVHandle:
 
     kv_id: int
     length: int = 0
-    live: bool = False
     scope: str = ""  # whose cached prefixes it may share (Engine.new_kv)
     follow_id: int = 0  # the follow its tokens come back under (0: none)
 
@@ -54,10 +54,11 @@ class KVHandle:
 
 
 class ProcessEngine:
-    """Engine and LiveSessions, answered by a VllmEngine in a child process."""
+    """The Engine, answered by a VllmEngine in a child process."""
 
     name: EngineName = "vllm"
     caches_prefixes = True
+    decodes_ahead = True
 
     def __init__(self, options: VllmOptions) -> None:
         context = multiprocessing.get_context("spawn")  # CUDA and vLLM's threads: never forked
@@ -176,16 +177,6 @@ class ProcessEngine:
             handle.length = length
             self._crops[handle.kv_id] = length
 
-    def forward(
-        self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int], argmax_vocab: Sequence[int] = ()
-    ) -> list[torch.Tensor]:
-        handles = [_handle(kv) for kv in kvs]
-        rows, lengths = self._call(
-            "forward", [h.kv_id for h in handles], [list(b) for b in blocks], list(keeps), list(argmax_vocab)
-        )
-        _set_lengths(handles, lengths)
-        return rows  # type: ignore[no-any-return]
-
     def describe(self) -> dict[str, str]:
         return dict(self._description)
 
@@ -209,18 +200,17 @@ class ProcessEngine:
             self._process.kill()
         self._calls.close()
 
-    # ---- LiveSessions --------------------------------------------------------------------------
+    # ---- sessions and their steps --------------------------------------------------------------
 
     def check_session(self, config: SessionConfig, vocab: int) -> None:
         self._call("check_session", config, vocab)
 
-    def make_live(self, kv: SessionKV, config: SessionConfig, vocab: int) -> bool:
+    def start_session(self, kv: SessionKV, config: SessionConfig, vocab: int) -> None:
         handle = _handle(kv)
-        handle.live = bool(self._call("make_live", handle.kv_id, config, vocab, handle.scope))
-        return handle.live
+        self._call("start_session", handle.kv_id, config, vocab, handle.scope)
 
-    def is_live(self, kv: SessionKV) -> bool:
-        return _handle(kv).live
+    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
+        return steps_as_live(self, steps)
 
     def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]:
         handles = [_handle(step.kv) for step in steps]
@@ -349,11 +339,10 @@ class _Child:
             "free": self.free,
             "extend": self.extend,
             "check_session": engine.check_session,
-            "make_live": lambda kv_id, config, vocab, scope: engine.make_live(self.kv(kv_id, scope), config, vocab),
+            "start_session": lambda kv_id, config, vocab, scope: engine.start_session(self.kv(kv_id, scope), config, vocab),
             "follow": lambda kv_id, position, follow_id: engine.follow(self.kv(kv_id), position, self.outbox.sink(follow_id)),
             "unfollow": lambda kv_id: engine.unfollow(self.kv(kv_id)),
             "rows": lambda kv_id, length, block, keep: engine.rows(self.kv(kv_id), length, block, keep),
-            "forward": self.forward,
             "run_live": self.run_live,
         }
 
@@ -371,11 +360,6 @@ class _Child:
         kv = self.kvs.pop(kv_id, None)
         if kv is not None:
             self.engine.free(kv)
-
-    def forward(self, ids: list[int], blocks: list[list[int]], keeps: list[int], vocabs: list[int]) -> tuple[Any, list[int]]:
-        kvs = [self.kv(kv_id) for kv_id in ids]
-        rows = self.engine.forward(kvs, blocks, keeps, vocabs)
-        return rows, [kv.get_seq_length() for kv in kvs]
 
     def run_live(self, steps: list[LiveStep]) -> tuple[Any, list[int]]:
         kvs = [self.kv(step.kv) for step in steps]  # type: ignore[arg-type]  # the ids the verifier sent

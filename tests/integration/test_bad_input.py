@@ -165,8 +165,9 @@ def test_a_step_that_fails_after_the_forward_fails_alone(forward_pass_engine: Ta
         return reply.accepted_len, reply.next_token, reply.new_base_position
 
     async def run() -> None:
-        sampler = BrokenForOne()
-        verifier = sampler.verifier = Verifier(forward_pass_engine(), "tiny", sampler=sampler)
+        sampler, engine = BrokenForOne(), forward_pass_engine()
+        engine.sampler = sampler  # the engine's accept: a forward-pass engine's own
+        verifier = sampler.verifier = Verifier(engine, "tiny")
         server, port = create_server(ServerState.for_verifier(verifier), "127.0.0.1:0")
         await server.start()
         stub = pb_grpc.VerifierStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))

@@ -200,11 +200,11 @@ def test_a_store_whose_engine_caches_prefixes_notes_closed_sessions_and_frees_th
 
 
 def test_a_chunked_prefill_feeds_what_the_engines_cache_serves_in_its_first_pass() -> None:
-    step = ForwardStep(FakeKV(0), list(range(1000)), 1, _NoWork(), cached=600)
+    step = ForwardStep(FakeKV(0), list(range(1000)), _NoWork(), cached=600)
     parts = step.split(256)
     assert parts is not None
     head, rest = parts
     assert len(head.block) == 856 and rest.block == list(range(856, 1000)) and rest.cached == 0
-    assert ForwardStep(FakeKV(0), list(range(800)), 1, _NoWork(), cached=600).split(256) is None  # one pass
-    head, rest = ForwardStep(FakeKV(0), list(range(1000)), 1, _NoWork()).split(256)  # type: ignore[misc]
+    assert ForwardStep(FakeKV(0), list(range(800)), _NoWork(), cached=600).split(256) is None  # one pass
+    head, rest = ForwardStep(FakeKV(0), list(range(1000)), _NoWork()).split(256)  # type: ignore[misc]
     assert len(head.block) == 256

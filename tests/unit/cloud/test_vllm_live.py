@@ -319,7 +319,7 @@ def test_a_narrower_vocabulary_is_masked_as_one_span_in_rounds_and_padded_steps(
 def test_every_exact_sampling_session_goes_live(verifier: Verifier, mode: AcceptMode) -> None:
     config = SessionConfig(SamplingParams(temperature=0.8), seed=1, accept_mode=mode, vocab_size=VOCAB)
     session_id, _ = _open(verifier, _tokens(7, 20), config)
-    assert _kv(verifier, session_id).live is not None and _engine(verifier).is_live(_kv(verifier, session_id))
+    assert _kv(verifier, session_id).live is not None
     verifier.close_session(session_id)
 
 
