@@ -129,6 +129,7 @@ def vllm_options(settings: VerifierSettings, folder: str, dtype: str, cuda: bool
         enforce_eager=settings.enforce_eager,
         load_format=settings.load_format,
         max_draft_tokens=max(settings.max_draft_tokens, 1),  # vLLM's speculative tokens a step
+        max_top_k=settings.limits().max_top_k,  # the top-k a round may ask for: vLLM's logprobs
         pad_decode=settings.pad_decode_steps,
         cpu_threads=settings.threads,
         async_scheduling=settings.vllm_async_scheduling,

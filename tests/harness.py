@@ -12,11 +12,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from cloud.engine import Engine, EngineName, KVRequest
+from cloud.engine import Engine, EngineName, KVRequest, SessionStep, StepOutcome
 from cloud.engine.llamacpp import LlamaCppEngine
 from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
 from cloud.model_card import measure_decode_step
+from cloud.rejection_sampler import RoundRule
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.drafter import Drafter, DrafterConfig, DraftLM
@@ -78,16 +79,21 @@ class TargetEngine:
         return checkpoint, ()
 
     def greedy_continuation(self, prompt: list[int], n: int) -> list[int]:
-        """The engine's own greedy tokens after prompt, one forward per token, without a verifier
+        """The engine's own greedy tokens after prompt, one step per token, without a verifier
         (on transformers: through shared.lm, as tests.ops computes it)."""
         if self.gguf is None and self.folder is None:
             return greedy_continuation(self.model, prompt, n)
         engine = self()
         context = len(prompt) + n
         engine.plan_kv(KVRequest("packed", max_sessions=1, max_kv_bytes=1 << 30, max_context_tokens=context, slot_tokens=0))
-        kv, tokens, feed = engine.new_kv(), [], list(prompt)
+        kv, tokens, feed, config = engine.new_kv(), [], list(prompt), SessionConfig()
+        engine.start_session(kv, config, engine.logits_width)
         for _ in range(n):
-            tokens.append(int(engine.forward([kv], [feed], [1])[0][-1].argmax()))
+            context = [*prompt, *tokens]
+            rule = RoundRule(config.accept_mode, config.sampling, engine.logits_width, context, [], [], [], torch.Generator())
+            [outcome] = engine.run_steps([SessionStep(kv, feed, rule=rule)])
+            assert isinstance(outcome, StepOutcome), outcome
+            tokens.append(outcome.round.next_token)
             feed = [tokens[-1]]
         engine.free(kv)
         return tokens

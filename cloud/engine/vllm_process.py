@@ -26,10 +26,8 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV, SessionStep, StepOutcome, TokenSink
-from cloud.engine.vllm import LiveStep, steps_as_live
+from cloud.engine.vllm import LiveStep, LiveYield, steps_as_live
 from shared.errors import ConfigError, VerifierFault
 from shared.protocol import SessionConfig
 
@@ -212,7 +210,7 @@ class ProcessEngine:
     def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
         return steps_as_live(self, steps)
 
-    def run_live(self, steps: Sequence[LiveStep]) -> list[list[int] | Exception]:
+    def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | Exception]:
         handles = [_handle(step.kv) for step in steps]
         sent = [replace(step, kv=handle.kv_id) for step, handle in zip(steps, handles, strict=True)]  # type: ignore[arg-type]
         results, lengths = self._call("run_live", sent)
@@ -242,9 +240,6 @@ class ProcessEngine:
         """As of the child's last answer or tokens: read by /metrics on the event loop, which
         never waits for the pipe (a long prefill may hold it)."""
         return self._steps
-
-    def rows(self, kv: SessionKV, length: int, block: list[int], keep: int) -> torch.Tensor:
-        return self._call("rows", _handle(kv).kv_id, length, block, keep)  # type: ignore[no-any-return]
 
 
 def _handle(kv: SessionKV) -> KVHandle:
@@ -342,7 +337,6 @@ class _Child:
             "start_session": lambda kv_id, config, vocab, scope: engine.start_session(self.kv(kv_id, scope), config, vocab),
             "follow": lambda kv_id, position, follow_id: engine.follow(self.kv(kv_id), position, self.outbox.sink(follow_id)),
             "unfollow": lambda kv_id: engine.unfollow(self.kv(kv_id)),
-            "rows": lambda kv_id, length, block, keep: engine.rows(self.kv(kv_id), length, block, keep),
             "run_live": self.run_live,
         }
 

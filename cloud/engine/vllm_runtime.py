@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -21,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -59,6 +60,7 @@ class VllmOptions:
     seed: int = 0
     load_format: str = "auto"  # dummy: vLLM's random weights in the folder's shapes (capacity measurements)
     max_draft_tokens: int = 16  # drafts a round may verify (vLLM's speculative tokens per step)
+    max_top_k: int = 16  # the target's most likely tokens a round may ask for at each row
     pad_decode: bool = True  # steps of requests decoding on their own padded to K drafts, for vLLM's full CUDA graph
     pad_limit: int = 0  # the most tokens such a step may have (0: vLLM's largest CUDA graph)
     cpu_threads: int = 0  # on a CPU, the threads vLLM's model runs on (0: the cores this process may use)
@@ -67,8 +69,8 @@ class VllmOptions:
 
 
 class VllmRuntime:
-    """One vLLM engine (its engine core, in this process) and its requests: the live sessions'
-    and the requests of one pass at a time. vLLM runs on one thread of its own, as in its own
+    """One vLLM engine (its engine core, in this process) and its requests: the live sessions'.
+    vLLM runs on one thread of its own, as in its own
     engine-core process (its CPU kernels read per-thread OpenMP settings it makes when it
     starts): every call into it goes through `call`, which also makes callers from several
     threads (engines sharing it in tests) take turns. While a stream follows a live request
@@ -104,8 +106,6 @@ class VllmRuntime:
         self.device = "cpu" if cpu else "cuda"
         self.cpu_threads = self.call(torch.get_num_threads) if cpu else 0  # what vLLM's CPU kernels run on
         self._ids = itertools.count()
-        self._pending: set[str] = set()  # requests of the pass in flight
-        self._done: dict[str, Any] = {}  # their outputs, until the pass takes them
         self._live: dict[str, LiveRequest] = {}  # live requests by vLLM's id of them
         self._followed: dict[str, LiveRequest] = {}  # live requests whose tokens go to a sink, by vLLM's id
         self._pumping = False  # a pump step is queued on vLLM's thread
@@ -134,36 +134,6 @@ class VllmRuntime:
     def steps_taken(self) -> tuple[int, float]:
         """The steps vLLM ran so far, and the seconds they took."""
         return self.steps, self.step_seconds
-
-    def run(self, requests: Sequence[tuple[list[int], str, Any]]) -> list[Any]:
-        """Each (prompt tokens, cache salt, SamplingParams) as one request, all in flight
-        together, until each has finished; their outputs in order. On failure none of them
-        is left running."""
-        return self.call(self._run, requests)
-
-    def _run(self, requests: Sequence[tuple[list[int], str, Any]]) -> list[Any]:
-        from vllm import TokensPrompt
-
-        ids = [f"r{next(self._ids)}" for _ in requests]
-        try:
-            for request_id, (prompt, salt, params) in zip(ids, requests, strict=True):
-                self._pending.add(request_id)
-                self.llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params)
-            while any(i in self._pending for i in ids):
-                self.step()
-        except Exception as err:
-            self._forget(ids)
-            raise VerifierFault(f"vLLM could not run the pass ({type(err).__name__})") from err
-        except BaseException:
-            self._forget(ids)
-            raise
-        return [self._done.pop(i) for i in ids]
-
-    def _forget(self, ids: list[str]) -> None:
-        """A failed pass's requests: the running ones aborted, the finished ones' outputs dropped."""
-        self._abort([i for i in ids if i in self._pending])
-        for request_id in ids:
-            self._done.pop(request_id, None)
 
     # ---- live requests (on vLLM's thread) ----------------------------------------------------
 
@@ -282,7 +252,7 @@ class VllmRuntime:
         start = time.perf_counter()
         self._caught.last = None
         try:
-            outputs = self.llm.step()  # the passes' requests; the live ones' come as the engine core gave them
+            self.llm.step()  # the live requests' outputs come as the engine core gave them (_hand_out)
         except Exception as err:
             self._failed = f"vLLM's engine failed in a step ({type(err).__name__}: {str(err)[:200]})"
             for followed in list(self._followed.values()):
@@ -291,10 +261,6 @@ class VllmRuntime:
         step_ms = (time.perf_counter() - start) * 1000.0
         self.step_seconds += step_ms / 1000.0
         self._hand_out(step_ms)
-        for output in outputs:
-            if output.finished and output.request_id in self._pending:
-                self._pending.discard(output.request_id)
-                self._done[output.request_id] = output
 
     def _hand_out(self, step_ms: float) -> None:
         """The live requests' new tokens of the step: to their tokens, and to the sinks of those
@@ -305,18 +271,12 @@ class VllmRuntime:
                 continue
             new = list(output.new_token_ids)  # one token, or more where drafts passed
             live.tokens.extend(new)
+            live.top.extend(_top_rows(output.new_logprobs, len(new)))
             live.ended = output.finished
             if live.sink is not None:
                 live.sink.put(new, step_ms)
             if live.ended:
                 self.unfollow(live)
-
-    def _abort(self, ids: list[str]) -> None:
-        self._pending.difference_update(ids)
-        try:
-            self.llm.abort_request(ids)
-        except Exception:
-            log.exception("vLLM could not abort requests")
 
     def kv_tokens(self) -> int:
         """The tokens of KV vLLM allocated."""
@@ -364,7 +324,8 @@ def _positions(folder: str) -> int:
 
 def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
     """vLLM's engine arguments for the verifier: live sessions (its scheduler), the edge's
-    drafts (a proposer of none), prefix caching, full rows of raw logits for the forward path."""
+    drafts (a proposer of none), prefix caching, and the top-k of each sampled row as the
+    sampler processed it (temperature, top-k, top-p, penalties) for a session that asks."""
     from vllm.engine.arg_utils import EngineArgs
 
     from cloud.engine.vllm_patches import NoDrafts
@@ -376,7 +337,7 @@ def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
         dtype=options.dtype,
         seed=options.seed,
         max_model_len=max_model_len,
-        max_num_seqs=min(max(options.max_sessions, 1) * 2, 1024),  # live sessions, and a pass's requests
+        max_num_seqs=min(max(options.max_sessions, 1) * 2, 1024),  # live sessions, and those ending and starting
         block_size=options.block_size or (CPU_BLOCK if cpu else None),
         enable_prefix_caching=True,
         tensor_parallel_size=options.tensor_parallel_size,
@@ -384,8 +345,8 @@ def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
         kv_cache_memory_bytes=(options.max_kv_bytes // options.tensor_parallel_size) or None,  # per GPU
         enforce_eager=options.enforce_eager,
         load_format=options.load_format,
-        max_logprobs=-1,  # full rows: every token's raw logit of a sampled row
-        logprobs_mode="raw_logits",  # the model's logits, before vLLM's own processors
+        max_logprobs=options.max_top_k,
+        logprobs_mode="processed_logprobs",  # the distribution each token was drawn or verified from
         disable_log_stats=True,
         scheduler_cls=f"{LiveScheduler.__module__}.{LiveScheduler.__name__}",
         # vLLM's rejection sampler and its 1 + K batch shapes; the drafts are the edge's.
@@ -467,6 +428,23 @@ class _CaughtOutputs:
         return self.last
 
 
+@dataclass(frozen=True)
+class TopRow:
+    """The most likely tokens of one sampled row and their probabilities, highest first."""
+
+    token_ids: list[int]
+    probs: list[float]
+
+
+def _top_rows(logprobs: Any, count: int) -> list[TopRow]:
+    """Each new token's top-k from the step's LogprobsLists (its first column is the sampled
+    token's own: left out); empty rows for a request that asked for none."""
+    if logprobs is None:
+        return [TopRow([], [])] * count
+    ids, values = logprobs.logprob_token_ids[:count, 1:], logprobs.logprobs[:count, 1:]
+    return [TopRow(row.tolist(), [math.exp(v) for v in lp.tolist()]) for row, lp in zip(ids, values, strict=True)]
+
+
 @dataclass
 class LiveRequest:
     """A session's live vLLM request: every token it holds (its prompt and what it sampled,
@@ -477,3 +455,10 @@ class LiveRequest:
     engine_id: str = ""  # vLLM's own id of it, as its scheduler knows it
     ended: bool = False
     sink: TokenSink | None = None  # where its new tokens go while a stream follows it
+    # per token it sampled, the top-k of the distribution it came from (a request that asks)
+    top: list[TopRow] = field(default_factory=list)
+
+    def top_at(self, position: int) -> TopRow | None:
+        """The top-k row of the token at `position` (None: it has none, a prompt's token)."""
+        index = position - (len(self.tokens) - len(self.top))
+        return self.top[index] if 0 <= index < len(self.top) else None

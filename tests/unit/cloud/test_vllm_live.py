@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cloud.engine.transformers import TransformersEngine
 from cloud.engine.vllm import VllmEngine, VllmKV
 from cloud.verifier import DecodeStretchStep, Verifier
 from shared import lm
@@ -313,6 +314,40 @@ def test_a_narrower_vocabulary_is_masked_as_one_span_in_rounds_and_padded_steps(
     streams = [_generated(verifier, GenerateRequest(p, SessionConfig(vocab_size=vocab), 20)) for p in prompts]
     assert streams == [want for want, _ in wanted]
     assert sum(padded) > 0 and not one_at_a_time
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_top_k_a_round_asks_for_comes_from_its_own_step(verifier: Verifier, target: Any, temperature: float) -> None:
+    """A round that asks for the target's top-k gets, at each row up to its next token, the
+    top-k of the distribution that token was drawn or verified from (temperature and top-p
+    applied, as the reference accept applies them), from the round's own vLLM step: after the
+    first such round (a request that returns them) no round starts a request or a step of its
+    own for them."""
+    sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
+    mode = AcceptMode.POINT if temperature else AcceptMode.GREEDY
+    config = SessionConfig(sampling, seed=3, accept_mode=mode, vocab_size=VOCAB)
+    prompt = _tokens(11, 24)
+    drafts = greedy_continuation(target, prompt, 12)
+    reference = Verifier(TransformersEngine(target), "reference")
+    session_id, position = _open(verifier, prompt, config)
+    ref_id, _ = _open(reference, prompt, config)
+    runtime, tokens = _engine(verifier).runtime, list(prompt)
+    for round_number in range(3):
+        request, steps = _kv(verifier, session_id).live, runtime.steps
+        block = drafts[len(tokens) - len(prompt) :][:3]
+        got = verifier.verify(VerifyRequest(session_id, position, block, want_top_k=5))
+        if round_number:  # the request that returns rows goes on, one step a round
+            assert _kv(verifier, session_id).live is request and runtime.steps - steps == 1
+        tokens += [*block[: got.accepted_len], got.next_token]
+        want = reference.verify(VerifyRequest(ref_id, position, block, want_top_k=5))
+        assert len(got.target_top_k) == got.accepted_len + 1
+        for mine, theirs in zip(got.target_top_k, want.target_top_k, strict=False):  # the rows both verified on one prefix
+            assert mine.token_ids[0] == theirs.token_ids[0], (mine, theirs)
+            np.testing.assert_allclose(mine.probs, theirs.probs, atol=2e-4)
+        reference.close_session(ref_id)
+        ref_id, _ = _open(reference, tokens, config)  # the reference goes on from the vLLM session's tokens
+        position = got.new_base_position
+    verifier.close_session(session_id)
 
 
 @pytest.mark.parametrize("mode", [AcceptMode.SPARSE, AcceptMode.POINT])
