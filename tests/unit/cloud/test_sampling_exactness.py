@@ -2,11 +2,16 @@
 follow the target's next-token and two-token distributions; the scalar mode measurably does not.
 """
 
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import TypeVar
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from bench.tiny_models import random_llama
+from cloud.batch_step import ForwardStep
 from cloud.engine.llamacpp import LlamaCppEngine
 from cloud.engine.transformers import TransformersEngine
 from cloud.verifier import Verifier
@@ -14,7 +19,15 @@ from edge.drafting.drafter import Draft, Drafter, DrafterConfig
 from edge.drafting.ngram import NGramDrafter, NGramStore
 from edge.drafting.runtime_transformers import TransformersDraftLM
 from shared import lm
-from shared.protocol import AcceptMode, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
+from shared.protocol import (
+    AcceptMode,
+    GenerateRequest,
+    OpenSessionRequest,
+    SamplingParams,
+    SessionConfig,
+    VerifyRequest,
+    VerifyResult,
+)
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 from tests.harness import gguf_lm, padded_steps, vllm_engine
 from tests.tiny_models import save_gguf, save_model, tiny_draft, tiny_target
@@ -25,6 +38,8 @@ PARAMS = SamplingParams(temperature=1.5)
 CHAT = SamplingParams(temperature=0.7, top_p=0.95)  # what most chat traffic samples with
 TRIALS = 2000
 VLLM_TRIALS = 4000
+GROUP = 32  # sessions whose rounds share one batch
+R = TypeVar("R")
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +70,15 @@ def _sample_two_tokens(  # type: ignore[no-untyped-def]
     verifier = Verifier(engine or TransformersEngine(target), "tiny")
     drafter_mode = AcceptMode.POINT if mode is AcceptMode.TOP1 else mode
     drafter = drafter or Drafter(TransformersDraftLM(draft), DrafterConfig(params, drafter_mode, V, draft_top_k=4), seed=123)
+
+    def plan(trial: int, committed: list[int], replies: list[VerifyResult]) -> int | None:
+        made = len(committed) - len(PROMPT)
+        if made >= 2:
+            return None
+        return 0 if switching and (trial % 3, made) in ((1, 1), (2, 0)) else k
+
     counts = torch.zeros(V * V)
-    for trial in range(trials):
-        opened = verifier.open_session(OpenSessionRequest(PROMPT, SessionConfig(params, trial, mode, V)))
-        committed = list(PROMPT)
-        while len(committed) < len(PROMPT) + 2:
-            drafter.sync(committed)
-            drafts = 0 if switching and (trial % 3, len(committed) - len(PROMPT)) in ((1, 1), (2, 0)) else k
-            d = drafter.propose(drafts) if drafts else Draft()
-            reply = verifier.verify(VerifyRequest(opened.session_id, len(committed), d.token_ids, d.probs, sparse_draft=d.sparse))
-            committed += d.token_ids[: reply.accepted_len] + [reply.next_token]
-        verifier.close_session(opened.session_id)
+    for committed, _ in _sessions(verifier, drafter, SessionConfig(params, 0, mode, V), trials, plan):
         counts[committed[1] * V + committed[2]] += 1
     return counts
 
@@ -78,18 +91,57 @@ def _later_round_acceptance(  # type: ignore[no-untyped-def]
     target, draft = pair
     verifier = Verifier(engine, "tiny")
     drafter = Drafter(TransformersDraftLM(draft), DrafterConfig(params, mode, V, draft_top_k=4), seed=123)
-    accepted = []
-    for trial in range(trials):
-        opened = verifier.open_session(OpenSessionRequest(PROMPT, SessionConfig(params, trial, mode, V)))
-        committed = list(PROMPT)
-        for drafts in (1, k):
-            drafter.sync(committed)
-            d = drafter.propose(drafts)
-            reply = verifier.verify(VerifyRequest(opened.session_id, len(committed), d.token_ids, sparse_draft=d.sparse))
-            committed += d.token_ids[: reply.accepted_len] + [reply.next_token]
-        verifier.close_session(opened.session_id)
-        accepted.append(reply.accepted_len)
+
+    def plan(trial: int, committed: list[int], replies: list[VerifyResult]) -> int | None:
+        return None if len(replies) == 2 else 1 if not replies else k
+
+    accepted = [
+        replies[-1].accepted_len for _, replies in _sessions(verifier, drafter, SessionConfig(params, 0, mode, V), trials, plan)
+    ]
     return torch.tensor(accepted, dtype=torch.float64)
+
+
+def _sessions(  # type: ignore[no-untyped-def]
+    verifier: Verifier, drafter, config: SessionConfig, trials: int, plan
+) -> Iterator[tuple[list[int], list[VerifyResult]]]:
+    """One session per trial (seeded by the trial), each session's rounds drafted as `plan(trial,
+    committed, replies)` says (its next round's drafts, None: done); the sessions go in groups
+    of GROUP whose opens and rounds share batches, as a served verifier's do. Per session its
+    tokens and its rounds' replies."""
+    for start in range(0, trials, GROUP):
+        group = list(range(start, min(start + GROUP, trials)))
+        opens = [verifier.begin_open(OpenSessionRequest(PROMPT, replace(config, seed=trial))) for trial in group]
+        ids = {trial: opened.session_id for trial, opened in zip(group, _batch(verifier, opens), strict=True)}
+        committed = {trial: list(PROMPT) for trial in group}
+        replies: dict[int, list[VerifyResult]] = {trial: [] for trial in group}
+        while True:
+            steps, drafted = [], []
+            for trial in group:
+                n = plan(trial, committed[trial], replies[trial])
+                if n is None:
+                    continue
+                drafter.sync(committed[trial])
+                d = drafter.propose(n) if n else Draft()
+                req = VerifyRequest(ids[trial], len(committed[trial]), d.token_ids, d.probs, sparse_draft=d.sparse)
+                steps.append(verifier.begin_verify(req))
+                drafted.append((trial, d))
+            if not steps:
+                break
+            for (trial, d), reply in zip(drafted, _batch(verifier, steps), strict=True):
+                committed[trial] += d.token_ids[: reply.accepted_len] + [reply.next_token]
+                replies[trial].append(reply)
+        for trial in group:
+            verifier.close_session(ids[trial])
+            yield committed[trial], replies[trial]
+
+
+def _batch(verifier: Verifier, steps: list[ForwardStep[R]]) -> list[R]:
+    """The steps as one batch of the verifier's (none fails here)."""
+    results = verifier.run_batch([(step, 0.0) for step in steps])
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def _pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -218,10 +270,16 @@ def test_generate_on_vllm_follows_target(vllm_pair, async_scheduling: bool) -> N
     joint = _two_token_reference(target)
     verifier = Verifier(vllm_engine(folder, async_scheduling), "tiny")
     counts = torch.zeros(V * V)
-    for trial in range(TRIALS):
-        chunks = verifier.generate(GenerateRequest(PROMPT, SessionConfig(PARAMS, trial, vocab_size=V), 2))
-        first, second = [t for chunk in chunks for t in chunk.tokens]
-        counts[first * V + second] += 1
+    for start in range(0, TRIALS, GROUP):  # streams whose steps share batches
+        requests = [
+            GenerateRequest(PROMPT, SessionConfig(PARAMS, trial, vocab_size=V), 2) for trial in range(start, start + GROUP)
+        ]
+        streams = [verifier.open_generate(request) for request in requests]
+        firsts = _batch(verifier, [stream.begin_step() for stream in streams])
+        seconds = _batch(verifier, [stream.begin_step() for stream in streams])
+        for stream, first, second in zip(streams, firsts, seconds, strict=True):
+            stream.close()
+            counts[first.tokens[0] * V + second.tokens[0]] += 1
     assert _pvalue(counts, joint) > 1e-3
     assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1
 
