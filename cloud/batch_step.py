@@ -92,8 +92,8 @@ class ForwardStep(Generic[R]):
     def split(self, chunk: int) -> tuple[ForwardStep[Partial], ForwardStep[R]] | None:
         """A long prefill as two steps for consecutive passes: the first `chunk` tokens past
         those the engine's own prefix cache likely serves (their result is PARTIAL), then the
-        rest, which keeps the rows and the work. Each part undoes the whole step. None when
-        the block is short enough to feed at once."""
+        rest, which reads what the step reads and keeps its work. Each part undoes the whole
+        step. None when the block is short enough to feed at once."""
         size = chunk + self.cached  # a pass computes about `chunk` tokens of it
         head = min(size, len(self.block) - self.drafts - 1)
         if chunk <= 0 or head <= 0 or len(self.block) <= size:
