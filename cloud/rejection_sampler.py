@@ -302,11 +302,6 @@ class RejectionSampler:
             accepted[i] = outcome if isinstance(outcome, Exception) else AcceptedRound(outcome, target[1])
         return accepted
 
-    def distributions(self, rounds: Sequence[RoundLogits]) -> list[torch.Tensor | Exception]:
-        """Per round the target's processed distributions [k + 1, V] (what want_top_k reads),
-        without an accept."""
-        return [t if isinstance(t, Exception) else t[1] for t in _target_distributions(rounds)]
-
     def prepare(self, r: RoundLogits, target: tuple[torch.Tensor, torch.Tensor]) -> RoundDraft:
         """A round's accept input from its penalised logits and its probabilities [k + 1, V]."""
         penalized, probs = target

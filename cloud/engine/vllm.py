@@ -187,7 +187,7 @@ class VllmKV:
 
 
 @dataclass
-class _LiveWork:
+class _PendingStep:
     """A live step on its way: the tokens its session takes as given, and once decided, the
     tokens it yields (or what failed it)."""
 
@@ -335,7 +335,7 @@ class VllmEngine:
         """Each step advanced as far as the tokens its request holds decide it; vLLM steps while
         any is undecided. A session's tokens grow by the step's fed tokens and drafts (the
         rejected ones are cropped after: steps_as_live)."""
-        works = [_LiveWork(step, kv, kv.tokens + step.fed) for step in steps for kv in [_own(step.kv)]]
+        works = [_PendingStep(step, kv, kv.tokens + step.fed) for step in steps for kv in [_own(step.kv)]]
         yielded = self.runtime.call(self._decide, works)
         for work in works:
             if work.tokens is not None:
@@ -360,13 +360,13 @@ class VllmEngine:
     def own_steps(self) -> tuple[int, float]:
         return self.runtime.steps_taken()
 
-    def _decide(self, works: list[_LiveWork]) -> list[LiveYield | Exception]:
+    def _decide(self, works: list[_PendingStep]) -> list[LiveYield | Exception]:
         """On vLLM's thread: advance every work, and step vLLM while any is undecided; what
         each yields."""
         self._decide_all(works)
         return [work.yielded() for work in works]
 
-    def _decide_all(self, works: list[_LiveWork]) -> None:
+    def _decide_all(self, works: list[_PendingStep]) -> None:
         stalled = 0
         while True:
             self._settle(works)
@@ -387,7 +387,7 @@ class VllmEngine:
                 self._give_up(undecided)
                 return
 
-    def _settle(self, works: list[_LiveWork]) -> None:
+    def _settle(self, works: list[_PendingStep]) -> None:
         """Under asynchronous scheduling: the outputs still to come of the works' parked
         requests (a prefill's token, the step a stream took past its stop) come in first, so
         that the rounds among the works are woken together and share one step."""
@@ -397,11 +397,11 @@ class VllmEngine:
                 return
             runtime.step()
 
-    def _progress(self, works: list[_LiveWork]) -> list[tuple[int, int]]:
+    def _progress(self, works: list[_PendingStep]) -> list[tuple[int, int]]:
         """How far the works' requests got: their tokens, and the tokens vLLM computed of them."""
         return [(len(w.kv.live.tokens), self.runtime.computed(w.kv.live)) for w in works if w.kv.live is not None]
 
-    def _give_up(self, works: list[_LiveWork]) -> None:
+    def _give_up(self, works: list[_PendingStep]) -> None:
         """Steps vLLM cannot schedule (its KV blocks are held by parked sessions): their
         requests end, and their sessions get new ones on their next step."""
         for work in works:
@@ -410,7 +410,7 @@ class VllmEngine:
                 work.kv.live = None
             work.error = CapacityExceeded("vLLM has no KV blocks free for the session's step", STALLED_RETRY_MS)
 
-    def _advance(self, work: _LiveWork) -> None:
+    def _advance(self, work: _PendingStep) -> None:
         """Decide the step from the tokens its request holds past the session's, or have vLLM
         make more: start the request (or a new one, when the session's tokens left it), put
         the drafts on it, or let it decode ahead."""
