@@ -142,6 +142,8 @@ def steps_as_live(engine: LiveRuns, steps: Sequence[SessionStep]) -> list[StepOu
             outcomes.append(yielded)
         elif step.rule is None:
             outcomes.append(None)
+        elif not yielded.tokens:
+            outcomes.append(VerifierFault("vLLM yielded no token for a step that reads"))
         else:
             outcomes.append(_live_outcome(step, yielded, step.rule.vocab))
             engine.crop(step.kv, length + step.grows_by + len(yielded.tokens) - 1)
