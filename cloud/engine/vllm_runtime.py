@@ -345,8 +345,11 @@ def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
         kv_cache_memory_bytes=(options.max_kv_bytes // options.tensor_parallel_size) or None,  # per GPU
         enforce_eager=options.enforce_eager,
         load_format=options.load_format,
+        # The distribution each token was drawn or verified from (a round's want_top_k). On a GPU
+        # this mode turns off FlashInfer's top-k/top-p sampler, which a seeded request (every
+        # sampling session's) does not use anyway.
         max_logprobs=options.max_top_k,
-        logprobs_mode="processed_logprobs",  # the distribution each token was drawn or verified from
+        logprobs_mode="processed_logprobs",
         disable_log_stats=True,
         scheduler_cls=f"{LiveScheduler.__module__}.{LiveScheduler.__name__}",
         # vLLM's rejection sampler and its 1 + K batch shapes; the drafts are the edge's.
