@@ -81,8 +81,7 @@ class GenerateStream:
         """A round with no drafts: the token is the target's own draw."""
         session = self.session
         assert session is not None  # the first step stored it
-        config = session.config
-        return RoundRule(config.accept_mode, config.sampling, self.vocab, session.tokens, [], [], [], session.generator)
+        return RoundRule.next_token(session.config, self.vocab, session.tokens, session.generator)
 
     def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> GenerateChunk:
         assert self.session is not None and outcome is not None  # every step reads its token

@@ -80,7 +80,7 @@ def measure_decode_step(engine: Engine) -> float:
         times = []
         for _ in range(TIMED_STEPS + 1):
             start = time.perf_counter()
-            rule = RoundRule(config.accept_mode, config.sampling, engine.logits_width, tokens, [], [], [], torch.Generator())
+            rule = RoundRule.next_token(config, engine.logits_width, tokens, torch.Generator())
             [outcome] = engine.run_steps([SessionStep(kv, fed, rule=rule)])
             if not isinstance(outcome, StepOutcome):
                 raise outcome or VerifierFault("a decode step read no token")

@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import torch
 
-from shared.protocol import AcceptMode, SamplingParams, SparseDistribution
+from shared.protocol import AcceptMode, SamplingParams, SessionConfig, SparseDistribution
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 
 T = TypeVar("T")
@@ -253,6 +253,12 @@ class RoundRule:
     draft_probs: Sequence[float]  # q(y) per draft: SCALAR and SHORTCUT
     sparse_draft: Sequence[SparseDistribution]  # the draft's distributions: SPARSE
     generator: torch.Generator  # the session's own
+
+    @classmethod
+    def next_token(cls, config: SessionConfig, vocab: int, context: Sequence[int], generator: torch.Generator) -> RoundRule:
+        """A round with no drafts: the target's own next token after `context`, drawn as a
+        session of `config` draws it."""
+        return cls(config.accept_mode, config.sampling, vocab, context, [], [], [], generator)
 
     def with_logits(self, logits: torch.Tensor) -> RoundLogits:
         """The round as its forward pass left it, with the target's rows [k + 1, V_model]."""

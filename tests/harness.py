@@ -89,8 +89,7 @@ class TargetEngine:
         kv, tokens, feed, config = engine.new_kv(), [], list(prompt), SessionConfig()
         engine.start_session(kv, config, engine.logits_width)
         for _ in range(n):
-            context = [*prompt, *tokens]
-            rule = RoundRule(config.accept_mode, config.sampling, engine.logits_width, context, [], [], [], torch.Generator())
+            rule = RoundRule.next_token(config, engine.logits_width, [*prompt, *tokens], torch.Generator())
             [outcome] = engine.run_steps([SessionStep(kv, feed, rule=rule)])
             assert isinstance(outcome, StepOutcome), outcome
             tokens.append(outcome.round.next_token)

@@ -51,9 +51,10 @@ class ForwardEngine(ABC):
         """The batched accept over the steps that read; a step whose accept fails fails alone."""
         reading = [i for i, step in enumerate(steps) if step.rule is not None and i in rows]
         rounds = [steps[i].rule.with_logits(rows[i]) for i in reading]  # type: ignore[union-attr]  # reading: a rule
-        outcomes: list[StepOutcome | None | Exception] = [
-            VerifierFault("a step that reads fed no tokens") if step.rule is not None else None for step in steps
-        ]
+        outcomes: list[StepOutcome | None | Exception] = [None] * len(steps)
+        for i, step in enumerate(steps):
+            if step.rule is not None and i not in rows:
+                outcomes[i] = VerifierFault("a step that reads fed no tokens")
         for i, accepted in zip(reading, self.sampler.accept_rounds(rounds), strict=True):
             outcomes[i] = accepted if isinstance(accepted, Exception) else _outcome(accepted, steps[i].top_k)
         return outcomes

@@ -206,8 +206,10 @@ class _PendingStep:
         live = self.kv.live
         if not self.step.top_k or not self.tokens or live is None:
             return LiveYield(self.tokens)
-        rows = [live.top_at(len(self.base) + i) for i in range(len(self.tokens))]
-        if any(row is None or not row.token_ids for row in rows):
+        for position in [p for p in live.top if p < len(self.base)]:  # the session is past them
+            del live.top[position]
+        rows = [live.top.get(len(self.base) + i) for i in range(len(self.tokens))]
+        if any(row is None for row in rows):
             return VerifierFault("vLLM returned no top-k for a token of the step")
         return LiveYield(self.tokens, rows)  # type: ignore[arg-type]  # checked: every row is there
 

@@ -270,8 +270,9 @@ class VllmRuntime:
             if live is None or not (output.new_token_ids or output.finished):
                 continue
             new = list(output.new_token_ids)  # one token, or more where drafts passed
+            if output.new_logprobs is not None:  # a request that asks for each token's top-k
+                live.top.update(enumerate(_top_rows(output.new_logprobs, len(new)), start=len(live.tokens)))
             live.tokens.extend(new)
-            live.top.extend(_top_rows(output.new_logprobs, len(new)))
             live.ended = output.finished
             if live.sink is not None:
                 live.sink.put(new, step_ms)
@@ -441,9 +442,7 @@ class TopRow:
 
 def _top_rows(logprobs: Any, count: int) -> list[TopRow]:
     """Each new token's top-k from the step's LogprobsLists (its first column is the sampled
-    token's own: left out); empty rows for a request that asked for none."""
-    if logprobs is None:
-        return [TopRow([], [])] * count
+    token's own: left out)."""
     ids, values = logprobs.logprob_token_ids[:count, 1:], logprobs.logprobs[:count, 1:]
     return [TopRow(row.tolist(), [math.exp(v) for v in lp.tolist()]) for row, lp in zip(ids, values, strict=True)]
 
@@ -458,10 +457,6 @@ class LiveRequest:
     engine_id: str = ""  # vLLM's own id of it, as its scheduler knows it
     ended: bool = False
     sink: TokenSink | None = None  # where its new tokens go while a stream follows it
-    # per token it sampled, the top-k of the distribution it came from (a request that asks)
-    top: list[TopRow] = field(default_factory=list)
-
-    def top_at(self, position: int) -> TopRow | None:
-        """The top-k row of the token at `position` (None: it has none, a prompt's token)."""
-        index = position - (len(self.tokens) - len(self.top))
-        return self.top[index] if 0 <= index < len(self.top) else None
+    # by position, the top-k of the distribution each token it sampled came from (a request
+    # that asks for them; none for the others)
+    top: dict[int, TopRow] = field(default_factory=dict)
