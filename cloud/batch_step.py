@@ -1,7 +1,8 @@
 """One batch step, a straight line: the steps of several sessions and streams (a round, a
-prefill or a chunk of it, a Generate token) -> ONE call of the engine with their session steps
+prefill, a Generate token) -> ONE call of the engine with their session steps
 (cloud/engine/__init__.py: forward, accept and crop, or the engine's own live steps) -> each
-step commits its own outcome.
+step commits its own outcome, or, where the engine computed a chunk of its tokens (a long
+prompt), is Partial: its rest runs in a later batch.
 
 A step is one sequence's share of the batch (ForwardStep); what it does with its outcome and
 how it is put back after a failure is its StepWork. A failed batch leaves every cache as it
@@ -43,28 +44,12 @@ class StepWork(Protocol[R_co]):
     def undo(self) -> None: ...
 
 
-class Partial:
-    """What the head of a split step returns: its tokens are in the cache, the rest follows."""
-
-
-PARTIAL = Partial()
-
-
 @dataclass(frozen=True)
-class _Head:
-    """The first part of a split step: its tokens go into the cache, nothing is returned yet;
-    undoing it undoes the whole step."""
+class Partial:
+    """What a step returns when the engine computed only part of its new tokens (a chunk of a
+    long prompt): they are in the cache, and `rest` feeds the others in a later batch."""
 
-    whole: StepWork[Any]
-
-    def rule(self) -> None:
-        return None
-
-    def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> Partial:
-        return PARTIAL
-
-    def undo(self) -> None:
-        self.whole.undo()
+    rest: ForwardStep[Any]
 
 
 @dataclass
@@ -80,26 +65,19 @@ class ForwardStep(Generic[R]):
     stops: frozenset[int] = frozenset()  # tokens that end such a run
     known: list[int] = field(default_factory=list)  # tokens after the block the session holds (a prefill's last prompt token)
     top_k: int = 0  # the target's top-k the step returns at each row up to its next token
-    cached: int = 0  # the block's first tokens the engine likely serves from its own prefix cache (a prefill's)
+    chunk: int = 0  # the most of the block a forward pass computes in this batch (0: all of it)
 
     def session_step(self) -> SessionStep:
         """The step as the engine takes it."""
         verified = len(self.block) - self.drafts
         fed = self.block[:verified] + self.known
         rule = self.work.rule()
-        return SessionStep(self.cache, fed, self.block[verified:], rule, len(self.known), self.ahead, self.stops, self.top_k)
+        drafts = self.block[verified:]
+        return SessionStep(self.cache, fed, drafts, rule, len(self.known), self.ahead, self.stops, self.top_k, self.chunk)
 
-    def split(self, chunk: int) -> tuple[ForwardStep[Partial], ForwardStep[R]] | None:
-        """A long prefill as two steps for consecutive passes: the first `chunk` tokens past
-        those the engine's own prefix cache likely serves (their result is PARTIAL), then the
-        rest, which reads what the step reads and keeps its work. Each part undoes the whole
-        step. None when the block is short enough to feed at once."""
-        size = chunk + self.cached  # a pass computes about `chunk` tokens of it
-        head = min(size, len(self.block) - self.drafts - 1)
-        if chunk <= 0 or head <= 0 or len(self.block) <= size:
-            return None
-        first = ForwardStep(self.cache, self.block[:head], _Head(self.work))
-        return first, replace(self, block=self.block[head:], cached=0)
+    def rest(self, computed: int) -> ForwardStep[R]:
+        """The step but for the first `computed` tokens of its block, which the engine computed."""
+        return replace(self, block=self.block[computed:])
 
 
 Batch = list[tuple[ForwardStep[Any], float]]  # each step with the ms it queued
@@ -132,10 +110,18 @@ class BatchStep:
         start = time.perf_counter()
         with _undone_on_failure(steps):
             session_steps = [step.session_step() for step, _ in steps]
+            lengths = [step.kv.get_seq_length() for step in session_steps]
             outcomes = self.engine.run_steps(session_steps)
         forward_ms = (time.perf_counter() - start) * 1000.0
         self.passes += 1 if any(s.grows_by or s.drafts for s in session_steps) else 0
-        return [_finish(step, outcome, forward_ms, queue_ms) for (step, queue_ms), outcome in zip(steps, outcomes, strict=True)]
+        results = []
+        for (step, queue_ms), session_step, length, outcome in zip(steps, session_steps, lengths, outcomes, strict=True):
+            computed = step.cache.get_seq_length() - length
+            if outcome is None and computed < session_step.grows_by:  # a chunk of its tokens: the rest follows
+                results.append(Partial(step.rest(computed)))
+            else:
+                results.append(_finish(step, outcome, forward_ms, queue_ms))
+        return results
 
 
 @contextmanager

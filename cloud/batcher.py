@@ -11,9 +11,11 @@ deadline is refused at once with RESOURCE_EXHAUSTED and a retry hint, so that th
 it admits are served instead of all of them timing out together; prefills join a batch only
 while the batch still ends before every deadline in it.
 
-Long prompts are fed in chunks of `max_prefill_chunk` tokens, one chunk per pass, with the
-other sessions' rounds in the same passes: a round sent during a long prefill waits for the
-pass running and one pass with a chunk, not for the whole prefill.
+Long prompts are computed in chunks of about `max_prefill_chunk` tokens, one chunk per pass,
+with the other sessions' rounds in the same passes: a round sent during a long prefill waits
+for the pass running and one pass with a chunk, not for the whole prefill. The engine cuts the
+chunks (a forward pass at `max_prefill_chunk`, vLLM's scheduler at the same size); a step of
+which a pass computed a chunk comes back Partial and its rest queues again.
 
 Fairness between API keys: each pass takes the oldest step of every key before a second
 step of any key, a full queue still takes steps from keys holding less than their share of
@@ -26,10 +28,10 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from cloud.batch_step import PARTIAL, Batch, BatchRunner, ForwardStep
+from cloud.batch_step import Batch, BatchRunner, ForwardStep, Partial
 from cloud.metrics import VerifierMetrics
 from cloud.quotas import KeyLimits, TokenRate, key_label
 from cloud.worker import ModelWorker
@@ -215,8 +217,9 @@ class ForwardBatcher:
             self.metrics.forward_passes.inc()
             self.cost.observe(fed, elapsed_ms)
             for waiting, result in zip(batch, results, strict=True):
-                if result is PARTIAL:  # a chunk of a long prefill: the rest queues again
-                    waiting.remaining -= waiting.tokens
+                if isinstance(result, Partial):  # a chunk of a long prefill: the rest queues again
+                    waiting.step = result.rest
+                    waiting.remaining = len(result.rest.block)
                     waiting.admitting = False  # begun: it finishes rather than being refused
                     self._waiting.append(waiting)
                 elif waiting.future.done():  # the caller went away meanwhile
@@ -302,9 +305,7 @@ class ForwardBatcher:
             except Exception as err:  # a bad request fails alone, never its batch
                 results[index] = err
                 continue
-            parts = step.split(waiting.chunk)
-            waiting.step = parts[1] if parts else None
-            steps.append((parts[0] if parts else step, (now - waiting.submitted) * 1000.0))
+            steps.append((replace(step, chunk=waiting.chunk), (now - waiting.submitted) * 1000.0))
             began.append(index)
         if steps:
             self.metrics.batch_size.observe(len(steps))

@@ -26,8 +26,6 @@ class SessionOpener(Protocol):
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session: ...
 
-    def engine_cached(self, owner: str, block: list[int]) -> int: ...
-
 
 class GenerateStream:
     """One Generate call. Its KV is a session in the store (under an id only the stream
@@ -66,7 +64,7 @@ class GenerateStream:
             self._undo_to = None
             held = self.session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
             block = self.session.tokens[held:]
-            return replace(self._step(self.session, block), cached=self.opener.engine_cached(self.owner, block))
+            return self._step(self.session, block)
         session = self.opener.sessions.get(self.stream_id, self.owner)  # evicted only if the caller has gone
         self._undo_to = session.cache.get_seq_length()
         return self._step(session, session.tokens[-1:])

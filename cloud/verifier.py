@@ -141,7 +141,7 @@ class Verifier:
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         last = req.prompt_tokens[-1:]  # the first round feeds it; a live engine computes it now
         block = req.prompt_tokens[held:-1]
-        return ForwardStep(session.cache, block, prefill, known=last, cached=self.engine_cached(owner, block))
+        return ForwardStep(session.cache, block, prefill, known=last)
 
     def begin_open_decode(
         self, req: OpenSessionRequest, session_id: str, owner: str = "", stretch: DecodeStretchStep | None = None
@@ -164,9 +164,7 @@ class Verifier:
         opened = _OpenedRound(prefill, token)
         ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
-        block = req.prompt_tokens[held:]
-        cached = self.engine_cached(owner, block)
-        return ForwardStep(session.cache, block, opened, 0, ahead, stops, cached=cached)
+        return ForwardStep(session.cache, req.prompt_tokens[held:], opened, 0, ahead, stops)
 
     def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
@@ -198,12 +196,6 @@ class Verifier:
             raise
         self.sessions.prefixes.count_open(owner, held, len(prompt))
         return session
-
-    def engine_cached(self, owner: str, block: list[int]) -> int:
-        """Of a new session's first block, the tokens the engine's own prefix cache likely
-        serves (closed sessions of its key noted them): a chunked prefill feeds them in its
-        first pass. 0 where the verifier keeps prefixes itself (the block starts after them)."""
-        return self.sessions.reusable(owner, block) if self.sessions.note_prefixes else 0
 
     def _prefix_scope(self, owner: str) -> str:
         """Whose cached prefixes a new session's KV may share in an engine that caches them

@@ -64,7 +64,10 @@ class SessionStep:
     grows by the rest. `ahead` is how many tokens the session reads from this step on without
     drafts (a Generate stream, a Decode stretch), stopping at a token of `stops`: an engine
     that decodes on its own may make them in one go for the session's next steps. `top_k`:
-    the target's most likely tokens the step returns at each row up to its next token."""
+    the target's most likely tokens the step returns at each row up to its next token. `chunk`:
+    the most of `fed` a forward pass computes in this step (0: all of it), so that a long
+    prompt shares many passes with other sessions' rounds; an engine that chunks prompts in
+    its own scheduler (vLLM) computes what its scheduler gives the step."""
 
     kv: SessionKV
     fed: list[int]
@@ -74,6 +77,7 @@ class SessionStep:
     ahead: int = 1
     stops: frozenset[int] = frozenset()
     top_k: int = 0
+    chunk: int = 0
 
     @property
     def grows_by(self) -> int:
@@ -148,8 +152,10 @@ class Engine(Protocol):
     def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
         """Every step at once: per step its outcome (None for a step that reads nothing), or what
         failed it alone (its KV as it was). Each KV then holds the step's fed tokens and its
-        accepted drafts, not its next token (the session's next step feeds it). A failure of
-        the engine itself raises, and leaves every KV as it was."""
+        accepted drafts, not its next token (the session's next step feeds it); or, for a step
+        whose fed tokens were computed only in part (a chunk of a long prompt), those computed:
+        the step then reads nothing, and the caller feeds the rest in a later step. A failure
+        of the engine itself raises, and leaves every KV as it was."""
         ...
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:

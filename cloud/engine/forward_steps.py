@@ -1,6 +1,7 @@
 """Session steps on an engine that runs forward passes (transformers, llama.cpp): ONE forward pass
-over every step's new tokens and drafts, ONE batched accept over the rounds of the pass
-(cloud/rejection_sampler.py), then each KV cropped to the tokens its step accepted.
+over every step's new tokens (of a long prompt, one chunk a step) and drafts, ONE batched
+accept over the rounds of the pass (cloud/rejection_sampler.py), then each KV cropped to the
+tokens its step accepted.
 
 Such an engine holds a session's KV and nothing else of it: it verifies every accept mode by
 the reference rule, decodes nothing on its own, and its passes are all the batches'."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -35,6 +37,7 @@ class ForwardEngine(ABC):
     def crop(self, kv: SessionKV, length: int) -> None: ...
 
     def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
+        steps = [_chunked(step) for step in steps]
         lengths = [step.kv.get_seq_length() for step in steps]
         computed = [i for i, step in enumerate(steps) if step.grows_by + len(step.drafts) > 0]
         blocks = [steps[i].fed[: steps[i].grows_by] + steps[i].drafts for i in computed]
@@ -76,6 +79,14 @@ class ForwardEngine(ABC):
 
     def own_steps(self) -> tuple[int, float]:
         return 0, 0.0
+
+
+def _chunked(step: SessionStep) -> SessionStep:
+    """A step with more new tokens than its chunk: the chunk alone, which reads nothing (the
+    rest, at least one token, comes in a later step with the drafts)."""
+    if not step.chunk or step.grows_by <= step.chunk:
+        return step
+    return replace(step, fed=step.fed[: step.chunk], drafts=[], rule=None, known=0)
 
 
 def _outcome(accepted: AcceptedRound, top_k: int) -> StepOutcome | Exception:

@@ -3,10 +3,11 @@ prefix-cached blocks and batches every request of a step itself.
 
 A session is ONE live vLLM request for its whole life (the scheduler in
 cloud/engine/vllm_scheduler.py), and each session step (cloud/engine/__init__.py) a step of it.
-Its prefill is the request's prompt; a Verify round puts the edge's drafts on it as speculative
-tokens for one step, verified by vLLM's rejection sampler: greedy drafts by the argmax, point
-drafts as q = 1, sparse drafts with the edge's distribution over each handed to the sampler as
-its draft probabilities. A Generate stream or a Decode stretch is vLLM decoding it on its own.
+Its prefill is the request's prompt, which vLLM's scheduler computes in chunks (a long one, a
+chunk in each batch, beside other sessions' rounds); a Verify round puts the edge's drafts on
+it as speculative tokens for one step, verified by vLLM's rejection sampler: greedy drafts by
+the argmax, point drafts as q = 1, sparse drafts with the edge's distribution over each handed
+to the sampler as its draft probabilities. A Generate stream or a Decode stretch is vLLM decoding it on its own.
 Between its steps the request is parked: it keeps its KV and costs no step. The tokens a request
 holds past the session's own (a stretch decoded ahead, the token its prefill sampled) are read
 by the session's next steps: a draft that equals the token vLLM sampled there is accepted
@@ -106,13 +107,15 @@ class LiveStep:
     known: int = 0
     draft_q: Sequence[SparseDistribution] = ()
     top_k: bool = False
+    chunk: int = 0
 
     @classmethod
     def of(cls, step: SessionStep) -> LiveStep:
         rule = step.rule
         draft_q = rule.sparse_draft if rule is not None else ()
         reads = rule is not None
-        return cls(step.kv, step.fed, step.drafts, reads, step.ahead, step.stops, step.known, draft_q, step.top_k > 0)
+        top_k = step.top_k > 0
+        return cls(step.kv, step.fed, step.drafts, reads, step.ahead, step.stops, step.known, draft_q, top_k, step.chunk)
 
 
 @dataclass(frozen=True)
@@ -140,8 +143,8 @@ def steps_as_live(engine: LiveRuns, steps: Sequence[SessionStep]) -> list[StepOu
     for step, yielded, length in zip(steps, produced, lengths, strict=True):
         if isinstance(yielded, Exception):
             outcomes.append(yielded)
-        elif step.rule is None:
-            outcomes.append(None)
+        elif step.rule is None or step.kv.get_seq_length() < length + step.grows_by:
+            outcomes.append(None)  # it reads nothing, or vLLM computed a chunk of its prompt
         elif not yielded.tokens:
             outcomes.append(VerifierFault("vLLM yielded no token for a step that reads"))
         else:
@@ -198,6 +201,15 @@ class _PendingStep:
     base: list[int]
     tokens: list[int] | None = None
     error: Exception | None = None
+    stepped: bool = False  # vLLM ran a step since the work began
+    computed: int | None = None  # of a prompt vLLM computed a chunk of: the tokens it computed
+
+    def kept(self) -> list[int]:
+        """The session's tokens once the step is decided: the tokens it took as given (or those
+        vLLM computed of them) and its drafts (the rejected ones cropped after)."""
+        if self.computed is not None:
+            return self.base[: self.computed]
+        return self.base[: len(self.base) - self.step.known] + self.step.drafts
 
     def yielded(self) -> LiveYield | Exception:
         if self.tokens is None:
@@ -343,7 +355,7 @@ class VllmEngine:
         yielded = self.runtime.call(self._decide, works)
         for work in works:
             if work.tokens is not None:
-                work.kv.tokens = work.base[: len(work.base) - work.step.known] + work.step.drafts
+                work.kv.tokens = work.kept()
         return yielded
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
@@ -366,7 +378,8 @@ class VllmEngine:
 
     def _decide(self, works: list[_PendingStep]) -> list[LiveYield | Exception]:
         """On vLLM's thread: advance every work, and step vLLM while any is undecided; what
-        each yields."""
+        each yields. vLLM's scheduler cuts a long prompt into the works' chunks."""
+        self.runtime.scheduler.prefill_chunk = max((work.step.chunk for work in works), default=0)
         self._decide_all(works)
         return [work.yielded() for work in works]
 
@@ -386,6 +399,8 @@ class VllmEngine:
                 return
             before = self._progress(undecided)
             self.runtime.step()
+            for work in undecided:
+                work.stepped = True
             stalled = 0 if self._progress(undecided) != before else stalled + 1
             if stalled >= MAX_STALLED_STEPS:
                 self._give_up(undecided)
@@ -433,6 +448,8 @@ class VllmEngine:
                 return
             kv.live = runtime.start_live(work.base, kv.salt, self._seeded(kv, len(work.base)))
             return
+        if self._prefilling(work, live):
+            return
         if not step.reads:
             work.tokens = []
             return
@@ -449,6 +466,20 @@ class VllmEngine:
             runtime.wake(live, drafts, 1 if drafts else max(step.ahead, 1), step.stops, draft_q)
         elif drafts and runtime.park(live):  # decoding on its own: the drafts go on it from its next step
             runtime.wake(live, drafts, 1, step.stops, draft_q)
+
+    def _prefilling(self, work: _PendingStep, live: LiveRequest) -> bool:
+        """Whether vLLM is still computing the prompt the step feeds (its scheduler takes a
+        long one in chunks). Once a step of vLLM computed some of it, the step stops there:
+        the session holds what was computed, and its next step feeds the rest, so that a long
+        prompt takes one chunk of each batch that other sessions' rounds share."""
+        prompt = min(live.prompt, len(work.base) - work.step.known)
+        computed = self.runtime.computed(live)
+        if live.ended or computed >= prompt:
+            return False
+        held = len(work.base) - len(work.step.fed)
+        if work.stepped and computed > held:
+            work.tokens, work.computed = [], computed
+        return True
 
     def _decode_on(self, live: LiveRequest, step: LiveStep, held: list[int]) -> None:
         """After a step without drafts read the first of the tokens vLLM `held` past the session:

@@ -143,7 +143,7 @@ class VllmRuntime:
 
         from cloud.engine.vllm_scheduler import LIVE_PREFIX
 
-        live = LiveRequest(f"{LIVE_PREFIX}{next(self._ids)}", list(prompt))
+        live = LiveRequest(f"{LIVE_PREFIX}{next(self._ids)}", list(prompt), len(prompt))
         params = params.clone()
         params.max_tokens = self.max_context_tokens + 1 - len(prompt)
         try:
@@ -454,6 +454,7 @@ class LiveRequest:
 
     request_id: str
     tokens: list[int]
+    prompt: int = 0  # the tokens it started with
     engine_id: str = ""  # vLLM's own id of it, as its scheduler knows it
     ended: bool = False
     sink: TokenSink | None = None  # where its new tokens go while a stream follows it

@@ -73,6 +73,18 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         self.pad_limit = 0  # the most tokens a step padded to 1 + K a request may have (0: no pads)
         self.steps = 0  # steps scheduled that run the model
 
+    @property
+    def prefill_chunk(self) -> int:
+        """The most tokens of a prompt one step computes (0: a whole prompt, as the step's token
+        budget allows): a long prompt takes several steps, shared with other requests."""
+        return int(self.scheduler_config.long_prefill_token_threshold)
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, tokens: int) -> None:
+        # vLLM pads a new request with one token left to compute (its prompt's blocks cached) to
+        # 1 + K tokens and expects that step whole: a chunk is never shorter.
+        self.scheduler_config.long_prefill_token_threshold = max(tokens, 1 + self.num_spec_tokens) if tokens else 0
+
     # ---- what the verifier calls ------------------------------------------------------------
 
     def wake(
@@ -101,11 +113,12 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
 
     def park(self, request_id: str) -> bool:
         """Stop a live request decoding on its own (between two steps); whether it is parked
-        now (one that waits to be scheduled, or was preempted, parks after its next step)."""
+        now (one that waits to be scheduled, computes its prompt, or was preempted, parks after
+        its next token)."""
         request = self.requests.get(request_id)
         if request_id in self.parked or request_id in self.settling:
             return request_id in self.parked
-        if request is None or request.status != RequestStatus.RUNNING or request not in self.running:
+        if request is None or request.status != RequestStatus.RUNNING or request not in self.running or _prefilling(request):
             work = self.work.get(request_id)
             if request is not None and work is not None:
                 work.until = min(work.until, _due(request) + 1)
@@ -134,7 +147,15 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._pad_own_decoding()
-        output = super().schedule(*args, **kwargs)
+        budget = self.max_num_scheduled_tokens
+        if self.prefill_chunk and sum(self.get_request_counts()) == 1:
+            # vLLM 0.27 on lets a request alone in a step compute its whole prompt past
+            # long_prefill_token_threshold; a round arriving meanwhile would wait for all of it.
+            self.max_num_scheduled_tokens = min(budget, self.prefill_chunk)
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = budget
         self.steps += output.total_num_scheduled_tokens > 0
         output.edge_draft_q = self._scheduled_draft_q(output.scheduled_spec_decode_tokens)
         return output
@@ -246,6 +267,11 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
             if work is not None and _due(request) >= work.until:
                 done.add(request)
         self._park_all(done)
+
+
+def _prefilling(request: Request) -> bool:
+    """Whether vLLM is still computing the request's prompt (a long one, in chunks)."""
+    return bool(request.num_computed_tokens < request.num_prompt_tokens)
 
 
 def _due(request: Request) -> int:

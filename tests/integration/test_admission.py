@@ -26,11 +26,10 @@ SESSIONS = 8
 
 
 class SlowVerifier(Verifier):
-    """A real verifier whose forward passes take MS_PER_TOKEN per computed token longer (a
-    token an engine's own prefix cache serves costs nothing)."""
+    """A real verifier whose forward passes take MS_PER_TOKEN per fed token longer."""
 
     def run_batch(self, steps: list[tuple[ForwardStep[Any], float]]) -> list[Any]:
-        time.sleep(sum(len(step.block) - step.cached for step, _ in steps) * MS_PER_TOKEN / 1000.0)
+        time.sleep(sum(len(step.block) for step, _ in steps) * MS_PER_TOKEN / 1000.0)
         return super().run_batch(steps)
 
 

@@ -6,14 +6,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cloud.batch_step import ForwardStep
 from cloud.prefix_cache import MAX_NOTES, PrefixCache
 from cloud.quotas import KeyLimits
 from cloud.sessions import Session, SessionLimits, SessionStore
 from shared.errors import CapacityExceeded
 from shared.protocol import SessionConfig
 from shared.token_ids import shared_prefix
-from tests.integration.test_kv_slots_verifier import _NoWork
 from tests.unit.cloud.test_sessions import FakeClock
 
 
@@ -197,14 +195,3 @@ def test_a_store_whose_engine_caches_prefixes_notes_closed_sessions_and_frees_th
     store.remove("a")
     assert freer.freed and len(store.prefixes) == 0 and store.kv_bytes() == 0
     assert store.reusable("", [*range(8), 50, 51]) == 8
-
-
-def test_a_chunked_prefill_feeds_what_the_engines_cache_serves_in_its_first_pass() -> None:
-    step = ForwardStep(FakeKV(0), list(range(1000)), _NoWork(), cached=600)
-    parts = step.split(256)
-    assert parts is not None
-    head, rest = parts
-    assert len(head.block) == 856 and rest.block == list(range(856, 1000)) and rest.cached == 0
-    assert ForwardStep(FakeKV(0), list(range(800)), _NoWork(), cached=600).split(256) is None  # one pass
-    head, rest = ForwardStep(FakeKV(0), list(range(1000)), _NoWork()).split(256)  # type: ignore[misc]
-    assert len(head.block) == 256

