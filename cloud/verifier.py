@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from cloud.batch_step import Batch, BatchStep, ForwardStep
+from cloud.batch_step import Batch, BatchStep, ForwardStep, Partial
 from cloud.engine import Engine, KVPlan, KVRequest, StepOutcome, TokenSink
 from cloud.followed_stretch import FollowedStretch
 from cloud.generate_stream import GenerateStream
@@ -266,6 +266,8 @@ class Verifier:
 
     def _run_alone(self, step: ForwardStep[R], queue_ms: float) -> R:
         result = self.run_batch([(step, queue_ms)])[0]
+        while isinstance(result, Partial):  # a prompt longer than the engine computes in a step
+            result = self.run_batch([(result.rest, queue_ms)])[0]
         if isinstance(result, BaseException):
             raise result
         return result  # type: ignore[no-any-return]  # run_batch returns the step's own result
