@@ -200,7 +200,7 @@ def forward_slots(
     return logits
 
 
-def _kept_rows(lengths: Sequence[int], keeps: Sequence[int]) -> list[torch.Tensor]:
+def kept_rows(lengths: Sequence[int], keeps: Sequence[int]) -> list[torch.Tensor]:
     """Per sequence, the indices of its kept rows among the pass's packed new tokens."""
     rows, start = [], 0
     for n, keep in zip(lengths, keeps, strict=True):
@@ -224,7 +224,7 @@ def _forward_packed(
     columns = torch.arange(lo, hi, device=device)  # [window]
     allowed = (columns[None] >= bases[:, None]) & (columns[None] <= dest[:, None])  # [total_new, window]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    rows = _kept_rows(lengths, keeps)
+    rows = kept_rows(lengths, keeps)
     out = model(
         input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
         attention_mask=mask[None, None],
