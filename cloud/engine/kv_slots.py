@@ -34,12 +34,6 @@ from transformers import DynamicCache, PreTrainedModel
 from shared.errors import CapacityExceeded, InvalidRequest, SessionNotFound
 
 
-@dataclass(frozen=True)
-class SlotLayer:
-    keys: torch.Tensor  # [1, kv_heads, length, head_dim]
-    values: torch.Tensor
-
-
 @dataclass(eq=False)
 class SlotKV:
     """One session's KV: positions [slot * slot_tokens, + length) of its pool."""
@@ -55,12 +49,6 @@ class SlotKV:
 
     def get_seq_length(self) -> int:
         return self.length
-
-    @property
-    def layers(self) -> list[SlotLayer]:
-        """Views of its keys and values per layer, as a DynamicCache's layers (no copy)."""
-        held = slice(self.base, self.base + self.length)
-        return [SlotLayer(k[:, :, held], v[:, :, held]) for k, v in zip(self.pool.keys, self.pool.values, strict=True)]
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(length, 0))
