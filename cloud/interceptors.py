@@ -205,7 +205,7 @@ class _Call:
         """Counted every time; logged at most once per interval per source and code, with
         how many refusals the line stands for."""
         caller = principal()
-        self.state.metrics.record_refusal(code, caller)
+        self.state.metrics.refused_calls.labels(code, caller).inc()
         refusals = self.state.refusals.admit(f"key {caller}" if caller else self.peer, code)
         if refusals:
             log_event(log, logging.WARNING, f"{self.method} refused: {detail}", peer=self.peer, refusals=refusals, **fields)

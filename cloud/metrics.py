@@ -122,9 +122,6 @@ class VerifierMetrics:
         self.prefix_cache_entries = Gauge("specdec_prefix_cache_entries", "closed sessions' KV kept for reuse", registry=r)
         self._prefix_seen = (0, 0)
 
-    def record_refusal(self, code: str, key: str) -> None:
-        self.refused_calls.labels(code, key).inc()
-
     def record_rpc(self, method: str, code: str, received: int, sent: int) -> None:
         self.requests.labels(method, code).inc()
         if code == "RESOURCE_EXHAUSTED":
