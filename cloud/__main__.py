@@ -10,7 +10,10 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from cloud.config import PRECEDENCE, VerifierSettings, load_settings
+from cloud.engine import Engine
 from cloud.engine.transformers import TransformersEngine
 from cloud.logs import configure_logging, log_event
 from cloud.process import serve
@@ -47,16 +50,7 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
     )
     path = model_folder(settings.model, TARGET_MODEL)
     model = lm.load_model(path, dtype.name, str(device))
-    # A name, not a path, reaches callers (OpenSession, /healthz, /v1/stats): the folder's name,
-    # or `org/name@commit` for a Hub model, so the revision that ran is pinned.
-    verifier = Verifier(
-        TransformersEngine(model),
-        describe_model(path),
-        settings.limits(),
-        dtype_reason=dtype.reason,
-        tokenizer=TokenizerCard.from_folder(path),
-    )
-    return _warmed(verifier)
+    return _warmed(TransformersEngine(model), path, settings, dtype.reason)
 
 
 def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
@@ -76,14 +70,7 @@ def _llamacpp_verifier(settings: VerifierSettings) -> Verifier:
     lm.configure_cpu(lm.resolve_device("cpu"), 1)
     engine = LlamaCppEngine(gguf, threads=threads, batch_tokens=settings.max_batch_tokens)
     log_event(log, logging.INFO, f"llama.cpp on {gguf.name}, {threads} CPU threads", engine="llama.cpp", threads=threads)
-    verifier = Verifier(
-        engine,
-        describe_model(folder),
-        settings.limits(),
-        dtype_reason="the GGUF's own types",
-        tokenizer=TokenizerCard.from_folder(folder),  # a tokenizer.json beside the GGUF, if any
-    )
-    return _warmed(verifier)
+    return _warmed(engine, folder, settings, "the GGUF's own types")
 
 
 def _vllm_verifier(settings: VerifierSettings) -> Verifier:
@@ -94,7 +81,7 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     from cloud.engine.vllm_runtime import VllmRuntime
 
     folder = model_folder(settings.model, TARGET_MODEL)
-    cuda = _cuda()
+    cuda = torch.cuda.is_available()
     dtype = choose_dtype(settings.dtype, "cuda" if cuda else "cpu")
     options = vllm_options(settings, folder, dtype.name, cuda)
     in_child = cuda if settings.vllm_engine_process is None else settings.vllm_engine_process
@@ -107,11 +94,9 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     log_event(
         log, logging.INFO, f"vLLM on {folder}, {where}", engine="vllm", dtype=dtype.name, threads=threads, scheduling=scheduling
     )
-    card = TokenizerCard.from_folder(folder)
     held = engine.kv_bytes_held()
     log_event(log, logging.INFO, f"vLLM holds KV for {engine.kv_tokens()} tokens, {held / 2**30:.2f} GiB", kv_bytes=held)
-    verifier = Verifier(engine, describe_model(folder), settings.limits(), dtype_reason=dtype.reason, tokenizer=card)
-    return _warmed(verifier)
+    return _warmed(engine, folder, settings, dtype.reason)
 
 
 def vllm_options(settings: VerifierSettings, folder: str, dtype: str, cuda: bool) -> VllmOptions:
@@ -144,13 +129,13 @@ def vllm_kv_bytes(settings: VerifierSettings, cuda: bool) -> int:
     return settings.max_kv_bytes if not cuda or "max_kv_bytes" in settings.model_fields_set else 0
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _warmed(verifier: Verifier) -> Verifier:
+def _warmed(engine: Engine, folder: str, settings: VerifierSettings, dtype_reason: str) -> Verifier:
+    """The verifier of `engine`, warmed up, serving the model of `folder` (the folder of its
+    weights, or the GGUF file with a tokenizer.json beside it, if any)."""
+    # A name, not a path, reaches callers (OpenSession, /healthz, /v1/stats): the folder's name,
+    # or `org/name@commit` for a Hub model, so the revision that ran is pinned.
+    tokenizer = TokenizerCard.from_folder(folder)
+    verifier = Verifier(engine, describe_model(folder), settings.limits(), dtype_reason=dtype_reason, tokenizer=tokenizer)
     step_ms = verifier.warm_up()
     card = verifier.card
     log_event(

@@ -27,13 +27,11 @@ from shared.pb import verifier_pb2_grpc as pb_grpc
 
 __all__ = ["VerifierServicer", "create_server", "start_server"]
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"]
+SERVICE_NAME = SERVICE.full_name
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    """Translates each call (shared/wire.py) and delegates it; authentication, status codes and
-    the per-call metrics and log line are the interceptors' (cloud/interceptors.py)."""
-
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self._feeds: FeedHub | None = None  # the event loop's, made on the first call
@@ -101,20 +99,12 @@ def _lenient(message: type[Message]) -> Callable[[bytes], Message | Undecodable]
 
 def _add_verifier(servicer: VerifierServicer, server: grpc.aio.Server) -> None:
     """The generated add_VerifierServicer_to_server, with requests parsed leniently."""
-    requests: dict[str, tuple[type[Message], bool]] = {
-        "OpenSession": (pb.OpenSessionRequest, False),
-        "Verify": (pb.VerifyRequest, False),
-        "CloseSession": (pb.CloseSessionRequest, False),
-        "Generate": (pb.GenerateRequest, True),
-        "Decode": (pb.DecodeRequest, True),
-        "Describe": (pb.DescribeRequest, False),
-    }
     handlers = {}
-    for method, (request, streaming) in requests.items():
-        make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method] = make(
-            getattr(servicer, method),
-            request_deserializer=_lenient(request),
+    for method in SERVICE.methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(getattr(pb, method.input_type.name)),
             response_serializer=lambda message: message.SerializeToString(),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

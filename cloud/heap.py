@@ -17,6 +17,7 @@ import ctypes.util
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 
 from cloud.logs import log_event
 from cloud.state import ServerState
@@ -35,11 +36,7 @@ def malloc_trim() -> Callable[[], None] | None:
     if trim is None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-
-    def trim_all() -> None:
-        trim(0)  # 0: keep no padding at the heap's top
-
-    return trim_all
+    return partial(trim, 0)  # 0: keep no padding at the heap's top
 
 
 def resident_bytes() -> int:

@@ -19,13 +19,16 @@ from shared.errors import Unauthenticated
 from shared.http_server import HttpServer
 
 
-def _model_info(state: ServerState) -> dict[str, Any]:
-    """The model, and the caps admission enforces: the context of a session and the KV of all."""
+def _status(state: ServerState) -> dict[str, Any]:
+    """The status, the model, the caps admission enforces (the context of a session and the KV
+    of all) and the uptime."""
+    uptime = {"uptime_s": round(state.uptime_s(), 3)}
     if state.verifier is None:
         keys = ("engine", "dtype", "dtype_reason", "device", "max_context_tokens", "max_kv_bytes")
-        return {"model_ids": [], **dict.fromkeys(keys)}
+        return {"status": state.status, "model_ids": [], **dict.fromkeys(keys), **uptime}
     engine, limits = state.verifier.engine.describe(), state.verifier.limits
     return {
+        "status": state.status,
         "model_ids": [state.verifier.model_id],
         "engine": engine["engine"],
         "dtype": engine["dtype"],
@@ -33,6 +36,7 @@ def _model_info(state: ServerState) -> dict[str, Any]:
         "device": engine["device"],
         "max_context_tokens": limits.max_context_tokens,
         "max_kv_bytes": limits.sessions.max_kv_bytes,
+        **uptime,
     }
 
 
@@ -79,13 +83,7 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {
-            "status": state.status,
-            **_model_info(state),
-            "uptime_s": round(state.uptime_s(), 3),
-            "sessions": len(state.sessions()),
-            "version": state.version,
-        }
+        return {**_status(state), "sessions": len(state.sessions()), "version": state.version}
 
 
 def _add_telemetry(app: FastAPI, state: ServerState, caller: Any) -> None:
@@ -107,9 +105,7 @@ def _add_telemetry(app: FastAPI, state: ServerState, caller: Any) -> None:
     async def stats(who: Caller = caller) -> dict[str, Any]:
         rows = state.sessions(who)
         return {
-            "status": state.status,
-            **_model_info(state),
-            "uptime_s": round(state.uptime_s(), 3),
+            **_status(state),
             "open_sessions": len(rows),
             "kv_bytes": sum(r.kv_bytes for r in rows),
             "prefix_reuse": state.prefix_reuse(who),

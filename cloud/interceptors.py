@@ -16,7 +16,7 @@ import time
 import uuid
 from abc import abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ log = logging.getLogger("cloud-verifier")
 
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]]
+Replied = Callable[[Any], None]  # told of each reply of a call
 
 # Set by ApiKeyInterceptor for the call it lets in. grpc.aio runs each call in a task of its
 # own, and a task starts from a copy of the context: one call's principal never reaches another.
@@ -59,7 +60,7 @@ class Undecodable:
 
 
 class _ServiceInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps the behaviour of one service's unary-request methods; other services pass through."""
+    """Runs one service's unary-request methods inside `around`; other services pass through."""
 
     def __init__(self, service: str) -> None:
         self._prefix = f"/{service}/"
@@ -77,12 +78,28 @@ class _ServiceInterceptor(grpc.aio.ServerInterceptor):
         raise TypeError(f"{details.method}: only unary-request methods are intercepted")
 
     @abstractmethod
-    def unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
-        """`behavior` of a unary-unary method, wrapped."""
+    def around(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> AbstractAsyncContextManager[Replied]:
+        """What runs around one call: it gives what is told of each reply."""
 
-    @abstractmethod
+    def unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async with self.around(method, request, context) as replied:
+                reply = await behavior(request, context)
+                replied(reply)
+            return reply
+
+        return wrapped
+
     def stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        """`behavior` of a unary-stream method (an async generator), wrapped."""
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
+            # The replies are closed before the call leaves `around`: a stream's finally blocks
+            # (freeing its KV) run however it ended, before the call is answered.
+            async with self.around(method, request, context) as replied, aclosing(behavior(request, context)) as replies:
+                async for reply in replies:
+                    replied(reply)
+                    yield reply
+
+        return wrapped
 
 
 class ApiKeyInterceptor(_ServiceInterceptor):
@@ -93,24 +110,10 @@ class ApiKeyInterceptor(_ServiceInterceptor):
         super().__init__(service)
         self.keys = keys
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    @asynccontextmanager
+    async def around(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Replied]:
         _PRINCIPAL.set(self.keys.principal(_authorization(context)))
-
-    def unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
-        async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            self._authenticate(context)
-            return await behavior(request, context)
-
-        return authenticated
-
-    def stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
-            self._authenticate(context)
-            async with aclosing(behavior(request, context)) as replies:
-                async for reply in replies:
-                    yield reply
-
-        return authenticated
+        yield lambda reply: None
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
@@ -128,35 +131,14 @@ class StatusInterceptor(_ServiceInterceptor):
         super().__init__(service)
         self.state = state
 
-    async def _refuse_undecodable(self, method: str, request: Undecodable, context: grpc.aio.ServicerContext) -> None:
-        self.state.metrics.record_rpc(method, "INVALID_ARGUMENT", request.size, 0)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {method} message")
-
-    def unary(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
-        async def answered(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if isinstance(request, Undecodable):
-                await self._refuse_undecodable(method, request, context)
-            call = _Call(self.state, method, request, _peer_address(context))
-            async with _answering(context, call):
-                reply = await behavior(request, context)
-                call.replied(reply)
-            return reply
-
-        return answered
-
-    def stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
-        async def answered(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
-            if isinstance(request, Undecodable):
-                await self._refuse_undecodable(method, request, context)
-            call = _Call(self.state, method, request, _peer_address(context))
-            # The replies are closed before the call is answered: a stream's finally blocks
-            # (freeing its KV) run however it ended.
-            async with _answering(context, call), aclosing(behavior(request, context)) as replies:
-                async for reply in replies:
-                    call.replied(reply)
-                    yield reply
-
-        return answered
+    @asynccontextmanager
+    async def around(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Replied]:
+        if isinstance(request, Undecodable):
+            self.state.metrics.record_rpc(method, "INVALID_ARGUMENT", request.size, 0)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {method} message")
+        call = _Call(self.state, method, request, _peer_address(context))
+        async with _answering(context, call):
+            yield call.replied
 
 
 @dataclass
@@ -205,7 +187,7 @@ class _Call:
         """Counted every time; logged at most once per interval per source and code, with
         how many refusals the line stands for."""
         caller = principal()
-        self.state.metrics.record_refusal(code, caller)
+        self.state.metrics.refused_calls.labels(code, caller).inc()
         refusals = self.state.refusals.admit(f"key {caller}" if caller else self.peer, code)
         if refusals:
             log_event(log, logging.WARNING, f"{self.method} refused: {detail}", peer=self.peer, refusals=refusals, **fields)

@@ -15,16 +15,11 @@ SAMPLES_PER_SECOND = 256  # latency reservoir per bucket: bounded memory under h
 
 @dataclass
 class _Second:
-    max_k: int
+    drafted: list[int]  # per draft position
+    accepted: list[int]
     rounds: int = 0
     tokens: int = 0  # accepted + one recovered or bonus token per round
     latencies_ms: list[float] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)  # per draft position
-    accepted: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.drafted = [0] * self.max_k
-        self.accepted = [0] * self.max_k
 
 
 def _percentile(sorted_ms: list[float], pct: int) -> float | None:
@@ -52,7 +47,7 @@ class LiveStats:
 
     def record_round(self, k: int, accepted_len: int, verify_ms: float) -> None:
         second = int(self.clock())
-        bucket = self._seconds.setdefault(second, _Second(self.max_k))
+        bucket = self._seconds.setdefault(second, _Second([0] * self.max_k, [0] * self.max_k))
         bucket.rounds += 1
         bucket.tokens += accepted_len + 1
         self._sample(bucket, verify_ms)

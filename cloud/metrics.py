@@ -59,7 +59,6 @@ class VerifierMetrics:
         # An engine with its own loop (vLLM) also steps outside passes, for the streams that follow it.
         self.engine_steps = Counter("specdec_engine_steps", "steps of the engine's own loop (vLLM)", registry=r)
         self.engine_step_time = Counter("specdec_engine_step_seconds", "time in the engine's own steps (vLLM)", registry=r)
-        self._engine_seen = (0, 0.0)
         self.queue_time = Histogram(
             "specdec_queue_seconds", "wait in the batch queue per round", buckets=LATENCY_BUCKETS_S, registry=r
         )
@@ -85,6 +84,7 @@ class VerifierMetrics:
             registry=r,
         )
         self._add_refusals_and_evictions(r)
+        self._counted: dict[Counter, float] = {}  # what each counter fed from a total elsewhere has counted
         self.open_sessions = Gauge("specdec_open_sessions", "sessions holding a KV cache", registry=r)
         self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions", registry=r)
         for position in range(max_draft_tokens):  # every position exists from the start, at 0
@@ -107,7 +107,6 @@ class VerifierMetrics:
         )
         for reason in EVICTION_REASONS:  # every reason's series exists from the start, at 0
             self.evicted_sessions.labels(reason)
-        self._evictions_seen: dict[str, int] = {}
         self.prefix_reused_tokens = Counter(
             "specdec_prefix_reused_tokens",
             "prompt tokens of new sessions whose KV came from a closed session of the same API key (a kept prefix)",
@@ -120,10 +119,6 @@ class VerifierMetrics:
             "specdec_prefix_cache_bytes", "KV bytes kept from closed sessions for their keys' next sessions", registry=r
         )
         self.prefix_cache_entries = Gauge("specdec_prefix_cache_entries", "closed sessions' KV kept for reuse", registry=r)
-        self._prefix_seen = (0, 0)
-
-    def record_refusal(self, code: str, key: str) -> None:
-        self.refused_calls.labels(code, key).inc()
 
     def record_rpc(self, method: str, code: str, received: int, sent: int) -> None:
         self.requests.labels(method, code).inc()
@@ -150,27 +145,26 @@ class VerifierMetrics:
     def record_evictions(self, totals: Mapping[str, int]) -> None:
         """The session store's eviction totals by reason, as they stand now."""
         for reason, total in totals.items():
-            new = total - self._evictions_seen.get(reason, 0)
-            if new > 0:
-                self.evicted_sessions.labels(reason).inc(new)
-                self._evictions_seen[reason] = total
+            self._count_to(self.evicted_sessions.labels(reason), total)
 
     def record_prefixes(self, reused: int, prefilled: int, entries: int, nbytes: int) -> None:
         """The kept prefixes now, and the prompt-token totals of new sessions as they stand."""
-        seen_reused, seen_prefilled = self._prefix_seen
-        self.prefix_reused_tokens.inc(max(reused - seen_reused, 0))
-        self.prefix_prefilled_tokens.inc(max(prefilled - seen_prefilled, 0))
-        self._prefix_seen = (max(reused, seen_reused), max(prefilled, seen_prefilled))
+        self._count_to(self.prefix_reused_tokens, reused)
+        self._count_to(self.prefix_prefilled_tokens, prefilled)
         self.prefix_cache_entries.set(entries)
         self.prefix_cache_bytes.set(nbytes)
 
     def record_engine_steps(self, steps: int, seconds: float) -> None:
         """The engine's own step totals, as they stand now."""
-        seen_steps, seen_seconds = self._engine_seen
-        if steps > seen_steps:
-            self.engine_steps.inc(steps - seen_steps)
-            self.engine_step_time.inc(max(seconds - seen_seconds, 0.0))
-            self._engine_seen = (steps, seconds)
+        self._count_to(self.engine_steps, steps)
+        self._count_to(self.engine_step_time, seconds)
+
+    def _count_to(self, counter: Counter, total: float) -> None:
+        """Raise `counter` to `total`, a total kept elsewhere (it never goes down)."""
+        new = total - self._counted.get(counter, 0)
+        if new > 0:
+            counter.inc(new)
+            self._counted[counter] = total
 
     def set_sessions(self, count: int, kv_bytes: int) -> None:
         self.open_sessions.set(count)

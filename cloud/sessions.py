@@ -139,11 +139,8 @@ class SessionStore:
             return self.slot_bytes  # the slot is allocated in full from the start
         return max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
 
-    def _drop(self, session: Session) -> None:
-        """Free the KV of a session leaving the store."""
-        self._free(session.cache)
-
     def _free(self, kv: SessionKV) -> None:
+        """Free the KV of a session or kept prefix leaving the store."""
         if self.kv is not None:
             self.kv.free(kv)
 
@@ -156,7 +153,7 @@ class SessionStore:
             with self._lock:
                 self.prefixes.note(session.owner, session.tokens[:held])
         if not (kept and self.keep_prefixes) or self.busy.get(session.session_id):
-            self._drop(session)
+            self._free(session.cache)
             return
         nbytes = self.slot_bytes or held * self.kv_bytes_per_token
         with self._lock:
@@ -173,14 +170,11 @@ class SessionStore:
         with self._lock:
             return self.prefixes.reusable(owner, prompt)
 
-    def _pop_prefix(self, owner: str | None = None, kept_before: float | None = None) -> SessionKV | None:
-        with self._lock:
-            return self.prefixes.pop_oldest(owner, kept_before)
-
-    def _evict_prefix(self, owner: str | None) -> bool:
+    def _evict_prefix(self, owner: str | None, kept_before: float | None = None) -> bool:
         """Free the least recently kept prefix (of `owner`, or anyone's: a kept prefix is only
-        a cache, its key loses nothing but a re-prefill)."""
-        kv = self._pop_prefix(owner)
+        a cache, its key loses nothing but a re-prefill; kept before `kept_before`)."""
+        with self._lock:
+            kv = self.prefixes.pop_oldest(owner, kept_before)
         if kv is None:
             return False
         self._free(kv)
@@ -194,8 +188,8 @@ class SessionStore:
 
     def expire(self) -> None:
         now = self.clock()
-        while (kv := self._pop_prefix(kept_before=now - self.limits.ttl_s)) is not None:
-            self._free(kv)
+        while self._evict_prefix(None, kept_before=now - self.limits.ttl_s):
+            pass
         with self._lock:
             self.prefixes.forget_notes(now - self.limits.ttl_s)
         while self._sessions:
@@ -204,7 +198,7 @@ class SessionStore:
                 break
             with self._lock:
                 oldest = self._sessions.popitem(last=False)[1]
-            self._drop(oldest)
+            self._free(oldest.cache)
             self._count_eviction(oldest, "ttl")
 
     def get(self, session_id: str, owner: str = "") -> Session:
@@ -273,34 +267,31 @@ class SessionStore:
     def remove(self, session_id: str, owner: str = "") -> Session:
         """Close `owner`'s session: its KV may stay as a kept prefix."""
         session = self.get(session_id, owner)
-        with self._lock:
-            del self._sessions[session_id]
-        self._retire(session)
+        self.retire(session_id)
         return session
 
     def retire(self, session_id: str) -> None:
         """Close a session that ended well if it is still here (a finished Generate stream): its
         KV may stay as a kept prefix."""
-        with self._lock:
-            session = self._sessions.pop(session_id, None)
-        if session is not None:
+        if (session := self._pop(session_id)) is not None:
             self._retire(session)
 
     def discard(self, session_id: str) -> None:
         """Drop a session if it is still here (a prefill that failed, or one evicted meanwhile)."""
+        if (session := self._pop(session_id)) is not None:
+            self._free(session.cache)
+
+    def _pop(self, session_id: str) -> Session | None:
         with self._lock:
-            session = self._sessions.pop(session_id, None)
-        if session is not None:
-            self._drop(session)
+            return self._sessions.pop(session_id, None)
 
     def _evict_one(self, keep: str | None, owner: str, reason: str) -> bool:
         """Drop `owner`'s least recently used session that is not `keep` and has no call in
         flight, for `reason`."""
         for sid, session in self._sessions.items():
             if sid != keep and not self.busy.get(sid) and session.owner == owner:
-                with self._lock:
-                    del self._sessions[sid]
-                self._drop(session)
+                self._pop(sid)
+                self._free(session.cache)
                 self._count_eviction(session, reason)
                 return True
         return False

@@ -34,12 +34,6 @@ from transformers import DynamicCache, PreTrainedModel
 from shared.errors import CapacityExceeded, InvalidRequest, SessionNotFound
 
 
-@dataclass(frozen=True)
-class SlotLayer:
-    keys: torch.Tensor  # [1, kv_heads, length, head_dim]
-    values: torch.Tensor
-
-
 @dataclass(eq=False)
 class SlotKV:
     """One session's KV: positions [slot * slot_tokens, + length) of its pool."""
@@ -55,12 +49,6 @@ class SlotKV:
 
     def get_seq_length(self) -> int:
         return self.length
-
-    @property
-    def layers(self) -> list[SlotLayer]:
-        """Views of its keys and values per layer, as a DynamicCache's layers (no copy)."""
-        held = slice(self.base, self.base + self.length)
-        return [SlotLayer(k[:, :, held], v[:, :, held]) for k, v in zip(self.pool.keys, self.pool.values, strict=True)]
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(length, 0))
@@ -200,7 +188,7 @@ def forward_slots(
     return logits
 
 
-def _kept_rows(lengths: Sequence[int], keeps: Sequence[int]) -> list[torch.Tensor]:
+def kept_rows(lengths: Sequence[int], keeps: Sequence[int]) -> list[torch.Tensor]:
     """Per sequence, the indices of its kept rows among the pass's packed new tokens."""
     rows, start = [], 0
     for n, keep in zip(lengths, keeps, strict=True):
@@ -224,7 +212,7 @@ def _forward_packed(
     columns = torch.arange(lo, hi, device=device)  # [window]
     allowed = (columns[None] >= bases[:, None]) & (columns[None] <= dest[:, None])  # [total_new, window]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    rows = _kept_rows(lengths, keeps)
+    rows = kept_rows(lengths, keeps)
     out = model(
         input_ids=torch.tensor([[t for block in blocks for t in block]], dtype=torch.long, device=device),
         attention_mask=mask[None, None],

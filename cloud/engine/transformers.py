@@ -12,7 +12,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV
 from cloud.engine.forward_steps import ForwardEngine
-from cloud.engine.kv_slots import SlotKV, SlotPool, forward_slots
+from cloud.engine.kv_slots import SlotKV, SlotPool, forward_slots, kept_rows
 from shared import lm
 from shared.errors import ConfigError
 
@@ -111,7 +111,8 @@ def forward_packed(
     pasts = [cache.get_seq_length() for cache in caches]
     lengths = [len(block) for block in blocks]
     total_past = sum(pasts)
-    mask, positions, rows = _packed_mask(pasts, lengths, keeps, model.dtype)
+    mask, positions = _packed_mask(pasts, lengths, model.dtype)
+    rows = kept_rows(lengths, keeps)
     device = model.device
     packed = _packed_past(model, caches, pasts)
     out = model(
@@ -145,28 +146,24 @@ def _packed_past(model: PreTrainedModel, caches: Sequence[DynamicCache], pasts: 
     return packed
 
 
-def _packed_mask(
-    pasts: Sequence[int], lengths: Sequence[int], keeps: Sequence[int], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _packed_mask(pasts: Sequence[int], lengths: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed pass's mask [total_new, total_past + total_new] (0 where a query may look,
-    the dtype's min elsewhere), its position ids [total_new], and each sequence's kept rows."""
+    the dtype's min elsewhere) and its position ids [total_new]."""
     total_past, total_new = sum(pasts), sum(lengths)
     allowed = torch.zeros(total_new, total_past + total_new, dtype=torch.bool)
-    positions, rows = [], []
+    positions = []
     past_start = new_start = 0
-    for past, length, keep in zip(pasts, lengths, keeps, strict=True):
+    for past, length in zip(pasts, lengths, strict=True):
         block = slice(new_start, new_start + length)
         allowed[block, past_start : past_start + past] = True
         allowed[block, total_past + new_start : total_past + new_start + length] = torch.ones(
             length, length, dtype=torch.bool
         ).tril()
         positions.append(torch.arange(past, past + length))
-        first_kept = new_start + length - (keep or length)
-        rows.append(torch.arange(first_kept, new_start + length))
         past_start += past
         new_start += length
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask, torch.cat(positions), rows
+    return mask, torch.cat(positions)
 
 
 def _keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
