@@ -133,6 +133,7 @@ def settings_from(args: BenchFlags) -> BenchSettings:
         dtype_reason=dtype.reason,
         k=args.k,
         temperature=args.temperature,
+        top_p=args.top_p,
         seed=args.seed,
         bandwidth_kbps=args.bandwidth_kbps,
         quick=args.quick,

@@ -47,6 +47,7 @@ class BenchFlags(BaseSettings):
     )
     k: int | None = Field(None, description="draft tokens per round for edge-agent systems (default: edge-agent's)")
     temperature: float = Field(0.0, description="0 = greedy (then outputs are compared to target-only)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling at temperature > 0 (1 = off)")
     seed: int = Field(0, description="seeds every system's sampling")
     pin: bool = Field(False, description="two-machine mode only (= --placement pinned)")
     placement: Literal["unpinned", "pinned", "both"] | None = Field(
@@ -66,7 +67,7 @@ class BenchFlags(BaseSettings):
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "what to run": ("systems", "variant", "quick", "draft_model", "target_model", "dtype", "engine", "verifier_python"),
-        "prompts and sampling": ("prompts", "per_task", "max_new_tokens", "k", "temperature", "seed"),
+        "prompts and sampling": ("prompts", "per_task", "max_new_tokens", "k", "temperature", "top_p", "seed"),
         "links and placement": ("rtt_ms", "bandwidth_kbps", "pin", "placement"),
         "results": ("output", "report"),
     }
@@ -91,6 +92,7 @@ class BenchSettings:
     seed: int
     bandwidth_kbps: float  # 0 = unlimited
     quick: bool
+    top_p: float = 1.0
     engine: str = "transformers"  # the verifier's (cloud-verifier --engine)
     verifier_python: str = sys.executable  # the interpreter cloud-verifier runs under
 
@@ -125,6 +127,7 @@ class BenchSettings:
             "dtype_reason": self.dtype_reason,
             "k": self.k,
             "temperature": self.temperature,
+            "top_p": self.top_p,
             "seed": self.seed,
             "bandwidth_kbps": self.bandwidth_kbps,
             "quick": self.quick,

@@ -40,6 +40,7 @@ class HfRunnerSettings(BaseSettings):
     prompts: str = Field(description="JSONL of prompts (edge-agent's --prompts format)")
     max_new_tokens: int = Field(128, ge=1, description="tokens generated per prompt at most")
     temperature: float = Field(0.0, ge=0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling at temperature > 0 (1 = off)")
     seed: int = Field(0, description="torch seed, set before each prompt")
     chat: bool = Field(True, description="wrap each prompt in the tokenizer's chat template")
     output: str = Field(description="per-prompt records (JSONL, edge-agent's record shape)")
@@ -52,7 +53,7 @@ class HfRunnerSettings(BaseSettings):
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "the models": ("system", "target", "draft"),
-        "what to generate": ("prompts", "max_new_tokens", "temperature", "seed", "chat"),
+        "what to generate": ("prompts", "max_new_tokens", "temperature", "top_p", "seed", "chat"),
         "output": ("output", "log_rounds", "meta", "kv_only"),
         "runtime": ("dtype", "device", "threads"),
     }
@@ -123,7 +124,7 @@ class MaskBeyondVocab(LogitsProcessor):
 
 def generation_config(args: HfRunnerSettings, stops: list[int]) -> GenerationConfig:
     sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": args.temperature, "top_k": None, "top_p": None}
+        {"do_sample": True, "temperature": args.temperature, "top_k": None, "top_p": args.top_p}
         if args.temperature > 0
         else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     )

@@ -318,7 +318,7 @@ def write_report(result: dict[str, Any], folder: Path) -> Path:
 def _setup_lines(result: dict[str, Any], machine: str) -> list[str]:
     """The report's opening: where, with what, on which models and prompts, over which links."""
     m, v, st, git = result["machine"], result["versions"], result["settings"], result["git"]
-    sampling = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']}"
+    sampling = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']}, top-p {st.get('top_p', 1.0)}"
     k = st["k"] if st["k"] is not None else "edge default"
     cap = f", bandwidth cap {st['bandwidth_kbps']:g} kbit/s" if st["bandwidth_kbps"] else ""
     pinned = (

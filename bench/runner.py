@@ -93,6 +93,7 @@ class BenchRunner:
         files = ["--prompts", str(self.child_prompts), "--output", str(stem.path(".jsonl"))]
         files += ["--log-rounds", str(stem.path(".rounds.jsonl"))]
         sampling = ["--max-new-tokens", str(s.max_new_tokens), "--temperature", str(s.temperature), "--seed", str(s.seed)]
+        sampling += ["--top-p", str(s.top_p)]
         return [*files, "--dtype", s.dtype, *sampling]
 
     def _hf_command(self, system: str, placement: Placement, stem: RunFiles, extra: list[str]) -> list[str]:
