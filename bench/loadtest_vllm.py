@@ -99,14 +99,18 @@ class PeerServer:
                     raise ConfigError(f"the vLLM server at {where} did not list its model within {timeout_s:g} s") from err
                 await asyncio.sleep(0.5)
 
-    async def stream_tokens(self, prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
-        """A greedy streaming completion of exactly max_tokens tokens: how many each event carries."""
+    async def stream_tokens(
+        self, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+    ) -> AsyncIterator[int]:
+        """A streaming completion of exactly max_tokens tokens (greedy unless a temperature is
+        given): how many each event carries."""
         body = json.dumps(
             {
                 "model": self.model,
                 "prompt": prompt,
                 "max_tokens": max_tokens,
-                "temperature": 0.0,
+                "temperature": temperature,
+                "top_p": top_p,
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},

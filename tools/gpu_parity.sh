@@ -13,7 +13,8 @@
 # weights in the model's shapes: a step costs what the real model's costs). OUT_DIR gets stream_parity/,
 # step_overhead/ and live_rounds/ (each a JSON result and report.md, written level by level) and the servers' logs.
 #
-# Environment (defaults): STREAMS (1,24,64), PROMPT_TOKENS (200), NEW_TOKENS (256), REPEATS (3), ROUND_SESSIONS
+# Environment (defaults): STREAMS (1,24,64), PROMPT_TOKENS (200), NEW_TOKENS (256), TEMPERATURE and TOP_P (0 and
+# 1: greedy; 0.7 and 0.95 sample every stream as chat traffic does), REPEATS (3), ROUND_SESSIONS
 # (1,16; empty: no rounds), GPU_SHARE (0.4), KV_BYTES (16000000000), MAX_CONTEXT (4096), VERIFIER_FLAGS (more
 # cloud-verifier flags), VARIANTS (none: more verifiers beside the first, measured side by side in the same run,
 # each "LABEL SWITCH_S [FLAGS...]", separated by ';': SWITCH_S is Python's thread switch interval in its process,
@@ -62,7 +63,8 @@ peers="vllm_alone=http://127.0.0.1:$vllm_port"
 say "streams: ${STREAMS:-1,24,64} on $clouds against $peers"
 $py -m bench.studies.stream_parity --cloud "$clouds" --metrics "$metrics" --vllm-url "$peers" \
     --streams "${STREAMS:-1,24,64}" --prompt-tokens "${PROMPT_TOKENS:-200}" --new-tokens "${NEW_TOKENS:-256}" \
-    --repeats "${REPEATS:-3}" --vocab "$vocab" --out "$out/stream_parity" ${STRETCHES:+--stretches}
+    --repeats "${REPEATS:-3}" --vocab "$vocab" --temperature "${TEMPERATURE:-0}" --top-p "${TOP_P:-1}" \
+    --out "$out/stream_parity" ${STRETCHES:+--stretches}
 stop_servers
 if [ -n "${STEP_OVERHEAD:-}" ]; then
     say "a step with nothing served: a plain vLLM engine against the verifier's live sessions"
@@ -73,6 +75,6 @@ fi
 if [ -n "${ROUND_SESSIONS-1,16}" ]; then
     say "a round against a decode step: ${ROUND_SESSIONS-1,16} sessions"
     $py -m bench.studies.vllm_live_rounds --target "$model" --load-format dummy --sessions "${ROUND_SESSIONS-1,16}" --k 4 \
-        --gpu-memory 0.5 --out "$out/live_rounds"
+        --temperature "${TEMPERATURE:-0}" --top-p "${TOP_P:-1}" --gpu-memory 0.5 --out "$out/live_rounds"
 fi
 say "done"

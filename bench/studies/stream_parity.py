@@ -1,6 +1,7 @@
 """Target-only streams through the verifier against vLLM's own server, side by side: N
-concurrent streams of the same prompts on each, every stream `--new-tokens` tokens, greedy, no
-stop token, at each N of `--streams`.
+concurrent streams of the same prompts on each, every stream `--new-tokens` tokens, greedy (or
+sampled at `--temperature` and `--top-p`, as chat traffic is), no stop token, at each N of
+`--streams`.
 
 The verifier's streams are Generate calls (the cloud_only mode, as edge-agent sends them,
 through the edge's own client); vLLM's are streaming `/v1/completions` calls with
@@ -24,7 +25,7 @@ specdec_engine_step_seconds_total: the vLLM engine).
 
     python -m bench.studies.stream_parity --cloud 127.0.0.1:50071 --vllm-url http://127.0.0.1:8092 \\
         [--metrics http://127.0.0.1:8091/metrics] [--streams 1,24,64] [--prompt-tokens 200] [--new-tokens 256] \\
-        [--vocab 151936] [--out docs/stream_parity]
+        [--vocab 151936] [--temperature 0.7 --top-p 0.95] [--out docs/stream_parity]
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from bench.loadtest_vllm import PeerServer
 from bench.tasks import random_token_ids
 from edge.transport.client import VerifierClient
 from shared.cli import run_cli
-from shared.protocol import DecodeRequest, GenerateRequest, OpenSessionRequest, SessionConfig
+from shared.protocol import AcceptMode, DecodeRequest, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig
 
 Stream = Callable[[list[int]], AsyncIterator[int]]  # a prompt -> how many tokens each delivery carries
 
@@ -67,6 +68,8 @@ class StreamParitySettings(BaseSettings):
     prompt_tokens: int = Field(200, ge=1, description="prompt tokens of each stream (random ids)")
     new_tokens: int = Field(256, ge=2, description="tokens each stream generates")
     vocab: int = Field(151936, ge=2, description="the vocabulary the verifier's streams sample from")
+    temperature: float = Field(0.0, ge=0, le=2, description="every stream's (0: greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="every sampled stream's nucleus (1: off)")
     repeats: int = Field(3, ge=1, description="runs of each level per server (the median is reported)")
     stretches: bool = Field(False, description="each verifier also streams Decode stretches (a 'LABEL stretch' row)")
     ready_timeout: float = Field(600.0, gt=0, description="seconds to wait for vLLM's server to list its model")
@@ -74,22 +77,28 @@ class StreamParitySettings(BaseSettings):
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "servers": ("cloud", "metrics", "vllm_url", "ready_timeout"),
-        "streams": ("streams", "prompt_tokens", "new_tokens", "vocab", "repeats", "stretches"),
+        "streams": ("streams", "prompt_tokens", "new_tokens", "vocab", "temperature", "top_p", "repeats", "stretches"),
         "output": ("out",),
     }
 
 
-def verifier_stream(client: VerifierClient, vocab: int, new_tokens: int) -> Stream:
+def session_config(args: StreamParitySettings) -> SessionConfig:
+    """The streams' sampling on the verifier, as an edge-agent at that temperature asks for it."""
+    mode = AcceptMode.SPARSE if args.temperature > 0 else AcceptMode.GREEDY
+    return SessionConfig(SamplingParams(args.temperature, top_p=args.top_p), accept_mode=mode, vocab_size=args.vocab)
+
+
+def verifier_stream(client: VerifierClient, config: SessionConfig, new_tokens: int) -> Stream:
     async def stream(prompt: list[int]) -> AsyncIterator[int]:
-        async for chunk in client.generate(GenerateRequest(prompt, SessionConfig(vocab_size=vocab), new_tokens)):
+        async for chunk in client.generate(GenerateRequest(prompt, config, new_tokens)):
             yield len(chunk.tokens)
 
     return stream
 
 
-def stretch_stream(client: VerifierClient, vocab: int, new_tokens: int) -> Stream:
+def stretch_stream(client: VerifierClient, config: SessionConfig, new_tokens: int) -> Stream:
     async def stream(prompt: list[int]) -> AsyncIterator[int]:
-        opening = DecodeRequest("", 0, new_tokens, open=OpenSessionRequest(prompt, SessionConfig(vocab_size=vocab)))
+        opening = DecodeRequest("", 0, new_tokens, open=OpenSessionRequest(prompt, config))
         session = ""
         try:
             async for chunk in client.decode(opening):
@@ -102,9 +111,9 @@ def stretch_stream(client: VerifierClient, vocab: int, new_tokens: int) -> Strea
     return stream
 
 
-def vllm_stream(server: PeerServer, new_tokens: int) -> Stream:
+def vllm_stream(server: PeerServer, new_tokens: int, temperature: float, top_p: float) -> Stream:
     def stream(prompt: list[int]) -> AsyncIterator[int]:
-        return server.stream_tokens(prompt, new_tokens)
+        return server.stream_tokens(prompt, new_tokens, temperature, top_p)
 
     return stream
 
@@ -182,13 +191,14 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
     systems: dict[str, tuple[Stream, str]] = {}
     for label, url in peers(args):
         server = await PeerServer.from_url(url).wait_ready(args.ready_timeout)
-        systems[label] = (vllm_stream(server, args.new_tokens), "")
+        systems[label] = (vllm_stream(server, args.new_tokens, args.temperature, args.top_p), "")
     reference = next(iter(systems))
     clients = [(label, VerifierClient(address, verify_timeout_s=600.0), url) for label, address, url in verifiers(args)]
+    config = session_config(args)
     for label, client, url in clients:  # each verifier answers (tools/gpu_parity.sh waits for them)
-        systems[label] = (verifier_stream(client, args.vocab, args.new_tokens), url)
+        systems[label] = (verifier_stream(client, config, args.new_tokens), url)
         if args.stretches:
-            systems[f"{label} stretch"] = (stretch_stream(client, args.vocab, args.new_tokens), url)
+            systems[f"{label} stretch"] = (stretch_stream(client, config, args.new_tokens), url)
     result["systems"], result["reference"] = list(systems), reference
     rng = np.random.default_rng(0)
 
@@ -222,7 +232,7 @@ def report(result: dict[str, Any]) -> str:
         "# Target-only streams: the verifier (cloud_only, and Decode stretches where asked) against vLLM's own server",
         "",
         f"{machine_line(result['provenance']['machine'])}; {result['prompt_tokens']} prompt tokens and "
-        f"{result['new_tokens']} generated tokens a stream, greedy; median of {result['repeats']} runs a level.",
+        f"{result['new_tokens']} generated tokens a stream, {_sampling(result)}; median of {result['repeats']} runs a level.",
         "",
         f"| streams | system | tok/s | / {result['reference']} | TPOT median, ms | TTFT median, ms | tokens a delivery |"
         " engine steps | ms an engine step |",
@@ -239,12 +249,19 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n\nCommand: `" + result["provenance"]["command"] + "`\n"
 
 
+def _sampling(result: dict[str, Any]) -> str:
+    temperature = result.get("temperature", 0.0)
+    return f"temperature {temperature}, top-p {result.get('top_p', 1.0)}" if temperature > 0 else "greedy"
+
+
 def main(argv: list[str] | None = None) -> int:
     args, command = study_settings("bench.studies.stream_parity", __doc__, StreamParitySettings, argv)
     result: dict[str, Any] = {
         "provenance": provenance(command),
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "repeats": args.repeats,
         "rows": [],
     }

