@@ -178,7 +178,7 @@ class VerifierSettings(BaseSettings):
     max_prefill_chunk: int = Field(
         256,
         ge=0,
-        description="prompt tokens fed per forward pass (0 = whole prompts): "
+        description="prompt tokens computed per forward pass (0 = whole prompts; on vLLM, per step of its scheduler): "
         "a round sent during a long prefill waits for the pass running and one pass with a "
         "chunk, not the whole prefill; smaller on a slow CPU, larger on a GPU",
     )
