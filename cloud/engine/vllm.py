@@ -7,16 +7,16 @@ Its prefill is the request's prompt, which vLLM's scheduler computes in chunks (
 chunk in each batch, beside other sessions' rounds); a Verify round puts the edge's drafts on
 it as speculative tokens for one step, verified by vLLM's rejection sampler: greedy drafts by
 the argmax, point drafts as q = 1, sparse drafts with the edge's distribution over each handed
-to the sampler as its draft probabilities. A Generate stream or a Decode stretch is vLLM decoding it on its own.
-Between its steps the request is parked: it keeps its KV and costs no step. The tokens a request
-holds past the session's own (a stretch decoded ahead, the token its prefill sampled) are read
-by the session's next steps: a draft that equals the token vLLM sampled there is accepted
-without a step, the first that differs is corrected by it. Whatever the accept mode, this is
-exact: the token at that position is the target's own draw (a sparse draft is accepted there
-with probability p(y) where the sampler's rule gives min(1, p(y)/q(y)): a lower acceptance, at
-one position after a prefill). A session whose tokens no longer extend its request's (a round
-that caught up on tokens of its own) gets a new request; its salted prefix-cache blocks serve
-the whole blocks of it. A session vLLM cannot verify exactly (an approximate accept mode, a
+to the sampler as its draft probabilities. A Generate stream or a Decode stretch is vLLM
+decoding it on its own. Between its steps the request is parked: it keeps its KV and costs no
+step. The tokens a request holds past the session's own (a stretch decoded ahead, the token its
+prefill sampled) are read by the session's next steps: a draft that equals the token vLLM
+sampled there is accepted without a step, the first that differs is corrected by it. Whatever
+the accept mode, this is exact: the token at that position is the target's own draw (a sparse
+draft is accepted there with probability p(y) where the sampler's rule gives min(1,
+p(y)/q(y)): a lower acceptance, at one position after a prefill). A session whose tokens no
+longer extend its request's (a round that caught up on tokens of its own) gets a new request;
+its salted prefix-cache blocks serve the whole blocks of it. A session vLLM cannot verify exactly (an approximate accept mode, a
 vocabulary narrower than the model's that vLLM cannot mask) is refused when it opens.
 
 The target's top-k a round asks for (`want_top_k`) comes from the same step: a session whose
