@@ -63,6 +63,7 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM's scheduler, with live requests parked between their pieces of work."""
 
     running: list[Request]  # vLLM's: the requests it schedules
+    max_num_scheduled_tokens: int  # vLLM's: the tokens a step may schedule
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
