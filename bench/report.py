@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from bench.systems import CLOUD_ONLY  # noqa: E402
+from bench.tasks import sampling_label  # noqa: E402
 
 
 def fmt(value: Any, digits: int = 2) -> str:
@@ -318,7 +319,7 @@ def write_report(result: dict[str, Any], folder: Path) -> Path:
 def _setup_lines(result: dict[str, Any], machine: str) -> list[str]:
     """The report's opening: where, with what, on which models and prompts, over which links."""
     m, v, st, git = result["machine"], result["versions"], result["settings"], result["git"]
-    sampling = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']}, top-p {st.get('top_p', 1.0)}"
+    sampling = sampling_label(st["temperature"], st.get("top_p", 1.0))  # results from before --top-p have none
     k = st["k"] if st["k"] is not None else "edge default"
     cap = f", bandwidth cap {st['bandwidth_kbps']:g} kbit/s" if st["bandwidth_kbps"] else ""
     pinned = (

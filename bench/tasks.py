@@ -1,5 +1,5 @@
 """Spec-Bench prompts: the 13 category labels grouped into Spec-Bench's six tasks, and a
-deterministic per-task selection."""
+deterministic per-task selection; random prompts, and how the studies' sessions sample."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from edge.prompts import Prompt
+from shared.protocol import AcceptMode, SamplingParams, SessionConfig
 
 # The eight MT-bench labels form Spec-Bench's multi-turn conversation task; the other five
 # labels are tasks of their own (bench/data/README.md).
@@ -61,3 +62,15 @@ def random_token_ids(rng: np.random.Generator, vocab: int, size: int) -> list[in
     """`size` random ids of a `vocab`-wide vocabulary for the studies' prompts and drafts: past
     the special tokens a real vocabulary starts with, within its first 30,000 ids."""
     return rng.integers(min(100, vocab // 2), min(vocab, 30_000), size=size).tolist()  # type: ignore[no-any-return]
+
+
+def session_config(vocab: int, temperature: float, top_p: float) -> SessionConfig:
+    """A session sampling as an edge-agent at that temperature and top-p opens it: greedy at
+    temperature 0, else the sparse mode (the edge's default)."""
+    mode = AcceptMode.SPARSE if temperature > 0 else AcceptMode.GREEDY
+    return SessionConfig(SamplingParams(temperature, top_p=top_p), accept_mode=mode, vocab_size=vocab)
+
+
+def sampling_label(temperature: float, top_p: float) -> str:
+    """How a report names a run's sampling."""
+    return f"temperature {temperature}, top-p {top_p}" if temperature > 0 else "greedy"

@@ -47,10 +47,10 @@ from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
 from bench.loadtest import engine_steps
 from bench.loadtest_vllm import PeerServer
-from bench.tasks import random_token_ids
+from bench.tasks import random_token_ids, sampling_label, session_config
 from edge.transport.client import VerifierClient
 from shared.cli import run_cli
-from shared.protocol import AcceptMode, DecodeRequest, GenerateRequest, OpenSessionRequest, SamplingParams, SessionConfig
+from shared.protocol import DecodeRequest, GenerateRequest, OpenSessionRequest, SessionConfig
 
 Stream = Callable[[list[int]], AsyncIterator[int]]  # a prompt -> how many tokens each delivery carries
 
@@ -80,12 +80,6 @@ class StreamParitySettings(BaseSettings):
         "streams": ("streams", "prompt_tokens", "new_tokens", "vocab", "temperature", "top_p", "repeats", "stretches"),
         "output": ("out",),
     }
-
-
-def session_config(args: StreamParitySettings) -> SessionConfig:
-    """The streams' sampling on the verifier, as an edge-agent at that temperature asks for it."""
-    mode = AcceptMode.SPARSE if args.temperature > 0 else AcceptMode.GREEDY
-    return SessionConfig(SamplingParams(args.temperature, top_p=args.top_p), accept_mode=mode, vocab_size=args.vocab)
 
 
 def verifier_stream(client: VerifierClient, config: SessionConfig, new_tokens: int) -> Stream:
@@ -194,7 +188,7 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
         systems[label] = (vllm_stream(server, args.new_tokens, args.temperature, args.top_p), "")
     reference = next(iter(systems))
     clients = [(label, VerifierClient(address, verify_timeout_s=600.0), url) for label, address, url in verifiers(args)]
-    config = session_config(args)
+    config = session_config(args.vocab, args.temperature, args.top_p)
     for label, client, url in clients:  # each verifier answers (tools/gpu_parity.sh waits for them)
         systems[label] = (verifier_stream(client, config, args.new_tokens), url)
         if args.stretches:
@@ -228,11 +222,12 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
 
 
 def report(result: dict[str, Any]) -> str:
+    sampling = sampling_label(result["temperature"], result["top_p"])
     lines = [
         "# Target-only streams: the verifier (cloud_only, and Decode stretches where asked) against vLLM's own server",
         "",
         f"{machine_line(result['provenance']['machine'])}; {result['prompt_tokens']} prompt tokens and "
-        f"{result['new_tokens']} generated tokens a stream, {_sampling(result)}; median of {result['repeats']} runs a level.",
+        f"{result['new_tokens']} generated tokens a stream, {sampling}; median of {result['repeats']} runs a level.",
         "",
         f"| streams | system | tok/s | / {result['reference']} | TPOT median, ms | TTFT median, ms | tokens a delivery |"
         " engine steps | ms an engine step |",
@@ -247,11 +242,6 @@ def report(result: dict[str, Any]) -> str:
                 f"{m['tpot_ms_median']:.2f} | {m['ttft_ms_median']:.0f} | {m['tokens_per_delivery']:.2f} | {steps} |"
             )
     return "\n".join(lines) + "\n\nCommand: `" + result["provenance"]["command"] + "`\n"
-
-
-def _sampling(result: dict[str, Any]) -> str:
-    temperature = result.get("temperature", 0.0)
-    return f"temperature {temperature}, top-p {result.get('top_p', 1.0)}" if temperature > 0 else "greedy"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bench.cli import study_settings, vllm_version
 from bench.environment import machine_line, provenance, write_result
-from bench.tasks import random_token_ids
+from bench.tasks import random_token_ids, sampling_label, session_config
 from shared.cli import run_cli
 
 SUPPORT = 8  # ids in a sampled round's q over each draft
@@ -84,12 +84,11 @@ class Sessions:
     """The measured sessions: their ids and positions."""
 
     def __init__(self, verifier: Any, count: int, args: LiveRoundSettings) -> None:
-        from shared.protocol import AcceptMode, OpenSessionRequest, SamplingParams, SessionConfig
+        from shared.protocol import OpenSessionRequest
 
         self.verifier, self.k, self.sparse = verifier, args.k, args.temperature > 0
         vocab = verifier.engine.logits_width
-        mode = AcceptMode.SPARSE if self.sparse else AcceptMode.GREEDY
-        config = SessionConfig(SamplingParams(args.temperature, top_p=args.top_p), accept_mode=mode, vocab_size=vocab)
+        config = session_config(vocab, args.temperature, args.top_p)
         rng = np.random.default_rng(0)
         self.ids, self.positions = [], []
         for _ in range(count):
@@ -164,10 +163,8 @@ def measure(args: LiveRoundSettings, verifier: Any, count: int) -> dict[str, Any
 
 
 def _sampling(result: dict[str, Any]) -> str:
-    temperature = result.get("temperature", 0.0)
-    if not temperature:
-        return "greedy"
-    return f"temperature {temperature}, top-p {result.get('top_p', 1.0)}, sparse drafts (q over {SUPPORT} ids)"
+    label = sampling_label(result["temperature"], result["top_p"])
+    return f"{label}, sparse drafts (q over {SUPPORT} ids)" if result["temperature"] > 0 else label
 
 
 def _report(result: dict[str, Any]) -> str:
