@@ -75,6 +75,7 @@ class WireBytes:
 class OpenSessionRequest:
     prompt_tokens: list[int]
     config: SessionConfig
+    reuse_token: str = ""  # without API keys: the token the verifier gave this client (its kept prefixes' scope)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class OpenSessionResult:
     prefill_ms: float
     model_id: str
     wire: WireBytes = WireBytes()  # set by the edge's client
+    reuse_token: str = ""  # without API keys: the client's token for its next sessions
+    reused_tokens: int = 0  # prompt tokens served from the scope's kept KV, not computed
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ class GenerateRequest:
     config: SessionConfig
     max_new_tokens: int
     stop_token_ids: list[int] = field(default_factory=list)
+    reuse_token: str = ""  # as in OpenSessionRequest
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ class GenerateChunk:
     forward_ms: float
     finished: bool
     wire: WireBytes = WireBytes()  # set by the edge's client
+    reuse_token: str = ""  # the first chunk: as in OpenSessionResult
+    reused_tokens: int = 0  # the first chunk: as in OpenSessionResult
 
 
 @dataclass(frozen=True)

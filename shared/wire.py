@@ -77,12 +77,13 @@ def open_request_to_pb(req: protocol.OpenSessionRequest) -> pb.OpenSessionReques
         seed=cfg.seed,
         accept_mode=_MODE_TO_PB.get(cfg.accept_mode, pb.ACCEPT_MODE_UNSPECIFIED),
         vocab_size=cfg.vocab_size,
+        reuse_token=req.reuse_token,
     )
 
 
 def open_request_from_pb(msg: pb.OpenSessionRequest) -> protocol.OpenSessionRequest:
     cfg = config_from_pb(msg.sampling, msg.seed, msg.accept_mode, msg.vocab_size)
-    return protocol.OpenSessionRequest(list(msg.prompt_tokens), cfg)
+    return protocol.OpenSessionRequest(list(msg.prompt_tokens), cfg, msg.reuse_token)
 
 
 def open_result_to_pb(res: protocol.OpenSessionResult) -> pb.OpenSessionResponse:
@@ -93,12 +94,21 @@ def open_result_to_pb(res: protocol.OpenSessionResult) -> pb.OpenSessionResponse
         vocab_size=res.vocab_size,
         prefill_ms=res.prefill_ms,
         model_id=res.model_id,
+        reuse_token=res.reuse_token,
+        reused_tokens=res.reused_tokens,
     )
 
 
 def open_result_from_pb(msg: pb.OpenSessionResponse) -> protocol.OpenSessionResult:
     return protocol.OpenSessionResult(
-        msg.session_id, msg.position, msg.max_draft_tokens, msg.vocab_size, msg.prefill_ms, msg.model_id
+        msg.session_id,
+        msg.position,
+        msg.max_draft_tokens,
+        msg.vocab_size,
+        msg.prefill_ms,
+        msg.model_id,
+        reuse_token=msg.reuse_token,
+        reused_tokens=msg.reused_tokens,
     )
 
 
@@ -194,20 +204,29 @@ def generate_request_to_pb(req: protocol.GenerateRequest) -> pb.GenerateRequest:
         max_new_tokens=req.max_new_tokens,
         stop_token_ids=req.stop_token_ids,
         vocab_size=cfg.vocab_size,
+        reuse_token=req.reuse_token,
     )
 
 
 def generate_request_from_pb(msg: pb.GenerateRequest) -> protocol.GenerateRequest:
     cfg = config_from_pb(msg.sampling, msg.seed, pb.ACCEPT_MODE_UNSPECIFIED, msg.vocab_size)
-    return protocol.GenerateRequest(list(msg.prompt_tokens), cfg, msg.max_new_tokens, list(msg.stop_token_ids))
+    return protocol.GenerateRequest(list(msg.prompt_tokens), cfg, msg.max_new_tokens, list(msg.stop_token_ids), msg.reuse_token)
 
 
 def generate_chunk_to_pb(chunk: protocol.GenerateChunk) -> pb.GenerateChunk:
-    return pb.GenerateChunk(tokens=chunk.tokens, forward_ms=chunk.forward_ms, finished=chunk.finished)
+    return pb.GenerateChunk(
+        tokens=chunk.tokens,
+        forward_ms=chunk.forward_ms,
+        finished=chunk.finished,
+        reuse_token=chunk.reuse_token,
+        reused_tokens=chunk.reused_tokens,
+    )
 
 
 def generate_chunk_from_pb(msg: pb.GenerateChunk) -> protocol.GenerateChunk:
-    return protocol.GenerateChunk(list(msg.tokens), msg.forward_ms, msg.finished)
+    return protocol.GenerateChunk(
+        list(msg.tokens), msg.forward_ms, msg.finished, reuse_token=msg.reuse_token, reused_tokens=msg.reused_tokens
+    )
 
 
 def decode_request_to_pb(req: protocol.DecodeRequest) -> pb.DecodeRequest:

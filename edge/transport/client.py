@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from edge.transport.backoff import Backoff
 from edge.transport.replicas import SESSION_KEY_HEADER, ReplicaSet, Resolver, replica_addresses, resolve_host
@@ -236,6 +237,10 @@ class VerifierClient:
         self.replicas = ReplicaSet(list(replicas))
         self._channels = {address: _channel(address, tls, name) for address, name in replicas.items()}
         self._stubs = {address: pb_grpc.VerifierStub(channel) for address, channel in self._channels.items()}
+        # Without API keys, each verifier gives this client a token with its first session; sent
+        # with the next ones, the KV of the client's closed sessions serves them (and no other
+        # client's ever does). One per replica: each verifier signs its own.
+        self._reuse_tokens: dict[str, str] = {}
 
     def with_tap(self, tap: CallTap) -> VerifierClient:
         """This client with `tap` seeing each call made through it (one generation's calls, for
@@ -355,11 +360,13 @@ class VerifierClient:
         """A server stream from the session's replica, each message with the bytes not yet
         reported (the request's on the first); a failure raises the project's error carrying
         the bytes since the last message, and marks an unreachable replica down."""
-        unreported = _CallBytes(up=msg.ByteSize())
         address = self.replicas.pick(session_key, opening)
+        _send_reuse_token(msg, self._reuse_tokens.get(address, ""))
+        unreported = _CallBytes(up=msg.ByteSize())
         stream = method(self._stubs[address])(msg, timeout=timeout_s, metadata=self._call_metadata(session_key))
         try:
             async for message in stream:
+                self._keep_reuse_token(address, message)
                 unreported.down += message.ByteSize()
                 reported, unreported = unreported.wire(), _CallBytes()
                 yield _StreamChunk(message, reported, address)
@@ -390,8 +397,9 @@ class VerifierClient:
         deadline = loop.time() + timeout_s
         policy, backoff = self.capacity_retry, self.capacity_retry.backoff()
         for retry in range(policy.max_retries + 1):
-            call.up += msg.ByteSize()
             address = self.replicas.pick(session_key, opening)
+            _send_reuse_token(msg, self._reuse_tokens.get(address, ""))
+            call.up += msg.ByteSize()
             try:
                 reply = await method(self._stubs[address])(
                     msg, timeout=max(deadline - loop.time(), 0.001), metadata=self._call_metadata(session_key)
@@ -417,8 +425,26 @@ class VerifierClient:
             call.down += reply.ByteSize()
             if opening:
                 self.replicas.opened(session_key, address)
+            self._keep_reuse_token(address, reply)
             return reply
         raise AssertionError("unreachable: the last retry returns or raises")
+
+    def _keep_reuse_token(self, address: str, reply: Message) -> None:
+        """The token a verifier gave with a session it opened (OpenSession, Decode, Generate)."""
+        if isinstance(reply, pb.DecodeChunk):
+            token = reply.opened.reuse_token if reply.HasField("opened") else ""
+        else:
+            token = getattr(reply, "reuse_token", "")
+        if token:
+            self._reuse_tokens[address] = token
+
+
+def _send_reuse_token(msg: Message, token: str) -> None:
+    """A request that opens a session carries the client's token for that verifier."""
+    if isinstance(msg, pb.OpenSessionRequest | pb.GenerateRequest):
+        msg.reuse_token = token
+    elif isinstance(msg, pb.DecodeRequest) and msg.HasField("open"):
+        msg.open.reuse_token = token
 
 
 def _channel(address: str, tls: ClientTls | None, dns_name: str | None = None) -> grpc.aio.Channel:

@@ -36,34 +36,40 @@ class SamplingConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_tokens", "sampling", "seed", "accept_mode", "vocab_size")
+    __slots__ = ("prompt_tokens", "sampling", "seed", "accept_mode", "vocab_size", "reuse_token")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_MODE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REUSE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingConfig
     seed: int
     accept_mode: AcceptMode
     vocab_size: int
-    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., accept_mode: _Optional[_Union[AcceptMode, str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    reuse_token: str
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., accept_mode: _Optional[_Union[AcceptMode, str]] = ..., vocab_size: _Optional[int] = ..., reuse_token: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "position", "max_draft_tokens", "vocab_size", "prefill_ms", "model_id")
+    __slots__ = ("session_id", "position", "max_draft_tokens", "vocab_size", "prefill_ms", "model_id", "reuse_token", "reused_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REUSE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     max_draft_tokens: int
     vocab_size: int
     prefill_ms: float
     model_id: str
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., model_id: _Optional[str] = ...) -> None: ...
+    reuse_token: str
+    reused_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., model_id: _Optional[str] = ..., reuse_token: _Optional[str] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -154,30 +160,36 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, position: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_tokens", "sampling", "seed", "max_new_tokens", "stop_token_ids", "vocab_size")
+    __slots__ = ("prompt_tokens", "sampling", "seed", "max_new_tokens", "stop_token_ids", "vocab_size", "reuse_token")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REUSE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingConfig
     seed: int
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     vocab_size: int
-    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    reuse_token: str
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., reuse_token: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("tokens", "forward_ms", "finished")
+    __slots__ = ("tokens", "forward_ms", "finished", "reuse_token", "reused_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    REUSE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     forward_ms: float
     finished: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., forward_ms: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
+    reuse_token: str
+    reused_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., forward_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., reuse_token: _Optional[str] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "open", "base_position", "committed_tokens", "max_tokens", "stop_token_ids")
