@@ -143,6 +143,11 @@ class ForwardBatcher:
             self._runner = asyncio.create_task(self._run())
         return await future
 
+    def settle(self, key: str, charged: int, computed: int) -> None:
+        """A step charged to `key` for `charged` tokens computed `computed` (a prefill whose
+        kept KV was gone, or served more than the estimate): its key pays the difference."""
+        self.rate.settle(key, computed - charged)
+
     def _check_queue(self, key: str) -> None:
         """Refuse a step its key has no room for: over the key's own limit, or the queue is
         full and the key already holds its share of it (so a flood from one key fills the

@@ -157,7 +157,14 @@ class VerifierSettings(BaseSettings):
         True,
         description="a closed session's KV serves the next session of the same API key that starts with the same "
         "tokens (a chat's next turn prefills only the new ones); kept KV counts against the KV caps and goes "
-        "before any session's; never shared across API keys (--engine vllm: its prefix cache, salted per key)",
+        "before any session's; never shared across API keys, nor across clients without keys (each client's own: the "
+        "reuse token the verifier gives it); --engine vllm: its prefix cache, salted per key or client",
+    )
+    shared_prefix_cache: bool = Field(
+        False,
+        description="without --api-keys-file: ONE prefix cache for every client, whose sessions then start from the "
+        "KV of any client's; a client can then tell from its prefill time whether another client's prompt began "
+        "with the same text: only for clients that trust each other (logged as a warning at start; no effect with keys)",
     )
 
     max_batch_size: int = Field(
@@ -224,6 +231,7 @@ class VerifierSettings(BaseSettings):
             kv_layout=self.kv_layout,
             kv_slot_tokens=self.kv_slot_tokens,
             reuse_prefixes=self.prefix_reuse,
+            share_prefixes=self.shared_prefix_cache,
         )
 
 

@@ -144,11 +144,12 @@ class SessionCalls:
                     if feed is not None:
                         yield stream.take(*await feed.take())
                         continue
-                    first = stream.produced == 0
+                    first, fed = stream.produced == 0, stream.tokens_to_feed
                     step = stream.begin_step
-                    yield await self.batcher.submit(
-                        stream.stream_id, stream.tokens_to_feed, step, self.deadline, admitting=first, key=self.key
-                    )
+                    chunk = await self.batcher.submit(stream.stream_id, fed, step, self.deadline, admitting=first, key=self.key)
+                    if first:
+                        self.batcher.settle(self.key, fed, len(req.prompt_tokens) - chunk.reused_tokens)
+                    yield chunk
                     if first and not stream.finished:
                         feed = self.feeds.feed()
                         feed = feed if await self.worker.run(stream.follow, feed) else None
@@ -161,10 +162,16 @@ class SessionCalls:
         sessions = self.verifier.sessions
         session_id = sessions.new_id()
         with sessions.holding(session_id):
-            # what the prefill computes: the prompt but for what a kept prefix of the key holds
-            fed = len(req.prompt_tokens) - sessions.reusable(self.key, req.prompt_tokens)
+            # what the prefill computes, as far as can be told before it runs: the prompt but for
+            # what its scope's kept KV holds; the key is charged what it computed once it ran
+            scope = self.verifier.scopes.known(self.key, req.reuse_token)
+            fed = len(req.prompt_tokens) - sessions.reusable(scope.name, req.prompt_tokens)
             step = partial(begin, req, session_id, self.key)
-            return await self.batcher.submit(session_id, fed, step, self.deadline, admitting=True, key=self.key)
+            result = await self.batcher.submit(session_id, fed, step, self.deadline, admitting=True, key=self.key)
+            opened = result[0] if isinstance(result, tuple) else result
+            assert isinstance(opened, OpenSessionResult)
+            self.batcher.settle(self.key, fed, len(req.prompt_tokens) - opened.reused_tokens)
+            return result
 
 
 def _chunk(result: VerifyResult, start: float, finished: bool, opened: OpenSessionResult | None = None) -> DecodeChunk:

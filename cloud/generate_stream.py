@@ -12,6 +12,7 @@ from typing import Protocol
 
 from cloud.batch_step import ForwardStep
 from cloud.engine import Engine, StepOutcome, TokenSink
+from cloud.prefix_scope import ReuseScopes
 from cloud.rejection_sampler import RoundRule
 from cloud.sessions import Session, SessionStore
 from cloud.token_feed import taken_part
@@ -23,8 +24,13 @@ class SessionOpener(Protocol):
     """Where a stream stores its KV: the verifier's session store."""
 
     sessions: SessionStore
+    scopes: ReuseScopes
 
-    def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session: ...
+    def new_session(
+        self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0, reuse_token: str = ""
+    ) -> Session: ...
+
+    def count_opened(self, session: Session) -> int: ...
 
 
 class GenerateStream:
@@ -51,7 +57,8 @@ class GenerateStream:
         """Tokens the next step feeds, as far as can be told before it begins: the prompt but for
         what a kept prefix holds (the prefill), then the last token."""
         if self.session is None:
-            return len(self.req.prompt_tokens) - self.opener.sessions.reusable(self.owner, self.req.prompt_tokens)
+            scope = self.opener.scopes.known(self.owner, self.req.reuse_token)
+            return len(self.req.prompt_tokens) - self.opener.sessions.reusable(scope.name, self.req.prompt_tokens)
         return 1
 
     def begin_step(self) -> ForwardStep[GenerateChunk]:
@@ -59,8 +66,8 @@ class GenerateStream:
             raise InvalidRequest("the stream has finished")
         if self.session is None:  # its whole length is reserved now: a stream is never cut short for KV
             planned = len(self.req.prompt_tokens) + self.req.max_new_tokens - 1
-            config = _target_only(self.req.config)
-            self.session = self.opener.new_session(self.stream_id, config, self.req.prompt_tokens, self.owner, planned)
+            config, prompt, token = _target_only(self.req.config), self.req.prompt_tokens, self.req.reuse_token
+            self.session = self.opener.new_session(self.stream_id, config, prompt, self.owner, planned, token)
             self._undo_to = None
             held = self.session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
             block = self.session.tokens[held:]
@@ -83,12 +90,15 @@ class GenerateStream:
 
     def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> GenerateChunk:
         assert self.session is not None and outcome is not None  # every step reads its token
+        first = self.produced == 0
+        reused = self.opener.count_opened(self.session) if first else 0
         token = outcome.round.next_token
         self.session.tokens.append(token)
         self.opener.sessions.touch(self.session)
         self.produced += 1
         self.finished = token in self.req.stop_token_ids or self.produced == self.req.max_new_tokens
-        return GenerateChunk([token], forward_ms, self.finished)
+        reuse_token = self.session.reuse_token if first else ""
+        return GenerateChunk([token], forward_ms, self.finished, reuse_token=reuse_token, reused_tokens=reused)
 
     def follow(self, sink: TokenSink) -> bool:
         """(on the model worker, after the first step) Whether the rest of the stream comes from

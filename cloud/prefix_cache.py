@@ -1,26 +1,27 @@
 """Prefixes kept for reuse: the KV a closed session leaves behind, for the next session of the
-same API key whose prompt starts with the same tokens (a chat client resends the whole
-conversation every turn, so each turn's session starts with the last one's tokens).
+same reuse scope (cloud/prefix_scope.py: an API key, or one client without keys) whose prompt
+starts with the same tokens (a chat client resends the whole conversation every turn, so each
+turn's session starts with the last one's tokens).
 
 A kept prefix is one entry: the tokens whose KV its engine handle holds, and the handle. A new
-session takes the entry of its key that shares the longest prefix with its prompt (llama-server
-picks a slot by prompt similarity the same way), crops it to the shared part and prefills only
-the rest; the entry leaves the cache, so each handle has one owner at a time. Entries never
-cross API keys: a session can only take its own key's.
+session takes the entry of its scope that shares the longest prefix with its prompt
+(llama-server picks a slot by prompt similarity the same way), crops it to the shared part and
+prefills only the rest; the entry leaves the cache, so each handle has one owner at a time. A
+session can only take its own scope's entries: the tokens it reuses, and the time its prefill
+saves, tell it nothing of another scope's prompts.
 
 Kept prefixes are the first KV to go: the session store counts their bytes against the key's
-and the global KV caps and their handles against the session cap, and evicts them (least
-recently kept first) before any session. Idle entries expire with the sessions' TTL.
+and the global KV caps and their handles against the session caps, and evicts them fairly
+(cloud/sessions.py). Idle entries expire with the sessions' TTL.
 
 An engine with a prefix cache of its own (vLLM) keeps the KV itself; the cache then only notes
-the tokens of closed sessions (a bounded number of notes, no KV): how much of a new prompt the
-engine likely serves from its cache, so that admission counts only the rest and a chunked
-prefill feeds the cached part in its first pass instead of one pass per chunk.
+the tokens of closed sessions (a bounded number of notes per scope, no KV): how much of a new
+prompt the engine likely serves from its cache, so that admission counts only the rest.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
@@ -32,12 +33,14 @@ from shared.token_ids import shared_prefix
 # entry's tokens: it continues that conversation. Another conversation that shares only a
 # system prompt with it leaves it for its own next turn (llama-server's slot similarity, 0.5).
 MIN_SHARED_FRACTION = 0.5
-MAX_NOTES = 256  # closed sessions' tokens noted for an engine's own prefix cache
+MAX_NOTES_PER_SCOPE = 64  # closed sessions' tokens noted for an engine's own prefix cache, per scope
+MAX_NOTES = 1024  # and in all: past it, the scope with the most notes loses its oldest
 
 
 @dataclass
 class KeptPrefix:
-    owner: str  # the API key whose session left it
+    owner: str  # the API key whose session left it ("" without keys): its caps count it
+    scope: str  # the reuse scope whose sessions may take it
     tokens: list[int]  # the tokens whose KV `kv` holds, in order
     kv: SessionKV
     nbytes: int
@@ -49,6 +52,7 @@ class Note:
     """A closed session's tokens, whose KV an engine's own prefix cache keeps."""
 
     owner: str
+    scope: str
     tokens: list[int]
     kept_at: float
 
@@ -63,7 +67,7 @@ class ReuseTotals:
 
 @dataclass
 class PrefixCache:
-    """The kept prefixes of every key, least recently kept first. Changed only from the
+    """The kept prefixes of every scope, least recently kept first. Changed only from the
     verifier's model worker (through the session store, which owns it)."""
 
     clock: Callable[[], float]
@@ -79,40 +83,57 @@ class PrefixCache:
     def entries(self) -> list[KeptPrefix]:
         return list(self._entries.values())
 
-    def keep(self, owner: str, tokens: list[int], kv: SessionKV, nbytes: int) -> None:
-        self._entries[next(self._ids)] = KeptPrefix(owner, tokens, kv, nbytes, self.clock())
+    def keep(self, owner: str, scope: str, tokens: list[int], kv: SessionKV, nbytes: int) -> None:
+        self.give_back(KeptPrefix(owner, scope, tokens, kv, nbytes, self.clock()))
 
-    def take(self, owner: str, prompt: list[int], limit: int) -> tuple[SessionKV, int] | None:
-        """The handle of `owner`'s entry sharing the longest prefix (at most `limit` tokens) with
-        `prompt`, and that prefix's length; the entry leaves the cache. None: no entry shares
-        enough (the caller makes a new handle)."""
-        best = self._best(owner, prompt, limit)
+    def give_back(self, entry: KeptPrefix) -> None:
+        """Keep an entry (again: a session that took it was refused before it used it)."""
+        self._entries[next(self._ids)] = entry
+
+    def take(self, scope: str, prompt: list[int], limit: int) -> tuple[KeptPrefix, int] | None:
+        """`scope`'s entry sharing the longest prefix (at most `limit` tokens) with `prompt`, and
+        that prefix's length; the entry leaves the cache. None: no entry shares enough (the
+        caller makes a new handle)."""
+        best = self._best(scope, prompt, limit)
         if best is None:
             return None
         entry_id, shared = best
-        return self._entries.pop(entry_id).kv, shared
+        return self._entries.pop(entry_id), shared
 
-    def reusable(self, owner: str, prompt: list[int]) -> int:
+    def reusable(self, scope: str, prompt: list[int]) -> int:
         """How many of `prompt`'s tokens `take` would reuse now, or the engine's own cache
         likely serves (an estimate: the entry may be gone, the engine may have evicted it)."""
-        best = self._best(owner, prompt, len(prompt) - 1)
-        noted = [shared_prefix(n.tokens, prompt) for n in self._notes.values() if n.owner == owner]
+        best = self._best(scope, prompt, len(prompt) - 1)
+        noted = [shared_prefix(n.tokens, prompt) for n in self._notes.values() if n.scope == scope]
         return min(max([best[1] if best else 0, *noted]), max(len(prompt) - 1, 0))
 
-    def note(self, owner: str, tokens: list[int]) -> None:
-        """A closed session's tokens, whose KV the engine's own prefix cache keeps."""
-        self._notes[next(self._ids)] = Note(owner, tokens, self.clock())
-        while len(self._notes) > MAX_NOTES:
-            self._notes.popitem(last=False)
+    def note(self, owner: str, scope: str, tokens: list[int]) -> None:
+        """A closed session's tokens, whose KV the engine's own prefix cache keeps. A scope's
+        notes are bounded, and past the bound of all, the scope with the most loses first: one
+        scope's churn never flushes another's notes."""
+        self._notes[next(self._ids)] = Note(owner, scope, tokens, self.clock())
+        if self._count_notes(scope) > MAX_NOTES_PER_SCOPE:
+            self._forget_oldest_note(scope)
+        if len(self._notes) > MAX_NOTES:
+            per_scope = Counter(n.scope for n in self._notes.values())
+            self._forget_oldest_note(per_scope.most_common(1)[0][0])
 
-    def forget_notes(self, kept_before: float) -> None:
-        while self._notes and next(iter(self._notes.values())).kept_at < kept_before:
-            self._notes.popitem(last=False)
+    def _count_notes(self, scope: str) -> int:
+        return sum(1 for n in self._notes.values() if n.scope == scope)
 
-    def _best(self, owner: str, prompt: list[int], limit: int) -> tuple[int, int] | None:
+    def _forget_oldest_note(self, scope: str) -> None:
+        del self._notes[next(i for i, n in self._notes.items() if n.scope == scope)]
+
+    def forget_notes(self, kept_before: float | None = None, owner: str | None = None) -> None:
+        """Forget the notes kept before `kept_before`, or every note of `owner`."""
+        for note_id, note in list(self._notes.items()):
+            if (kept_before is not None and note.kept_at < kept_before) or (owner is not None and note.owner == owner):
+                del self._notes[note_id]
+
+    def _best(self, scope: str, prompt: list[int], limit: int) -> tuple[int, int] | None:
         best: tuple[int, int] | None = None
         for entry_id, entry in self._entries.items():
-            if entry.owner != owner:
+            if entry.scope != scope:
                 continue
             shared = min(shared_prefix(entry.tokens, prompt), limit)
             if shared > (best[1] if best else 0) and shared >= MIN_SHARED_FRACTION * len(entry.tokens):
@@ -124,14 +145,27 @@ class PrefixCache:
             totals.reused += reused
             totals.prefilled += prompt - reused
 
-    def nbytes(self, owner: str | None = None) -> int:
-        return sum(e.nbytes for e in self._entries.values() if owner is None or e.owner == owner)
+    def _of(self, owner: str | None, scope: str | None) -> list[KeptPrefix]:
+        return [e for e in self._entries.values() if owner in (None, e.owner) and scope in (None, e.scope)]
 
-    def pop_oldest(self, owner: str | None = None, kept_before: float | None = None) -> SessionKV | None:
-        """The handle of the least recently kept entry (of `owner`, kept before `kept_before`),
-        removed from the cache; None when there is none."""
+    def nbytes(self, owner: str | None = None, scope: str | None = None) -> int:
+        return sum(e.nbytes for e in self._of(owner, scope))
+
+    def count(self, owner: str | None = None, scope: str | None = None) -> int:
+        return len(self._of(owner, scope))
+
+    def scopes(self, owner: str | None = None) -> set[str]:
+        """The scopes holding kept prefixes (of `owner`'s, or every key's)."""
+        return {e.scope for e in self._of(owner, None)}
+
+    def pop_oldest(
+        self, owner: str | None = None, scope: str | None = None, kept_before: float | None = None
+    ) -> SessionKV | None:
+        """The handle of the least recently kept entry (of `owner`, of `scope`, kept before
+        `kept_before`), removed from the cache; None when there is none."""
         for entry_id, entry in self._entries.items():
-            if (owner is None or entry.owner == owner) and (kept_before is None or entry.kept_at < kept_before):
-                del self._entries[entry_id]
-                return entry.kv
+            if owner in (None, entry.owner) and scope in (None, entry.scope):
+                if kept_before is None or entry.kept_at < kept_before:
+                    del self._entries[entry_id]
+                    return entry.kv
         return None

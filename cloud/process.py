@@ -23,6 +23,7 @@ from cloud.tls import ServerTls, check_exposure
 from cloud.verifier import Verifier
 from shared.errors import EngineFailed
 from shared.http_server import stop_signal
+from shared.net import is_loopback
 
 log = logging.getLogger("cloud-verifier")
 Loader = Callable[[VerifierSettings], Verifier]
@@ -48,6 +49,7 @@ async def start_servers(settings: VerifierSettings) -> Servers:
     tls = server_tls(settings)
     check_exposure(settings.host, tls, settings.insecure)
     keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
+    _log_trust(settings, keys)
     state = ServerState(
         settings.max_draft_tokens,
         log_prompts=settings.log_prompts,
@@ -71,6 +73,29 @@ async def start_servers(settings: VerifierSettings) -> Servers:
         **security,
     )
     return Servers(state, server, port, http)
+
+
+def _log_trust(settings: VerifierSettings, keys: ApiKeys | None) -> None:
+    """Say at start what clients share: nothing across API keys or (without keys) across
+    clients, unless the operator asked for one prefix cache for every client."""
+    if keys is None and not is_loopback(settings.host):
+        log_event(
+            log,
+            logging.WARNING,
+            f"no API keys on {settings.host}: any client that reaches the port may open sessions on the model "
+            "(give --api-keys-file; README: Securing a verifier)",
+            host=settings.host,
+        )
+    if settings.shared_prefix_cache and settings.prefix_reuse:
+        if keys is not None:
+            log.info("--shared-prefix-cache has no effect with API keys: each key reuses only its own prefixes")
+        else:
+            log_event(
+                log,
+                logging.WARNING,
+                "one prefix cache for every client (--shared-prefix-cache): a client can tell from its prefill time "
+                "whether another client's prompt began with the same text",
+            )
 
 
 async def load_model(servers: Servers, settings: VerifierSettings, load: Loader) -> None:

@@ -61,3 +61,9 @@ class TokenRate:
             wait_ms = math.ceil(-bucket.level / self.per_s * 1000.0) + 1
             raise CapacityExceeded(f"{key_label(key)} is over its rate of {self.per_s:g} tokens/s", wait_ms)
         bucket.level -= tokens
+
+    def settle(self, key: str, tokens: int) -> None:
+        """Charge `key` `tokens` more (fewer, when negative) for a call already admitted: what
+        it computed, where the charge at its admission was an estimate."""
+        if self.per_s > 0 and key in self._buckets:
+            self._buckets[key].level -= tokens

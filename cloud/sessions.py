@@ -6,8 +6,12 @@ alike; when its key has none to give up it is refused (RESOURCE_EXHAUSTED with a
 so one key's traffic never ends another key's session. Without API keys every client is one
 key and this is plain LRU. Each eviction is one INFO line and is counted by its reason.
 
-A closed session's KV may stay as a kept prefix (cloud/prefix_cache.py) for its key's next
-session: kept prefixes count against the same caps and are the first KV to go."""
+A closed session's KV may stay as a kept prefix (cloud/prefix_cache.py) for the next session of
+its reuse scope (cloud/prefix_scope.py): kept prefixes count against the same caps, the key's
+session cap included, and are the first KV to go, fairly: a scope that needs room gives up its
+own kept prefixes first, and another scope's only while that one holds more than its fair share
+(the cap over the scopes holding any), the largest holder first. So a flood of one key's new
+prompts churns its own cache and leaves another key's conversation in place."""
 
 from __future__ import annotations
 
@@ -20,12 +24,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from cloud.engine import SessionKV
-from cloud.prefix_cache import PrefixCache, ReuseTotals
+from cloud.prefix_cache import KeptPrefix, PrefixCache, ReuseTotals
 from cloud.quotas import KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.protocol import SessionConfig
@@ -53,6 +58,9 @@ class Session:
     last_used: float
     rounds: int = 0
     owner: str = ""  # the API key that opened it: no other key can see or drive it
+    scope: str = ""  # whose kept prefixes it may start from, and its own KV may serve ("": none)
+    reuse_token: str = ""  # what its client is told to send to be in the same scope again
+    reused: int = 0  # prompt tokens it did not compute: its scope's kept KV held them
     planned: int = 0  # KV positions reserved ahead (a Generate stream's whole length), counted from the start
 
 
@@ -63,6 +71,22 @@ class KVFree(Protocol):
 
 
 log = logging.getLogger("cloud-verifier")
+
+
+@dataclass(frozen=True)
+class Room:
+    """Room asked for under a cap: `need` more than `used()` holds (KV bytes, or engine handles),
+    and what each scope holds of the same (`held`)."""
+
+    cap: int
+    need: int
+    used: Callable[[], int]
+    held: Callable[[str], int]
+
+    def short(self) -> bool:
+        return self.used() + self.need > self.cap
+
+
 RETRY_AFTER_IN_USE_MS = 1000  # every session busy: a round ends, or an edge closes one, within about this
 
 
@@ -145,50 +169,94 @@ class SessionStore:
             self.kv.free(kv)
 
     def _retire(self, session: Session) -> None:
-        """A session that ended well: its KV stays as a kept prefix of its key when the store
+        """A session that ended well: its KV stays as a kept prefix of its scope when the store
         keeps them and nothing may still write to it (no call of it in flight), else it goes."""
         held = session.cache.get_seq_length()
-        kept = 0 < held <= len(session.tokens)  # its KV holds its first `held` tokens
+        kept = 0 < held <= len(session.tokens) and bool(session.scope)  # its KV holds its first `held` tokens
         if kept and self.note_prefixes:
             with self._lock:
-                self.prefixes.note(session.owner, session.tokens[:held])
+                self.prefixes.note(session.owner, session.scope, session.tokens[:held])
         if not (kept and self.keep_prefixes) or self.busy.get(session.session_id):
             self._free(session.cache)
             return
         nbytes = self.slot_bytes or held * self.kv_bytes_per_token
         with self._lock:
-            self.prefixes.keep(session.owner, session.tokens[:held], session.cache, nbytes)
+            self.prefixes.keep(session.owner, session.scope, session.tokens[:held], session.cache, nbytes)
 
-    def take_prefix(self, owner: str, prompt: list[int]) -> tuple[SessionKV, int] | None:
-        """A kept prefix of `owner`'s for a new session's prompt (its handle and the tokens of
-        the prompt it holds, at most all but the last), or None."""
+    def take_prefix(self, scope: str, prompt: list[int]) -> tuple[KeptPrefix, int] | None:
+        """A kept prefix of `scope`'s for a new session's prompt (the entry, and the tokens of
+        the prompt it holds: at most all but the last), or None."""
+        if not scope:
+            return None
         with self._lock:
-            return self.prefixes.take(owner, prompt, len(prompt) - 1)
+            return self.prefixes.take(scope, prompt, len(prompt) - 1)
 
-    def reusable(self, owner: str, prompt: list[int]) -> int:
-        """Tokens of `prompt` a kept prefix of `owner`'s holds now (safe from the event loop)."""
+    def give_back(self, entry: KeptPrefix) -> None:
+        """A kept prefix a new session took, back in the cache (the session was refused), as
+        long as its KV now is (the session may have cropped it)."""
+        held = entry.kv.get_seq_length()
+        entry.tokens, entry.nbytes = entry.tokens[:held], self.slot_bytes or held * self.kv_bytes_per_token
         with self._lock:
-            return self.prefixes.reusable(owner, prompt)
+            self.prefixes.give_back(entry)
 
-    def _evict_prefix(self, owner: str | None, kept_before: float | None = None) -> bool:
-        """Free the least recently kept prefix (of `owner`, or anyone's: a kept prefix is only
-        a cache, its key loses nothing but a re-prefill; kept before `kept_before`)."""
+    def reusable(self, scope: str, prompt: list[int]) -> int:
+        """Tokens of `prompt` a kept prefix of `scope`'s holds now (safe from the event loop)."""
+        if not scope:
+            return 0
         with self._lock:
-            kv = self.prefixes.pop_oldest(owner, kept_before)
+            return self.prefixes.reusable(scope, prompt)
+
+    def _evict_prefix(self, owner: str | None = None, scope: str | None = None, kept_before: float | None = None) -> bool:
+        """Free the least recently kept prefix (of `owner`, of `scope`, kept before
+        `kept_before`): a kept prefix is only a cache, its scope loses nothing but a re-prefill."""
+        with self._lock:
+            kv = self.prefixes.pop_oldest(owner, scope, kept_before)
         if kv is None:
             return False
         self._free(kv)
         return True
 
-    def room_for_session(self) -> None:
-        """Free kept prefixes while they and the sessions fill the session cap: each holds an
-        engine handle (a llama.cpp sequence, a KV slot) a new session may need."""
-        while len(self._sessions) + len(self.prefixes) >= self.limits.max_sessions and self._evict_prefix(None):
-            pass
+    def _free_fairly(self, scope: str, owner: str | None, room: Room) -> None:
+        """While `room` is short: free `scope`'s own least recently kept prefix, else one of the
+        scope (among `owner`'s; every key's: None) that holds the most, if that is more than its
+        fair share of the cap. A scope holding less than its share never loses its cache to
+        another scope's traffic."""
+        while room.short():
+            victim = scope if self.prefixes.count(scope=scope) else self._largest_over_share(scope, owner, room)
+            if victim is None or not self._evict_prefix(scope=victim):
+                return
+
+    def _largest_over_share(self, scope: str, owner: str | None, room: Room) -> str | None:
+        """The scope with kept prefixes holding the most, if more than the cap shared evenly by
+        every scope that holds any (sessions or kept prefixes) and `scope`."""
+        holders = self.prefixes.scopes(owner)
+        tenants = holders | {s.scope for s in self._sessions.values() if owner in (None, s.owner)} | {scope}
+        share = room.cap / max(len(tenants - {""}), 1)
+        over = [t for t in holders - {scope} if room.held(t) > share]
+        return max(over, key=room.held, default=None)
+
+    def _scope_bytes(self, scope: str) -> int:
+        held = sum(self.session_bytes(s) for s in self._sessions.values() if s.scope == scope)
+        return held + self.prefixes.nbytes(scope=scope)
+
+    def _scope_handles(self, scope: str) -> int:
+        return sum(1 for s in self._sessions.values() if s.scope == scope) + self.prefixes.count(scope=scope)
+
+    def room_for_session(self, scope: str = "", owner: str = "") -> None:
+        """Free kept prefixes, fairly, while they and the sessions fill the session caps: each
+        holds an engine handle (a llama.cpp sequence, a KV slot) a new session may need, and a
+        key's kept prefixes count against its own session cap."""
+        self._free_fairly(scope, None, Room(self.limits.max_sessions, 1, self._handles, self._scope_handles))
+        if per_key := self.limits.per_key.max_sessions:
+            self._free_fairly(scope, owner, Room(per_key, 1, partial(self._handles, owner), self._scope_handles))
+
+    def _handles(self, owner: str | None = None) -> int:
+        """Engine handles held by sessions and kept prefixes (of `owner`'s)."""
+        return sum(1 for s in self._sessions.values() if owner in (None, s.owner)) + self.prefixes.count(owner=owner)
 
     def expire(self) -> None:
         now = self.clock()
-        while self._evict_prefix(None, kept_before=now - self.limits.ttl_s):
+        while self._evict_prefix(kept_before=now - self.limits.ttl_s):
             pass
         with self._lock:
             self.prefixes.forget_notes(now - self.limits.ttl_s)
@@ -219,11 +287,11 @@ class SessionStore:
         with self._lock:
             self._sessions.move_to_end(session.session_id)
 
-    def reserve(self, new_tokens: int, keep: str | None = None, owner: str = "") -> None:
-        """Make room for new_tokens more KV positions of one of `owner`'s sessions, within the
-        key's cap and the global cap, by evicting the key's own least recently used sessions,
-        never `keep` or a session with a call in flight; raises CapacityExceeded when even
-        that cannot fit them."""
+    def reserve(self, new_tokens: int, keep: str | None = None, owner: str = "", scope: str = "") -> None:
+        """Make room for new_tokens more KV positions of one of `owner`'s sessions (of reuse
+        `scope`), within the key's cap and the global cap, by freeing kept prefixes fairly, then
+        the key's own least recently used sessions, never `keep` or a session with a call in
+        flight; raises CapacityExceeded when even that cannot fit them."""
         self.expire()
         if self.slot_bytes:  # a new session takes a whole slot; a round stays inside its own
             need = 0 if keep is not None else self.slot_bytes
@@ -235,7 +303,8 @@ class SessionStore:
                 continue
             if need > cap:
                 raise CapacityExceeded(f"{new_tokens} tokens need {need} KV bytes, over the cap of {cap}")
-            while self.kv_bytes(whose) + need > cap and (self._evict_prefix(whose) or self._evict_one(keep, owner, reason)):
+            self._free_fairly(scope, whose, Room(cap, need, partial(self.kv_bytes, whose), self._scope_bytes))
+            while self.kv_bytes(whose) + need > cap and self._evict_one(keep, owner, reason):
                 pass
             if self.kv_bytes(whose) + need > cap:
                 raise CapacityExceeded(
@@ -249,7 +318,7 @@ class SessionStore:
         # A key at its own session cap is refused rather than losing one of its sessions: an
         # edge opening one session too many would otherwise evict its own live ones in turn.
         owner, per_key = session.owner, self.limits.per_key.max_sessions
-        if per_key and self._count(owner) >= per_key:
+        if per_key and self._handles(owner) >= per_key:
             raise CapacityExceeded(f"{key_label(owner)} has all its {per_key} sessions in use", RETRY_AFTER_IN_USE_MS)
         while len(self._sessions) >= self.limits.max_sessions and self._evict_one(None, owner, "session_cap"):
             pass
@@ -280,6 +349,20 @@ class SessionStore:
         """Drop a session if it is still here (a prefill that failed, or one evicted meanwhile)."""
         if (session := self._pop(session_id)) is not None:
             self._free(session.cache)
+
+    def end_owner(self, owner: str) -> int:
+        """Drop every session (calls in flight or not) and kept prefix of API key `owner`, which
+        was removed, and free their KV; how many sessions it had."""
+        with self._lock:
+            ended = [s for s in self._sessions.values() if s.owner == owner]
+            for session in ended:
+                del self._sessions[session.session_id]
+            self.prefixes.forget_notes(owner=owner)
+        for session in ended:
+            self._free(session.cache)
+        while self._evict_prefix(owner=owner):
+            pass
+        return len(ended)
 
     def _pop(self, session_id: str) -> Session | None:
         with self._lock:

@@ -9,7 +9,6 @@ rounds never interleave on a cache.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -18,10 +17,12 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from cloud.batch_step import Batch, BatchStep, ForwardStep, Partial
-from cloud.engine import Engine, KVPlan, KVRequest, StepOutcome, TokenSink
+from cloud.engine import Engine, KVPlan, KVRequest, SessionKV, StepOutcome, TokenSink
 from cloud.followed_stretch import FollowedStretch
 from cloud.generate_stream import GenerateStream
 from cloud.model_card import ModelCard, measure_decode_step
+from cloud.prefix_cache import KeptPrefix
+from cloud.prefix_scope import ReuseMode, ReuseScopes, Scope
 from cloud.rejection_sampler import RoundRule
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
@@ -55,10 +56,11 @@ class VerifierLimits:
     # slots: positions per session (its context limit); the pool holds min(max_sessions,
     # max_kv_bytes / slot bytes) slots
     kv_slot_tokens: int = 4096
-    # A closed session's KV stays for its key's next session with the same first tokens (a
-    # chat's next turn): kept by the verifier (cloud/prefix_cache.py), or by an engine with a
-    # prefix cache of its own (vLLM), scoped to the key
+    # A closed session's KV stays for the next session of its scope with the same first tokens
+    # (a chat's next turn): kept by the verifier (cloud/prefix_cache.py), or by an engine with a
+    # prefix cache of its own (vLLM); a scope is an API key, or one client (cloud/prefix_scope.py)
     reuse_prefixes: bool = True
+    share_prefixes: bool = False  # without API keys: one scope for every client (they trust each other)
 
 
 def _kv_request(limits: VerifierLimits) -> KVRequest:
@@ -66,6 +68,12 @@ def _kv_request(limits: VerifierLimits) -> KVRequest:
     return KVRequest(
         limits.kv_layout, sessions.max_sessions, sessions.max_kv_bytes, limits.max_context_tokens, limits.kv_slot_tokens
     )
+
+
+def _reuse_mode(limits: VerifierLimits) -> ReuseMode:
+    if not limits.reuse_prefixes:
+        return "off"
+    return "shared" if limits.share_prefixes else "client"
 
 
 def _fitted(limits: VerifierLimits, plan: KVPlan) -> VerifierLimits:
@@ -105,6 +113,7 @@ class Verifier:
         )
         self.checks = RequestChecks(self.limits, self.model_vocab)
         self.step = BatchStep(engine)
+        self.scopes = ReuseScopes(_reuse_mode(self.limits))
 
     @property
     def forward_passes(self) -> int:
@@ -132,12 +141,19 @@ class Verifier:
         caller may choose the id (to hold the session while its prefill runs in chunks)."""
         vocab = self.checks.session(req.config, req.prompt_tokens)
         start = time.perf_counter()
-        session = self.new_session(session_id or self.sessions.new_id(), req.config, req.prompt_tokens, owner)
+        session_id = session_id or self.sessions.new_id()
+        session = self.new_session(session_id, req.config, req.prompt_tokens, owner, reuse_token=req.reuse_token)
         # The cache holds the KV of tokens[:-1]: the last prompt token is the first round's first row.
         opened = OpenSessionResult(
-            session.session_id, len(session.tokens), self.limits.max_draft_tokens, vocab, 0.0, self.model_id
+            session.session_id,
+            len(session.tokens),
+            self.limits.max_draft_tokens,
+            vocab,
+            0.0,
+            self.model_id,
+            reuse_token=session.reuse_token,
         )
-        prefill = _Prefill(self.sessions, session, opened, start)
+        prefill = _Prefill(self, session, opened, start)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         last = req.prompt_tokens[-1:]  # the first round feeds it; a live engine computes it now
         block = req.prompt_tokens[held:-1]
@@ -154,7 +170,7 @@ class Verifier:
         assert isinstance(prefill, _Prefill)
         session = prefill.session
         try:
-            self.sessions.reserve(1, keep=session_id, owner=owner)  # the first token's KV
+            self.sessions.reserve(1, keep=session_id, owner=owner, scope=session.scope)  # the first token's KV
         except BaseException:
             prefill.undo()  # never opened: its id reaches no one
             raise
@@ -166,43 +182,62 @@ class Verifier:
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         return ForwardStep(session.cache, req.prompt_tokens[held:], opened, 0, ahead, stops)
 
-    def new_session(self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0) -> Session:
+    def new_session(
+        self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0, reuse_token: str = ""
+    ) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
-        against the caps from now on. Its KV starts as a kept prefix of its key's when one holds
-        the prompt's first tokens (its length says how many), else empty."""
+        against the caps from now on. Its KV starts as a kept prefix of its reuse scope's (its
+        API key's, or its client's: `reuse_token`) when one holds the prompt's first tokens (its
+        length says how many), else empty. Refused, the kept prefix stays kept."""
         vocab = self.checks.vocab(config)
+        scope = self.scopes.of(owner, reuse_token)
         self.engine.check_session(config, vocab)  # refused before any KV is made room for
-        kept = self.sessions.take_prefix(owner, prompt)
-        kv, held = kept if kept is not None else (None, 0)
+        kept = self.sessions.take_prefix(scope.name, prompt)
+        kv: SessionKV | None = None
         try:
-            self.sessions.reserve(max(len(prompt), planned), owner=owner)
-            if kv is None:
-                self.sessions.room_for_session()
-                kv = self.engine.new_kv(self._prefix_scope(owner))
-            else:
-                self.engine.crop(kv, held)
+            kv, held = self._session_kv(scope, owner, max(len(prompt), planned), kept)
             self.engine.start_session(kv, config, vocab)
         except BaseException:
-            if kv is not None:
-                self.engine.free(kv)
+            self._unwind(kept, kv)
             raise
         now = self.sessions.clock()
         generator = torch.Generator().manual_seed(config.seed)
-        session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
+        session = Session(
+            session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned, scope=scope.name
+        )
+        session.reuse_token, session.reused = scope.token, held
         try:
             self.sessions.add(session)
         except BaseException:
-            self.engine.free(kv)  # never stored: the store cannot free it
+            self._unwind(kept, kv)
             raise
-        self.sessions.prefixes.count_open(owner, held, len(prompt))
         return session
 
-    def _prefix_scope(self, owner: str) -> str:
-        """Whose cached prefixes a new session's KV may share in an engine that caches them
-        itself: its key's (a hash: the key never reaches the engine), or none."""
-        if not self.limits.reuse_prefixes:
-            return ""
-        return hashlib.sha256(b"specedge-prefix-scope:" + owner.encode()).hexdigest()
+    def _session_kv(self, scope: Scope, owner: str, positions: int, kept: tuple[KeptPrefix, int] | None) -> tuple[SessionKV, int]:
+        """Room for a new session's KV, and the KV: the kept prefix it took, cropped to the
+        tokens it shares with the prompt (and how many those are), or a new one."""
+        self.sessions.reserve(positions, owner=owner, scope=scope.name)
+        if kept is None:
+            self.sessions.room_for_session(scope.name, owner)
+            return self.engine.new_kv(scope.salt), 0
+        entry, held = kept
+        self.engine.crop(entry.kv, held)
+        return entry.kv, held
+
+    def _unwind(self, kept: tuple[KeptPrefix, int] | None, kv: SessionKV | None) -> None:
+        """A session refused before it was stored: the kept prefix it took goes back to the
+        cache, a new KV is freed."""
+        if kept is not None:
+            self.sessions.give_back(kept[0])
+        elif kv is not None:
+            self.engine.free(kv)
+
+    def count_opened(self, session: Session) -> int:
+        """Once a new session's prompt is computed: the tokens of it served from its scope's
+        kept KV (the verifier's, and the engine's own cache's), counted in the reuse totals."""
+        session.reused += self.engine.cached_tokens(session.cache)
+        self.sessions.prefixes.count_open(session.owner, session.reused, len(session.tokens))
+        return session.reused
 
     def close_session(self, session_id: str, owner: str = "") -> CloseSessionResult:
         session = self.sessions.remove(session_id, owner)
@@ -224,7 +259,8 @@ class Verifier:
         start = time.perf_counter()
         session = self.sessions.get(req.session_id, owner)
         self.checks.verify(req, session)
-        self.sessions.reserve(len(req.committed_tokens) + len(req.draft_tokens) + 1, keep=session.session_id, owner=owner)
+        grows = len(req.committed_tokens) + len(req.draft_tokens) + 1
+        self.sessions.reserve(grows, keep=session.session_id, owner=owner, scope=session.scope)
         # Rows for the last committed token and each draft: k + 1 predictions.
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
         work = _Round(self.sessions, self.engine, req, session, self.checks.vocab(session.config), start, len(session.tokens))
@@ -286,19 +322,20 @@ class DecodeStretchStep:
 class _Prefill:
     """A new session's prefill: its result is the opened session; undone, the session goes."""
 
-    sessions: SessionStore
+    verifier: Verifier
     session: Session
-    opened: OpenSessionResult  # the result, but for the time it took
+    opened: OpenSessionResult  # the result, but for the time it took and the tokens it reused
     start: float
 
     def rule(self) -> None:
         return None
 
     def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> OpenSessionResult:
-        return replace(self.opened, prefill_ms=_ms_since(self.start))
+        reused = self.verifier.count_opened(self.session)
+        return replace(self.opened, prefill_ms=_ms_since(self.start), reused_tokens=reused)
 
     def undo(self) -> None:
-        self.sessions.discard(self.session.session_id)
+        self.verifier.sessions.discard(self.session.session_id)
 
 
 @dataclass(frozen=True)

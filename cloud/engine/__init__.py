@@ -125,7 +125,14 @@ class Engine(Protocol):
 
     def new_kv(self, scope: str = "") -> SessionKV:
         """A new session's empty KV. `scope`: the sessions whose cached prefixes it may share in
-        an engine that caches prefixes itself (one API key's); "" shares with none."""
+        an engine that caches prefixes itself (one reuse scope's, cloud/prefix_scope.py); ""
+        shares with none."""
+        ...
+
+    def cached_tokens(self, kv: SessionKV) -> int:
+        """Of the prompt kv's session was opened with, the tokens the engine served from its own
+        prefix cache rather than computing them, by the engine's own account (0 for an engine
+        without one); read once the prompt is computed."""
         ...
 
     def free(self, kv: SessionKV) -> None: ...

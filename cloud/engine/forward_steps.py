@@ -27,6 +27,9 @@ class ForwardEngine(ABC):
     decodes_ahead = False
     sampler = RejectionSampler()  # stateless: every session's randomness is its own generator
 
+    def cached_tokens(self, kv: SessionKV) -> int:
+        return 0  # every fed token is computed: kept prefixes are the verifier's
+
     @abstractmethod
     def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
         """ONE pass: each block after its KV (which gains the block's KV); per block its last

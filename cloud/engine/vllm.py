@@ -292,6 +292,10 @@ class VllmEngine:
         its own alone."""
         return VllmKV(salt=scope) if scope else VllmKV()
 
+    def cached_tokens(self, kv: SessionKV) -> int:
+        live = _own(kv).live
+        return int(self.runtime.call(self.runtime.cached, live)) if live is not None else 0
+
     def free(self, kv: SessionKV) -> None:
         kv = _own(kv)
         kv.released = True

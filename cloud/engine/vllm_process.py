@@ -155,6 +155,9 @@ class ProcessEngine:
     def new_kv(self, scope: str = "") -> KVHandle:
         return KVHandle(next(self._ids), scope=scope)  # the child makes its KV at the first call of it
 
+    def cached_tokens(self, kv: SessionKV) -> int:
+        return int(self._call("cached_tokens", _handle(kv).kv_id))
+
     def free(self, kv: SessionKV) -> None:
         """Its request ends in the child; with the child gone there is nothing left to free."""
         handle = _handle(kv)
@@ -331,6 +334,7 @@ class _Child:
         return {
             "plan_kv": engine.plan_kv,
             "kv_bytes_held": engine.kv_bytes_held,
+            "cached_tokens": lambda kv_id: engine.cached_tokens(self.kv(kv_id)),
             "free": self.free,
             "extend": self.extend,
             "check_session": engine.check_session,

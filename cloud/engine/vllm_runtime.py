@@ -230,6 +230,13 @@ class VllmRuntime:
             live.sink.fail(error or VerifierFault("the session's request stopped decoding before the stream's end"))
             live.sink = None
 
+    def cached(self, live: LiveRequest) -> int:
+        """The prompt tokens of a live request vLLM's prefix cache served when it was first
+        scheduled (0 before, or once it ended)."""
+        from cloud.engine.vllm_scheduler import CACHED_TOKENS
+
+        return int(getattr(self.scheduler.requests.get(live.engine_id), CACHED_TOKENS, 0))
+
     def computed(self, live: LiveRequest) -> int:
         """The tokens of a live request whose KV vLLM computed (0 once it ended)."""
         request = self.scheduler.requests.get(live.engine_id)

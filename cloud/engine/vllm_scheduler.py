@@ -46,6 +46,8 @@ from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
 
 LIVE_PREFIX = "live-"  # the ids of live requests (the others are plain vLLM requests)
+# Set on a request when vLLM first schedules it: the prompt tokens its prefix cache served
+CACHED_TOKENS = "specedge_cached_tokens"
 
 # The edge's distribution over one draft: (token ids, their probabilities), the rest 0.
 DraftDistribution = tuple[list[int], list[float]]
@@ -159,6 +161,10 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
             self.max_num_scheduled_tokens = budget
         self.steps += output.total_num_scheduled_tokens > 0
         output.edge_draft_q = self._scheduled_draft_q(output.scheduled_spec_decode_tokens)
+        for new in output.scheduled_new_reqs:  # first scheduled: what it computed so far came from the prefix cache
+            request = self.requests.get(new.req_id)
+            if request is not None and not hasattr(request, CACHED_TOKENS):
+                setattr(request, CACHED_TOKENS, int(new.num_computed_tokens))
         return output
 
     def _scheduled_draft_q(self, scheduled: dict[str, list[int]]) -> dict[str, list[DraftDistribution]]:

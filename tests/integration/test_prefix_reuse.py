@@ -13,7 +13,7 @@ from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
-from shared.protocol import DecodeRequest, OpenSessionRequest, SessionConfig
+from shared.protocol import DecodeRequest, OpenSessionRequest, OpenSessionResult, SessionConfig
 from tests.harness import TargetEngine, engine_of, gen_config, make_drafter, random_prompt, running_verifier
 from tests.ops import metric_samples
 
@@ -75,10 +75,15 @@ def test_reuse_off_keeps_nothing(target_model) -> None:
     asyncio.run(run())
 
 
-def _opened(verifier: Verifier, prompt: list[int], owner: str) -> str:
-    step = verifier.begin_open(OpenSessionRequest(prompt, CONFIG), owner=owner)
+def _open(verifier: Verifier, prompt: list[int], owner: str, reuse_token: str = "") -> OpenSessionResult:
+    step = verifier.begin_open(OpenSessionRequest(prompt, CONFIG, reuse_token), owner=owner)
     [opened] = verifier.run_batch([(step, 0.0)])
-    return str(opened.session_id)
+    assert isinstance(opened, OpenSessionResult)
+    return opened
+
+
+def _opened(verifier: Verifier, prompt: list[int], owner: str) -> str:
+    return _open(verifier, prompt, owner).session_id
 
 
 def test_a_prefix_never_crosses_api_keys(forward_pass_engine: TargetEngine) -> None:
@@ -135,7 +140,9 @@ def test_a_prefix_that_is_gone_costs_a_prefill(forward_pass_engine: TargetEngine
             assert verifier.sessions.prefix_totals()[0] == 0
 
     async def verifier_worker(verifier: Verifier) -> None:
-        verifier.sessions.reserve(verifier.limits.sessions.max_kv_bytes // verifier.sessions.kv_bytes_per_token)
+        [kept] = verifier.sessions.prefixes.entries()  # the room its own client's next session needs
+        cap_tokens = verifier.limits.sessions.max_kv_bytes // verifier.sessions.kv_bytes_per_token
+        verifier.sessions.reserve(cap_tokens, scope=kept.scope)
         assert len(verifier.sessions.prefixes) == 0
 
     asyncio.run(run())
@@ -145,11 +152,12 @@ def test_metrics_show_reuse(target_model) -> None:
     verifier = Verifier(engine_of(target_model), "tiny-target")
     state = ServerState.for_verifier(verifier)
     prompt = random_prompt(11, length=30)
-    verifier.close_session(_opened(verifier, prompt, ""), "")
+    first = _open(verifier, prompt, "")
+    verifier.close_session(first.session_id, "")
     samples = metric_samples(_scraped(state))
     assert samples[("specdec_prefix_cache_entries", frozenset())] == 1
     assert samples[("specdec_prefix_cache_bytes", frozenset())] == 29 * verifier.sessions.kv_bytes_per_token
-    _opened(verifier, prompt + [3, 4], "")
+    _open(verifier, prompt + [3, 4], "", first.reuse_token)
     samples = metric_samples(_scraped(state))
     assert samples[("specdec_prefix_reused_tokens_total", frozenset())] == 29
     assert samples[("specdec_prefix_prefilled_tokens_total", frozenset())] == 30 + 3

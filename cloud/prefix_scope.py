@@ -1,0 +1,99 @@
+"""Whose kept prefixes a new session may start from (its reuse scope), so that prefix reuse never
+crosses a trust boundary. A session that starts from kept KV prefills faster, and the client
+sees it (`prefill_ms`, `reused_tokens`): a scope shared by two clients would tell each whether
+the other's prompts began with a given text.
+
+- With API keys, a scope is a key: one key's sessions start from the KV its other sessions
+  left, never from another key's.
+- Without API keys, a scope is a client, which proves it is the one an earlier session came
+  from with the reuse token the verifier gave it then: a nonce and its HMAC under a secret drawn
+  at start. No state is kept per client, and a restart invalidates every token (it drops every
+  kept prefix too). A request with no valid token gets a new scope and its token.
+- `--shared-prefix-cache` (without API keys only): ONE scope for every client, for a verifier
+  whose clients trust each other.
+- With reuse off, no scope: nothing is kept, and vLLM gives each session a salt of its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.errors import InvalidRequest
+
+ReuseMode = Literal["off", "client", "shared"]
+MAX_REUSE_TOKEN = 64  # characters; a token this verifier hands out has 32
+_NONCE_BYTES = 12
+_MAC_BYTES = 12
+
+
+@dataclass(frozen=True)
+class Scope:
+    """A session's reuse scope: `name` ("" for none, which shares with no session) and the
+    token its client is handed ("" when the client needs none)."""
+
+    name: str
+    token: str = ""
+
+    @property
+    def salt(self) -> str:
+        """The scope as an engine with its own prefix cache salts it (a hash: neither key names
+        nor tokens reach the engine); "" for none."""
+        return hashlib.sha256(b"specedge-prefix-scope:" + self.name.encode()).hexdigest() if self.name else ""
+
+
+NO_SCOPE = Scope("")
+
+
+class ReuseScopes:
+    """Resolves the scope of each new session from its API key and the token it presents."""
+
+    def __init__(self, mode: ReuseMode, secret: bytes | None = None) -> None:
+        self.mode = mode
+        self._secret = secret or secrets.token_bytes(32)
+
+    def of(self, owner: str, token: str) -> Scope:
+        """The scope of a new session of API key `owner` ("" without keys) presenting `token`:
+        a new client scope when the token is not one of this verifier's."""
+        known = self.known(owner, token)
+        if known.name or self.mode == "off":
+            return known
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        return Scope(f"client:{nonce.hex()}", self._token(nonce))
+
+    def known(self, owner: str, token: str) -> Scope:
+        """The scope `of` gives, but NO_SCOPE where that would be a new one (nothing kept in it):
+        what a session's prefill can reuse, before the session exists."""
+        if len(token) > MAX_REUSE_TOKEN:
+            raise InvalidRequest(f"reuse_token is {len(token)} characters, over the limit of {MAX_REUSE_TOKEN}")
+        if self.mode == "off":
+            return NO_SCOPE
+        if owner:
+            return Scope(f"key:{owner}")
+        if self.mode == "shared":
+            return Scope("shared")
+        nonce = self._nonce(token)
+        return Scope(f"client:{nonce.hex()}", token) if nonce else NO_SCOPE
+
+    def _token(self, nonce: bytes) -> str:
+        return base64.urlsafe_b64encode(nonce + self._mac(nonce)).decode()
+
+    def _mac(self, nonce: bytes) -> bytes:
+        return hmac.new(self._secret, nonce, hashlib.sha256).digest()[:_MAC_BYTES]
+
+    def _nonce(self, token: str) -> bytes | None:
+        """The nonce of a token this verifier signed, or None (empty, malformed, another
+        verifier's, or from before a restart)."""
+        try:
+            raw = base64.urlsafe_b64decode(token.encode())
+        except (binascii.Error, ValueError):
+            return None
+        nonce, mac = raw[:_NONCE_BYTES], raw[_NONCE_BYTES:]
+        if len(nonce) != _NONCE_BYTES or not hmac.compare_digest(mac, self._mac(nonce)):
+            return None
+        return nonce
