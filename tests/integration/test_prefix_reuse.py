@@ -6,8 +6,6 @@ prefix that is gone costs only a prefill."""
 
 import asyncio
 
-import pytest
-
 from cloud.auth import Caller
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
@@ -102,21 +100,6 @@ def test_a_prefix_never_crosses_api_keys(forward_pass_engine: TargetEngine) -> N
     assert state.prefix_reuse(Caller("bob", sees_all=False))["kept_prefixes"] == 1
     assert state.prefix_reuse(Caller("alice", sees_all=False))["reused_tokens"] == len(prompt) - 1
     assert state.prefix_reuse(Caller("alice", sees_all=False))["kept_prefixes"] == 0
-
-
-@pytest.mark.vllm
-def test_vllm_sessions_share_cached_blocks_within_a_key_only(vllm_target: TargetEngine) -> None:
-    """vLLM's prefix cache serves a session the blocks of another session with the same salt:
-    one key's sessions share one salt, keys never do; without reuse each session has its own."""
-    verifier = Verifier(engine_of(vllm_target), "tiny-target")
-    salts = {
-        owner: {verifier.sessions.get(_opened(verifier, random_prompt(13), owner), owner).cache.salt for _ in range(2)}
-        for owner in ("alice", "bob")
-    }
-    assert len(salts["alice"]) == len(salts["bob"]) == 1 and salts["alice"] != salts["bob"]
-    alone = Verifier(engine_of(vllm_target), "tiny-target", VerifierLimits(reuse_prefixes=False))
-    own = {alone.sessions.get(_opened(alone, random_prompt(13), "alice"), "alice").cache.salt for _ in range(2)}
-    assert len(own) == 2 and not own & salts["alice"]
 
 
 def test_a_prefix_that_is_gone_costs_a_prefill(forward_pass_engine: TargetEngine) -> None:
