@@ -1,17 +1,19 @@
 """Whose kept prefixes a new session may start from (its reuse scope), so that prefix reuse never
-crosses a trust boundary. A session that starts from kept KV prefills faster, and the client
+crosses a trust boundary. A session that starts from kept KV prefills faster, and its client
 sees it (`prefill_ms`, `reused_tokens`): a scope shared by two clients would tell each whether
 the other's prompts began with a given text.
 
-- With API keys, a scope is a key: one key's sessions start from the KV its other sessions
-  left, never from another key's.
-- Without API keys, a scope is a client, which proves it is the one an earlier session came
-  from with the reuse token the verifier gave it then: a nonce and its HMAC under a secret drawn
-  at start. No state is kept per client, and a restart invalidates every token (it drops every
-  kept prefix too). A request with no valid token gets a new scope and its token.
-- `--shared-prefix-cache` (without API keys only): ONE scope for every client, for a verifier
-  whose clients trust each other.
-- With reuse off, no scope: nothing is kept, and vLLM gives each session a salt of its own.
+A scope is one client of one API key ("" without keys): the client proves it is the one an
+earlier session came from with the reuse token the verifier gave it then, a nonce and its HMAC
+(over the key's name and the nonce) under a secret drawn at start. No state is kept per client,
+a token names nothing under another key, and a restart invalidates every token (it drops every
+kept prefix too). A request with no valid token gets a new scope and its token. The edge's
+client keeps its token per verifier, so a chat's turns share a scope, and so do the sessions
+of one `edge-agent serve` caller.
+
+`--shared-prefix-cache`: a scope is a key instead (without keys: ONE scope for every client),
+for clients that trust each other. With reuse off there is no scope: nothing is kept, and vLLM
+gives each session a salt of its own.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ _MAC_BYTES = 12
 @dataclass(frozen=True)
 class Scope:
     """A session's reuse scope: `name` ("" for none, which shares with no session) and the
-    token its client is handed ("" when the client needs none)."""
+    token its client is handed ("" when it needs none)."""
 
     name: str
     token: str = ""
@@ -59,41 +61,39 @@ class ReuseScopes:
 
     def of(self, owner: str, token: str) -> Scope:
         """The scope of a new session of API key `owner` ("" without keys) presenting `token`:
-        a new client scope when the token is not one of this verifier's."""
+        a new client's when the token is not one this verifier signed for the key."""
         known = self.known(owner, token)
         if known.name or self.mode == "off":
             return known
-        nonce = secrets.token_bytes(_NONCE_BYTES)
-        return Scope(f"client:{nonce.hex()}", self._token(nonce))
+        return self._client(owner, secrets.token_bytes(_NONCE_BYTES))
 
     def known(self, owner: str, token: str) -> Scope:
-        """The scope `of` gives, but NO_SCOPE where that would be a new one (nothing kept in it):
-        what a session's prefill can reuse, before the session exists."""
+        """The scope `of` gives, but NO_SCOPE where that would be a new one (nothing is kept in
+        it): what a session's prefill can reuse, told before the session exists."""
         if len(token) > MAX_REUSE_TOKEN:
             raise InvalidRequest(f"reuse_token is {len(token)} characters, over the limit of {MAX_REUSE_TOKEN}")
         if self.mode == "off":
             return NO_SCOPE
-        if owner:
-            return Scope(f"key:{owner}")
         if self.mode == "shared":
-            return Scope("shared")
-        nonce = self._nonce(token)
-        return Scope(f"client:{nonce.hex()}", token) if nonce else NO_SCOPE
+            return Scope(f"key:{owner}")
+        nonce = self._nonce(owner, token)
+        return self._client(owner, nonce) if nonce else NO_SCOPE
 
-    def _token(self, nonce: bytes) -> str:
-        return base64.urlsafe_b64encode(nonce + self._mac(nonce)).decode()
+    def _client(self, owner: str, nonce: bytes) -> Scope:
+        token = base64.urlsafe_b64encode(nonce + self._mac(owner, nonce)).decode()
+        return Scope(f"client:{owner}:{nonce.hex()}", token)
 
-    def _mac(self, nonce: bytes) -> bytes:
-        return hmac.new(self._secret, nonce, hashlib.sha256).digest()[:_MAC_BYTES]
+    def _mac(self, owner: str, nonce: bytes) -> bytes:
+        return hmac.new(self._secret, owner.encode() + b"\0" + nonce, hashlib.sha256).digest()[:_MAC_BYTES]
 
-    def _nonce(self, token: str) -> bytes | None:
-        """The nonce of a token this verifier signed, or None (empty, malformed, another
-        verifier's, or from before a restart)."""
+    def _nonce(self, owner: str, token: str) -> bytes | None:
+        """The nonce of a token this verifier signed for `owner`, or None (empty, malformed,
+        another key's or verifier's, or from before a restart)."""
         try:
             raw = base64.urlsafe_b64decode(token.encode())
         except (binascii.Error, ValueError):
             return None
         nonce, mac = raw[:_NONCE_BYTES], raw[_NONCE_BYTES:]
-        if len(nonce) != _NONCE_BYTES or not hmac.compare_digest(mac, self._mac(nonce)):
+        if len(nonce) != _NONCE_BYTES or not hmac.compare_digest(mac, self._mac(owner, nonce)):
             return None
         return nonce

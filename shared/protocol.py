@@ -75,7 +75,7 @@ class WireBytes:
 class OpenSessionRequest:
     prompt_tokens: list[int]
     config: SessionConfig
-    reuse_token: str = ""  # without API keys: the token the verifier gave this client (its kept prefixes' scope)
+    reuse_token: str = ""  # the token the verifier gave this client: its kept prefixes' scope
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class OpenSessionResult:
     prefill_ms: float
     model_id: str
     wire: WireBytes = WireBytes()  # set by the edge's client
-    reuse_token: str = ""  # without API keys: the client's token for its next sessions
+    reuse_token: str = ""  # the client's token for its next sessions
     reused_tokens: int = 0  # prompt tokens served from the scope's kept KV, not computed
 
 

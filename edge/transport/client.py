@@ -237,9 +237,9 @@ class VerifierClient:
         self.replicas = ReplicaSet(list(replicas))
         self._channels = {address: _channel(address, tls, name) for address, name in replicas.items()}
         self._stubs = {address: pb_grpc.VerifierStub(channel) for address, channel in self._channels.items()}
-        # Without API keys, each verifier gives this client a token with its first session; sent
-        # with the next ones, the KV of the client's closed sessions serves them (and no other
-        # client's ever does). One per replica: each verifier signs its own.
+        # Each verifier gives this client a token with its first session; sent with the next
+        # ones, the KV of the client's closed sessions serves them (and no other client's ever
+        # does). One per replica: each verifier signs its own.
         self._reuse_tokens: dict[str, str] = {}
 
     def with_tap(self, tap: CallTap) -> VerifierClient:

@@ -87,14 +87,16 @@ def _opened(verifier: Verifier, prompt: list[int], owner: str) -> str:
 def test_a_prefix_never_crosses_api_keys(forward_pass_engine: TargetEngine) -> None:
     verifier = Verifier(engine_of(forward_pass_engine), "tiny-target")
     prompt = random_prompt(9, length=30)
-    verifier.close_session(_opened(verifier, prompt, "alice"), "alice")
+    alice = _open(verifier, prompt, "alice")
+    verifier.close_session(alice.session_id, "alice")
     assert len(verifier.sessions.prefixes) == 1
-    verifier.close_session(_opened(verifier, prompt + [5], "bob"), "bob")  # the same tokens, another key
-    assert verifier.sessions.prefix_totals()[0] == 0  # bob prefilled everything
+    bob = _open(verifier, prompt + [5], "bob", alice.reuse_token)  # the same tokens, another key: alice's token names nothing
+    verifier.close_session(bob.session_id, "bob")
+    assert bob.reused_tokens == 0 and verifier.sessions.prefix_totals()[0] == 0  # bob prefilled everything
     assert [kept.owner for kept in verifier.sessions.prefixes.entries()] == ["alice", "bob"]
-    sid = _opened(verifier, prompt + [5, 6], "alice")
-    assert verifier.sessions.prefix_totals()[0] == len(prompt) - 1  # alice's own, not bob's longer one
-    assert verifier.sessions.get(sid, "alice").cache.get_seq_length() == len(prompt) + 1
+    again = _open(verifier, prompt + [5, 6], "alice", alice.reuse_token)
+    assert again.reused_tokens == len(prompt) - 1  # alice's own, not bob's longer one
+    assert verifier.sessions.get(again.session_id, "alice").cache.get_seq_length() == len(prompt) + 1
     state = ServerState.for_verifier(verifier)  # what /v1/stats shows each key: its own reuse only
     assert state.prefix_reuse(Caller("bob", sees_all=False))["reused_tokens"] == 0
     assert state.prefix_reuse(Caller("bob", sees_all=False))["kept_prefixes"] == 1

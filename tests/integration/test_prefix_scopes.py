@@ -1,8 +1,8 @@
 """Kept prefixes never cross a trust boundary, through the real gRPC server and its auth, by
 every way a session opens (OpenSession, Generate, a Decode call that opens it), on every engine:
 an open reports the prompt tokens its scope's kept KV served (`reused_tokens`; on vLLM, vLLM's
-own count of its prefix-cache hits), and another key's (or keys-off client's) open over the very
-same prompt computes every token. One key's flood of new prompts leaves another key's kept
+own count of its prefix-cache hits), and another key's or client's open over the very same
+prompt computes every token. One key's flood of new prompts leaves another key's kept
 conversation in place, and a refused open keeps its key's prefix."""
 
 import asyncio
@@ -92,6 +92,7 @@ async def _two_keys_never_reuse_each_others_prefixes(target_engine: TargetEngine
         assert await opener(alice, prompt) == 0
         assert await opener(bob, _turn(prompt, 1)) == 0  # alice's exact prompt and more: every token computed
         assert await opener(alice, _turn(prompt, 2)) >= 32  # her own: reused (vLLM: whole blocks)
+        assert await opener(client("alice-key-Qw3Er5Ty7"), _turn(prompt, 3)) == 0  # another client of her key
         reused_by = verifier.sessions.prefixes.totals_by_owner
         assert reused_by["bob"].reused == 0 and reused_by["bob"].prefilled == PROMPT_TOKENS + 6
 
@@ -136,15 +137,16 @@ async def _with_reuse_off_a_key_reuses_nothing_even_of_its_own(target_engine: Ta
         assert len(verifier.sessions.prefixes) == 0
 
 
-def test_with_keys_the_shared_cache_flag_shares_nothing(forward_pass_engine: TargetEngine) -> None:
-    asyncio.run(_with_keys_the_shared_cache_flag_shares_nothing(forward_pass_engine))
+def test_with_keys_the_shared_cache_flag_shares_within_a_key_only(forward_pass_engine: TargetEngine) -> None:
+    asyncio.run(_with_keys_the_shared_cache_flag_shares_within_a_key_only(forward_pass_engine))
 
 
-async def _with_keys_the_shared_cache_flag_shares_nothing(forward_pass_engine: TargetEngine) -> None:
+async def _with_keys_the_shared_cache_flag_shares_within_a_key_only(forward_pass_engine: TargetEngine) -> None:
     async with _served(forward_pass_engine, VerifierLimits(share_prefixes=True)) as (_, client):
         prompt = random_prompt(34, length=PROMPT_TOKENS)
         assert await _open_session(client("alice-key-Qw3Er5Ty7"), prompt) == 0
         assert await _open_session(client("bob-key-Zx8Cv6Bn4"), _turn(prompt, 1)) == 0
+        assert await _open_session(client("alice-key-Qw3Er5Ty7"), _turn(prompt, 2)) == PROMPT_TOKENS - 1
 
 
 def test_a_flood_from_one_key_leaves_another_keys_conversation_in_place(forward_pass_engine: TargetEngine) -> None:

@@ -1,5 +1,6 @@
-"""Reuse scopes: a key's sessions share one; without keys each client has its own, which only
-the token the verifier signed for it names; shared only when the operator says so."""
+"""Reuse scopes: each client of each key has its own, which only the token the verifier signed
+for it (and that key) names; a key's clients (every client, without keys) share one only when
+the operator says so."""
 
 import pytest
 
@@ -7,20 +8,22 @@ from cloud.prefix_scope import MAX_REUSE_TOKEN, NO_SCOPE, ReuseScopes
 from shared.errors import InvalidRequest
 
 
-def test_a_key_is_its_scope_and_needs_no_token() -> None:
+@pytest.mark.parametrize("owner", ["", "alice"])
+def test_a_client_is_named_only_by_its_signed_token(owner: str) -> None:
     scopes = ReuseScopes("client")
-    assert scopes.of("alice", "") == scopes.of("alice", "anything") != scopes.of("bob", "")
-    assert scopes.of("alice", "").token == ""
-
-
-def test_a_client_without_keys_is_named_only_by_its_signed_token() -> None:
-    scopes = ReuseScopes("client")
-    first = scopes.of("", "")
+    first = scopes.of(owner, "")
     assert first.name.startswith("client:") and len(first.token) == 32
-    assert scopes.of("", first.token) == first  # the same client, next session
-    other = scopes.of("", "")
+    assert scopes.of(owner, first.token) == first  # the same client, next session
+    other = scopes.of(owner, "")
     assert other.name != first.name and other.token != first.token
-    assert scopes.known("", "") == NO_SCOPE  # nothing to reuse before the client has a scope
+    assert scopes.known(owner, "") == NO_SCOPE  # nothing to reuse before the client has a scope
+
+
+def test_a_token_names_nothing_under_another_key() -> None:
+    scopes = ReuseScopes("client")
+    alices = scopes.of("alice", "")
+    assert scopes.known("bob", alices.token) == NO_SCOPE and scopes.known("", alices.token) == NO_SCOPE
+    assert scopes.of("bob", alices.token).name != alices.name
 
 
 @pytest.mark.parametrize("token", ["x", "A" * 32, "not base64!", "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"])
@@ -42,9 +45,10 @@ def test_another_verifiers_token_names_nothing_here() -> None:
     assert ReuseScopes("client").known("", theirs.token) == NO_SCOPE
 
 
-def test_shared_mode_is_one_scope_for_every_client_without_keys() -> None:
+def test_shared_mode_is_one_scope_a_key_and_one_for_every_client_without_keys() -> None:
     scopes = ReuseScopes("shared")
     assert scopes.of("", "") == scopes.of("", "whatever") and scopes.of("", "").token == ""
+    assert scopes.of("alice", "") == scopes.of("alice", "x") != scopes.of("bob", "")
     assert scopes.of("alice", "") != scopes.of("", "")  # keys still scope their own
 
 
