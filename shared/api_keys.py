@@ -53,6 +53,10 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def _default_name(digest: bytes) -> str:
+    return f"key-{digest.hex()[:8]}"
+
+
 def _entry(fields: list[str], where: str) -> _Entry:
     """fields: [key], [name, key] or [name, key, "operator"]. Errors name the line, never its
     text (it may hold a key)."""
@@ -67,7 +71,7 @@ def _entry(fields: list[str], where: str) -> _Entry:
         digest = bytes.fromhex(match.group(1))
     else:
         digest = _digest(secret)
-    name = fields[0] if len(fields) == 2 else f"key-{digest.hex()[:8]}"
+    name = fields[0] if len(fields) == 2 else _default_name(digest)
     if not _NAME.fullmatch(name):
         raise ConfigError(f"{where}: a name is up to 64 letters, digits and . _ @ - (starting with a letter or digit)")
     return _Entry(name, digest, operator)
@@ -93,6 +97,13 @@ class ApiKeys:
         if not entries:  # an empty file must not quietly open the verifier to everyone
             raise ConfigError(f"{source}: no keys in it")
         return cls(tuple(entries))
+
+    @classmethod
+    def one(cls, key: str) -> ApiKeys:
+        """A single key given as it is (a flag's value, not a file's line: spaces, `#` and a
+        `sha256:` start are part of the key), named as a bare key in the file is."""
+        digest = _digest(key)
+        return cls((_Entry(_default_name(digest), digest),))
 
     @classmethod
     def load(cls, path: str | Path, flag: str = "--api-keys-file") -> ApiKeys:
