@@ -13,9 +13,11 @@ the target's whichever cache a drafter begins from.
 - The draft window: a reused cache keeps its window's start while the prompt from there on
   and max_tokens fit the draft context; else the drafter begins a fresh window.
 - The event loop alone calls it (a generation's start and end), so it takes no lock.
-
-Entries are not kept per API key: `edge-agent serve` has at most one key (--serve-api-key),
-so every request is the same user's.
+- Scoped by caller: an entry remembers the name of the API key whose request left it, and a
+  request takes only its own caller's entries (without keys, "": the one local user). A
+  response reports the draft tokens it reused, so a shared entry would tell one caller
+  whether another's prompt began with a given text. The memory bound is one for all callers:
+  one's entries may push out another's, which costs that one a prefill and shows no text.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from shared.token_ids import shared_prefix
 
 @dataclass(frozen=True)
 class _Entry:
+    caller: str  # the name of the API key whose request left it
     kv: DraftKV
     tokens: list[int]  # the conversation from its first token: those before kv.start, then kv.cached
     nbytes: int
@@ -67,12 +70,15 @@ class ConversationCache:
     def nbytes(self) -> int:
         return sum(entry.nbytes for entry in self._entries)
 
-    def take(self, prompt: Sequence[int], window: int, max_new_tokens: int, context: int) -> DraftKV | None:
-        """The cache whose KV a drafter on `prompt` reuses most, removed from the pool; None when
-        none is worth taking (the drafter makes a fresh one). window: --draft-window; context:
-        tokens a window may span (the prompt from its start and max_new_tokens)."""
+    def take(self, caller: str, prompt: Sequence[int], window: int, max_new_tokens: int, context: int) -> DraftKV | None:
+        """The cache of `caller`'s whose KV a drafter on `prompt` reuses most, removed from the
+        pool; None when none is worth taking (the drafter makes a fresh one). window:
+        --draft-window; context: tokens a window may span (the prompt from its start and
+        max_new_tokens)."""
         best, most = None, 0
         for entry in self._entries:
+            if entry.caller != caller:
+                continue
             keeps = entry.reusable(prompt, window, max_new_tokens, context)
             if keeps >= most and keeps > 0:  # ties: the most recent
                 best, most = entry, keeps
@@ -81,14 +87,14 @@ class ConversationCache:
         self._entries.remove(best)
         return best.kv
 
-    def give_back(self, prompt: Sequence[int], kv: DraftKV) -> None:
-        """Keep a drafter's cache for its conversation's next turn. prompt: what its generation
-        began from (its tokens before kv.start are those the window skipped). A cache that holds
-        nothing, is out of step with its tokens or alone exceeds the bound is dropped."""
+    def give_back(self, caller: str, prompt: Sequence[int], kv: DraftKV) -> None:
+        """Keep a drafter's cache for the next turn of `caller`'s conversation. prompt: what its
+        generation began from (its tokens before kv.start are those the window skipped). A cache
+        that holds nothing, is out of step with its tokens or alone exceeds the bound is dropped."""
         nbytes = kv.cache.nbytes()
         if not kv.cached or len(kv.cache) != len(kv.cached) or nbytes > self.max_bytes:
             return
-        self._entries.append(_Entry(kv, [*prompt[: kv.start], *kv.cached], nbytes))
+        self._entries.append(_Entry(caller, kv, [*prompt[: kv.start], *kv.cached], nbytes))
         while self.nbytes > self.max_bytes:
             self._entries.pop(0)
 

@@ -10,7 +10,6 @@ cloud session. A stream's status is decided by its first event: an error before 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -27,7 +26,8 @@ from edge.serve.engine import Engine, Event, Generation
 from edge.serve.openai_api import ChatRequest, CompletionRequest, SamplingRequest, parse_request, request_settings
 from edge.serve.openai_replies import ErrorReply, Shape, error_reply, http_error_reply
 from edge.serve.stats import speculation_stats, usage
-from shared.errors import InvalidParameter, SpecDecError
+from shared.api_keys import ApiKeys
+from shared.errors import InvalidParameter, SpecDecError, Unauthenticated
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of a stream
@@ -36,7 +36,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 @dataclass(frozen=True)
 class ServeInfo:
     model: str  # the name /v1/models lists and responses carry
-    api_key: str | None  # Bearer key of /v1/*; None: open
+    api_keys: ApiKeys  # the Bearer keys of /v1/*, each naming its caller; none: open to one local user
     cloud: str  # the verifier's address
 
 
@@ -76,10 +76,10 @@ def _finish_reason(gen: Generation, event: Event) -> str:
 
 
 class _Completion:
-    """One request from its parsed body to its response."""
+    """One request of `caller` (its API key's name) from its parsed body to its response."""
 
-    def __init__(self, engine: Engine, info: ServeInfo, req: SamplingRequest, kind: Literal["chat", "text"]) -> None:
-        self.engine, self.req = engine, req
+    def __init__(self, engine: Engine, info: ServeInfo, req: SamplingRequest, kind: Literal["chat", "text"], caller: str) -> None:
+        self.engine, self.req, self.caller = engine, req, caller
         self.shape = Shape.new(kind, info.model)
 
     def _final(self, gen: Generation, event: Event) -> tuple[dict[str, int], dict[str, Any]]:
@@ -92,7 +92,7 @@ class _Completion:
         base = self.engine.ctx.settings
         settings = request_settings(base, self.req.settings_update(base))
         previews = self.req.stream and self.req.speculative.provisional
-        gen = self.engine.start(self.shape.id, settings, prompt_ids, self.req.stop or [], previews)
+        gen = self.engine.start(self.shape.id, settings, prompt_ids, self.req.stop or [], previews, caller=self.caller)
         events = gen.events()
         if not self.req.stream:
             return await self._whole(request, gen, events)
@@ -168,17 +168,18 @@ async def _body(request: Request) -> Any:
         raise InvalidParameter("the request body is not JSON", None) from None
 
 
-def _key_guard(key: str | None) -> Any:
-    async def check(authorization: str | None = Header(None)) -> None:
-        if key is None:
-            return
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), key.encode()):
+def _key_guard(keys: ApiKeys) -> Any:
+    """A dependency that answers the name of the request's API key ("" without keys), or 401."""
+
+    async def caller(authorization: str | None = Header(None)) -> str:
+        try:
+            return keys.caller(authorization).name
+        except Unauthenticated:
             raise HTTPException(
                 401, "missing or wrong API key (send Authorization: Bearer KEY)", headers={"WWW-Authenticate": "Bearer"}
-            )
+            ) from None
 
-    return Depends(check)
+    return Depends(caller)
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -199,7 +200,7 @@ def create_app(engine: Engine, info: ServeInfo) -> FastAPI:
     # No /docs: its page pulls scripts from a CDN.
     app = FastAPI(title="edge-agent serve", docs_url=None, redoc_url=None, openapi_url=None)
     page = (resources.files("edge.serve") / "static" / "chat.html").read_text(encoding="utf-8")
-    keyed = [_key_guard(info.api_key)]
+    guard = _key_guard(info.api_keys)
     started = int(time.time())
     _error_handlers(app)
 
@@ -215,21 +216,21 @@ def create_app(engine: Engine, info: ServeInfo) -> FastAPI:
             "generating": len(engine.running),
         }
 
-    @app.get("/v1/models", dependencies=keyed)
+    @app.get("/v1/models", dependencies=[guard])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": info.model, "object": "model", "created": started, "owned_by": "specedge"}]}
 
-    @app.post("/v1/chat/completions", dependencies=keyed)
-    async def chat(request: Request) -> Response:
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, caller: str = guard) -> Response:
         req = parse_request(ChatRequest, await _body(request))
         ids = req.prompt_ids(engine.ctx.tokenizer)
-        return await _Completion(engine, info, req, "chat").respond(request, ids)
+        return await _Completion(engine, info, req, "chat", caller).respond(request, ids)
 
-    @app.post("/v1/completions", dependencies=keyed)
-    async def completions(request: Request) -> Response:
+    @app.post("/v1/completions")
+    async def completions(request: Request, caller: str = guard) -> Response:
         req = parse_request(CompletionRequest, await _body(request))
         ids = req.prompt_ids(engine.ctx.tokenizer)
-        return await _Completion(engine, info, req, "text").respond(request, ids)
+        return await _Completion(engine, info, req, "text", caller).respond(request, ids)
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page() -> str:

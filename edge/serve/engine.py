@@ -12,6 +12,10 @@ cloud session, its settings the server's with the request's values over them.
   (edge/drafting/conversations.py), from which the next turn of the conversation begins.
 - One verifier client serves every request (one gRPC channel per verifier address); each
   reply carries its own bytes, so requests in flight together count only their own.
+- Each request belongs to a caller (the name of its API key; "" without keys): it takes only
+  that caller's conversation caches, and calls the verifier through that caller's view of the
+  client (its own reuse tokens), so neither the draft caches nor (on a verifier without API
+  keys) the verifier's kept prefixes tell one caller about another's prompts.
 """
 
 from __future__ import annotations
@@ -176,6 +180,7 @@ class Generation:
     streamer: TextStreamer
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
+    caller: str = ""  # the name of the request's API key: the scope of its caches
     draft_reused_tokens: int = 0  # prompt tokens whose draft KV came from the conversation cache
     draft_prefilled_tokens: int = 0  # prompt tokens whose draft KV the draft model computed
 
@@ -220,13 +225,21 @@ class Engine:
         self.conversations = _conversation_cache(ctx)  # None: off
 
     def start(
-        self, request_id: str, settings: EdgeSettings, prompt_ids: list[int], stop: Sequence[str], previews: bool
+        self,
+        request_id: str,
+        settings: EdgeSettings,
+        prompt_ids: list[int],
+        stop: Sequence[str],
+        previews: bool,
+        *,
+        caller: str,
     ) -> Generation:
-        """Start generating; the caller reads Generation.events()."""
+        """Start generating for `caller` (the name of the request's API key); read
+        Generation.events()."""
         self._check_room(settings, len(prompt_ids))
         ctx = dataclasses.replace(self.ctx, settings=settings)
         ctx.generation_config(settings.seed)  # a bad combination of options fails here, as a 400
-        gen = Generation(request_id, settings, len(prompt_ids), TextStreamer(ctx.tokenizer, stop))
+        gen = Generation(request_id, settings, len(prompt_ids), TextStreamer(ctx.tokenizer, stop), caller=caller)
         relay = _Relay(gen.streamer, gen.queue, previews)
         gen.task = asyncio.create_task(self._run(gen, ctx, prompt_ids, relay))
         self.running.add(gen.task)
@@ -267,13 +280,14 @@ class Engine:
         cfg = ctx.generation_config(s.seed)
         started = time.perf_counter()
         observer = ctx.observer(relay)
+        client = self.client.for_caller(gen.caller)
         try:
             if s.mode == "cloud_only":
                 relay.live = GenerationResult()
-                return await cloud_only_generate(prompt_ids, self.client, cfg, observer, result=relay.live)
-            kv = self._take_draft_kv(s, prompt_ids)
+                return await cloud_only_generate(prompt_ids, client, cfg, observer, result=relay.live)
+            kv = self._take_draft_kv(gen.caller, s, prompt_ids)
             lease = DrafterLease(await asyncio.to_thread(ctx.draft_source, s.seed, kv))  # a llama.cpp context: allocation
-            run = SpeculativeRun(prompt_ids, lease, self.client, ctx.k_policy(), cfg, observer)
+            run = SpeculativeRun(prompt_ids, lease, client, ctx.k_policy(), cfg, observer)
             relay.live = run.result
             try:
                 result = await run.run()
@@ -285,12 +299,12 @@ class Engine:
         except StopText:
             return relay.stopped_result(started)
 
-    def _take_draft_kv(self, settings: EdgeSettings, prompt_ids: list[int]) -> DraftKV | None:
-        """The conversation cache's draft KV for this prompt, if any is worth taking."""
+    def _take_draft_kv(self, caller: str, settings: EdgeSettings, prompt_ids: list[int]) -> DraftKV | None:
+        """The draft KV of `caller`'s conversations for this prompt, if any is worth taking."""
         if self.conversations is None or settings.drafter == "ngram":
             return None
         context = getattr(self.ctx.draft_lm, "context_size", None) or settings.draft_context
-        kv = self.conversations.take(prompt_ids, settings.draft_window, settings.max_new_tokens, context)
+        kv = self.conversations.take(caller, prompt_ids, settings.draft_window, settings.max_new_tokens, context)
         self._count_conversations()
         return kv
 
@@ -306,7 +320,7 @@ class Engine:
             self.ctx.metrics.record_draft_prompt(drafter.reused_tokens, drafter.prefilled_tokens)
         kv = drafter.kv()
         if self.conversations is not None and kv is not None and not lease.failed:
-            self.conversations.give_back(prompt_ids, kv)
+            self.conversations.give_back(gen.caller, prompt_ids, kv)
             self._count_conversations()
 
     def _count_conversations(self) -> None:

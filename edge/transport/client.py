@@ -210,7 +210,8 @@ class VerifierClient:
     """Calls to one verifier, or to several (`target` "a:1,b:2"): then each session's calls go to
     the replica its key ranks first (rendezvous hashing) and, once that one is unreachable, to the
     next. One channel per address, shared by every generation that uses the client; `tap`, when
-    set, sees each call (with_tap gives a generation its own)."""
+    set, sees each call (with_tap gives a generation its own); `caller` names whose reuse tokens
+    it sends (for_caller gives each caller of edge-agent serve its own)."""
 
     def __init__(
         self,
@@ -239,8 +240,11 @@ class VerifierClient:
         self._stubs = {address: pb_grpc.VerifierStub(channel) for address, channel in self._channels.items()}
         # Each verifier gives this client a token with its first session; sent with the next
         # ones, the KV of the client's closed sessions serves them (and no other client's ever
-        # does). One per replica: each verifier signs its own.
-        self._reuse_tokens: dict[str, str] = {}
+        # does). One per replica: each verifier signs its own. And one per caller (caller,
+        # address): the callers of one served endpoint are different clients to the verifier,
+        # else one's prefill time would tell whether another sent the same prompt.
+        self.caller = ""
+        self._reuse_tokens: dict[tuple[str, str], str] = {}
 
     def with_tap(self, tap: CallTap) -> VerifierClient:
         """This client with `tap` seeing each call made through it (one generation's calls, for
@@ -249,6 +253,14 @@ class VerifierClient:
         tapped = copy.copy(self)
         tapped.tap = tap
         return tapped
+
+    def for_caller(self, name: str) -> VerifierClient:
+        """This client for one caller of edge-agent serve (its API key's name): the same channels,
+        replicas and counters, and the reuse tokens of that caller alone. Close the client it
+        came from, not this one."""
+        view = copy.copy(self)
+        view.caller = name
+        return view
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -361,7 +373,7 @@ class VerifierClient:
         reported (the request's on the first); a failure raises the project's error carrying
         the bytes since the last message, and marks an unreachable replica down."""
         address = self.replicas.pick(session_key, opening)
-        _send_reuse_token(msg, self._reuse_tokens.get(address, ""))
+        _send_reuse_token(msg, self._reuse_tokens.get((self.caller, address), ""))
         unreported = _CallBytes(up=msg.ByteSize())
         stream = method(self._stubs[address])(msg, timeout=timeout_s, metadata=self._call_metadata(session_key))
         try:
@@ -398,7 +410,7 @@ class VerifierClient:
         policy, backoff = self.capacity_retry, self.capacity_retry.backoff()
         for retry in range(policy.max_retries + 1):
             address = self.replicas.pick(session_key, opening)
-            _send_reuse_token(msg, self._reuse_tokens.get(address, ""))
+            _send_reuse_token(msg, self._reuse_tokens.get((self.caller, address), ""))
             call.up += msg.ByteSize()
             try:
                 reply = await method(self._stubs[address])(
@@ -436,7 +448,7 @@ class VerifierClient:
         else:
             token = getattr(reply, "reuse_token", "")
         if token:
-            self._reuse_tokens[address] = token
+            self._reuse_tokens[self.caller, address] = token
 
 
 def _send_reuse_token(msg: Message, token: str) -> None:

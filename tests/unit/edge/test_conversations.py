@@ -1,7 +1,7 @@
 """The conversation cache of `edge-agent serve`: a drafter that begins from the last turn's draft
 KV proposes what a fresh one does while feeding only the new tokens; the pool's choice (the most
-KV kept), its bound (LRU by bytes) and the draft window's rule; the lease that keeps a cancelled
-generation's worker thread off a cache handed on."""
+KV kept, of the request's own caller only), its bound (LRU by bytes) and the draft window's
+rule; the lease that keeps a cancelled generation's worker thread off a cache handed on."""
 
 import threading
 import time
@@ -42,9 +42,9 @@ def test_a_drafter_from_the_last_turns_cache_drafts_as_a_fresh_one(draft_lm: Dra
     pool = ConversationCache(1 << 30)
     kv = turn.kv()
     assert kv is not None
-    pool.give_back(first, kv)
+    pool.give_back("", first, kv)
     second = conversation + random_prompt(12, length=6)  # the reply and the user's next message
-    taken = pool.take(second, window=0, max_new_tokens=16, context=1024)
+    taken = pool.take("", second, window=0, max_new_tokens=16, context=1024)
     assert taken is not None and len(pool) == 0  # one owner
     reused, fresh = Drafter(draft_lm, GREEDY, 1, taken), Drafter(draft_lm, GREEDY, 1)
     assert _rounds(reused, second)[0] == _rounds(fresh, second)[0]
@@ -63,9 +63,9 @@ def test_a_reused_window_keeps_its_start_and_drafts_from_there(draft_model) -> N
     assert kv is not None and kv.start == 24
     second = conversation + random_prompt(22, length=6)
     pool = ConversationCache(1 << 30)
-    pool.give_back(first, kv)
-    assert pool.take(second, window=16, max_new_tokens=16, context=len(second) - 24 + 15) is None  # past the context
-    taken = pool.take(second, window=16, max_new_tokens=16, context=len(second) - 24 + 16)
+    pool.give_back("", first, kv)
+    assert pool.take("", second, window=16, max_new_tokens=16, context=len(second) - 24 + 15) is None  # past the context
+    taken = pool.take("", second, window=16, max_new_tokens=16, context=len(second) - 24 + 16)
     assert taken is not None and taken.start == 24
     reused, alone = Drafter(draft_lm, windowed, 1, taken), Drafter(draft_lm, GREEDY, 1)
     assert _rounds(reused, second)[0] == _rounds(alone, second[24:])[0]
@@ -83,10 +83,10 @@ class FakeCache:
         return self.size
 
 
-def _give(pool: ConversationCache, tokens: list[int], start: int = 0, size: int = 100) -> None:
-    """An entry holding the KV of tokens[start:] (its prompt: all of tokens)."""
+def _give(pool: ConversationCache, tokens: list[int], start: int = 0, size: int = 100, caller: str = "") -> None:
+    """An entry of `caller`'s holding the KV of tokens[start:] (its prompt: all of tokens)."""
     cached = tokens[start:]
-    pool.give_back(tokens, DraftKV(FakeCache(len(cached), size), cached, start))  # type: ignore[arg-type]
+    pool.give_back(caller, tokens, DraftKV(FakeCache(len(cached), size), cached, start))  # type: ignore[arg-type]
 
 
 def test_take_hands_out_the_entry_that_keeps_most_once() -> None:
@@ -94,19 +94,36 @@ def test_take_hands_out_the_entry_that_keeps_most_once() -> None:
     long, short = list(range(40)), list(range(30))
     _give(pool, long)
     _give(pool, short)
-    taken = pool.take([*long, 99], window=0, max_new_tokens=8, context=1024)
+    taken = pool.take("", [*long, 99], window=0, max_new_tokens=8, context=1024)
     assert taken is not None and taken.cached == long  # 40 tokens kept, not 30
-    taken = pool.take([*long, 99], window=0, max_new_tokens=8, context=1024)
+    taken = pool.take("", [*long, 99], window=0, max_new_tokens=8, context=1024)
     assert taken is not None and taken.cached == short and len(pool) == 0
-    assert pool.take([*long, 99], window=0, max_new_tokens=8, context=1024) is None
+    assert pool.take("", [*long, 99], window=0, max_new_tokens=8, context=1024) is None
+
+
+def test_a_caller_takes_only_the_entries_its_own_key_left() -> None:
+    """Another caller's exact prompt finds nothing (its reuse would tell it what alice sent);
+    alice's next turn finds her entry, whatever bob left meanwhile."""
+    pool = ConversationCache(1 << 20)
+    alice, bob = list(range(40)), list(range(100, 140))
+    _give(pool, alice, caller="alice")
+    assert pool.take("bob", [*alice, 99], window=0, max_new_tokens=8, context=1024) is None
+    assert pool.take("", [*alice, 99], window=0, max_new_tokens=8, context=1024) is None  # no key is a caller too
+    _give(pool, alice, caller="bob")  # bob sends alice's prompt: his own entry, beside hers
+    _give(pool, bob, caller="bob")
+    taken = pool.take("alice", [*alice, 99], window=0, max_new_tokens=8, context=1024)
+    assert taken is not None and taken.cached == alice and len(pool) == 2
+    assert pool.take("alice", [*alice, 99], window=0, max_new_tokens=8, context=1024) is None  # bob's copy stays his
+    taken = pool.take("bob", [*bob, 99], window=0, max_new_tokens=8, context=1024)
+    assert taken is not None and taken.cached == bob
 
 
 def test_an_entry_that_would_drop_more_than_it_keeps_stays() -> None:
     pool = ConversationCache(1 << 20)
     system, chat = list(range(10)), list(range(100, 140))
     _give(pool, system + chat)  # another conversation sharing only the system prompt
-    assert pool.take([*system, 7, 7, 7], window=0, max_new_tokens=8, context=1024) is None
-    assert pool.take([5, 6, 7], window=0, max_new_tokens=8, context=1024) is None  # shares nothing
+    assert pool.take("", [*system, 7, 7, 7], window=0, max_new_tokens=8, context=1024) is None
+    assert pool.take("", [5, 6, 7], window=0, max_new_tokens=8, context=1024) is None  # shares nothing
     assert len(pool) == 1
 
 
@@ -115,16 +132,16 @@ def test_the_bound_evicts_the_least_recently_handed_back() -> None:
     for first in (10, 20, 30):
         _give(pool, list(range(first, first + 5)))
     assert len(pool) == 2 and pool.nbytes == 200
-    assert pool.take(list(range(10, 16)), window=0, max_new_tokens=1, context=64) is None  # evicted
-    assert pool.take(list(range(20, 26)), window=0, max_new_tokens=1, context=64) is not None
+    assert pool.take("", list(range(10, 16)), window=0, max_new_tokens=1, context=64) is None  # evicted
+    assert pool.take("", list(range(20, 26)), window=0, max_new_tokens=1, context=64) is not None
     _give(pool, list(range(40, 45)), size=251)  # over the bound alone: dropped
     assert len(pool) == 1 and pool.nbytes == 100
 
 
 def test_a_cache_that_holds_nothing_or_is_out_of_step_is_not_kept() -> None:
     pool = ConversationCache(1 << 20)
-    pool.give_back([1, 2, 3], DraftKV(FakeCache(0), [], 0))  # type: ignore[arg-type]
-    pool.give_back([1, 2, 3], DraftKV(FakeCache(3), [1, 2], 0))  # type: ignore[arg-type]
+    pool.give_back("", [1, 2, 3], DraftKV(FakeCache(0), [], 0))  # type: ignore[arg-type]
+    pool.give_back("", [1, 2, 3], DraftKV(FakeCache(3), [1, 2], 0))  # type: ignore[arg-type]
     assert len(pool) == 0
 
 
@@ -143,7 +160,7 @@ def test_the_draft_window_rule(window: int, context: int, taken: bool) -> None:
     conversation = list(range(50))
     _give(pool, conversation, start=10)
     prompt = conversation + [90, 91, 92, 93, 94]
-    kv = pool.take(prompt, window=window, max_new_tokens=10, context=context)
+    kv = pool.take("", prompt, window=window, max_new_tokens=10, context=context)
     assert (kv is not None) == taken
     assert kv is None or kv.start == 10
 
