@@ -1,5 +1,7 @@
 """One cloud-verifier process: HTTP first (probes answer while the model loads), gRPC beside
 it in the same event loop, the model loading on the model worker, then readiness flips.
+Beside them: the API keys file re-read on SIGHUP or a change (cloud/key_reload.py), the heap
+trimmed when idle.
 SIGTERM drains: no new sessions, open ones finish their rounds within a grace period."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from cloud.config import VerifierSettings
 from cloud.grpc_server import start_server
 from cloud.heap import trim_when_idle
 from cloud.http import HttpServer, create_app, start_http
+from cloud.key_reload import watch_keys
 from cloud.logs import log_event
 from cloud.state import ServerState
 from cloud.tls import ServerTls, check_exposure
@@ -125,8 +128,10 @@ async def _until_stopped(loading: asyncio.Task[None], failed: asyncio.Task[None]
 async def serve(settings: VerifierSettings, load: Loader) -> None:
     servers = await start_servers(settings)
     loading = asyncio.create_task(load_model(servers, settings, load))
-    trimming = asyncio.create_task(trim_when_idle(servers.state))
     failed = asyncio.create_task(_engine_failed(servers.state))
+    chores = [asyncio.create_task(trim_when_idle(servers.state))]
+    if settings.api_keys_file:  # without keys there is nothing to reload
+        chores.append(asyncio.create_task(watch_keys(servers.state, settings.api_keys_file)))
     grace_s = settings.drain_grace_s
     try:
         await _until_stopped(loading, failed)
@@ -134,7 +139,7 @@ async def serve(settings: VerifierSettings, load: Loader) -> None:
         grace_s = 0.0  # open sessions cannot finish
         raise
     finally:
-        trimming.cancel()
-        failed.cancel()
+        for task in (*chores, failed):
+            task.cancel()
         loading.cancel()  # a load still running finishes on its thread; the process waits for it
         await shutdown(servers, grace_s)
