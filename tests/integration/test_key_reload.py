@@ -2,9 +2,10 @@
 files, tiny models): a removed key's calls are refused, its streams end UNAUTHENTICATED and all
 its KV goes at once while other keys' sessions go on; a rotated key keeps its sessions; a file
 that does not parse keeps the keys in force. In a real cloud-verifier process: SIGHUP reloads
-the file."""
+the file, and kept prefixes past the TTL are freed with no call arriving."""
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -25,7 +26,7 @@ from cloud.process import Servers
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from tests.harness import TargetEngine, random_prompt
-from tests.ops import SETTINGS, running_servers, stub
+from tests.ops import SETTINGS, metric_samples, running_servers, stub
 from tests.serve_procs import Server, start_verifier
 from tests.tiny_models import save_pair
 
@@ -231,15 +232,17 @@ def test_a_file_that_does_not_parse_keeps_the_keys_in_force(
 
 # ---- a real cloud-verifier process ---------------------------------------------------------
 
+TTL_S = 2.0
+
 
 @pytest.fixture(scope="module")
 def verifier_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str, int, Path]]:
-    """cloud-verifier with a keys file: (server, gRPC address, HTTP port, keys file)."""
+    """cloud-verifier with a keys file and a short session TTL: (server, gRPC address, HTTP port, keys file)."""
     folder = tmp_path_factory.mktemp("reload")
     target = save_pair(folder)[1]
     keys = folder / "keys.txt"
     keys.write_text("A key-of-a-Qm3Zt8\nB key-of-b-Wr5Yp2\n")
-    flags = ("--api-keys-file", str(keys))
+    flags = ("--api-keys-file", str(keys), "--session-ttl-s", str(TTL_S))
     server, address, http = start_verifier(target, folder / "verifier.log", *flags)
     yield server, address, http, keys
     assert server.stop() == 0, server.log.read_text()[-3000:]
@@ -270,3 +273,37 @@ def test_sighup_reloads_the_keys_file(verifier_process: tuple[Server, str, int, 
     assert asyncio.run(_describe(address, "key-of-b-Wr5Yp2")) == grpc.StatusCode.UNAUTHENTICATED
     assert asyncio.run(_describe(address, "key-of-c-Tn8Kw4")) == grpc.StatusCode.OK
     assert "key-of-" not in server.log.read_text()
+
+
+def test_kept_prefixes_and_sessions_past_the_ttl_are_freed_with_no_call(
+    verifier_process: tuple[Server, str, int, Path],
+) -> None:
+    _, address, http, _ = verifier_process
+    a = "key-of-a-Qm3Zt8"
+
+    async def sessions() -> None:
+        """One session closed (its KV kept for A's next one), one left open."""
+        async with grpc.aio.insecure_channel(address) as channel:
+            verifier = pb_grpc.VerifierStub(channel)
+            closed = await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=_auth(a))
+            await verifier.CloseSession(pb.CloseSessionRequest(session_id=closed.session_id), metadata=_auth(a))
+            await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=random_prompt(8)), metadata=_auth(a))
+
+    def kept() -> dict[str, int]:
+        status, body = _get(http, "/v1/stats", a)
+        assert status == 200
+        return json.loads(body)["prefix_reuse"]  # type: ignore[no-any-return]
+
+    def ttl_evictions() -> float:
+        status, body = _get(http, "/metrics", a)
+        assert status == 200
+        return metric_samples(body.decode()).get(("specdec_evicted_sessions_total", frozenset({("reason", "ttl")})), 0.0)
+
+    asyncio.run(sessions())
+    assert kept()["kept_prefixes"] == 1 and kept()["kept_bytes"] > 0
+    evicted = ttl_evictions()
+    deadline = time.monotonic() + TTL_S + 10
+    while kept()["kept_prefixes"] or ttl_evictions() == evicted:  # HTTP reads expire nothing: the verifier's own task does
+        assert time.monotonic() < deadline, kept()
+        time.sleep(0.2)
+    assert kept()["kept_bytes"] == 0 and ttl_evictions() == evicted + 1
