@@ -106,7 +106,8 @@ class VerifierSettings(BaseSettings):
         None,
         description="file of accepted API keys, one per line ('[NAME] KEY' or "
         "'[NAME] sha256:HEX'); gRPC calls and HTTP /metrics /v1/* / then need "
-        "'authorization: Bearer KEY'",
+        "'authorization: Bearer KEY'. Re-read when it changes or on SIGHUP (a file that "
+        "does not parse keeps the keys in force); a name removed from it loses its sessions",
     )
     public_metrics: bool = Field(False, description="with --api-keys-file: serve /metrics, /v1/* and the live page without a key")
     drain_grace_s: float = Field(

@@ -133,7 +133,7 @@ def create_server(
     NOT_SERVING from the first probe. Health and reflection ask no API key: probes use them."""
     state = source if isinstance(source, ServerState) else ServerState.for_verifier(source)
     # The first interceptor is the outermost: a refused key is answered and counted like any error.
-    interceptors = (StatusInterceptor(state, SERVICE_NAME), ApiKeyInterceptor(state.api_keys, SERVICE_NAME))
+    interceptors = (StatusInterceptor(state, SERVICE_NAME), ApiKeyInterceptor(state, SERVICE_NAME))
     server = grpc.aio.server(interceptors=interceptors)
     _add_verifier(VerifierServicer(state), server)
     health = health_aio.HealthServicer()

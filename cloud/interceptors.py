@@ -3,8 +3,10 @@
 - StatusInterceptor (outermost) answers each call: project errors (shared/errors.py) become
   their documented status codes and trailers, an unexpected exception INTERNAL with the
   request id only, never UNKNOWN; and it counts every call by method and code and logs it once.
-- ApiKeyInterceptor (inside it) lets a call run only with a known API key (cloud/auth.py) and
-  makes the key's name the call's principal(), which the servicer and the log line read.
+- ApiKeyInterceptor (inside it) lets a call run only with a key of the keys in force
+  (cloud/auth.py; reloaded while the server runs, cloud/key_reload.py) and makes the key's name
+  the call's principal(), which the servicer and the log line read. A stream whose key is
+  removed meanwhile ends UNAUTHENTICATED at its next reply.
 
 The health and reflection services pass through both untouched: probes call them without a key.
 """
@@ -24,12 +26,11 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from cloud.auth import ApiKeys
 from cloud.logs import REFUSALS, log_event
 from cloud.sessions import session_tag
 from cloud.state import ServerState
 from shared import wire
-from shared.errors import CapacityExceeded, PositionMismatch, SpecDecError
+from shared.errors import CapacityExceeded, PositionMismatch, SpecDecError, Unauthenticated
 
 __all__ = ["MAX_REQUEST_ID", "ApiKeyInterceptor", "StatusInterceptor", "Undecodable", "principal"]
 
@@ -103,17 +104,55 @@ class _ServiceInterceptor(grpc.aio.ServerInterceptor):
 
 
 class ApiKeyInterceptor(_ServiceInterceptor):
-    """A call runs only with `authorization: Bearer KEY` of a known key; otherwise it raises
-    Unauthenticated (the StatusInterceptor around it answers UNAUTHENTICATED and counts it)."""
+    """A call runs only with `authorization: Bearer KEY` of a key in force (state.api_keys, read
+    at each call: a reload replaces it); otherwise it raises Unauthenticated (the
+    StatusInterceptor around it answers UNAUTHENTICATED and counts it).
 
-    def __init__(self, keys: ApiKeys, service: str) -> None:
+    Once a key's name leaves the keys file, its streams end UNAUTHENTICATED at their next reply
+    (or when their session, ended with the key, fails them); a unary call in flight finishes,
+    or fails NOT_FOUND with its session gone."""
+
+    def __init__(self, state: ServerState, service: str) -> None:
         super().__init__(service)
-        self.keys = keys
+        self.state = state
 
     @asynccontextmanager
     async def around(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Replied]:
-        _PRINCIPAL.set(self.keys.principal(_authorization(context)))
-        yield lambda reply: None
+        name = self.state.api_keys.principal(_authorization(context))
+        _PRINCIPAL.set(name)
+        try:
+            yield lambda reply: None
+        finally:
+            if not self._current(name):  # a session this call opened after the reload ended the key's goes too
+                self.state.end_owner_soon(name)
+
+    def stream(self, method: str, behavior: StreamBehavior) -> StreamBehavior:
+        def while_current(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
+            return self._while_current(principal(), behavior(request, context))  # called once `around` set it
+
+        return super().stream(method, while_current)
+
+    async def _while_current(self, name: str, replies: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+        """The stream's replies while `name` is a key in force."""
+        async with aclosing(replies):
+            while True:
+                try:
+                    reply = await anext(replies)
+                except StopAsyncIteration:
+                    return
+                except SpecDecError:  # its session ended with its key (NOT_FOUND): say why
+                    self._refuse_if_removed(name)
+                    raise
+                self._refuse_if_removed(name)
+                yield reply
+
+    def _current(self, name: str) -> bool:
+        keys = self.state.api_keys
+        return not keys.enabled or any(entry.name == name for entry in keys.entries)
+
+    def _refuse_if_removed(self, name: str) -> None:
+        if not self._current(name):
+            raise Unauthenticated("the API key was removed")
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:

@@ -1,5 +1,7 @@
 """One cloud-verifier process: HTTP first (probes answer while the model loads), gRPC beside
 it in the same event loop, the model loading on the model worker, then readiness flips.
+Beside them: idle sessions and kept prefixes freed once past their TTL, the API keys file
+re-read on SIGHUP or a change (cloud/key_reload.py), the heap trimmed when idle.
 SIGTERM drains: no new sessions, open ones finish their rounds within a grace period."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from cloud.config import VerifierSettings
 from cloud.grpc_server import start_server
 from cloud.heap import trim_when_idle
 from cloud.http import HttpServer, create_app, start_http
+from cloud.key_reload import watch_keys
 from cloud.logs import log_event
 from cloud.state import ServerState
 from cloud.tls import ServerTls, check_exposure
@@ -29,6 +32,7 @@ log = logging.getLogger("cloud-verifier")
 Loader = Callable[[VerifierSettings], Verifier]
 STOP_GRACE_S = 1.0  # for rounds still running once the drain period is over
 ENGINE_CHECK_S = 1.0  # how often the engine's health is read (an attribute: no pass, no lock)
+EXPIRE_S = 2.0  # how often sessions and kept prefixes idle past the TTL are freed
 
 
 @dataclass
@@ -135,6 +139,15 @@ async def _engine_failed(state: ServerState) -> None:
         await asyncio.sleep(ENGINE_CHECK_S)
 
 
+async def _expire_sessions(state: ServerState) -> None:
+    """Forever, once the model is loaded: free the sessions and kept prefixes idle past the TTL
+    (on the model worker), so their KV goes with no call arriving, not only at the next one."""
+    while True:
+        await asyncio.sleep(EXPIRE_S)
+        if state.verifier is not None:
+            await state.worker.run(state.verifier.sessions.expire)
+
+
 async def _until_stopped(loading: asyncio.Task[None], failed: asyncio.Task[None]) -> None:
     """Return on SIGINT/SIGTERM; raise if the model fails to load or its engine fails."""
     stopping = stop_signal()
@@ -150,8 +163,10 @@ async def _until_stopped(loading: asyncio.Task[None], failed: asyncio.Task[None]
 async def serve(settings: VerifierSettings, load: Loader) -> None:
     servers = await start_servers(settings)
     loading = asyncio.create_task(load_model(servers, settings, load))
-    trimming = asyncio.create_task(trim_when_idle(servers.state))
     failed = asyncio.create_task(_engine_failed(servers.state))
+    chores = [asyncio.create_task(trim_when_idle(servers.state)), asyncio.create_task(_expire_sessions(servers.state))]
+    if settings.api_keys_file:  # without keys there is nothing to reload
+        chores.append(asyncio.create_task(watch_keys(servers.state, settings.api_keys_file)))
     grace_s = settings.drain_grace_s
     try:
         await _until_stopped(loading, failed)
@@ -159,7 +174,7 @@ async def serve(settings: VerifierSettings, load: Loader) -> None:
         grace_s = 0.0  # open sessions cannot finish
         raise
     finally:
-        trimming.cancel()
-        failed.cancel()
+        for task in (*chores, failed):
+            task.cancel()
         loading.cancel()  # a load still running finishes on its thread; the process waits for it
         await shutdown(servers, grace_s)

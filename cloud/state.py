@@ -1,11 +1,13 @@
 """What one running verifier shares between its gRPC servicer, its HTTP app and main: the
-model once loaded, readiness (loading / ready / draining), the model worker and telemetry."""
+model once loaded, readiness (loading / ready / draining), the API keys in force, the model
+worker and telemetry."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from importlib import metadata
 
 from cloud.auth import ApiKeys, Caller
@@ -63,7 +65,9 @@ class ServerState:
         self.batch_limits = batch_limits or BatchLimits()
         self.draining = False
         self.log_prompts = log_prompts  # debug only: prompts are user data
-        self.api_keys = api_keys or ApiKeys()  # none: every caller is let in, as principal ""
+        # No keys: every caller is let in, as principal "". Read at each call and request, never
+        # copied: cloud/key_reload.py replaces it when the keys file changes.
+        self.api_keys = api_keys or ApiKeys()
         self.started = time.monotonic()
         self.version = package_version()
         self.worker = ModelWorker()
@@ -131,6 +135,21 @@ class ServerState:
     async def drain(self) -> None:
         self.draining = True
         await self.publish()
+
+    # ---- API keys -----------------------------------------------------------------------
+
+    async def end_owner(self, name: str) -> int:
+        """End every session and kept prefix of `name`, an API key just removed, and free their
+        KV (on the model worker); how many sessions it ended."""
+        self.live_by_key.pop(name, None)  # a name that comes back starts afresh
+        verifier = self.verifier
+        return 0 if verifier is None else await self.worker.run(verifier.sessions.end_owner, name)
+
+    def end_owner_soon(self, name: str) -> None:
+        """end_owner(name) after the model work queued now, without waiting for it: for a call
+        let in before its key was removed, which may have opened a session since."""
+        if self.verifier is not None:
+            self.worker.submit(partial(self.verifier.sessions.end_owner, name))
 
     # ---- telemetry ----------------------------------------------------------------------
 

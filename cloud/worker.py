@@ -22,9 +22,9 @@ class ModelWorker:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run fn after the work queued now, without waiting for it (clean-up when a caller
-        has gone: nothing is left to tell if it fails, so it is logged)."""
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Run fn after the work queued now, without waiting for it or its result (clean-up when
+        a caller has gone: nothing is left to tell if it fails, so it is logged)."""
 
         def logged() -> None:
             try:

@@ -1,0 +1,103 @@
+"""The API keys file (--api-keys-file) re-read while the verifier runs: on SIGHUP, and when the
+file changes (its mtime, size or inode, looked at every second: no watch library to install).
+
+A file that parses replaces the keys at once (ServerState.api_keys, which the interceptor and the
+HTTP side read at each call) and logs one INFO line: how many keys, the names added and removed
+(names are safe to log). A file that does not parse, holds no key or cannot be read leaves the
+keys in force and logs one WARNING line saying why, never its text (it holds keys): an empty
+file never opens the verifier to everyone.
+
+Sessions and kept prefixes belong to a key's NAME, so a key rotated under its name (a new secret,
+or the old and the new one listed and then the old one removed) keeps them. A name that is gone
+is ended: its calls are refused as an unknown key's, its streams end UNAUTHENTICATED at their
+next reply (cloud/interceptors.py), and each of its sessions and kept prefixes goes at once, its
+KV freed; other keys' sessions are untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+
+from cloud.auth import ApiKeys
+from cloud.logs import log_event
+from cloud.state import ServerState
+from shared.errors import ConfigError
+
+log = logging.getLogger("cloud-verifier")
+POLL_S = 1.0  # how often the file is looked at
+SETTLE_S = 0.05  # a change is read once the file has stayed as it is for this long (a writer done)
+
+Stamp = tuple[int, int, int] | None  # (mtime_ns, size, inode); None: the file cannot be looked at
+
+
+def key_names(keys: ApiKeys) -> frozenset[str]:
+    return frozenset(entry.name for entry in keys.entries)
+
+
+def _stamp(path: str) -> Stamp:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+async def reload_keys(state: ServerState, path: str, why: str) -> bool:
+    """Re-read the keys file into `state` and end the names no longer in it; whether it parsed."""
+    try:
+        keys = ApiKeys.load(path)
+    except ConfigError as err:  # its message names the line, never its text
+        log_event(log, logging.WARNING, f"API keys not reloaded ({why}): {err}; the keys in force stay")
+        return False
+    before, after = key_names(state.api_keys), key_names(keys)
+    state.api_keys = keys  # from here on, every call and request of a removed name is refused
+    removed = sorted(before - after)
+    ended = [await state.end_owner(name) for name in removed]
+    log_event(
+        log,
+        logging.INFO,
+        f"API keys reloaded ({why}): {len(keys.entries)} keys",
+        keys=len(keys.entries),
+        added=sorted(after - before),
+        removed=removed,
+        ended_sessions=sum(ended),
+    )
+    return True
+
+
+async def _hangup(received: asyncio.Event, timeout_s: float) -> bool:
+    """Whether SIGHUP came within `timeout_s` (cleared for the next one)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(received.wait(), timeout_s)
+    hung_up = received.is_set()
+    received.clear()
+    return hung_up
+
+
+async def _changed(path: str, seen: Stamp) -> bool:
+    """Whether the file changed since `seen` and has stopped changing."""
+    stamp = _stamp(path)
+    if stamp == seen:
+        return False
+    await asyncio.sleep(SETTLE_S)
+    return _stamp(path) == stamp  # still being written: looked at again on the next poll
+
+
+async def watch_keys(state: ServerState, path: str, every_s: float = POLL_S) -> None:
+    """Forever: reload the keys on SIGHUP, or once the file changed."""
+    received = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, received.set)
+    seen = _stamp(path)  # the file start_servers loaded a moment ago
+    try:
+        while True:
+            hung_up = await _hangup(received, every_s)
+            if hung_up or await _changed(path, seen):
+                seen = _stamp(path)
+                await reload_keys(state, path, "SIGHUP" if hung_up else "the file changed")
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
