@@ -56,12 +56,17 @@ def test_generate_streams_count_against_the_kv_cap(target_engine: TargetEngine) 
             assert served[0] == served[1] == _alone(target_engine, prompt, n)
             await asyncio.sleep(0.1)  # the streams' ends reach the model worker
             store = verifier.sessions
-            # What stays is kept prefixes (the KV a stream's next turn would start from), and
-            # they give way to any session's need: the whole cap is free again.
+            # What stays is kept prefixes (the KV a stream's client's next turn would start
+            # from), each client's own; they give way to their own client's need first, and a
+            # client holding no more than its share keeps its own.
             assert len(store) == 0 and store.kv_bytes() == store.prefixes.nbytes()
-            assert store.kv_bytes() > 0 or verifier.engine.caches_prefixes  # vLLM keeps them in its own cache
-            store.reserve(2 * (len(prompt) + n))
-            assert store.kv_bytes() == 0
+            if verifier.engine.caches_prefixes:
+                assert store.kv_bytes() == 0  # vLLM keeps them in its own cache
+                return
+            first, second = store.prefixes.entries()
+            assert first.scope != second.scope  # two clients: two scopes
+            store.reserve(len(prompt) + n, scope=first.scope)
+            assert store.prefixes.entries() == [second]
 
     asyncio.run(run())
 

@@ -3,6 +3,7 @@ its client (edge-agent serve runs every request over one client)."""
 
 import asyncio
 
+from cloud.verifier import VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import GenerationResult, TimeoutPolicy, cloud_only_generate, speculative_generate
 from tests.harness import gen_config, make_drafter, random_prompt, running_verifier
@@ -20,7 +21,8 @@ def test_generations_sharing_a_client_count_only_their_own_bytes(target_model, d
         return await speculative_generate(prompt, make_drafter(draft_model), client, FixedK(3), cfg)
 
     async def run() -> None:
-        async with running_verifier(target_model) as (client, _):
+        # No prefix reuse: a reused prompt's open replies with its count (other bytes than alone)
+        async with running_verifier(target_model, VerifierLimits(reuse_prefixes=False)) as (client, _):
             alone = [await speculative(client, prompt) for prompt in prompts]
             together = await asyncio.gather(*(speculative(client, prompt) for prompt in prompts))
             cloud_alone = await cloud_only_generate(prompts[0], client, gen_config(max_new_tokens=16))
