@@ -13,7 +13,7 @@ import pytest
 
 from cloud.auth import ApiKeys
 from cloud.grpc_server import create_server
-from cloud.quotas import KeyLimits
+from cloud.quotas import KeyLimits, TokenRate
 from cloud.sessions import SessionLimits
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
@@ -54,7 +54,7 @@ OPENERS: dict[str, Opener] = {"open_session": _open_session, "generate": _genera
 @asynccontextmanager
 async def _served(
     target: TargetEngine, limits: VerifierLimits | None = None, keys: str | None = KEYS
-) -> AsyncIterator[tuple[Verifier, Callable[[str | None], VerifierClient]]]:
+) -> AsyncIterator[tuple[Verifier, Callable[[str | None], VerifierClient], ServerState]]:
     """A verifier behind the real gRPC server (with API keys when `keys`), and a maker of
     clients, each with its own channel (and, without keys, its own reuse token)."""
     verifier = Verifier(engine_of(target), "tiny-target", limits)
@@ -68,7 +68,7 @@ async def _served(
         return clients[-1]
 
     try:
-        yield verifier, client
+        yield verifier, client, state
     finally:
         for made in clients:
             await made.close()
@@ -86,7 +86,7 @@ def test_two_keys_never_reuse_each_others_prefixes(target_engine: TargetEngine, 
 
 async def _two_keys_never_reuse_each_others_prefixes(target_engine: TargetEngine, path: str) -> None:
     opener = OPENERS[path]
-    async with _served(target_engine) as (verifier, client):
+    async with _served(target_engine) as (verifier, client, _):
         alice, bob = client("alice-key-Qw3Er5Ty7"), client("bob-key-Zx8Cv6Bn4")
         prompt = random_prompt(31 + list(OPENERS).index(path), length=PROMPT_TOKENS)  # vLLM's cache outlives a test
         assert await opener(alice, prompt) == 0
@@ -104,7 +104,7 @@ def test_clients_without_keys_never_reuse_each_others_prefixes(target_engine: Ta
 
 async def _clients_without_keys_never_reuse_each_others_prefixes(target_engine: TargetEngine, path: str) -> None:
     opener = OPENERS[path]
-    async with _served(target_engine, keys=None) as (_, client):
+    async with _served(target_engine, keys=None) as (_, client, _):
         first, second = client(), client()
         prompt = random_prompt(41 + list(OPENERS).index(path), length=PROMPT_TOKENS)
         assert await opener(first, prompt) == 0
@@ -118,7 +118,7 @@ def test_one_cache_for_every_client_only_when_the_operator_says_so(target_engine
 
 
 async def _one_cache_for_every_client_only_when_the_operator_says_so(target_engine: TargetEngine) -> None:
-    async with _served(target_engine, VerifierLimits(share_prefixes=True), keys=None) as (_, client):
+    async with _served(target_engine, VerifierLimits(share_prefixes=True), keys=None) as (_, client, _):
         prompt = random_prompt(33, length=PROMPT_TOKENS)
         assert await _open_session(client(), prompt) == 0
         assert await _open_session(client(), _turn(prompt, 1)) >= 32
@@ -129,7 +129,7 @@ def test_with_reuse_off_a_key_reuses_nothing_even_of_its_own(target_engine: Targ
 
 
 async def _with_reuse_off_a_key_reuses_nothing_even_of_its_own(target_engine: TargetEngine) -> None:
-    async with _served(target_engine, VerifierLimits(reuse_prefixes=False)) as (verifier, client):
+    async with _served(target_engine, VerifierLimits(reuse_prefixes=False)) as (verifier, client, _):
         alice = client("alice-key-Qw3Er5Ty7")
         prompt = random_prompt(39, length=PROMPT_TOKENS)
         assert await _open_session(alice, prompt) == 0
@@ -142,7 +142,7 @@ def test_with_keys_the_shared_cache_flag_shares_within_a_key_only(forward_pass_e
 
 
 async def _with_keys_the_shared_cache_flag_shares_within_a_key_only(forward_pass_engine: TargetEngine) -> None:
-    async with _served(forward_pass_engine, VerifierLimits(share_prefixes=True)) as (_, client):
+    async with _served(forward_pass_engine, VerifierLimits(share_prefixes=True)) as (_, client, _):
         prompt = random_prompt(34, length=PROMPT_TOKENS)
         assert await _open_session(client("alice-key-Qw3Er5Ty7"), prompt) == 0
         assert await _open_session(client("bob-key-Zx8Cv6Bn4"), _turn(prompt, 1)) == 0
@@ -157,7 +157,7 @@ async def _a_flood_from_one_key_leaves_another_keys_conversation_in_place(forwar
     """Room for 4 prompts' KV: bob's kept conversation holds one of them; alice's 12 distinct
     prompts (6 closed, then 6 left open) churn her own kept prefixes and then her own idle
     sessions, and bob's next turn computes only its new tokens."""
-    async with _served(forward_pass_engine) as (verifier, client):
+    async with _served(forward_pass_engine) as (verifier, client, _):
         per_token = verifier.sessions.kv_bytes_per_token
         limits = verifier.sessions.limits
         verifier.sessions.limits = SessionLimits(limits.ttl_s, limits.max_sessions, 4 * (PROMPT_TOKENS + 8) * per_token)
@@ -179,7 +179,7 @@ def test_a_refused_open_keeps_its_keys_prefix(forward_pass_engine: TargetEngine)
 
 async def _a_refused_open_keeps_its_keys_prefix(forward_pass_engine: TargetEngine) -> None:
     limits = VerifierLimits(sessions=SessionLimits(per_key=KeyLimits(max_kv_bytes=(PROMPT_TOKENS + 20) * 4096)))
-    async with _served(forward_pass_engine, limits) as (verifier, client):
+    async with _served(forward_pass_engine, limits) as (verifier, client, _):
         per_token = verifier.sessions.kv_bytes_per_token
         verifier.sessions.limits = SessionLimits(per_key=KeyLimits(max_kv_bytes=(PROMPT_TOKENS + 20) * per_token))
         alice = client("alice-key-Qw3Er5Ty7")
@@ -189,3 +189,22 @@ async def _a_refused_open_keeps_its_keys_prefix(forward_pass_engine: TargetEngin
             await _open_session(alice, history + random_prompt(37, length=40))
         assert verifier.sessions.prefixes.count(owner="alice") == 1
         assert await _open_session(alice, _turn(history, 1)) == PROMPT_TOKENS - 1
+
+
+def test_opens_racing_for_one_kept_prefix_report_and_pay_what_they_computed(forward_pass_engine: TargetEngine) -> None:
+    asyncio.run(_opens_racing_for_one_kept_prefix_report_and_pay_what_they_computed(forward_pass_engine))
+
+
+async def _opens_racing_for_one_kept_prefix_report_and_pay_what_they_computed(forward_pass_engine: TargetEngine) -> None:
+    """Two opens of one client sent together: both are admitted on the estimate that its kept
+    prefix holds their prompt, only one takes it; each reports what it reused, and the key's
+    rate is charged every token they computed."""
+    async with _served(forward_pass_engine) as (verifier, client, state):
+        state.batcher.rate = TokenRate(1000.0, clock=lambda: 0.0)  # a frozen clock: nothing refills
+        alice = client("alice-key-Qw3Er5Ty7")
+        history = random_prompt(38, length=PROMPT_TOKENS)
+        assert await _open_session(alice, history) == 0
+        racing = await asyncio.gather(*(_open_session(alice, _turn(history, n)) for n in (1, 2)))
+        assert sorted(racing) == [0, PROMPT_TOKENS - 1]
+        computed = PROMPT_TOKENS + 2 * (PROMPT_TOKENS + 6) - (PROMPT_TOKENS - 1)
+        assert state.batcher.rate._buckets["alice"].level == 2000.0 - computed
