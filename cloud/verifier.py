@@ -58,9 +58,9 @@ class VerifierLimits:
     kv_slot_tokens: int = 4096
     # A closed session's KV stays for the next session of its scope with the same first tokens
     # (a chat's next turn): kept by the verifier (cloud/prefix_cache.py), or by an engine with a
-    # prefix cache of its own (vLLM); a scope is an API key, or one client (cloud/prefix_scope.py)
+    # prefix cache of its own (vLLM); a scope is one client of one API key (cloud/prefix_scope.py)
     reuse_prefixes: bool = True
-    share_prefixes: bool = False  # without API keys: one scope for every client (they trust each other)
+    share_prefixes: bool = False  # a scope is a key instead (without keys: every client): they trust each other
 
 
 def _kv_request(limits: VerifierLimits) -> KVRequest:
@@ -186,9 +186,9 @@ class Verifier:
         self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0, reuse_token: str = ""
     ) -> Session:
         """A session stored with room for its prompt's KV (or `planned` positions), counted
-        against the caps from now on. Its KV starts as a kept prefix of its reuse scope's (its
-        API key's, or its client's: `reuse_token`) when one holds the prompt's first tokens (its
-        length says how many), else empty. Refused, the kept prefix stays kept."""
+        against the caps from now on. Its KV starts as a kept prefix of its reuse scope's (the
+        client `reuse_token` names, under API key `owner`) when one holds the prompt's first
+        tokens (its length says how many), else empty. Refused, the kept prefix stays kept."""
         vocab = self.checks.vocab(config)
         scope = self.scopes.of(owner, reuse_token)
         self.engine.check_session(config, vocab)  # refused before any KV is made room for
@@ -202,10 +202,8 @@ class Verifier:
             raise
         now = self.sessions.clock()
         generator = torch.Generator().manual_seed(config.seed)
-        session = Session(
-            session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned, scope=scope.name
-        )
-        session.reuse_token, session.reused = scope.token, held
+        session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
+        session.scope, session.reuse_token, session.reused = scope.name, scope.token, held
         try:
             self.sessions.add(session)
         except BaseException:

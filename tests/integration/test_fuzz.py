@@ -29,6 +29,7 @@ SPECDEC_FUZZ_REPORT=PATH: the status histogram as JSON; it is also written to th
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 import logging
@@ -267,6 +268,15 @@ def prompts(draw: Any, vocab_field: int, clean: bool = False) -> list[int]:
     return draw(id_lists(vocab, 24, 1100, min_size=1))  # type: ignore[no-any-return]
 
 
+def reuse_tokens(clean: bool) -> st.SearchStrategy[str]:
+    """A client's reuse token: none, one of the verifier's shape it never signed (a client of
+    another verifier, or of this one before a restart), or text of any length."""
+    of_its_shape = st.binary(min_size=24, max_size=24).map(lambda raw: base64.urlsafe_b64encode(raw).decode())
+    if clean:
+        return st.one_of(st.just(""), of_its_shape)
+    return weighted((4, st.just("")), (2, of_its_shape), (2, st.text(max_size=64)), (1, st.text(min_size=65, max_size=300)))
+
+
 @st.composite
 def open_requests(draw: Any, clean_in_ten: int = 4) -> pb.OpenSessionRequest:
     # by default four in ten valid in every field, so OK paths are fuzzed as deeply as refusals
@@ -277,6 +287,7 @@ def open_requests(draw: Any, clean_in_ten: int = 4) -> pb.OpenSessionRequest:
         seed=draw(SEEDS),
         accept_mode=draw(st.integers(0, 5) if clean else ACCEPT_MODES),
         vocab_size=vocab_size,
+        reuse_token=draw(reuse_tokens(clean)),
     )
     if (sampling := draw(sampling_configs(clean))) is not None:
         req.sampling.CopyFrom(sampling)
@@ -306,6 +317,7 @@ def generate_requests(draw: Any) -> pb.GenerateRequest:
             valid_stops if clean else weighted((6, st.just([])), (3, valid_stops), (1, st.lists(ids(VOCAB), max_size=8)))
         ),
         vocab_size=vocab_size,
+        reuse_token=draw(reuse_tokens(clean)),
     )
     if (sampling := draw(sampling_configs(clean))) is not None:
         req.sampling.CopyFrom(sampling)
@@ -938,6 +950,8 @@ class Fuzz:
         assert len(req.prompt_tokens) <= LIMITS.max_context_tokens, where
         assert reply.position == len(req.prompt_tokens) and reply.vocab_size == vocab, (reply, where)
         assert reply.max_draft_tokens == MAX_K and 0 < len(reply.session_id) <= 64, (reply, where)
+        assert len(req.reuse_token) <= 64 and len(reply.reuse_token) == 32, f"a bad reuse token: {where}"
+        assert reply.reused_tokens < len(req.prompt_tokens), (reply, where)
         mode = wire.config_from_pb(req.sampling, req.seed, req.accept_mode, req.vocab_size).accept_mode
         self._adopt(Tracked(reply.session_id, mode, vocab, reply.position))
 
@@ -1005,6 +1019,7 @@ class Fuzz:
         vocab = req.vocab_size or VOCAB
         if chunks:
             assert req.prompt_tokens and all(0 <= t < vocab for t in req.prompt_tokens), f"accepted a bad prompt: {where}"
+            assert len(req.reuse_token) <= 64 and len(chunks[0].reuse_token) == 32, f"a bad reuse token: {where}"
             assert 0 < req.max_new_tokens <= LIMITS.max_new_tokens, where
             assert len(req.prompt_tokens) + req.max_new_tokens <= LIMITS.max_context_tokens, where
         tokens = [t for chunk in chunks for t in chunk.tokens]

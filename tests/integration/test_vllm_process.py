@@ -21,6 +21,7 @@ from cloud.state import ServerState
 from cloud.verifier import Verifier
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
+from edge.transport.client import VerifierClient
 from shared.errors import SpecDecError
 from shared.hardware import usable_cores
 from shared.protocol import (
@@ -173,3 +174,28 @@ def test_a_dead_engine_process_fails_the_calls_after_it_and_says_why(vllm_target
         assert (engine.failure() or "").startswith("vLLM's engine process ended")
     finally:
         engine.close()
+
+
+def test_the_engine_process_reports_vllms_prefix_cache_hits_within_a_client_only(engine: ProcessEngine) -> None:
+    """A client's next session over its last one's prompt: the blocks vLLM's cache served, by
+    vLLM's own count (whole 16-token blocks), come back through the engine process; another
+    client's session over the same prompt computes every token."""
+    prompt = random_prompt(310, length=40)
+    config = SessionConfig(vocab_size=96)
+
+    async def reused(client: VerifierClient, tokens: list[int]) -> int:
+        opened = await client.open_session(OpenSessionRequest(tokens, config))
+        await client.close_session(opened.session_id)
+        return opened.reused_tokens
+
+    async def run() -> None:
+        async with serving(_state(engine), verify_timeout_s=30) as client:
+            other = VerifierClient(client.target)
+            try:
+                assert await reused(client, prompt) == 0
+                assert await reused(other, prompt + [5]) == 0
+                assert await reused(client, prompt + [6]) == 32
+            finally:
+                await other.close()
+
+    asyncio.run(run())

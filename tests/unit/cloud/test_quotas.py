@@ -5,18 +5,11 @@ import pytest
 
 from cloud.quotas import TokenRate
 from shared.errors import CapacityExceeded
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.cloud.test_sessions import FakeClock
 
 
 def test_a_long_prompt_is_admitted_once_and_paid_back() -> None:
-    clock = Clock()
+    clock = FakeClock()
     rate = TokenRate(100.0, burst_s=2.0, clock=clock)
     rate.take("alice", 500)  # 200 in the bucket: admitted, 300 in debt
     with pytest.raises(CapacityExceeded) as err:
@@ -28,7 +21,7 @@ def test_a_long_prompt_is_admitted_once_and_paid_back() -> None:
 
 
 def test_a_call_admitted_on_an_estimate_pays_what_it_computed() -> None:
-    clock = Clock()
+    clock = FakeClock()
     rate = TokenRate(100.0, burst_s=2.0, clock=clock)
     rate.take("alice", 10)  # admitted as a kept prefix's 10 new tokens...
     rate.settle("alice", 390)  # ...but the prefix was gone: it computed 400
@@ -40,6 +33,6 @@ def test_a_call_admitted_on_an_estimate_pays_what_it_computed() -> None:
 
 def test_settling_without_a_rate_or_a_bucket_does_nothing() -> None:
     TokenRate(0.0).settle("alice", 100)
-    rate = TokenRate(100.0, clock=Clock())
+    rate = TokenRate(100.0, clock=FakeClock())
     rate.settle("alice", 1000)  # no call of hers was admitted: nothing to settle
     rate.take("alice", 1)
