@@ -156,16 +156,17 @@ class VerifierSettings(BaseSettings):
     )
     prefix_reuse: bool = Field(
         True,
-        description="a closed session's KV serves the next session of the same API key that starts with the same "
+        description="a closed session's KV serves the same client's next session that starts with the same "
         "tokens (a chat's next turn prefills only the new ones); kept KV counts against the KV caps and goes "
-        "before any session's; never shared across API keys, nor across clients without keys (each client's own: the "
-        "reuse token the verifier gives it); --engine vllm: its prefix cache, salted per key or client",
+        "before any session's, fairly across clients; never shared across clients (each client's own, under "
+        "its API key: the reuse token the verifier gives it); --engine vllm: its prefix cache, salted per client",
     )
     shared_prefix_cache: bool = Field(
         False,
-        description="without --api-keys-file: ONE prefix cache for every client, whose sessions then start from the "
-        "KV of any client's; a client can then tell from its prefill time whether another client's prompt began "
-        "with the same text: only for clients that trust each other (logged as a warning at start; no effect with keys)",
+        description="one prefix cache per API key instead of per client (without --api-keys-file: ONE for every "
+        "client, logged as a warning at start): a session then starts from the KV of any client's of its key, and a "
+        "client can tell from its prefill time whether another's prompt began with the same text; only for clients "
+        "that trust each other",
     )
 
     max_batch_size: int = Field(

@@ -80,8 +80,8 @@ async def start_servers(settings: VerifierSettings) -> Servers:
 
 
 def _log_trust(settings: VerifierSettings, keys: ApiKeys | None) -> None:
-    """Say at start what clients share: nothing across API keys or (without keys) across
-    clients, unless the operator asked for one prefix cache for every client."""
+    """Say at start what clients share: no kept prefix crosses clients, unless the operator
+    asked for one prefix cache per key (without keys: for every client)."""
     if keys is None and not is_loopback(settings.host):
         log_event(
             log,
@@ -92,7 +92,7 @@ def _log_trust(settings: VerifierSettings, keys: ApiKeys | None) -> None:
         )
     if settings.shared_prefix_cache and settings.prefix_reuse:
         if keys is not None:
-            log.info("--shared-prefix-cache has no effect with API keys: each key reuses only its own prefixes")
+            log.info("one prefix cache per API key (--shared-prefix-cache): a key's clients share it, keys never do")
         else:
             log_event(
                 log,

@@ -6,6 +6,7 @@ prompt computes every token. One key's flood of new prompts leaves another key's
 conversation in place, and a refused open keeps its key's prefix."""
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -21,6 +22,7 @@ from edge.transport.client import VerifierClient
 from shared.errors import CapacityExceeded
 from shared.protocol import DecodeRequest, GenerateRequest, OpenSessionRequest, SessionConfig
 from tests.harness import TargetEngine, engine_of, random_prompt
+from tests.ops import SETTINGS, running_servers
 
 CONFIG = SessionConfig(vocab_size=96)
 PROMPT_TOKENS = 48  # three of vLLM's 16-token blocks: a prompt its prefix cache can serve
@@ -208,3 +210,27 @@ async def _opens_racing_for_one_kept_prefix_report_and_pay_what_they_computed(fo
         assert sorted(racing) == [0, PROMPT_TOKENS - 1]
         computed = PROMPT_TOKENS + 2 * (PROMPT_TOKENS + 6) - (PROMPT_TOKENS - 1)
         assert state.batcher.rate._buckets["alice"].level == 2000.0 - computed
+
+
+@pytest.mark.parametrize(
+    ("changes", "warned"),
+    [
+        ({}, None),
+        ({"host": "0.0.0.0", "insecure": True}, "no API keys on 0.0.0.0"),
+        ({"shared_prefix_cache": True}, "one prefix cache for every client (--shared-prefix-cache)"),
+    ],
+)
+def test_the_verifier_says_at_start_what_clients_share(
+    target_model, caplog: pytest.LogCaptureFixture, changes: dict[str, object], warned: str | None
+) -> None:
+    async def run() -> None:
+        async with running_servers(target_model, settings=SETTINGS.model_copy(update=changes)):
+            pass
+
+    caplog.set_level(logging.WARNING, logger="cloud-verifier")
+    asyncio.run(run())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "no TLS" not in r.getMessage()]
+    if warned is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warned in warnings[0], warnings
