@@ -1,2 +1,3 @@
 """One-off studies, each behind one table of docs/results.md: prefill stall, two API keys,
-serve overhead and KV layout timing (`python -m bench.studies.NAME --help`)."""
+prefix isolation across clients, serve overhead and KV layout timing (`python -m
+bench.studies.NAME --help`)."""

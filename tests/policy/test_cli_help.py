@@ -20,7 +20,7 @@ from bench.fleet import FleetSettings
 from bench.fleet import parser as fleet_parser
 from bench.loadtest import LoadtestSettings
 from bench.loadtest import parser as loadtest_parser
-from bench.studies import kv_layout_timing, prefill_stall, serve_overhead, two_keys
+from bench.studies import kv_layout_timing, prefill_stall, prefix_isolation, serve_overhead, two_keys
 from edge import calibrate
 from edge.config import EdgeSettings
 from edge.serve import server
@@ -83,6 +83,10 @@ SETTINGS_COMMANDS: dict[str, tuple[Callable[[], argparse.ArgumentParser], tuple[
         (prefill_stall.PrefillStallSettings,),
     ),
     "python -m bench.studies.two_keys": (lambda: two_keys.TwoKeysSettings.parser(two_keys.__doc__), (two_keys.TwoKeysSettings,)),
+    "python -m bench.studies.prefix_isolation": (
+        lambda: prefix_isolation.PrefixIsolationSettings.parser(prefix_isolation.__doc__),
+        (prefix_isolation.PrefixIsolationSettings,),
+    ),
     "python -m bench.studies.serve_overhead": (serve_overhead.parser, (serve_overhead.ServeOverheadSettings,)),
     "python -m tools.netproxy": (netproxy_parser, (NetproxySettings,)),
     "python -m tools.check_tokenizer": (check_tokenizer.parser, (check_tokenizer.CheckTokenizerSettings,)),
