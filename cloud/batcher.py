@@ -220,7 +220,7 @@ class ForwardBatcher:
             self._batch_ms = _ema(self._batch_ms, elapsed_ms)
             self.metrics.busy_time.inc(elapsed_ms / 1000.0)
             self.metrics.forward_passes.inc()
-            self.cost.observe(fed, elapsed_ms)
+            self.cost.observe(sum(w.tokens for w in batch), elapsed_ms)  # what the pass fed, as the steps began
             for waiting, result in zip(batch, results, strict=True):
                 if isinstance(result, Partial):  # a chunk of a long prefill: the rest queues again
                     waiting.step = result.rest
@@ -308,8 +308,11 @@ class ForwardBatcher:
             try:
                 step = waiting.step or waiting.begin()
             except Exception as err:  # a bad request fails alone, never its batch
-                results[index] = err
+                results[index], waiting.remaining = err, 0
                 continue
+            # What it feeds, now that it began: the estimate it queued with may have counted a
+            # kept prefix another session took meanwhile.
+            waiting.remaining = len(step.block)
             steps.append((replace(step, chunk=waiting.chunk), (now - waiting.submitted) * 1000.0))
             began.append(index)
         if steps:

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from cloud.auth import ApiKeys
+from cloud.batcher import ForwardCost
 from cloud.grpc_server import create_server
 from cloud.quotas import KeyLimits, TokenRate
 from cloud.sessions import SessionLimits
@@ -199,15 +200,17 @@ def test_opens_racing_for_one_kept_prefix_report_and_pay_what_they_computed(forw
 
 async def _opens_racing_for_one_kept_prefix_report_and_pay_what_they_computed(forward_pass_engine: TargetEngine) -> None:
     """Two opens of one client sent together: both are admitted on the estimate that its kept
-    prefix holds their prompt, only one takes it; each reports what it reused, and the key's
-    rate is charged every token they computed."""
+    prefix holds their prompt, only one takes it; each reports what it reused, the key's rate is
+    charged every token they computed, and admission's cost model learns from what was fed."""
     async with _served(forward_pass_engine) as (verifier, client, state):
         state.batcher.rate = TokenRate(1000.0, clock=lambda: 0.0)  # a frozen clock: nothing refills
         alice = client("alice-key-Qw3Er5Ty7")
         history = random_prompt(38, length=PROMPT_TOKENS)
         assert await _open_session(alice, history) == 0
+        state.batcher.cost = ForwardCost()  # what admission learns of prefills, from here
         racing = await asyncio.gather(*(_open_session(alice, _turn(history, n)) for n in (1, 2)))
         assert sorted(racing) == [0, PROMPT_TOKENS - 1]
+        assert state.batcher.cost.known  # it learned from the prefill that ran, not the 7 tokens each was queued as
         computed = PROMPT_TOKENS + 2 * (PROMPT_TOKENS + 6) - (PROMPT_TOKENS - 1)
         assert state.batcher.rate._buckets["alice"].level == 2000.0 - computed
 
