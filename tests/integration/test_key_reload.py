@@ -129,7 +129,8 @@ def test_a_removed_key_loses_its_calls_streams_and_kv_and_the_other_key_goes_on(
         session_b = await verifier.OpenSession(pb.OpenSessionRequest(prompt_tokens=PROMPT), metadata=_auth(b))
         await _round(verifier, session_a, a)
         await _round(verifier, session_b, b)
-        assert store.prefix_totals("A")[2] == 1  # the closed session's KV, kept for A's next one
+        # the closed session's KV, kept for A's next one (vLLM keeps it in its own prefix cache)
+        assert store.prefix_totals("A")[2] == (0 if servers.state.verifier.engine.caches_prefixes else 1)
         generate = pb.GenerateRequest(prompt_tokens=random_prompt(11, 12), max_new_tokens=800)
         decode = pb.DecodeRequest(session_id=session_a.session_id, base_position=session_a.position, max_tokens=800)
         streams = [_Stream(verifier.Generate(generate, metadata=_auth(a))), _Stream(verifier.Decode(decode, metadata=_auth(a)))]
