@@ -107,8 +107,10 @@ class CostK:
     when the whole block passed and the bonus is the token guessed (probability a^(k+1)); then
     the next block needs only the rest drafted, else all k as without overlap.
 
-    Every `explore_every`-th round drafts one token more or fewer than the best k (alternately),
-    so the verify time is measured at more than one size even when the best k holds still.
+    Now and then a round drafts another size than the best k, so the verify time stays measured
+    at more than one size even when the best k holds still (RoundCosts.explore: after
+    `explore_every` rounds at one size, sooner while the slope is not measured). That state
+    lives with the costs, so it carries from one generation to the next as they do.
     """
 
     def __init__(
@@ -122,10 +124,10 @@ class CostK:
         if not 0 < k_min <= k_max:
             raise ValueError("need 0 < k_min <= k_max")
         self.costs = costs if costs is not None else RoundCosts()  # the machine's and the link's, shared
+        self.costs.exploration.every = explore_every
         self.text_acceptance = self.costs.generation_acceptance()  # this generation's own
         self.k_min, self.k_max, self.overlap = k_min, k_max, overlap
-        self.explore_every = explore_every
-        self._rounds = 0
+        self._probing: int | None = None  # the k of a probe handed out and not yet verified
 
     def round_ms(self, k: int) -> float:
         c = self.costs
@@ -153,16 +155,13 @@ class CostK:
 
     def next_k(self) -> int:
         best = self.best_k()
-        if self.explore_every <= 0 or self._rounds % self.explore_every != self.explore_every - 1:
-            return best
-        step = 1 if (self._rounds // self.explore_every) % 2 == 0 else -1
-        if not self.k_min <= best + step <= self.k_max:
-            step = -step
-        return min(max(best + step, self.k_min), self.k_max)
+        k = self.costs.explore(best, self.k_min, self.k_max)
+        self._probing = k if k != best else None
+        return k
 
     def update(self, feedback: RoundFeedback) -> None:
         if feedback.k <= 0:
             return
-        self.costs.update(feedback)
+        self.costs.update(feedback, probe=self._probing is not None and feedback.k == self._probing)
+        self._probing = None
         self.text_acceptance.add_round(feedback)
-        self._rounds += 1

@@ -14,21 +14,56 @@
 - the draft time per token: drafting time over the tokens drafted in it (a block topped up from
   tokens drafted ahead counts only the tokens drafted for it);
 - the verify time as a function of the rows in the target's pass (the last committed token, any
-  catch-up and the drafts): fixed + per-row, a weighted least-squares line over the rounds seen,
-  its slope shrunk towards flat while the rounds seen hold too few distinct sizes to tell (a
-  policy that believes the pass flat drafts longer, and so measures the slope if there is one);
-- the network's share of a round: the call's wall time less the cloud's.
+  catch-up and the drafts): fixed + per-row (`VerifyLine`);
+- the network's share of a round: the call's wall time less the cloud's (`Level`).
 
-Every sum is discounted by `decay` per round, so the estimates follow a verifier whose load or a
-text whose predictability changes, while about 1 / (1 - decay) rounds weigh in at a time. A small
-prior (the starting figures, about a round's weight) fills in until rounds arrive.
+The verify line and the network's share are timings of a shared machine and link, and they go
+wrong in ways the rest does not: a round slowed by another job, a CPU hog for a minute, an RTT
+that steps. Left to a plain discounted least-squares line, two slow early rounds at two sizes
+teach a steep slope; every later round then drafts k = 1, no round measures another size, and
+the slope stays (the best k of a line through its own stale points is the smallest). So:
+
+- Forgetting by rounds and by time (`Forgetting`): a round's weight falls by `decay` per round
+  since it and halves every `half_life_s` seconds since it, read from the clock RoundCosts is
+  given (a test's own), so a process that ran few rounds for minutes forgets old ones too.
+- Robust to outliers: the line is refitted with Huber weights (a round more than two robust
+  scales off the line counts in proportion to how far off it is) and the network's share is a
+  weighted median, so one slow round moves neither much.
+- A level shift is forgotten at once: when four rounds in a row fall on the same side of the
+  estimate by more than four robust scales each, the rounds before them are dropped (`Samples`).
+  One slow round is an outlier; four are the machine now.
+- The fixed part cannot go negative, and the fit never falls back to a line through the origin:
+  that line says an empty pass is free, which no verifier does (it reads its weights for one row
+  as for ten), and it makes the fewest rows look best. Where the data would put the fixed part
+  below a tenth of the pass at their centre, the slope is cut and the line pivots on that centre,
+  which keeps its prediction at the sizes actually seen.
+- The slope's ridge is a share of the data's own weight (rows², `LineFit.ridge`), so whatever
+  the memory, rounds of one size read as a flat pass and a few stale points cannot pin a slope.
+- Exploration (`Exploration`): after some rounds in a row at one size a round drafts one token
+  more or fewer than the best k, and sooner while the weight at other sizes is under a tenth of
+  the whole (the slope rests on old rounds, or on none). A probe that disagrees with the stale
+  points outweighs them under the robust fit, and the best k moves.
+
+Exploration and these costs belong to the endpoint and the process, not to a generation: one
+RoundCosts lives as long as the process (EdgeContext), so a serve process of short requests
+explores and forgets as a long generation would. A small prior (the starting figures) fills in
+until rounds arrive.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from edge.drafting.feedback import RoundFeedback
+
+Array = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -54,44 +89,180 @@ class PlannedCosts:
     draft_ms_per_token: float | None = None  # drafting one token
 
 
+@dataclass(frozen=True)
+class Forgetting:
+    """How fast a measured round stops counting: by `per_round` for each round since it and by
+    half every `half_life_s` seconds since it, so a process that runs few rounds for minutes
+    forgets as surely as a busy one."""
+
+    per_round: float = 0.98
+    half_life_s: float = 60.0
+
+    def weights(self, rounds_ago: Array, seconds_ago: Array) -> Array:
+        return np.power(self.per_round, rounds_ago) * np.exp2(-np.maximum(seconds_ago, 0.0) / self.half_life_s)
+
+    def window(self) -> int:
+        """Rounds after which a round weighs under 1% (at most 2000: a long memory is sampled)."""
+        if self.per_round >= 1.0:
+            return 2000
+        return int(min(math.log(0.01) / math.log(self.per_round), 2000)) + 1
+
+
+def weighted_median(values: Array, weights: Array) -> float:
+    order = np.argsort(values)
+    seen = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(seen, seen[-1] / 2)])
+
+
+def robust_scale(residuals: Array, weights: Array, floor: float) -> float:
+    """The residuals' spread as a normal's standard deviation, from their weighted median size."""
+    return max(1.4826 * weighted_median(np.abs(residuals), weights), floor)
+
+
 @dataclass
-class _Line:
-    """A discounted weighted least-squares line y = fixed + slope * x, its slope shrunk towards
-    0 by `ridge` (in units of the x-spread's weight) while x has barely varied."""
+class Samples:
+    """The recent measurements (x, y) of one cost, weighted by `forgetting` relative to the
+    newest. A level shift is forgotten at once: when the last `shift_run` measurements all fell
+    on the same side of what the older ones predicted, by more than `shift_at` robust scales
+    each, the older ones are dropped."""
 
-    ridge: float = 0.1
-    w: float = 0.0
-    wx: float = 0.0
-    wy: float = 0.0
-    wxx: float = 0.0
-    wxy: float = 0.0
+    forgetting: Forgetting
+    shift_run: int = 4
+    shift_at: float = 4.0
+    _rows: deque[tuple[float, float, int, float]] = field(init=False)  # (x, y, round, clock seconds)
+    _surprises: deque[float] = field(init=False)  # the last rounds' residuals in robust scales
 
-    def add(self, x: float, y: float, weight: float = 1.0) -> None:
-        self.w += weight
-        self.wx += weight * x
-        self.wy += weight * y
-        self.wxx += weight * x * x
-        self.wxy += weight * x * y
+    def __post_init__(self) -> None:
+        self._rows = deque(maxlen=self.forgetting.window())
+        self._surprises = deque(maxlen=self.shift_run)
 
-    def decay(self, factor: float) -> None:
-        self.w *= factor
-        self.wx *= factor
-        self.wy *= factor
-        self.wxx *= factor
-        self.wxy *= factor
+    def __len__(self) -> int:
+        return len(self._rows)
 
-    def fit(self) -> tuple[float, float]:
-        """(fixed, slope), both at least 0."""
-        if self.w <= 0:
-            return 0.0, 0.0
-        mean_x, mean_y = self.wx / self.w, self.wy / self.w
-        sxx = self.wxx - self.w * mean_x * mean_x
-        sxy = self.wxy - self.w * mean_x * mean_y
-        slope = max(sxy / (max(sxx, 0.0) + self.ridge), 0.0)
-        fixed = mean_y - slope * mean_x
-        if fixed < 0:  # the line through the origin instead
-            return 0.0, max(self.wxy / self.wxx, 0.0) if self.wxx > 0 else 0.0
-        return fixed, slope
+    def add(self, x: float, y: float, round_no: int, t: float, surprise: float) -> None:
+        """`surprise`: how far y lies from what the owner estimated before it, in scales."""
+        self._rows.append((x, y, round_no, t))
+        run = self._surprises
+        run.append(surprise)
+        if len(run) == self.shift_run and (min(run) > self.shift_at or max(run) < -self.shift_at):
+            for _ in range(len(self._rows) - self.shift_run):
+                self._rows.popleft()
+            run.clear()
+
+    def points(self) -> tuple[Array, Array, Array]:
+        """(xs, ys, weights)."""
+        xs, ys, rounds, times = np.array(self._rows).T
+        return xs, ys, self.forgetting.weights(rounds[-1] - rounds, times[-1] - times)
+
+
+@dataclass(frozen=True)
+class LineFit:
+    """How the verify line is fitted: its slope shrunk towards flat by `ridge` (in rows², a
+    share of the data's own weight, so stale points weigh in it no more than fresh ones), a
+    fixed part of at least `floor` of the pass at the sizes seen, and rounds far off the line
+    weighted down (Huber, at `huber` robust scales) over `iterations` refits."""
+
+    ridge: float = 0.002
+    floor: float = 0.1
+    huber: float = 2.0
+    iterations: int = 4
+    measured_share: float = 0.1  # of the weight at other sizes than the last, for a measured slope
+    noise: float = 0.01  # the smallest scale, a share of the mean pass: timings are never exact
+
+
+@dataclass(frozen=True)
+class Line:
+    fixed: float
+    slope: float
+    scale: float  # of the residuals, robust
+
+    def at(self, x: Array | float) -> Array | float:
+        return self.fixed + self.slope * x
+
+
+def fit_line(xs: Array, ys: Array, ws: Array, how: LineFit) -> Line:
+    """y = fixed + slope * x, robust to a few rounds far off the rest."""
+    line = _least_squares(xs, ys, ws, how)
+    floor = how.noise * float(np.average(ys, weights=ws))
+    for _ in range(how.iterations):
+        residuals = ys - line.at(xs)
+        scale = robust_scale(residuals, ws, floor)
+        huber = np.minimum(1.0, how.huber * scale / np.maximum(np.abs(residuals), 1e-9))
+        line = _least_squares(xs, ys, ws * huber, how)
+    return Line(line.fixed, line.slope, robust_scale(ys - line.at(xs), ws, floor))
+
+
+def _least_squares(xs: Array, ys: Array, ws: Array, how: LineFit) -> Line:
+    total = float(ws.sum())
+    mean_x, mean_y = float(ws @ xs) / total, float(ws @ ys) / total
+    sxx = float(ws @ (xs - mean_x) ** 2)
+    sxy = float(ws @ ((xs - mean_x) * (ys - mean_y)))
+    slope = max(sxy / (sxx + how.ridge * total), 0.0)
+    # A pass costs something at any size: the line pivots on the data's centre rather than
+    # reach a fixed part below the floor (through the origin, the fewest rows would look best).
+    if mean_x > 0:
+        slope = min(slope, (1.0 - how.floor) * mean_y / mean_x)
+    return Line(mean_y - slope * mean_x, slope, 0.0)
+
+
+@dataclass
+class VerifyLine:
+    """The verify time against the rows of the pass, fitted on the recent rounds."""
+
+    forgetting: Forgetting
+    how: LineFit = field(default_factory=LineFit)
+    _samples: Samples = field(init=False)
+    _fit: Line | None = field(default=None, init=False)  # of the samples as they are
+
+    def __post_init__(self) -> None:
+        self._samples = Samples(self.forgetting)
+
+    def fit(self) -> Line | None:
+        """None before any round."""
+        if self._fit is None and len(self._samples):
+            self._fit = fit_line(*self._samples.points(), self.how)
+        return self._fit
+
+    def unsure(self) -> bool:
+        """Whether the recent rounds hold too little weight at sizes other than the last one's
+        for the slope to be measured now (what it rests on is then old, or nothing)."""
+        if not len(self._samples):
+            return False
+        xs, _, ws = self._samples.points()
+        return float(ws[xs != xs[-1]].sum()) < self.how.measured_share * float(ws.sum())
+
+    def add(self, rows: int, ms: float, round_no: int, t: float) -> None:
+        line = self.fit()
+        surprise = 0.0 if line is None else (ms - float(line.at(rows))) / line.scale
+        self._samples.add(rows, ms, round_no, t, surprise)
+        self._fit = None
+
+
+@dataclass
+class Level:
+    """A cost that does not depend on the round's size (the network's share of a round): the
+    weighted median of the recent rounds, which a spike does not move and a step does."""
+
+    forgetting: Forgetting
+    noise_ms: float = 1.0  # the smallest scale: a millisecond's jitter is no shift
+    _samples: Samples = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._samples = Samples(self.forgetting)
+
+    def value(self) -> float | None:
+        if not len(self._samples):
+            return None
+        _, ys, ws = self._samples.points()
+        return weighted_median(ys, ws)
+
+    def add(self, ms: float, round_no: int, t: float) -> None:
+        surprise = 0.0
+        if len(self._samples):
+            _, ys, ws = self._samples.points()
+            level = weighted_median(ys, ws)
+            surprise = (ms - level) / robust_scale(ys - level, ws, max(self.noise_ms, 0.05 * level))
+        self._samples.add(0.0, ms, round_no, t, surprise)
 
 
 @dataclass
@@ -128,23 +299,66 @@ class Acceptance(DiscountedRatio):
 
 
 @dataclass
+class Exploration:
+    """When a round drafts a size other than the best k, so that the verify line's slope stays
+    measured. After `every` rounds in a row at one size it drafts one token more or fewer
+    (alternately). While the line cannot tell its slope from recent rounds (`VerifyLine.unsure`)
+    it does so after `unsure_every` rounds: a slope measured at one size and a long-gone other
+    is no measure at all, and at k = 1 no round measures another size unless one is asked for. It lives with the costs, not with a
+    generation: a process answering many short requests explores as one answering a long one."""
+
+    every: int = 16
+    unsure_every: int = 8
+    _same: int = 0  # rounds in a row at one size, since the last probe
+    _rows: int = -1  # the last round's
+    _probes: int = 0
+
+    def k(self, best: int, k_min: int, k_max: int, unsure: bool) -> int:
+        """The k to draft this round, given the best by the estimates."""
+        every = min(self.unsure_every, self.every) if unsure else self.every
+        if every <= 0 or self._same < every - 1:
+            return best
+        step = 1 if self._probes % 2 == 0 else -1
+        if not k_min <= best + step <= k_max:
+            step = -step
+        return min(max(best + step, k_min), k_max)
+
+    def note(self, rows: int, probe: bool) -> None:
+        """A verified round: its rows, and whether it was a probe."""
+        if probe:
+            self._same, self._probes = 0, self._probes + 1
+        else:
+            self._same = self._same + 1 if rows == self._rows else 1
+        self._rows = rows
+
+
+@dataclass
 class RoundCosts:
-    """The running estimates; `update` takes one verified round. One edge process keeps one
-    (EdgeContext owns it), so a generation starts from what the last ones measured."""
+    """The running estimates; `update` takes one verified round. The verify line and the
+    network's share are the endpoint's (the --cloud target), the draft time the process's, and
+    acceptance here the process's figure that each generation's own starts from. An edge
+    process talks to one endpoint, so EdgeContext keeps one RoundCosts for its life and every
+    generation (a batch's prompts, `edge-agent serve`'s requests) plans and explores with it."""
 
     decay: float = 0.98
     prior: CostPrior = field(default_factory=CostPrior)
     planned: PlannedCosts = field(default_factory=PlannedCosts)
+    half_life_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic  # seconds; a test passes its own
+    exploration: Exploration = field(default_factory=Exploration)
     _acceptance: Acceptance = field(init=False)
     _draft_ms: DiscountedRatio = field(init=False)  # per token drafted
-    _net_ms: DiscountedRatio = field(init=False)  # per round
-    _verify: _Line = field(default_factory=_Line)
+    _net: Level = field(init=False)  # ms per round
+    _verify: VerifyLine = field(init=False)
+    _rounds: int = 0
 
     def __post_init__(self) -> None:
         p = self.prior
+        forgetting = Forgetting(self.decay, self.half_life_s)
         self._acceptance = Acceptance(p.acceptance, 4 * p.weight, self.decay)
         self._draft_ms = DiscountedRatio(p.draft_ms_per_token, p.weight, self.decay)
-        self._net_ms = DiscountedRatio(p.net_ms, p.weight, self.decay)
+        self._net = Level(forgetting)
+        self._verify = VerifyLine(forgetting)
 
     # ---- the estimates ------------------------------------------------------------------
 
@@ -167,7 +381,8 @@ class RoundCosts:
     def net_ms(self) -> float:
         if self.planned.network_ms is not None:
             return self.planned.network_ms
-        return self._net_ms.value
+        level = self._net.value()
+        return self.prior.net_ms if level is None else level
 
     def verify_ms(self, rows: int) -> float:
         """The cloud's time for a round whose pass holds `rows` rows (drafts + 1, plus catch-up)."""
@@ -178,16 +393,25 @@ class RoundCosts:
         """(fixed ms, ms per row) of the verify time; the prior, flat, before any round."""
         if self.planned.verify_ms is not None:
             return self.planned.verify_ms, 0.0
-        return self._verify.fit() if self._verify.w > 0 else (self.prior.verify_ms, 0.0)
+        line = self._verify.fit()
+        return (self.prior.verify_ms, 0.0) if line is None else (line.fixed, line.slope)
+
+    def explore(self, best: int, k_min: int, k_max: int) -> int:
+        """The k to draft next round: `best`, or a probe of another size (Exploration)."""
+        unsure = self.planned.verify_ms is None and self._verify.unsure()
+        return self.exploration.k(best, k_min, k_max, unsure)
 
     # ---- learning -----------------------------------------------------------------------
 
-    def update(self, feedback: RoundFeedback) -> None:
+    def update(self, feedback: RoundFeedback, probe: bool = False) -> None:
+        """One verified round; `probe`: its k was an exploring one, not the best."""
         if feedback.k <= 0:
             return
+        now, rows = self.clock(), feedback.k + 1 + feedback.catchup
+        self._rounds += 1
         self._acceptance.add_round(feedback)
         drafted = feedback.k if feedback.drafted is None else feedback.drafted
         self._draft_ms.add(feedback.draft_ms if drafted > 0 else 0.0, drafted)
-        self._net_ms.add(max(feedback.rtt_ms - feedback.verify_ms, 0.0), 1)
-        self._verify.decay(self.decay)
-        self._verify.add(feedback.k + 1 + feedback.catchup, feedback.verify_ms)
+        self._net.add(max(feedback.rtt_ms - feedback.verify_ms, 0.0), self._rounds, now)
+        self._verify.add(rows, feedback.verify_ms, self._rounds, now)
+        self.exploration.note(rows, probe)
