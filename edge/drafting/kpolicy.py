@@ -124,9 +124,9 @@ class CostK:
         if not 0 < k_min <= k_max:
             raise ValueError("need 0 < k_min <= k_max")
         self.costs = costs if costs is not None else RoundCosts()  # the machine's and the link's, shared
-        self.costs.exploration.every = explore_every
         self.text_acceptance = self.costs.generation_acceptance()  # this generation's own
         self.k_min, self.k_max, self.overlap = k_min, k_max, overlap
+        self.explore_every = explore_every
         self._probing: int | None = None  # the k of a probe handed out and not yet verified
 
     def round_ms(self, k: int) -> float:
@@ -155,7 +155,7 @@ class CostK:
 
     def next_k(self) -> int:
         best = self.best_k()
-        k = self.costs.explore(best, self.k_min, self.k_max)
+        k = self.costs.explore(best, self.k_min, self.k_max, self.explore_every)
         self._probing = k if k != best else None
         return k
 

@@ -26,9 +26,11 @@ the slope stays (the best k of a line through its own stale points is the smalle
 - Forgetting by rounds and by time (`Forgetting`): a round's weight falls by `decay` per round
   since it and halves every `half_life_s` seconds since it, read from the clock RoundCosts is
   given (a test's own), so a process that ran few rounds for minutes forgets old ones too.
-- Robust to outliers: the line is refitted with Huber weights (a round more than two robust
-  scales off the line counts in proportion to how far off it is) and the network's share is a
-  weighted median, so one slow round moves neither much.
+- Robust to outliers: the line is refitted with Tukey's biweight (a round more than about five
+  robust scales off the line does not count), starting from the line of the last rounds where
+  they hold two sizes, so a stale slow round at a size not drafted since cannot hold the line
+  by leverage against fresh ones; the network's share is a weighted median, so one slow round
+  moves neither much.
 - A level shift is forgotten at once: when four rounds in a row fall on the same side of the
   estimate by more than four robust scales each, the rounds before them are dropped (`Samples`).
   One slow round is an outlier; four are the machine now.
@@ -42,7 +44,7 @@ the slope stays (the best k of a line through its own stale points is the smalle
 - Exploration (`Exploration`): after some rounds in a row at one size a round drafts one token
   more or fewer than the best k, and sooner while the weight at other sizes is under a tenth of
   the whole (the slope rests on old rounds, or on none). A probe that disagrees with the stale
-  points outweighs them under the robust fit, and the best k moves.
+  points starts the robust fit, they drop out of it, and the best k moves.
 
 Exploration and these costs belong to the endpoint and the process, not to a generation: one
 RoundCosts lives as long as the process (EdgeContext), so a serve process of short requests
@@ -160,12 +162,15 @@ class LineFit:
     """How the verify line is fitted: its slope shrunk towards flat by `ridge` (in rows², a
     share of the data's own weight, so stale points weigh in it no more than fresh ones), a
     fixed part of at least `floor` of the pass at the sizes seen, and rounds far off the line
-    weighted down (Huber, at `huber` robust scales) over `iterations` refits."""
+    weighted down to nothing (Tukey's biweight, zero beyond `reject` robust scales) over
+    `iterations` refits that start from the last `recent` rounds' own line where those hold two
+    sizes: where old rounds and recent ones disagree, the recent ones decide."""
 
     ridge: float = 0.002
     floor: float = 0.1
-    huber: float = 2.0
-    iterations: int = 4
+    reject: float = 4.685
+    iterations: int = 5
+    recent: int = 16
     measured_share: float = 0.1  # of the weight at other sizes than the last, for a measured slope
     noise: float = 0.01  # the smallest scale, a share of the mean pass: timings are never exact
 
@@ -181,14 +186,16 @@ class Line:
 
 
 def fit_line(xs: Array, ys: Array, ws: Array, how: LineFit) -> Line:
-    """y = fixed + slope * x, robust to a few rounds far off the rest."""
-    line = _least_squares(xs, ys, ws, how)
+    """y = fixed + slope * x, robust to rounds far off the rest."""
+    tail = slice(-how.recent, None)
+    recent_sizes = len(np.unique(xs[tail])) > 1
+    line = _least_squares(xs[tail], ys[tail], ws[tail], how) if recent_sizes else _least_squares(xs, ys, ws, how)
     floor = how.noise * float(np.average(ys, weights=ws))
     for _ in range(how.iterations):
         residuals = ys - line.at(xs)
         scale = robust_scale(residuals, ws, floor)
-        huber = np.minimum(1.0, how.huber * scale / np.maximum(np.abs(residuals), 1e-9))
-        line = _least_squares(xs, ys, ws * huber, how)
+        biweight = np.clip(1.0 - (residuals / (how.reject * scale)) ** 2, 0.0, None) ** 2
+        line = _least_squares(xs, ys, ws * biweight, how)
     return Line(line.fixed, line.slope, robust_scale(ys - line.at(xs), ws, floor))
 
 
@@ -304,18 +311,19 @@ class Exploration:
     measured. After `every` rounds in a row at one size it drafts one token more or fewer
     (alternately). While the line cannot tell its slope from recent rounds (`VerifyLine.unsure`)
     it does so after `unsure_every` rounds: a slope measured at one size and a long-gone other
-    is no measure at all, and at k = 1 no round measures another size unless one is asked for. It lives with the costs, not with a
-    generation: a process answering many short requests explores as one answering a long one."""
+    is no measure at all, and at k = 1 no round measures another size unless one is asked for.
+    The counts live with the costs, not with a generation: a process answering many short
+    requests explores as one answering a long one."""
 
-    every: int = 16
     unsure_every: int = 8
     _same: int = 0  # rounds in a row at one size, since the last probe
     _rows: int = -1  # the last round's
     _probes: int = 0
 
-    def k(self, best: int, k_min: int, k_max: int, unsure: bool) -> int:
+    def k(self, best: int, k_min: int, k_max: int, every: int, unsure: bool) -> int:
         """The k to draft this round, given the best by the estimates."""
-        every = min(self.unsure_every, self.every) if unsure else self.every
+        if unsure:
+            every = min(self.unsure_every, every)
         if every <= 0 or self._same < every - 1:
             return best
         step = 1 if self._probes % 2 == 0 else -1
@@ -396,10 +404,11 @@ class RoundCosts:
         line = self._verify.fit()
         return (self.prior.verify_ms, 0.0) if line is None else (line.fixed, line.slope)
 
-    def explore(self, best: int, k_min: int, k_max: int) -> int:
-        """The k to draft next round: `best`, or a probe of another size (Exploration)."""
+    def explore(self, best: int, k_min: int, k_max: int, every: int) -> int:
+        """The k to draft next round: `best`, or a probe of another size after `every` rounds
+        in a row at one size, sooner while the slope is not measured (Exploration)."""
         unsure = self.planned.verify_ms is None and self._verify.unsure()
-        return self.exploration.k(best, k_min, k_max, unsure)
+        return self.exploration.k(best, k_min, k_max, every, unsure)
 
     # ---- learning -----------------------------------------------------------------------
 

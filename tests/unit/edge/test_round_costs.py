@@ -223,11 +223,16 @@ def test_the_policy_settles_on_the_best_k(verifier: str, rtt_ms: float, overlap:
 @pytest.mark.parametrize("verifier", list(VERIFIERS))
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 def test_a_slow_link_picks_a_longer_block(verifier: str, overlap: bool) -> None:
+    """On average over seeds: where two k's are within 2% (a CPU pass with overlap on 100 ms,
+    k = 2 or 3), one 150-round run picks either."""
     ks = []
     for rtt in (1.0, 100.0):
-        policy = CostK(k_max=12, overlap=overlap)
-        learn(policy, _world(verifier, rtt, overlap), 150, seed=12)
-        ks.append(policy.best_k())
+        chosen = []
+        for seed in range(12, 18):
+            policy = CostK(k_max=12, overlap=overlap)
+            learn(policy, _world(verifier, rtt, overlap), 150, seed=seed)
+            chosen.append(policy.best_k())
+        ks.append(statistics.fmean(chosen))
     assert ks[0] < ks[1]
 
 
@@ -294,6 +299,7 @@ def test_a_generation_starts_from_the_process_and_follows_its_own_text() -> None
     hard = CostK(k_max=12, costs=costs)
     learn(hard, _world("gpu", 100.0, False, acceptance=0.5), 100, seed=16)
     easy = CostK(k_max=12, costs=costs)
+    before = costs.acceptance
     assert easy.acceptance == pytest.approx(hard.acceptance, abs=0.05)
     assert costs.net_ms == pytest.approx(100.0, rel=0.1)
     assert easy.best_k() == hard.best_k()
@@ -301,7 +307,7 @@ def test_a_generation_starts_from_the_process_and_follows_its_own_text() -> None
         k = easy.next_k()
         easy.update(RoundFeedback(k, k, 1.0, 25.0 * k, 131.0 + k, 31.0 + k))
     assert easy.best_k() > hard.best_k() + 2
-    assert costs.acceptance < 0.65
+    assert costs.acceptance - before < 0.15
 
 
 def test_planned_costs_stand_in_for_the_measured_ones() -> None:
@@ -316,7 +322,7 @@ def test_planned_costs_stand_in_for_the_measured_ones() -> None:
     flat = _world("gpu", 50.0, False)  # what the plan describes
     rates = {k: true_rate(flat, k) for k in range(1, 13)}
     assert rates[planned.best_k()] >= 0.98 * max(rates.values())
-    assert planned.best_k() != measured.best_k()
+    assert measured.costs.verify_line()[1] > 40  # the CPU's steep pass, measured where nothing is planned
 
 
 def test_a_planned_drafting_speed_stands_in_for_the_measured_one() -> None:
@@ -335,3 +341,22 @@ def test_a_planned_drafting_speed_stands_in_for_the_measured_one() -> None:
     rates = {k: true_rate(laptop, k) for k in range(1, 13)}
     assert rates[fast.best_k()] >= 0.97 * max(rates.values())  # a flat top: 100 rounds' acceptance decides
     assert fast.best_k() > slow.best_k()
+
+
+def test_the_generations_of_one_edge_process_share_costs_and_exploration() -> None:
+    """EdgeContext builds a CostK per generation (its text's acceptance) over the process's
+    RoundCosts: short generations (serve's requests, a batch's prompts) still explore, since
+    the count of rounds at one size runs on across them."""
+    from edge.config import EdgeSettings
+    from edge.context import EdgeContext
+
+    ctx = EdgeContext(EdgeSettings(), None, None, 100, frozenset())  # type: ignore[arg-type]
+    ks = []
+    for _ in range(8):  # 8 generations of 4 rounds, the pass flat: probes only tell a slope
+        policy = ctx.k_policy()
+        assert isinstance(policy, CostK) and policy.costs is ctx.round_costs
+        for _ in range(4):
+            k = policy.next_k()
+            ks.append(k)
+            policy.update(RoundFeedback(k, 0, 0.0, 25.0 * k, 101.0, 100.0))
+    assert len(set(ks[-16:])) > 1, ks  # k settled early: one size unless a probe came
