@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -72,27 +72,67 @@ def match_runs(draft_choices: Sequence[int], output: Sequence[int]) -> list[int]
     return runs[: len(output)]
 
 
-def play(policy_for: Callable[[], KPolicy], outputs: Sequence[Sequence[int]], cost: RoundCost) -> dict[str, float]:
-    """One policy over every output in turn (`policy_for` is called per generation, as edge-agent
-    does): expected decode tokens per second and the mean k it drafted."""
-    ms = tokens = drafted = rounds = 0.0
+@dataclass
+class ReplayClock:
+    """The seconds the replayed rounds took, for a RoundCosts that forgets by time."""
+
+    seconds: float = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+
+@dataclass
+class Played:
+    ks: list[list[int]] = field(default_factory=list)  # per generation, the k of each round
+    ms: float = 0.0
+    tokens: int = 0
+
+
+def replay(
+    policy_for: Callable[[], KPolicy],
+    outputs: Sequence[Sequence[int]],
+    cost_at: Callable[[int], RoundCost],
+    clock: ReplayClock | None = None,
+    max_rounds: int | None = None,
+) -> Played:
+    """Each output in turn as one generation (`policy_for` is called per generation, as
+    edge-agent does), the n-th round of the whole replay at `cost_at(n)`'s costs; `clock` moves
+    by each round's time; a generation stops after `max_rounds` rounds if given."""
+    played = Played()
     for runs in outputs:
-        policy, p = policy_for(), 1  # the first token comes with the prefill
-        while p < len(runs):
+        policy, p, ks = policy_for(), 1, list[int]()  # the first token comes with the prefill
+        while p < len(runs) and (max_rounds is None or len(ks) < max_rounds):
+            cost = cost_at(sum(map(len, played.ks)) + len(ks))
             k = min(policy.next_k(), len(runs) - p - 1)  # one token of what is left goes to the bonus
             accepted = min(k, runs[p])
             verify = cost.verify_ms(k)
-            ms += k * cost.draft_ms + verify + cost.net_ms
-            tokens, drafted, rounds, p = tokens + accepted + 1, drafted + k, rounds + 1, p + accepted + 1
+            round_ms = k * cost.draft_ms + verify + cost.net_ms
+            played.ms, played.tokens, p = played.ms + round_ms, played.tokens + accepted + 1, p + accepted + 1
+            if clock is not None:
+                clock.seconds += round_ms / 1000.0
+            ks.append(k)
             if k:
                 policy.update(RoundFeedback(k, accepted, 0.0, k * cost.draft_ms, verify + cost.net_ms, verify))
-    return {"tokens_per_s": 1000.0 * tokens / ms, "mean_k": drafted / rounds}
+        played.ks.append(ks)
+    return played
+
+
+def play(
+    policy_for: Callable[[], KPolicy], outputs: Sequence[Sequence[int]], cost: RoundCost, clock: ReplayClock | None = None
+) -> dict[str, float]:
+    """One policy over every output in turn at fixed costs: expected decode tokens per second and
+    the mean k it drafted."""
+    played = replay(policy_for, outputs, lambda _: cost, clock)
+    ks = [k for generation in played.ks for k in generation]
+    return {"tokens_per_s": 1000.0 * played.tokens / played.ms, "mean_k": sum(ks) / len(ks)}
 
 
 def compare(outputs: Sequence[Sequence[int]], cost: RoundCost) -> dict[str, dict[str, float]]:
     rows = {f"k{k}": play(partial(FixedK, k), outputs, cost) for k in FIXED_KS}
-    costs = RoundCosts()  # one edge process: shared by its generations
-    rows["cost (default)"] = play(lambda: CostK(costs=costs), outputs, cost)
+    clock = ReplayClock()
+    costs = RoundCosts(clock=clock)  # one edge process: shared by its generations
+    rows["cost (default)"] = play(lambda: CostK(costs=costs), outputs, cost, clock)
     return rows
 
 
