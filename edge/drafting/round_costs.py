@@ -190,7 +190,7 @@ def fit_line(xs: Array, ys: Array, ws: Array, how: LineFit) -> Line:
     tail = slice(-how.recent, None)
     recent_sizes = len(np.unique(xs[tail])) > 1
     line = _least_squares(xs[tail], ys[tail], ws[tail], how) if recent_sizes else _least_squares(xs, ys, ws, how)
-    floor = how.noise * float(np.average(ys, weights=ws))
+    floor = max(how.noise * float(np.average(ys, weights=ws)), 0.01)  # ms: a pass timed at 0 has no spread
     for _ in range(how.iterations):
         residuals = ys - line.at(xs)
         scale = robust_scale(residuals, ws, floor)
@@ -308,8 +308,8 @@ class Acceptance(DiscountedRatio):
 @dataclass
 class Exploration:
     """When a round drafts a size other than the best k, so that the verify line's slope stays
-    measured. After `every` rounds in a row at one size it drafts one token more or fewer
-    (alternately). While the line cannot tell its slope from recent rounds (`VerifyLine.unsure`)
+    measured. After `every` rounds in a row at one size (the policy's cadence) it drafts one
+    token more or fewer (alternately). While the line cannot tell its slope from recent rounds (`VerifyLine.unsure`)
     it does so after `unsure_every` rounds: a slope measured at one size and a long-gone other
     is no measure at all, and at k = 1 no round measures another size unless one is asked for.
     The counts live with the costs, not with a generation: a process answering many short

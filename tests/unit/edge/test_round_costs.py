@@ -360,3 +360,11 @@ def test_the_generations_of_one_edge_process_share_costs_and_exploration() -> No
             ks.append(k)
             policy.update(RoundFeedback(k, 0, 0.0, 25.0 * k, 101.0, 100.0))
     assert len(set(ks[-16:])) > 1, ks  # k settled early: one size unless a probe came
+
+
+def test_a_verifier_timed_at_zero_leaves_the_estimates_finite() -> None:
+    """A cloud that reports no time of its own (a stub, a clock too coarse) is no error."""
+    costs = RoundCosts()
+    for k in (2, 2, 3, 2, 4, 2, 2, 2, 2, 2):
+        costs.update(RoundFeedback(k, 1, 0.5, 10.0 * k, 5.0, 0.0))
+    assert costs.verify_line() == (0.0, 0.0) and costs.net_ms == 5.0
