@@ -44,7 +44,9 @@ class EdgeContext:
     metrics: EdgeMetrics | None = None
     draft_name: str = ""  # the draft model folder's name, for recorded traces
     mode_memory: ModeMemory = field(default_factory=ModeMemory)  # auto mode, from one generation to the next
-    # the cost policy's measured acceptance and costs, from one generation to the next
+    # the cost policy's measured costs and exploration counts, for the process's life: the
+    # endpoint's (one --cloud target per process) and the drafter's; serve's per-request copies
+    # of the context share it, and each generation's CostK plans over it
     round_costs: RoundCosts = field(default_factory=RoundCosts)
 
     def observer(self, inner: Observer | None) -> Observer | None:
