@@ -368,3 +368,49 @@ def test_a_verifier_timed_at_zero_leaves_the_estimates_finite() -> None:
     for k in (2, 2, 3, 2, 4, 2, 2, 2, 2, 2):
         costs.update(RoundFeedback(k, 1, 0.5, 10.0 * k, 5.0, 0.0))
     assert costs.verify_line() == (0.0, 0.0) and costs.net_ms == 5.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+
+def test_rounds_minutes_old_weigh_less_than_a_few_fresh_ones() -> None:
+    """Twenty rounds on an 80 ms link, five minutes idle, three on a 5 ms one: the fresh three
+    decide (by rounds alone the twenty would, and three are too few to read as a shift)."""
+    clock = FakeClock()
+    costs = RoundCosts(clock=clock)
+    for _ in range(20):
+        clock.seconds += 0.3
+        costs.update(RoundFeedback(4, 2, 0.5, 40.0, 230.0, 150.0))
+    clock.seconds += 300.0
+    for _ in range(3):
+        clock.seconds += 0.2
+        costs.update(RoundFeedback(4, 2, 0.5, 40.0, 155.0, 150.0))
+    assert costs.net_ms == pytest.approx(5.0)
+
+
+def test_auto_modes_short_probes_a_minute_apart_leave_k_one() -> None:
+    """Auto mode probes speculation a few rounds at a time with long backoffs between. Two slow
+    rounds first (729 ms for 3 rows, 2,218 ms for 5), then bursts of four quiet rounds (150 ms
+    + 12 per row) a minute apart, each a generation of its own: k leaves 1 within two bursts
+    and stays off it."""
+    clock = FakeClock()
+    costs = RoundCosts(clock=clock)
+    for k, verify in ((2, 729.0), (4, 2218.0)):
+        clock.seconds += 1.0
+        costs.update(RoundFeedback(k, k // 2, 0.0, 10.0 * k, verify + 5.0, verify))
+    bursts = []
+    for _ in range(6):
+        clock.seconds += 60.0
+        policy, ks = CostK(costs=costs), []
+        for _ in range(4):
+            k = policy.next_k()
+            ks.append(k)
+            clock.seconds += 0.2
+            policy.update(RoundFeedback(k, min(k, 3), 0.0, 10.0 * k, 155.0 + 12 * (k + 1), 150.0 + 12 * (k + 1)))
+        bursts.append(ks)
+    assert max(bursts[0] + bursts[1]) > 1 and min(k for burst in bursts[2:] for k in burst) > 1, bursts
