@@ -1045,6 +1045,7 @@ class Fuzz:
         left = [sid for sid, tokens in result.created.items() if opening and prompt and tokens[: len(prompt)] == prompt]
         if tracked is not None and result.code == "NOT_FOUND":
             raise AssertionError(f"a session the fuzzer opened vanished: {where}")
+        relearning = tracked is not None and tracked.position is None  # (a deadline cut its last call short)
         if result.code == "FAILED_PRECONDITION" and tracked is not None:
             server = int(result.trailing[wire.SERVER_POSITION_KEY])
             if tracked.position is not None:
@@ -1053,7 +1054,7 @@ class Fuzz:
         if not chunks:  # refused before its first token: the status the request and its session call for
             if refusal is not None:
                 expected = {refusal}
-            elif tracked is not None and tracked.position is None:  # a position this side re-learns
+            elif relearning:  # a position this side re-learns
                 expected = {"FAILED_PRECONDITION", "INVALID_ARGUMENT"}
             else:
                 expected = {"INVALID_ARGUMENT"} if opening else set()  # an opening's own fields
