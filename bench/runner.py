@@ -70,8 +70,9 @@ class BenchRunner:
 
     # ---- children ------------------------------------------------------------------------
 
-    def _measured(self, cmd: list[str], name: str, output: Path) -> Finished:
-        """Run a child to completion, moving the bar as its output file grows."""
+    def _measured(self, cmd: list[str], name: str, output: Path, on_progress: Callable[[int], None] | None = None) -> Finished:
+        """Run a child to completion, moving the bar as its output file grows; `on_progress`
+        hears how many prompts are done (the warmup aside) about three times a second."""
         shown = 0
 
         def tick() -> None:
@@ -80,6 +81,8 @@ class BenchRunner:
             done = min(max(lines - 1, 0), len(self.prompts))  # the first line is the warmup
             self.bar.update(done - shown)
             shown = done
+            if on_progress is not None:
+                on_progress(done)
 
         output.unlink(missing_ok=True)
         finished = run_measured(cmd, output.with_suffix(".log"), name, tick)
@@ -171,14 +174,21 @@ class BenchRunner:
         return run
 
     def run_edge(
-        self, system: System, placement: Placement, rtt: float | None, cloud: str | None, verifier_pid: int | None
+        self,
+        system: System,
+        placement: Placement,
+        rtt: float | None,
+        cloud: str | None,
+        verifier_pid: int | None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> Run:
         where = f".rtt{rtt:g}" if rtt is not None else ""
         stem = RunFiles(self.files, f"{system.name}.{placement.name}{where}")
         stem.path(".rounds.jsonl").unlink(missing_ok=True)  # edge-agent appends to it
         if verifier_pid is not None:
             reset_peak_rss(verifier_pid)
-        finished = self._measured(self._edge_command(system, placement, stem, cloud), system.name, stem.path(".jsonl"))
+        cmd = self._edge_command(system, placement, stem, cloud)
+        finished = self._measured(cmd, system.name, stem.path(".jsonl"), on_progress)
         run = self._collect(system, placement, rtt, stem, finished)
         if verifier_pid is not None:
             run.verifier_peak_rss_kib = peak_rss_kib(verifier_pid)

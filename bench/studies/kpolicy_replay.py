@@ -13,8 +13,9 @@ costs are fixed, so two policies differ only in the k they chose.
     python -m bench.studies.kpolicy_replay --run-files results/bench_files --outputs k4.unpinned.rtt0.jsonl \\
         --config "loopback=20,140,3,3" --config "rtt100=20,140,3,104" [--out docs/kpolicy_replay]
 
-A --config is NAME=DRAFT_MS_PER_TOKEN,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS (the figures
-a run's round log gives; `python -m bench` reports them per system).
+A --config is NAME=DRAFT_MS_PER_TOKEN,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS[,DRAFT_FIXED_MS]
+(the figures a run's round log gives; `python -m bench` reports them per system; drafting's fixed
+part per round, 0 if left out, from the drafting time of rounds of different k).
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class ReplaySettings(BaseSettings):
     outputs: str = Field(description="the outputs file in it whose tokens are the target's (any greedy system's)")
     draft_gguf: Path | None = Field(None, description="the draft's GGUF (default: the packaged Qwen 0.5B)")
     draft_window: int = Field(512, ge=1, description="prompt tokens the draft reads, as edge-agent's --draft-window")
-    config: list[str] = Field(description="NAME=DRAFT_MS,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS (repeatable)")
+    config: list[str] = Field(
+        description="NAME=DRAFT_MS,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS[,DRAFT_FIXED_MS] (repeatable)"
+    )
     out: Path = Field(Path("docs/kpolicy_replay"), description="folder for the JSON result and report.md")
 
 
@@ -58,9 +61,13 @@ class RoundCost:
     verify_fixed_ms: float
     verify_per_row_ms: float
     net_ms: float
+    draft_fixed_ms: float = 0.0  # per round that drafts: taking in the tokens the cloud committed
 
     def verify_ms(self, k: int) -> float:
         return self.verify_fixed_ms + self.verify_per_row_ms * (k + 1)
+
+    def drafting_ms(self, k: int) -> float:
+        return self.draft_fixed_ms + k * self.draft_ms if k > 0 else 0.0
 
 
 def match_runs(draft_choices: Sequence[int], output: Sequence[int]) -> list[int]:
@@ -107,13 +114,14 @@ def replay(
             k = min(policy.next_k(), len(runs) - p - 1)  # one token of what is left goes to the bonus
             accepted = min(k, runs[p])
             verify = cost.verify_ms(k)
-            round_ms = k * cost.draft_ms + verify + cost.net_ms
+            drafting = cost.drafting_ms(k)
+            round_ms = drafting + verify + cost.net_ms
             played.ms, played.tokens, p = played.ms + round_ms, played.tokens + accepted + 1, p + accepted + 1
             if clock is not None:
                 clock.seconds += round_ms / 1000.0
             ks.append(k)
             if k:
-                policy.update(RoundFeedback(k, accepted, 0.0, k * cost.draft_ms, verify + cost.net_ms, verify))
+                policy.update(RoundFeedback(k, accepted, 0.0, drafting, verify + cost.net_ms, verify))
         played.ks.append(ks)
     return played
 
@@ -142,8 +150,10 @@ def _parse_config(spec: str) -> tuple[str, RoundCost]:
         values = [float(x) for x in numbers.split(",")]
     except ValueError:
         values = []
-    if not name or len(values) != 4:
-        raise ConfigError(f"--config {spec[:80]!r}: expected NAME=DRAFT_MS,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS")
+    if not name or len(values) not in (4, 5):
+        raise ConfigError(
+            f"--config {spec[:80]!r}: expected NAME=DRAFT_MS,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS[,DRAFT_FIXED_MS]"
+        )
     return name, RoundCost(*values)
 
 

@@ -94,16 +94,16 @@ def expected_tokens(alpha: float, k: int) -> float:
 class CostK:
     """Pick k to maximise the expected tokens per second of the next rounds, from measured
     estimates (RoundCosts: acceptance given an accepted prefix, this generation's own, and the
-    process's draft time per token, verify time's fixed and per-row parts and the network's share
+    process's drafting time's and verify time's fixed and per-unit parts and the network's share
     of a round). A slower link makes each
     round dearer, so longer blocks pay: on 100 ms RTT it picks a larger k than on loopback.
 
     tokens(k) = (1 - a^(k+1)) / (1 - a), the accepted prefix plus the recovered/bonus token;
     cloud(k) = verify(k + 1 rows) + network;
-    round(k) = k * t_draft + cloud(k).
+    round(k) = draft(k) + cloud(k).
     With overlap the edge drafts ahead while the cloud works (up to k + 1 tokens: a guess of the
     bonus, then the next block) and reads the reply once the token it is drafting is done, so
-    the wait is max(cloud(k), tokens drafted ahead * t_draft). What it drafted ahead is kept only
+    the wait is max(cloud(k), tokens drafted ahead * t_draft), t_draft = draft(k) / k. What it drafted ahead is kept only
     when the whole block passed and the bonus is the token guessed (probability a^(k+1)); then
     the next block needs only the rest drafted, else all k as without overlap.
 
@@ -131,10 +131,10 @@ class CostK:
 
     def round_ms(self, k: int) -> float:
         c = self.costs
-        per_token = c.draft_ms_per_token
         cloud = c.verify_ms(k + 1) + c.net_ms
         if not self.overlap:
-            return k * per_token + cloud
+            return c.draft_ms(k) + cloud
+        per_token = c.draft_ms(k) / k
         # While the call is out the edge drafts ahead a token at a time (a bonus guess, then the
         # next block) and reads the reply at the end of the token it is drafting.
         ahead = min(k + 1, max(math.ceil(cloud / per_token), 1)) if per_token > 0 else k + 1

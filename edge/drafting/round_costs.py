@@ -11,10 +11,13 @@
   the text more than to the machine: each generation keeps its own (`Acceptance`), starting
   from the process's figure with the weight of a couple of rounds, so a predictable text after
   a hard one drafts long blocks from its first rounds;
-- the draft time per token: drafting time over the tokens drafted in it (a block topped up from
-  tokens drafted ahead counts only the tokens drafted for it);
+- the drafting time against the tokens drafted in a round: fixed + per token (`CostLine`). The
+  fixed part is real: before its first draft the drafter takes in the tokens the cloud just
+  committed (one forward pass of its own), so a round of 8 drafts costs less than four rounds
+  of 2 per token, and a per-token average taken at short blocks makes long ones look dear. A
+  block topped up from tokens drafted ahead counts only the tokens drafted for it;
 - the verify time as a function of the rows in the target's pass (the last committed token, any
-  catch-up and the drafts): fixed + per-row (`VerifyLine`);
+  catch-up and the drafts): fixed + per-row (`CostLine`);
 - the network's share of a round: the call's wall time less the cloud's (`Level`).
 
 The verify line and the network's share are timings of a shared machine and link, and they go
@@ -41,6 +44,8 @@ the slope stays (the best k of a line through its own stale points is the smalle
   which keeps its prediction at the sizes actually seen.
 - The slope's ridge is a share of the data's own weight (rows², `LineFit.ridge`), so whatever
   the memory, rounds of one size read as a flat pass and a few stale points cannot pin a slope.
+  Drafting is shrunk the other way (`LineFit.toward`): rounds of one size read as a cost per
+  token with no fixed part, and only rounds of different sizes show a fixed part.
 - Exploration (`Exploration`): after some rounds in a row at one size a round drafts one token
   more or fewer than the best k, and sooner while the weight at other sizes is under a tenth of
   the whole (the slope rests on old rounds, or on none). A probe that disagrees with the stale
@@ -59,6 +64,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -159,13 +165,15 @@ class Samples:
 
 @dataclass(frozen=True)
 class LineFit:
-    """How the verify line is fitted: its slope shrunk towards flat by `ridge` (in rows², a
-    share of the data's own weight, so stale points weigh in it no more than fresh ones), a
-    fixed part of at least `floor` of the pass at the sizes seen, and rounds far off the line
-    weighted down to nothing (Tukey's biweight, zero beyond `reject` robust scales) over
-    `iterations` refits that start from the last `recent` rounds' own line where those hold two
-    sizes: where old rounds and recent ones disagree, the recent ones decide."""
+    """How a cost line is fitted: shrunk by `ridge` (a share of the data's own weight, so stale
+    points weigh in it no more than fresh ones) towards `toward` where its sizes cannot tell
+    (the verify pass: "flat", its slope shrunk, in rows²; drafting: "proportional", its fixed
+    part shrunk), a fixed part of at least `floor` of the cost at the sizes seen, and rounds
+    far off the line weighted down to nothing (Tukey's biweight, zero beyond `reject` robust
+    scales) over `iterations` refits that start from the last `recent` rounds' own line where
+    those hold two sizes: where old rounds and recent ones disagree, the recent ones decide."""
 
+    toward: Literal["flat", "proportional"] = "flat"
     ridge: float = 0.002
     floor: float = 0.1
     reject: float = 4.685
@@ -200,6 +208,8 @@ def fit_line(xs: Array, ys: Array, ws: Array, how: LineFit) -> Line:
 
 
 def _least_squares(xs: Array, ys: Array, ws: Array, how: LineFit) -> Line:
+    if how.toward == "proportional":
+        return _least_squares_proportional(xs, ys, ws, how)
     total = float(ws.sum())
     mean_x, mean_y = float(ws @ xs) / total, float(ws @ ys) / total
     sxx = float(ws @ (xs - mean_x) ** 2)
@@ -212,9 +222,33 @@ def _least_squares(xs: Array, ys: Array, ws: Array, how: LineFit) -> Line:
     return Line(mean_y - slope * mean_x, slope, 0.0)
 
 
+def _least_squares_proportional(xs: Array, ys: Array, ws: Array, how: LineFit) -> Line:
+    """Weighted least squares with the fixed part shrunk to zero: a cost per unit unless the
+    sizes show a fixed part; neither part negative."""
+    sw, sx, sy = float(ws.sum()), float(ws @ xs), float(ws @ ys)
+    sxx, sxy = float(ws @ (xs * xs)), float(ws @ (xs * ys))
+    penalty = how.ridge * sw
+    det = (sw + penalty) * sxx - sx * sx
+    if det <= 0 or sxx <= 0:
+        return Line(max(sy / sw, 0.0), 0.0, 0.0)
+    fixed = (sy * sxx - sx * sxy) / det
+    slope = ((sw + penalty) * sxy - sx * sy) / det
+    if fixed < 0:  # through the origin
+        return Line(0.0, max(sxy / sxx, 0.0), 0.0)
+    if slope < 0:  # a level
+        return Line(sy / sw, 0.0, 0.0)
+    return Line(fixed, slope, 0.0)
+
+
+# Drafting's line: a cost per token unless rounds of different sizes show a fixed part; no floor
+# under the fixed part (an edge that drafts nothing spends nothing).
+DRAFT_FIT = LineFit(toward="proportional", ridge=0.002, floor=0.0)
+
+
 @dataclass
-class VerifyLine:
-    """The verify time against the rows of the pass, fitted on the recent rounds."""
+class CostLine:
+    """A cost against a round's size (the verify pass's rows, the tokens drafted), fitted on
+    the recent rounds."""
 
     forgetting: Forgetting
     how: LineFit = field(default_factory=LineFit)
@@ -232,16 +266,16 @@ class VerifyLine:
 
     def unsure(self) -> bool:
         """Whether the recent rounds hold too little weight at sizes other than the last one's
-        for the slope to be measured now (what it rests on is then old, or nothing)."""
+        for the line to be measured now (what it rests on is then old, or nothing)."""
         if not len(self._samples):
             return False
         xs, _, ws = self._samples.points()
         return float(ws[xs != xs[-1]].sum()) < self.how.measured_share * float(ws.sum())
 
-    def add(self, rows: int, ms: float, round_no: int, t: float) -> None:
+    def add(self, size: int, ms: float, round_no: int, t: float) -> None:
         line = self.fit()
-        surprise = 0.0 if line is None else (ms - float(line.at(rows))) / line.scale
-        self._samples.add(rows, ms, round_no, t, surprise)
+        surprise = 0.0 if line is None else (ms - float(line.at(size))) / line.scale
+        self._samples.add(size, ms, round_no, t, surprise)
         self._fit = None
 
 
@@ -309,7 +343,7 @@ class Acceptance(DiscountedRatio):
 class Exploration:
     """When a round drafts a size other than the best k, so that the verify line's slope stays
     measured. After `every` rounds in a row at one size (the policy's cadence) it drafts one
-    token more or fewer (alternately). While the line cannot tell its slope from recent rounds (`VerifyLine.unsure`)
+    token more or fewer (alternately). While the line cannot tell its slope from recent rounds (`CostLine.unsure`)
     it does so after `unsure_every` rounds: a slope measured at one size and a long-gone other
     is no measure at all, and at k = 1 no round measures another size unless one is asked for.
     The counts live with the costs, not with a generation: a process answering many short
@@ -355,18 +389,23 @@ class RoundCosts:
     clock: Callable[[], float] = time.monotonic  # seconds; a test passes its own
     exploration: Exploration = field(default_factory=Exploration)
     _acceptance: Acceptance = field(init=False)
-    _draft_ms: DiscountedRatio = field(init=False)  # per token drafted
+    _draft: CostLine = field(init=False)  # ms against tokens drafted
     _net: Level = field(init=False)  # ms per round
-    _verify: VerifyLine = field(init=False)
+    _verify: CostLine = field(init=False)  # ms against the pass's rows
     _rounds: int = 0
 
     def __post_init__(self) -> None:
         p = self.prior
         forgetting = Forgetting(self.decay, self.half_life_s)
         self._acceptance = Acceptance(p.acceptance, 4 * p.weight, self.decay)
-        self._draft_ms = DiscountedRatio(p.draft_ms_per_token, p.weight, self.decay)
+        self._draft = CostLine(forgetting, DRAFT_FIT)
         self._net = Level(forgetting)
-        self._verify = VerifyLine(forgetting)
+        self._verify = CostLine(forgetting)
+
+    @property
+    def rounds(self) -> int:
+        """Verified rounds measured so far (by every generation that shares these costs)."""
+        return self._rounds
 
     # ---- the estimates ------------------------------------------------------------------
 
@@ -379,11 +418,15 @@ class RoundCosts:
         """A new generation's own acceptance, starting from the process's figure."""
         return Acceptance(self.acceptance, self.prior.generation_weight, self.decay)
 
-    @property
-    def draft_ms_per_token(self) -> float:
+    def draft_ms(self, tokens: int) -> float:
+        """Drafting `tokens` tokens in one round (the drafter first takes in what the cloud
+        committed)."""
+        if tokens <= 0:
+            return 0.0
         if self.planned.draft_ms_per_token is not None:
-            return self.planned.draft_ms_per_token
-        return self._draft_ms.value
+            return self.planned.draft_ms_per_token * tokens
+        line = self._draft.fit()
+        return self.prior.draft_ms_per_token * tokens if line is None else max(float(line.at(tokens)), 0.0)
 
     @property
     def net_ms(self) -> float:
@@ -420,7 +463,8 @@ class RoundCosts:
         self._rounds += 1
         self._acceptance.add_round(feedback)
         drafted = feedback.k if feedback.drafted is None else feedback.drafted
-        self._draft_ms.add(feedback.draft_ms if drafted > 0 else 0.0, drafted)
+        if drafted > 0:
+            self._draft.add(drafted, feedback.draft_ms, self._rounds, now)
         self._net.add(max(feedback.rtt_ms - feedback.verify_ms, 0.0), self._rounds, now)
         self._verify.add(rows, feedback.verify_ms, self._rounds, now)
         self.exploration.note(rows, probe)

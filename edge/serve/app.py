@@ -85,7 +85,8 @@ class _Completion:
     def _final(self, gen: Generation, event: Event) -> tuple[dict[str, int], dict[str, Any]]:
         assert event.result is not None
         draft_prompt = (gen.draft_reused_tokens, gen.draft_prefilled_tokens)
-        stats = speculation_stats(event.result, gen.settings, self.req.speculative.enabled is False, draft_prompt)
+        disabled = self.req.speculative.enabled is False
+        stats = speculation_stats(event.result, gen.settings, disabled, draft_prompt, gen.k_costs_rounds)
         return usage(gen.prompt_tokens, event.result), stats
 
     async def respond(self, request: Request, prompt_ids: list[int]) -> Response:

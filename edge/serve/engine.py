@@ -36,6 +36,7 @@ from edge.context import EdgeContext, verifier_client
 from edge.drafting.conversations import ConversationCache, model_drafter
 from edge.drafting.drafter import Draft, DraftCache, DraftKV, DraftLM, DraftSource, StopRule
 from edge.drafting.feedback import RoundFeedback
+from edge.drafting.kpolicy import CostK
 from edge.round.generate import GenerationResult, RoundRecord, SpeculativeRun, cloud_only_generate
 from edge.serve.text import TextStreamer
 from shared.errors import ConfigError, InvalidParameter, SpecDecError
@@ -183,6 +184,9 @@ class Generation:
     caller: str = ""  # the name of the request's API key: the scope of its caches
     draft_reused_tokens: int = 0  # prompt tokens whose draft KV came from the conversation cache
     draft_prefilled_tokens: int = 0  # prompt tokens whose draft KV the draft model computed
+    # the cost k policy's: rounds this server had measured when the generation began (its first
+    # k comes from their figures); None under another policy
+    k_costs_rounds: int | None = None
 
     async def events(self) -> AsyncIterator[Event]:
         """Every event up to and including the last ("done" or "error")."""
@@ -287,7 +291,9 @@ class Engine:
                 return await cloud_only_generate(prompt_ids, client, cfg, observer, result=relay.live)
             kv = self._take_draft_kv(gen.caller, s, prompt_ids)
             lease = DrafterLease(await asyncio.to_thread(ctx.draft_source, s.seed, kv))  # a llama.cpp context: allocation
-            run = SpeculativeRun(prompt_ids, lease, client, ctx.k_policy(), cfg, observer)
+            policy = ctx.k_policy()
+            gen.k_costs_rounds = policy.costs.rounds if isinstance(policy, CostK) else None
+            run = SpeculativeRun(prompt_ids, lease, client, policy, cfg, observer)
             relay.live = run.result
             try:
                 result = await run.run()

@@ -40,10 +40,15 @@ def _why_not(settings: EdgeSettings, disabled_by_request: bool, result: Generati
 
 
 def speculation_stats(
-    result: GenerationResult, settings: EdgeSettings, disabled_by_request: bool, draft_prompt: tuple[int, int] = (0, 0)
+    result: GenerationResult,
+    settings: EdgeSettings,
+    disabled_by_request: bool,
+    draft_prompt: tuple[int, int] = (0, 0),
+    k_costs_rounds: int | None = None,
 ) -> dict[str, Any]:
     """draft_prompt: the prompt tokens whose draft KV came from the conversation cache, and
-    those the draft model computed."""
+    those the draft model computed; k_costs_rounds: the rounds whose figures the cost k policy
+    started from (None: another policy)."""
     speculative = settings.drafts()
     reason = _why_not(settings, disabled_by_request, result)
     verified = result.verified_speculative_tokens()
@@ -56,6 +61,7 @@ def speculation_stats(
         "drafter": settings.drafter if speculative else None,
         "k_policy": settings.resolved_k_policy() if speculative else None,
         "k": settings.fixed_k() if speculative and settings.resolved_k_policy() == "fixed" else None,
+        "k_costs_rounds": k_costs_rounds,
         "accept_mode": mode.value,
         "seed": settings.seed,
         # Exact: the text is distributed as the target's own (greedy: equal to it).

@@ -232,6 +232,28 @@ def test_a_client_that_goes_away_frees_its_session(client: OpenAI, served: Serve
     assert re.search(r"client gone after \d+ tokens; generation cancelled", served.log.read_text())
 
 
+def test_each_request_drafts_from_every_earlier_requests_figures(
+    models: tuple[Path, Path], verifier: tuple[str, int], tmp_path: Path
+) -> None:
+    """The cost k policy's figures (the verify pass, the network, drafting) live with the serve
+    process, not with a request: each short request starts from every round the ones before it
+    measured, so the 10th plans from the first nine's."""
+    cmd = serve_cmd(models[0], verifier[0], "--mode", "speculative", "--max-new-tokens", "10")
+    server = start(cmd, tmp_path / "serve.log", SERVE_READY)
+    try:
+        client = OpenAI(base_url=server.match.group(1) + "/v1", api_key="unused", max_retries=0, timeout=120)
+        measured = 0
+        for number in range(10):
+            reply = client.chat.completions.create(model="any", messages=_chat(PROMPTS[f"p{number % 4}"]), temperature=0)
+            stats = reply.model_extra["speculative_decoding"]  # type: ignore[index]
+            assert stats["k_policy"] == "cost"
+            assert stats["k_costs_rounds"] == measured, number
+            measured += stats["drafted_per_position"][0]  # the rounds that drafted: each one measured
+        assert measured >= 9
+    finally:
+        assert server.stop() == 0
+
+
 def test_sampling_repeats_with_a_seed_and_varies_without(client: OpenAI) -> None:
     def sample(**options: Any) -> tuple[str, int]:
         reply = client.chat.completions.create(model="any", messages=_chat("w7 w8"), temperature=1.0, **options)
