@@ -8,8 +8,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from edge.drafting.feedback import RoundFeedback
-from edge.drafting.round_costs import RoundCosts
+from edge.drafting.round_costs import Array, RoundCosts
 
 
 class KPolicy(Protocol):
@@ -83,14 +85,6 @@ class EgagK:
         self.normalized_entropy = self.ema_beta * self.normalized_entropy + (1 - self.ema_beta) * h
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens per round with k drafts accepted i.i.d. with probability alpha:
-    (1 - alpha^(k+1)) / (1 - alpha), the accepted prefix plus the recovered/bonus token."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 class CostK:
     """Pick k to maximise the expected tokens per second of the next rounds, from measured
     estimates (RoundCosts: acceptance given an accepted prefix, this generation's own, and the
@@ -98,7 +92,10 @@ class CostK:
     of a round). A slower link makes each
     round dearer, so longer blocks pay: on 100 ms RTT it picks a larger k than on loopback.
 
-    tokens(k) = (1 - a^(k+1)) / (1 - a), the accepted prefix plus the recovered/bonus token;
+    tokens(k) = 1 + sum over j <= k of a_0 ... a_(j-1), the accepted prefix plus the
+    recovered/bonus token, where a_i is the text's acceptance times the process's factor for
+    depth i (RoundCosts.depth_factors: a draft deep in a block that passed so far passes more
+    often than the first);
     cloud(k) = verify(k + 1 rows) + network;
     round(k) = draft(k) + cloud(k).
     With overlap the edge drafts ahead while the cloud works (up to k + 1 tokens: a guess of the
@@ -129,7 +126,7 @@ class CostK:
         self.explore_every = explore_every
         self._probing: int | None = None  # the k of a probe handed out and not yet verified
 
-    def round_ms(self, k: int) -> float:
+    def round_ms(self, k: int, depths: Array | None = None) -> float:
         c = self.costs
         cloud = c.verify_ms(k + 1) + c.net_ms
         if not self.overlap:
@@ -139,19 +136,34 @@ class CostK:
         # next block) and reads the reply at the end of the token it is drafting.
         ahead = min(k + 1, max(math.ceil(cloud / per_token), 1)) if per_token > 0 else k + 1
         wait = max(cloud, ahead * per_token)
-        kept = self.acceptance ** (k + 1) if ahead > 1 else 0.0
+        depths = self.depth_acceptance() if depths is None else depths
+        kept = float(np.prod(depths[: k + 1])) if ahead > 1 else 0.0
         return wait + kept * (k - (ahead - 1)) * per_token + (1 - kept) * k * per_token
 
-    def tokens_per_s(self, k: int) -> float:
-        """Expected committed tokens per second at k, by the current estimates."""
-        return 1000.0 * expected_tokens(self.acceptance, k) / self.round_ms(k)
+    def tokens_per_s(self, k: int, depths: Array | None = None) -> float:
+        """Expected committed tokens per second at k, by the current estimates (`depths`: the
+        depth_acceptance() a caller trying every k computed once)."""
+        depths = self.depth_acceptance() if depths is None else depths
+        return 1000.0 * self.expected_tokens(k, depths) / self.round_ms(k, depths)
+
+    def depth_acceptance(self) -> Array:
+        """This text's acceptance at each depth of a block up to k_max (and the bonus guess
+        after it): its own pooled figure times the process's factor for the depth, below 1."""
+        return np.minimum(self.acceptance * self.costs.depth_factors(self.k_max + 1), 0.99)
+
+    def expected_tokens(self, k: int, depths: Array | None = None) -> float:
+        """The accepted prefix plus the recovered/bonus token: 1 + sum over j <= k of the
+        chance that the first j drafts all pass."""
+        depths = self.depth_acceptance() if depths is None else depths
+        return 1.0 + float(np.cumprod(depths[:k]).sum())
 
     @property
     def acceptance(self) -> float:
         return min(self.text_acceptance.value, 0.99)  # a block never passes for certain
 
     def best_k(self) -> int:
-        return max(range(self.k_min, self.k_max + 1), key=self.tokens_per_s)
+        depths = self.depth_acceptance()
+        return max(range(self.k_min, self.k_max + 1), key=lambda k: self.tokens_per_s(k, depths))
 
     def next_k(self) -> int:
         best = self.best_k()

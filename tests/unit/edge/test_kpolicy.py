@@ -4,7 +4,7 @@ test_round_costs.py)."""
 import pytest
 
 from edge.drafting.feedback import RoundFeedback
-from edge.drafting.kpolicy import EgagK, FixedK, LaRatioK, expected_tokens
+from edge.drafting.kpolicy import CostK, EgagK, FixedK, LaRatioK
 
 
 def _obs(
@@ -59,10 +59,13 @@ def test_egag_follows_draft_entropy_within_bounds() -> None:
     assert all(2 <= p.next_k() <= 12 for p in (confident, unsure))
 
 
-def test_expected_tokens_formula() -> None:
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 5) == 6.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+def test_expected_tokens_before_any_round_are_geometric() -> None:
+    """With no depth measured, every depth takes the text's acceptance: 1 + a + a^2 + ... ."""
+    policy = CostK(k_max=12)
+    a = policy.acceptance
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(2) == pytest.approx(1 + a + a * a)
+    assert policy.expected_tokens(12) == pytest.approx((1 - a**13) / (1 - a))
 
 
 def test_the_default_policy_is_cost_and_a_given_k_makes_it_fixed() -> None:

@@ -31,6 +31,8 @@ class World:
     net_ms: float
     overlap: bool = False
     draft_fixed_ms: float = 0.0  # per round that drafts: the drafter takes in the committed tokens
+    depth_gain: float = 0.0  # acceptance at depth i, given the drafts before passed: + i x this
+    depth_cap: float = 0.97  # ... up to this
     sampling: bool = False  # per-draft min(1, p/q) spread around `acceptance`, reported by the cloud
     after_rejection: float = 0.25
     noise: float = 0.05  # relative spread of every timing
@@ -40,7 +42,7 @@ class World:
 
     def accept_probs(self, k: int, rng: random.Random) -> list[float]:
         if not self.sampling:
-            return [self.acceptance] * k
+            return [min(self.acceptance + self.depth_gain * i, self.depth_cap) for i in range(k)]
         # Beta around the acceptance: each draft's own min(1, p/q), mean `acceptance`.
         strength = 4.0
         return [rng.betavariate(self.acceptance * strength, (1 - self.acceptance) * strength) for _ in range(k)]
@@ -183,8 +185,38 @@ def test_drafting_has_a_fixed_part_per_round(seed: int) -> None:
     fixed = policy.costs.draft_ms(10) - 10 * (policy.costs.draft_ms(10) - policy.costs.draft_ms(9))
     assert fixed > 15.0  # half the world's: the sizes drafted lie close together
     assert policy.costs.draft_ms(10) == pytest.approx(150.0, rel=0.1)
+    rates = {k: true_rate(world, k) for k in range(1, 13)}  # k = 5 to 10 within 5% of the best
+    assert rates[policy.best_k()] >= 0.97 * max(rates.values()), (policy.best_k(), rates)
+
+
+def test_drafts_after_the_first_pass_more_often() -> None:
+    """Greedy drafts that matched a few tokens have found an easy stretch: acceptance given the
+    drafts before grows with depth (here 0.7, 0.77, 0.84, then 0.9, as measured on the packaged
+    pair). One pooled figure, learned where blocks are short, prices a long block low and drafts
+    k = 5 or 6 on average over seeds; the first draft's figure apart from the later ones' prices
+    it nearer the truth and drafts nearer the world's best k (7 or 8)."""
+    world = World(
+        acceptance=0.7,
+        depth_gain=0.07,
+        depth_cap=0.9,
+        draft_ms=15.0,
+        draft_fixed_ms=13.0,
+        verify_fixed_ms=140.0,
+        verify_per_row_ms=1.5,
+        net_ms=3.0,
+    )
     rates = {k: true_rate(world, k) for k in range(1, 13)}
-    assert rates[policy.best_k()] >= 0.98 * max(rates.values()), (policy.best_k(), rates)
+    chosen = []
+    for seed in range(21, 27):
+        policy = CostK(k_max=12)
+        learn(policy, world, 300, seed=seed)
+        sim = Simulation(world, random.Random(seed))
+        for _ in range(4000):
+            sim.round(4)
+        assert policy.expected_tokens(4) == pytest.approx(sim.tokens / 4000, rel=0.1)
+        assert rates[policy.best_k()] >= 0.95 * max(rates.values()), (policy.best_k(), rates)
+        chosen.append(policy.best_k())
+    assert statistics.fmean(chosen) >= 6.2, chosen
 
 
 def test_a_verify_time_seen_at_one_size_reads_flat_until_another_size_comes() -> None:
@@ -327,7 +359,7 @@ def test_a_generation_starts_from_the_process_and_follows_its_own_text() -> None
         k = easy.next_k()
         easy.update(RoundFeedback(k, k, 1.0, 25.0 * k, 131.0 + k, 31.0 + k))
     assert easy.best_k() > hard.best_k() + 2
-    assert costs.acceptance - before < 0.15
+    assert costs.acceptance - before < 0.2
 
 
 def test_planned_costs_stand_in_for_the_measured_ones() -> None:
