@@ -206,16 +206,18 @@ def test_drafts_after_the_first_pass_more_often() -> None:
         net_ms=3.0,
     )
     rates = {k: true_rate(world, k) for k in range(1, 13)}
-    chosen = []
+    sim = Simulation(world, random.Random(1))
+    for _ in range(4000):
+        sim.round(4)
+    chosen, priced = [], []
     for seed in range(21, 27):
         policy = CostK(k_max=12)
         learn(policy, world, 300, seed=seed)
-        sim = Simulation(world, random.Random(seed))
-        for _ in range(4000):
-            sim.round(4)
-        assert policy.expected_tokens(4) == pytest.approx(sim.tokens / 4000, rel=0.1)
         assert rates[policy.best_k()] >= 0.95 * max(rates.values()), (policy.best_k(), rates)
         chosen.append(policy.best_k())
+        priced.append(policy.expected_tokens(4) / (sim.tokens / 4000))
+    # one run's first-draft figure rests on ~50 rounds (±0.065): over seeds it is right
+    assert statistics.fmean(priced) == pytest.approx(1.0, abs=0.05), priced
     assert statistics.fmean(chosen) >= 6.2, chosen
 
 
