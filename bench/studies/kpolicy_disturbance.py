@@ -52,9 +52,8 @@ from tools.netproxy import FaultProxy
 
 # The hog recovery is judged on the prompts that start this many rounds after the hog ended.
 RECOVERY_ROUNDS = 30
-# k has settled from the first round after which the median of every this many rounds in a row
-# is within SETTLE_BAND of the reference's k (a probe now and then aside).
-SETTLE_WINDOW = 5
+# k has settled once every later prompt's median k is within this of the reference run's on
+# that prompt (k follows each text's acceptance, so it is compared prompt by prompt).
 SETTLE_BAND = 1.0
 
 
@@ -200,20 +199,24 @@ def rounds_until(rounds: Sequence[dict[str, Any]], ids: Sequence[str], count: in
     return later
 
 
-def settle_round(ks: Sequence[int], target: float) -> int | None:
-    """The first round from which the median of every SETTLE_WINDOW rounds in a row is within
-    SETTLE_BAND of `target` (so a lone probe does not count); None if k never settles there."""
-    medians = [statistics.median(ks[i : i + SETTLE_WINDOW]) for i in range(len(ks) - SETTLE_WINDOW + 1)]
-    settled = None
-    for index in range(len(medians) - 1, -1, -1):
-        if abs(medians[index] - target) > SETTLE_BAND:
-            break
-        settled = index
+def prompt_medians(rounds: Sequence[dict[str, Any]], ids: Sequence[str]) -> list[float | None]:
+    """Each prompt's median k (None: no round)."""
+    return [float(statistics.median(ks)) if (ks := ks_of(rounds, [p])) else None for p in ids]
+
+
+def settled_from(rounds: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]], ids: Sequence[str]) -> int | None:
+    """The rounds of `ids` (the prompts after a step, in run order) before the first prompt from
+    which every later one drafts as the reference run does on it (median k within SETTLE_BAND);
+    None if the last prompt does not."""
+    seen, settled = 0, None
+    for prompt, mine, theirs in zip(ids, prompt_medians(rounds, ids), prompt_medians(reference, ids), strict=True):
+        matches = mine is not None and theirs is not None and abs(mine - theirs) <= SETTLE_BAND
+        if not matches:
+            settled = None
+        elif settled is None:
+            settled = seen
+        seen += len(ks_of(rounds, [prompt]))
     return settled
-
-
-def median_k(ks: Sequence[int]) -> float | None:
-    return float(statistics.median(ks)) if ks else None
 
 
 def summarize(runs: dict[str, Run], ids: list[str], scenario_list: list[Scenario]) -> dict[str, Any]:
@@ -258,14 +261,14 @@ def summarize(runs: dict[str, Run], ids: list[str], scenario_list: list[Scenario
 
 
 def _settling(run: Run, reference: Run, part: list[str], label: str) -> dict[str, Any]:
-    target = median_k(ks_of(reference.rounds, part))
     ks = ks_of(run.rounds, part)
     return {
         "step": label,
         "prompts": part,
-        "reference_median_k": target,
+        "median_k_by_prompt": prompt_medians(run.rounds, part),
+        "reference_median_k_by_prompt": prompt_medians(reference.rounds, part),
         "rounds": len(ks),
-        "settled_from_round": settle_round(ks, target) if target is not None else None,
+        "settled_from_round": settled_from(run.rounds, reference.rounds, part),
         "ratio": _ratio(prompt_rate(run.records, part), prompt_rate(reference.records, part)),
     }
 
@@ -280,7 +283,7 @@ def _ratio(a: float, b: float) -> float | None:
 def bench_flags(s: DisturbanceSettings) -> BenchFlags:
     """The bench run these scenarios share: one wire system, pinned, at the quiet RTT."""
     return BenchFlags(
-        output=s.out / "files" / "kpolicy_disturbance.json",
+        output=s.out / "kpolicy_disturbance.json",  # its children's files go to OUT/kpolicy_disturbance_files
         quick=s.quick,
         systems="speculative",
         prompts=s.prompts if not s.quick else None,
@@ -395,20 +398,20 @@ def report(result: dict[str, Any]) -> str:
         "",
         "## After the RTT steps",
         "",
-        "| step | reference median k | rounds | k settled from round | tok/s against the reference |",
-        "|---|---|---|---|---|",
+        "| step | median k by prompt | the reference's | rounds | k settled from round | tok/s against the reference |",
+        "|---|---|---|---|---|---|",
     ]
     for step in summary["rtt_step"]:
         settled = step["settled_from_round"]
         lines.append(
-            f"| {step['step']} | {step['reference_median_k']} | {step['rounds']} | "
-            f"{settled if settled is not None else 'never'} | {step['ratio']}x |"
+            f"| {step['step']} | {_ks(step['median_k_by_prompt'])} | {_ks(step['reference_median_k_by_prompt'])} | "
+            f"{step['rounds']} | {settled if settled is not None else 'never'} | {step['ratio']}x |"
         )
     lines += [
         "",
-        f"Settled: from that round on, the median k of every {SETTLE_WINDOW} rounds in a row is within "
-        f"{SETTLE_BAND:g} of the median k the run at that RTT throughout drafts over the same prompts "
-        "(goal: by round 20).",
+        "Reference: the run at that RTT throughout, on the same prompts. Settled: from the prompt that starts at "
+        f"that round on, every prompt's median k is within {SETTLE_BAND:g} of the reference's on it (goal: by "
+        "round 20; k follows each text's acceptance, so it is compared prompt by prompt).",
         "",
         "![k over rounds](k_over_rounds.png)",
         "",
@@ -431,6 +434,10 @@ def run(s: DisturbanceSettings, command: str) -> int:
     }
     write_result(s.out, "kpolicy_disturbance", result, report(result))
     return 0
+
+
+def _ks(medians: list[float | None]) -> str:
+    return ", ".join("–" if m is None else f"{m:g}" for m in medians)
 
 
 def _round_ks(run: Run) -> list[dict[str, Any]]:

@@ -10,7 +10,9 @@
   it (`alpha_prefix`: the same expectation, less noise when sampling). Acceptance belongs to
   the text more than to the machine: each generation keeps its own (`Acceptance`), starting
   from the process's figure with the weight of a couple of rounds, so a predictable text after
-  a hard one drafts long blocks from its first rounds;
+  a hard one drafts long blocks from its first rounds. The process also keeps how a block's
+  first draft fares against the drafts after it (`DepthProfile`), a factor on the text's figure
+  for each;
 - the drafting time against the tokens drafted in a round: fixed + per token (`CostLine`). The
   fixed part is real: before its first draft the drafter takes in the tokens the cloud just
   committed (one forward pass of its own), so a round of 8 drafts costs less than four rounds

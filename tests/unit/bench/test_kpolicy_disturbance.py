@@ -14,7 +14,7 @@ from bench.studies.kpolicy_disturbance import (
     phase_bounds,
     rounds_until,
     scenarios,
-    settle_round,
+    settled_from,
     summarize,
 )
 from bench.systems import BUILT_IN
@@ -22,16 +22,18 @@ from bench.systems import BUILT_IN
 IDS = [f"p{i}" for i in range(9)]
 
 
-def test_settling_waits_for_every_later_window() -> None:
-    # from the first 5 rounds in a row whose median is the new k
-    assert settle_round([1] * 7 + [5] * 40, 5.0) == 5
-    assert settle_round([5] * 40, 5.0) == 0
-    assert settle_round([1] * 40, 5.0) is None
-    assert settle_round([5] * 4, 5.0) is None  # too few rounds to tell
-    # a probe two off now and then leaves the median where it was
-    assert settle_round([2] * 12 + [5, 5, 5, 5, 3, 5, 5, 7, 5, 5] * 3, 5.0) == 10
-    # a relapse after a good start: settled only after the relapse
-    assert settle_round([5] * 10 + [1] * 10 + [5] * 20, 5.0) == 18
+def test_settling_compares_each_prompt_with_the_reference_on_it() -> None:
+    def rounds(ks_by_prompt: list[list[int]]) -> list[dict[str, object]]:
+        return [{"id": f"q{i}", "k": k} for i, ks in enumerate(ks_by_prompt) for k in ks]
+
+    ids = ["q0", "q1", "q2", "q3"]
+    reference = rounds([[4] * 10, [7] * 10, [3] * 10, [5] * 10])  # k follows each text
+    assert settled_from(rounds([[4] * 10, [6] * 10, [3] * 8, [5] * 9]), reference, ids) == 0
+    # the first prompt still drafts as before the step; from the second on, as the reference
+    assert settled_from(rounds([[2] * 12, [7, 8] * 5, [4] * 10, [5] * 10]), reference, ids) == 12
+    # a relapse: settled only from the prompt after it
+    assert settled_from(rounds([[4] * 10, [1] * 10, [3] * 10, [5] * 10]), reference, ids) == 20
+    assert settled_from(rounds([[4] * 10, [7] * 10, [3] * 10, [9] * 10]), reference, ids) is None
 
 
 def test_the_prompts_that_start_after_some_rounds() -> None:
@@ -54,8 +56,8 @@ def test_the_summary_compares_each_disturbance_with_the_run_at_its_rtt() -> None
     hog = fake_run(settled, hog_seconds)
     far = fake_run({p: [7] * 20 for p in IDS}, dict.fromkeys(IDS, 6.0))
     step_ks = {p: ([7] * 20 if 3 <= i < 6 else [4] * 20) for i, p in enumerate(IDS)}
-    step_ks["p3"] = [4] * 5 + [7] * 15  # 5 rounds to follow the step up
-    step_ks["p6"] = [7] * 12 + [4] * 8  # 12 to come back down
+    step_ks["p3"] = [4] * 15 + [7] * 5  # the step up followed from the second prompt after it
+    step_ks["p6"] = [7] * 8 + [4] * 12  # the step down at once (median 4 within the first prompt)
     step = fake_run(step_ks, dict.fromkeys(IDS, 5.0))
     summary = summarize({"quiet": quiet, "hog": hog, "rtt-step": step, "quiet-80": far}, IDS, scenarios(5.0, 80.0))
     recovery = summary["hog_recovery"]
@@ -63,8 +65,8 @@ def test_the_summary_compares_each_disturbance_with_the_run_at_its_rtt() -> None
     assert recovery["prompts_from_round_30"] == ["p5", "p6", "p7", "p8"]
     assert recovery["ratio_from_round_30"] == 1.0 and recovery["ratio_after"] < 1.0
     up, down = summary["rtt_step"]
-    assert (up["reference_median_k"], up["settled_from_round"]) == (7.0, 3)
-    assert (down["reference_median_k"], down["settled_from_round"]) == (4.0, 10)
+    assert up["reference_median_k_by_prompt"] == [7.0, 7.0, 7.0] and up["median_k_by_prompt"] == [4.0, 7.0, 7.0]
+    assert (up["settled_from_round"], down["settled_from_round"]) == (20, 0)
     hog_phases = summary["scenarios"]["hog"]["phases"]
     assert [p["hog"] for p in hog_phases] == [True, False, False]
     assert hog_phases[0]["tokens_per_s"] == 8.0 and hog_phases[2]["tokens_per_s"] == 16.0
