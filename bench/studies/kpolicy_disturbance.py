@@ -25,6 +25,7 @@ over rounds. Writes kpolicy_disturbance.json, report.md and k_over_rounds.png.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import subprocess
@@ -40,14 +41,16 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from tqdm import tqdm
 
-from bench.cli import study_settings
+from bench.cli import settings_parser, study_settings
 from bench.config import BenchFlags
 from bench.environment import machine_line, provenance, write_result
 from bench.processes import PINNED
 from bench.resolve import prompts_of, settings_from
-from bench.runner import BenchRunner, Run
+from bench.runner import WARMUP, BenchRunner, Run
+from bench.summarize import load_jsonl
 from bench.systems import System, resolve_systems
 from shared.cli import run_cli
+from shared.hardware import choose_dtype
 from tools.netproxy import FaultProxy
 
 # The hog recovery is judged on the prompts that start this many rounds after the hog ended.
@@ -70,12 +73,15 @@ class DisturbanceSettings(BaseSettings):
     draft_model: Path | None = Field(None, description="draft model folder (default: the packaged Qwen 0.5B)")
     target_model: Path | None = Field(None, description="target model folder (default: the packaged Qwen 1.5B)")
     quick: bool = Field(False, description="tiny random models and few tokens: checks the harness, measures nothing")
+    summarize_only: bool = Field(
+        False, description="measure nothing: summarize the runs a previous call left in OUT/kpolicy_disturbance_files"
+    )
     out: Path = Field(Path("docs/kpolicy_disturbance"), description="folder for the JSON result, report.md and the plot")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
         "what to run": ("prompts", "max_new_tokens", "temperature", "engine", "verifier_python", "draft_model", "target_model"),
         "the disturbances": ("quiet_rtt_ms", "step_rtt_ms"),
-        "results": ("quick", "out"),
+        "results": ("quick", "summarize_only", "out"),
     }
 
 
@@ -251,6 +257,8 @@ def summarize(runs: dict[str, Run], ids: list[str], scenario_list: list[Scenario
         "prompts_from_round_30": later,
         "ratio_from_round_30": _ratio(prompt_rate(hog.records, later), prompt_rate(quiet.records, later)),
         "ratio_during": _ratio(prompt_rate(hog.records, thirds[0]), prompt_rate(quiet.records, thirds[0])),
+        # each later prompt's tokens/s over the quiet run's: a fresh process's on the same text
+        "ratio_by_prompt_after": [_ratio(prompt_rate(hog.records, [p]), prompt_rate(quiet.records, [p])) for p in after],
     }
     step = runs["rtt-step"]
     out["rtt_step"] = [
@@ -325,6 +333,22 @@ def run_scenarios(s: DisturbanceSettings) -> Measured:
     return Measured(runs, [p.id for p in prompts], chosen, settings.dtype)
 
 
+def load_scenarios(s: DisturbanceSettings) -> Measured:
+    """The runs a previous call left in its files folder, as run_scenarios returned them."""
+    flags = bench_flags(s)
+    files = flags.output.parent / f"{flags.output.stem}_files"
+    prompts = prompts_of(flags)
+    chosen = scenarios(s.quiet_rtt_ms, s.step_rtt_ms)
+    system = resolve_systems(["speculative"], [], [s.quiet_rtt_ms])[0]
+    runs = {}
+    for scenario in chosen:
+        records = [r for r in load_jsonl(files / f"{scenario.name}.jsonl") if r["id"] != WARMUP.id]
+        rounds = [r for r in load_jsonl(files / f"{scenario.name}.rounds.jsonl") if r["id"] != WARMUP.id]
+        runs[scenario.name] = Run(system, PINNED, s.quiet_rtt_ms, records, rounds, 0, 0.0)
+    dtype = "float32" if s.quick else choose_dtype("auto", "cpu").name
+    return Measured(runs, [p.id for p in prompts], chosen, dtype)
+
+
 def _keep_rounds(runner: BenchRunner, name: str) -> None:
     """Each scenario reuses the system's file names: keep this one's under its own."""
     for ext in (".jsonl", ".rounds.jsonl", ".log"):
@@ -334,7 +358,8 @@ def _keep_rounds(runner: BenchRunner, name: str) -> None:
 
 
 def plot(runs: dict[str, Run], ids: list[str], scenario_list: list[Scenario], path: Path) -> None:
-    """k over rounds per scenario, the disturbed phases shaded."""
+    """k over rounds per scenario, the disturbed phases shaded, and on each prompt the median k
+    of the run that had that phase's conditions throughout (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -342,10 +367,11 @@ def plot(runs: dict[str, Run], ids: list[str], scenario_list: list[Scenario], pa
 
     first, second = phase_bounds(len(ids))
     thirds = [ids[:first], ids[first:second], ids[second:]]
+    steady = {s.phases[0].rtt_ms: runs[s.name] for s in scenario_list if s.name.startswith("quiet")}
     fig, axes = plt.subplots(len(scenario_list), 1, figsize=(9, 2.2 * len(scenario_list)), sharey=True)
     for ax, scenario in zip(axes, scenario_list, strict=True):
         rounds = runs[scenario.name].rounds
-        ax.plot(range(len(rounds)), [r["k"] for r in rounds], drawstyle="steps-post", linewidth=0.9)
+        ax.plot(range(len(rounds)), [r["k"] for r in rounds], drawstyle="steps-post", linewidth=0.9, label="k")
         start = 0
         for phase, part in zip(scenario.phases, thirds, strict=True):
             count = len(ks_of(rounds, part))
@@ -353,13 +379,24 @@ def plot(runs: dict[str, Run], ids: list[str], scenario_list: list[Scenario], pa
                 label = "CPU hog on the verifier" if phase.hog else f"+{phase.rtt_ms:g} ms RTT"
                 ax.axvspan(start, start + count, alpha=0.15, color="tab:red")
                 ax.text(start + 1, 0.5, label, fontsize=8, color="tab:red")
-            start += count
+            start = _reference_steps(ax, rounds, steady[phase.rtt_ms].rounds, part, start)
         ax.set_title(scenario.name, fontsize=9, loc="left")
         ax.set_ylabel("k")
+    axes[0].legend(["k", "steady run's median k on the prompt"], fontsize=7, loc="upper left")
     axes[-1].set_xlabel("round (one edge process over every prompt)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _reference_steps(ax: Any, rounds: list[dict[str, Any]], reference: list[dict[str, Any]], part: list[str], start: int) -> int:
+    """Draw the reference's median k over each prompt's rounds from `start`; the round after."""
+    for prompt, median in zip(part, prompt_medians(reference, part), strict=True):
+        count = len(ks_of(rounds, [prompt]))
+        if median is not None and count:
+            ax.plot([start, start + count], [median, median], linestyle="--", color="tab:gray", linewidth=0.8)
+        start += count
+    return start
 
 
 def report(result: dict[str, Any]) -> str:
@@ -394,7 +431,8 @@ def report(result: dict[str, Any]) -> str:
         f"During the hog: {hog['ratio_during']}x the quiet run's tokens/s over the same prompts. After it, over the "
         f"later prompts: {hog['tokens_per_s_after']:.2f} against {hog['quiet_tokens_per_s_after']:.2f} tok/s "
         f"(**{hog['ratio_after']}x**); over those that start {RECOVERY_ROUNDS} rounds or more after it ended "
-        f"({len(hog['prompts_from_round_30'])} prompts): **{hog['ratio_from_round_30']}x** (goal ≥ 0.95x).",
+        f"({len(hog['prompts_from_round_30'])} prompts): **{hog['ratio_from_round_30']}x** (goal ≥ 0.95x). Prompt by "
+        f"prompt after it, against the quiet process on the same text: {_ks(hog['ratio_by_prompt_after'])}.",
         "",
         "## After the RTT steps",
         "",
@@ -420,7 +458,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def run(s: DisturbanceSettings, command: str) -> int:
-    measured = run_scenarios(s)
+    measured = load_scenarios(s) if s.summarize_only else run_scenarios(s)
     summary = summarize(measured.runs, measured.prompt_ids, measured.scenarios)
     s.out.mkdir(parents=True, exist_ok=True)
     plot(measured.runs, measured.prompt_ids, measured.scenarios, s.out / "k_over_rounds.png")
@@ -442,6 +480,10 @@ def _ks(medians: list[float | None]) -> str:
 
 def _round_ks(run: Run) -> list[dict[str, Any]]:
     return [{"id": r["id"], "k": r["k"], "accepted_len": r["accepted_len"]} for r in run.rounds]
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.studies.kpolicy_disturbance", __doc__, DisturbanceSettings)
 
 
 def main(argv: list[str] | None = None) -> int:

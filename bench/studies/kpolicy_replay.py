@@ -20,18 +20,19 @@ part per round, 0 if left out, from the drafting time of rounds of different k).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bench.cli import study_settings
+from bench.cli import settings_parser, study_settings
 from bench.environment import provenance, write_result
 from edge.drafting.feedback import RoundFeedback
 from edge.drafting.kpolicy import CostK, FixedK, KPolicy
@@ -53,6 +54,12 @@ class ReplaySettings(BaseSettings):
         description="NAME=DRAFT_MS,VERIFY_FIXED_MS,VERIFY_MS_PER_ROW,NETWORK_MS[,DRAFT_FIXED_MS] (repeatable)"
     )
     out: Path = Field(Path("docs/kpolicy_replay"), description="folder for the JSON result and report.md")
+
+    help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
+        "the run replayed": ("run_files", "outputs", "draft_gguf", "draft_window"),
+        "the costs": ("config",),
+        "results": ("out",),
+    }
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,10 @@ def report(result: dict[str, Any]) -> str:
         cells = [f"{v['tokens_per_s']:.2f} (k {v['mean_k']:.1f})" for v in rates.values()]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {rates['cost (default)']['tokens_per_s'] / best:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    return settings_parser("python -m bench.studies.kpolicy_replay", __doc__, ReplaySettings)
 
 
 def main(argv: list[str] | None = None) -> int:

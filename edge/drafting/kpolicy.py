@@ -92,17 +92,18 @@ class CostK:
     of a round). A slower link makes each
     round dearer, so longer blocks pay: on 100 ms RTT it picks a larger k than on loopback.
 
-    tokens(k) = 1 + sum over j <= k of a_0 ... a_(j-1), the accepted prefix plus the
-    recovered/bonus token, where a_i is the text's acceptance times the process's factor for
-    depth i (RoundCosts.depth_factors: a draft deep in a block that passed so far passes more
-    often than the first);
+    tokens(k) = 1 + sum over j <= k of a_1 ... a_j, the accepted prefix plus the recovered/bonus
+    token, where a_1 is the text's acceptance times the process's factor for a block's first
+    draft and a_2 ... its acceptance times the factor for the drafts after it
+    (RoundCosts.depth_factors: a draft after an accepted one passes more often than the first);
     cloud(k) = verify(k + 1 rows) + network;
-    round(k) = draft(k) + cloud(k).
+    round(k) = draft(k) + cloud(k), draft(k) a fixed part and a part per token.
     With overlap the edge drafts ahead while the cloud works (up to k + 1 tokens: a guess of the
     bonus, then the next block) and reads the reply once the token it is drafting is done, so
-    the wait is max(cloud(k), tokens drafted ahead * t_draft), t_draft = draft(k) / k. What it drafted ahead is kept only
-    when the whole block passed and the bonus is the token guessed (probability a^(k+1)); then
-    the next block needs only the rest drafted, else all k as without overlap.
+    the wait is max(cloud(k), tokens drafted ahead * draft(k) / k). What it drafted ahead is
+    kept only when the whole block passed and the bonus is the token guessed (probability
+    a_1 ... a_(k+1)); then the next block needs only the rest drafted, else all k as without
+    overlap.
 
     Now and then a round drafts another size than the best k, so the verify time stays measured
     at more than one size even when the best k holds still (RoundCosts.explore: after

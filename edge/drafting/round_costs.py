@@ -141,6 +141,7 @@ class Samples:
     shift_at: float = 4.0
     _rows: deque[tuple[float, float, int, float]] = field(init=False)  # (x, y, round, clock seconds)
     _surprises: deque[float] = field(init=False)  # the last rounds' residuals in robust scales
+    _points: tuple[Array, Array, Array] | None = field(default=None, init=False)  # of the rows as they are
 
     def __post_init__(self) -> None:
         self._rows = deque(maxlen=self.forgetting.window())
@@ -152,6 +153,7 @@ class Samples:
     def add(self, x: float, y: float, round_no: int, t: float, surprise: float) -> None:
         """`surprise`: how far y lies from what the owner estimated before it, in scales."""
         self._rows.append((x, y, round_no, t))
+        self._points = None
         run = self._surprises
         run.append(surprise)
         if len(run) == self.shift_run and (min(run) > self.shift_at or max(run) < -self.shift_at):
@@ -160,9 +162,11 @@ class Samples:
             run.clear()
 
     def points(self) -> tuple[Array, Array, Array]:
-        """(xs, ys, weights)."""
-        xs, ys, rounds, times = np.array(self._rows).T
-        return xs, ys, self.forgetting.weights(rounds[-1] - rounds, times[-1] - times)
+        """(xs, ys, weights), read again only after an addition (the policy asks every k)."""
+        if self._points is None:
+            xs, ys, rounds, times = np.array(self._rows).T
+            self._points = xs, ys, self.forgetting.weights(rounds[-1] - rounds, times[-1] - times)
+        return self._points
 
 
 @dataclass(frozen=True)
@@ -289,15 +293,16 @@ class Level:
     forgetting: Forgetting
     noise_ms: float = 1.0  # the smallest scale: a millisecond's jitter is no shift
     _samples: Samples = field(init=False)
+    _value: float | None = field(default=None, init=False)  # of the samples as they are
 
     def __post_init__(self) -> None:
         self._samples = Samples(self.forgetting)
 
     def value(self) -> float | None:
-        if not len(self._samples):
-            return None
-        _, ys, ws = self._samples.points()
-        return weighted_median(ys, ws)
+        if self._value is None and len(self._samples):
+            _, ys, ws = self._samples.points()
+            self._value = weighted_median(ys, ws)
+        return self._value
 
     def add(self, ms: float, round_no: int, t: float) -> None:
         surprise = 0.0
@@ -306,6 +311,7 @@ class Level:
             level = weighted_median(ys, ws)
             surprise = (ms - level) / robust_scale(ys - level, ws, max(self.noise_ms, 0.05 * level))
         self._samples.add(0.0, ms, round_no, t, surprise)
+        self._value = None
 
 
 @dataclass

@@ -20,7 +20,15 @@ from bench.fleet import FleetSettings
 from bench.fleet import parser as fleet_parser
 from bench.loadtest import LoadtestSettings
 from bench.loadtest import parser as loadtest_parser
-from bench.studies import kv_layout_timing, prefill_stall, prefix_isolation, serve_overhead, two_keys
+from bench.studies import (
+    kpolicy_disturbance,
+    kpolicy_replay,
+    kv_layout_timing,
+    prefill_stall,
+    prefix_isolation,
+    serve_overhead,
+    two_keys,
+)
 from edge import calibrate
 from edge.config import EdgeSettings
 from edge.serve import server
@@ -78,6 +86,8 @@ SETTINGS_COMMANDS: dict[str, tuple[Callable[[], argparse.ArgumentParser], tuple[
     "python -m bench.chat_turns": (chat_turns.parser, (chat_turns.ChatTurnsSettings,)),
     "python -m bench.hf_runner": (hf_runner.parser, (hf_runner.HfRunnerSettings,)),
     "python -m bench.studies.kv_layout_timing": (kv_layout_timing.parser, (kv_layout_timing.KvLayoutSettings,)),
+    "python -m bench.studies.kpolicy_disturbance": (kpolicy_disturbance.parser, (kpolicy_disturbance.DisturbanceSettings,)),
+    "python -m bench.studies.kpolicy_replay": (kpolicy_replay.parser, (kpolicy_replay.ReplaySettings,)),
     "python -m bench.studies.prefill_stall": (
         lambda: prefill_stall.PrefillStallSettings.parser(prefill_stall.__doc__),
         (prefill_stall.PrefillStallSettings,),
