@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,7 @@ from bench.runner import WARMUP, BenchRunner, Run
 from bench.summarize import load_jsonl
 from bench.systems import System, resolve_systems
 from shared.cli import run_cli
+from shared.errors import ConfigError
 from shared.hardware import choose_dtype
 from tools.netproxy import FaultProxy
 
@@ -463,7 +465,7 @@ def run(s: DisturbanceSettings, command: str) -> int:
     s.out.mkdir(parents=True, exist_ok=True)
     plot(measured.runs, measured.prompt_ids, measured.scenarios, s.out / "k_over_rounds.png")
     result = {
-        "provenance": provenance(command),
+        "provenance": _measured_provenance(s) if s.summarize_only else provenance(command),
         "settings": s.model_dump(mode="json"),
         "dtype": measured.dtype,
         "prompt_ids": measured.prompt_ids,
@@ -472,6 +474,14 @@ def run(s: DisturbanceSettings, command: str) -> int:
     }
     write_result(s.out, "kpolicy_disturbance", result, report(result))
     return 0
+
+
+def _measured_provenance(s: DisturbanceSettings) -> dict[str, Any]:
+    """The measuring call's machine, versions, date and command, from the result it wrote."""
+    earlier = s.out / "kpolicy_disturbance.json"
+    if not earlier.exists():
+        raise ConfigError(f"--summarize-only: no {earlier} from the call that measured")
+    return dict(json.loads(earlier.read_text())["provenance"])
 
 
 def _ks(medians: list[float | None]) -> str:
