@@ -408,8 +408,8 @@ def report(result: dict[str, Any]) -> str:
         "# The default k policy under a disturbance",
         "",
         f"Measured on {machine_line(m)}; verifier on core 0 and edge-agent on core 1, one thread each; "
-        f"{s['engine']} engine, {result['dtype']}; temperature {s['temperature']:g}; {len(result['prompt_ids'])} prompts "
-        f"(`{s['prompts']}`), {s['max_new_tokens']} new tokens each, in thirds; one edge process per scenario.",
+        f"{s['engine']} engine, {result['dtype']}; temperature {s['temperature']:g}; {_workload(result)}, in thirds; "
+        "one edge process per scenario.",
         "",
         f"Command: `{result['provenance']['command']}`",
         "",
@@ -430,10 +430,10 @@ def report(result: dict[str, Any]) -> str:
         "",
         "## After the CPU hog",
         "",
-        f"During the hog: {hog['ratio_during']}x the quiet run's tokens/s over the same prompts. After it, over the "
+        f"During the hog: {_x(hog['ratio_during'])} the quiet run's tokens/s over the same prompts. After it, over the "
         f"later prompts: {hog['tokens_per_s_after']:.2f} against {hog['quiet_tokens_per_s_after']:.2f} tok/s "
-        f"(**{hog['ratio_after']}x**); over those that start {RECOVERY_ROUNDS} rounds or more after it ended "
-        f"({len(hog['prompts_from_round_30'])} prompts): **{hog['ratio_from_round_30']}x** (goal ≥ 0.95x). Prompt by "
+        f"(**{_x(hog['ratio_after'])}**); over those that start {RECOVERY_ROUNDS} rounds or more after it ended "
+        f"({len(hog['prompts_from_round_30'])} prompts): **{_x(hog['ratio_from_round_30'])}** (goal ≥ 0.95x). Prompt by "
         f"prompt after it, against the quiet process on the same text: {_ks(hog['ratio_by_prompt_after'])}.",
         "",
         "## After the RTT steps",
@@ -445,7 +445,7 @@ def report(result: dict[str, Any]) -> str:
         settled = step["settled_from_round"]
         lines.append(
             f"| {step['step']} | {_ks(step['median_k_by_prompt'])} | {_ks(step['reference_median_k_by_prompt'])} | "
-            f"{step['rounds']} | {settled if settled is not None else 'never'} | {step['ratio']}x |"
+            f"{step['rounds']} | {settled if settled is not None else 'never'} | {_x(step['ratio'])} |"
         )
     lines += [
         "",
@@ -482,6 +482,17 @@ def _measured_provenance(s: DisturbanceSettings) -> dict[str, Any]:
     if not earlier.exists():
         raise ConfigError(f"--summarize-only: no {earlier} from the call that measured")
     return dict(json.loads(earlier.read_text())["provenance"])
+
+
+def _workload(result: dict[str, Any]) -> str:
+    s, count = result["settings"], len(result["prompt_ids"])
+    if s["quick"]:
+        return f"{count} tiny prompts on tiny random models (--quick: the harness checked, nothing measured)"
+    return f"{count} prompts (`{s['prompts']}`), {s['max_new_tokens']} new tokens each"
+
+
+def _x(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio}x"
 
 
 def _ks(medians: list[float | None]) -> str:
