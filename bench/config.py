@@ -73,6 +73,11 @@ class BenchFlags(BaseSettings):
     }
 
 
+def files_beside(output: Path) -> Path:
+    """Logs, the prompt set and the raw JSONL of every run, beside the result OUTPUT."""
+    return output.parent / f"{output.stem}_files"
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     systems: list[System]
@@ -102,8 +107,7 @@ class BenchSettings:
 
     @property
     def files(self) -> Path:
-        """Logs, the prompt set and the raw JSONL of every run, beside the result."""
-        return self.output.parent / f"{self.output.stem}_files"
+        return files_beside(self.output)
 
     def as_json(self) -> dict[str, Any]:
         return {

@@ -181,9 +181,11 @@ class BenchRunner:
         cloud: str | None,
         verifier_pid: int | None,
         on_progress: Callable[[int], None] | None = None,
+        name: str | None = None,
     ) -> Run:
+        """`name`: its files' (default SYSTEM.PLACEMENT[.rttMS])."""
         where = f".rtt{rtt:g}" if rtt is not None else ""
-        stem = RunFiles(self.files, f"{system.name}.{placement.name}{where}")
+        stem = RunFiles(self.files, name or f"{system.name}.{placement.name}{where}")
         stem.path(".rounds.jsonl").unlink(missing_ok=True)  # edge-agent appends to it
         if verifier_pid is not None:
             reset_peak_rss(verifier_pid)

@@ -43,7 +43,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tqdm import tqdm
 
 from bench.cli import settings_parser, study_settings
-from bench.config import BenchFlags
+from bench.config import BenchFlags, files_beside
 from bench.environment import machine_line, provenance, write_result
 from bench.processes import PINNED
 from bench.resolve import prompts_of, settings_from
@@ -186,7 +186,8 @@ class Disturbance:
 
 def prompt_rate(records: Sequence[dict[str, Any]], ids: Sequence[str]) -> float:
     """Tokens per second over these prompts: their tokens over their wall time."""
-    chosen = [r for r in records if r["id"] in set(ids)]
+    wanted = set(ids)
+    chosen = [r for r in records if r["id"] in wanted]
     seconds = sum(r["elapsed_s"] for r in chosen)
     return sum(len(r["token_ids"]) for r in chosen) / seconds if seconds else 0.0
 
@@ -329,16 +330,16 @@ def run_scenarios(s: DisturbanceSettings) -> Measured:
             for scenario in chosen:
                 bar.set_description(scenario.name)
                 with Disturbance(scenario, link, PINNED.cloud_cores or "0", len(prompts)) as disturbance:
-                    run = runner.run_edge(system, PINNED, s.quiet_rtt_ms, link.address, pid, on_progress=disturbance.progress)
-                runs[scenario.name] = run
-                _keep_rounds(runner, scenario.name)
+                    runs[scenario.name] = runner.run_edge(
+                        system, PINNED, s.quiet_rtt_ms, link.address, pid, on_progress=disturbance.progress, name=scenario.name
+                    )
     return Measured(runs, [p.id for p in prompts], chosen, settings.dtype)
 
 
 def load_scenarios(s: DisturbanceSettings) -> Measured:
     """The runs a previous call left in its files folder, as run_scenarios returned them."""
     flags = bench_flags(s)
-    files = flags.output.parent / f"{flags.output.stem}_files"
+    files = files_beside(flags.output)
     prompts = prompts_of(flags)
     chosen = scenarios(s.quiet_rtt_ms, s.step_rtt_ms)
     system = resolve_systems(["speculative"], [], [s.quiet_rtt_ms])[0]
@@ -349,14 +350,6 @@ def load_scenarios(s: DisturbanceSettings) -> Measured:
         runs[scenario.name] = Run(system, PINNED, s.quiet_rtt_ms, records, rounds, 0, 0.0)
     dtype = "float32" if s.quick else choose_dtype("auto", "cpu").name
     return Measured(runs, [p.id for p in prompts], chosen, dtype)
-
-
-def _keep_rounds(runner: BenchRunner, name: str) -> None:
-    """Each scenario reuses the system's file names: keep this one's under its own."""
-    for ext in (".jsonl", ".rounds.jsonl", ".log"):
-        made = runner.files / f"speculative.pinned.rtt{runner.s.rtts_ms[0]:g}{ext}"
-        if made.exists():
-            made.rename(runner.files / f"{name}{ext}")
 
 
 def plot(runs: dict[str, Run], ids: list[str], scenario_list: list[Scenario], path: Path) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from bench.studies.kpolicy_replay import ReplayClock
 from edge.drafting.feedback import RoundFeedback
 from edge.drafting.kpolicy import CostK
 from edge.drafting.round_costs import PlannedCosts, RoundCosts
@@ -424,18 +425,10 @@ def test_a_verifier_timed_at_zero_leaves_the_estimates_finite() -> None:
     assert costs.verify_line() == (0.0, 0.0) and costs.net_ms == 5.0
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def __call__(self) -> float:
-        return self.seconds
-
-
 def test_rounds_minutes_old_weigh_less_than_a_few_fresh_ones() -> None:
     """Twenty rounds on an 80 ms link, five minutes idle, three on a 5 ms one: the fresh three
     decide (by rounds alone the twenty would, and three are too few to read as a shift)."""
-    clock = FakeClock()
+    clock = ReplayClock()
     costs = RoundCosts(clock=clock)
     for _ in range(20):
         clock.seconds += 0.3
@@ -452,7 +445,7 @@ def test_auto_modes_short_probes_a_minute_apart_leave_k_one() -> None:
     rounds first (729 ms for 3 rows, 2,218 ms for 5), then bursts of four quiet rounds (150 ms
     + 12 per row) a minute apart, each a generation of its own: k leaves 1 within two bursts
     and stays off it."""
-    clock = FakeClock()
+    clock = ReplayClock()
     costs = RoundCosts(clock=clock)
     for k, verify in ((2, 729.0), (4, 2218.0)):
         clock.seconds += 1.0
