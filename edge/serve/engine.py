@@ -237,9 +237,11 @@ class Engine:
         previews: bool,
         *,
         caller: str,
+        grammar: str = "",
     ) -> Generation:
         """Start generating for `caller` (the name of the request's API key); read
-        Generation.events()."""
+        Generation.events(). grammar: what the output must follow (shared/grammar.py; "" for
+        free text), checked here: GrammarRefused (a 400) when it is not one."""
         self._check_room(settings, len(prompt_ids))
         ctx = dataclasses.replace(self.ctx, settings=settings)
         ctx.generation_config(settings.seed)  # a bad combination of options fails here, as a 400
