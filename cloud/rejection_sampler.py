@@ -27,12 +27,14 @@ Temperature 0 is GREEDY: accept while the draft equals the target argmax. Exact.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from itertools import groupby
 from typing import TypeVar
 
+import numpy as np
 import torch
 
+from shared.grammar import allowed_rows
 from shared.protocol import AcceptMode, SamplingParams, SessionConfig, SparseDistribution
 from shared.sampling.verifier_torch import penalized_logits, probs_from_logits
 
@@ -253,6 +255,7 @@ class RoundRule:
     draft_probs: Sequence[float]  # q(y) per draft: SCALAR and SHORTCUT
     sparse_draft: Sequence[SparseDistribution]  # the draft's distributions: SPARSE
     generator: torch.Generator  # the session's own
+    grammar_rows: np.ndarray | None = None  # [k + 1, words] int32: the tokens its grammar allows at each row
 
     @classmethod
     def next_token(cls, config: SessionConfig, vocab: int, context: Sequence[int], generator: torch.Generator) -> RoundRule:
@@ -270,7 +273,7 @@ class RoundLogits(RoundRule):
     """One Verify round as its forward pass left it: the target's logits after the last
     committed token and each draft, and what its session's settings make of them."""
 
-    logits: torch.Tensor  # [k + 1, V_model]
+    logits: torch.Tensor = field(kw_only=True)  # [k + 1, V_model]
 
 
 def top_k_rows(probs: torch.Tensor, k: int) -> list[SparseDistribution]:
@@ -336,11 +339,19 @@ def _target_distributions(rounds: Sequence[RoundLogits]) -> list[tuple[torch.Ten
     return out
 
 
+def _allowed(logits: torch.Tensor, r: RoundLogits) -> torch.Tensor:
+    """logits [k + 1, V] with what the round's grammar refuses at each row masked out: the
+    distributions the accept reads are the target's under the grammar."""
+    if r.grammar_rows is None:
+        return logits
+    return logits.masked_fill(~torch.from_numpy(allowed_rows(r.grammar_rows, logits.shape[-1])), float("-inf"))
+
+
 def _process_group(rounds: Sequence[RoundLogits]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Rounds with the same settings: softmax (greedy) or temperature, top-k, top-p over all
     their rows at once (row-wise operations: each row as it would be alone)."""
     params, vocab, greedy = rounds[0].sampling, rounds[0].vocab, rounds[0].mode is AcceptMode.GREEDY
-    penalized = torch.cat([penalized_logits(r.logits, r.context, r.draft_token_ids, params, vocab) for r in rounds])
+    penalized = torch.cat([_allowed(penalized_logits(r.logits, r.context, r.draft_token_ids, params, vocab), r) for r in rounds])
     probs = penalized.softmax(dim=-1) if greedy else probs_from_logits(penalized, params)
     sizes = [r.logits.shape[0] for r in rounds]
     return list(zip(penalized.split(sizes), probs.split(sizes), strict=True))

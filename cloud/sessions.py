@@ -33,6 +33,7 @@ from cloud.engine import SessionKV
 from cloud.prefix_cache import KeptPrefix, PrefixCache, ReuseTotals
 from cloud.quotas import KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
+from shared.grammar import Constraint
 from shared.protocol import SessionConfig
 
 
@@ -62,6 +63,8 @@ class Session:
     reuse_token: str = ""  # what its client is told to send to be in the same scope again
     reused: int = 0  # prompt tokens it did not compute: its scope's kept KV held them
     planned: int = 0  # KV positions reserved ahead (a Generate stream's whole length), counted from the start
+    constraint: Constraint | None = None  # its grammar (None: free text), at tokens[prompt_len:]
+    prompt_len: int = 0
 
 
 class KVFree(Protocol):

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from cloud.sessions import Session
 from shared.errors import InvalidRequest, PositionMismatch
-from shared.protocol import AcceptMode, DecodeRequest, GenerateRequest, SessionConfig, VerifyRequest
+from shared.grammar import MAX_GRAMMAR_BYTES, MAX_STOP_IDS
+from shared.protocol import AcceptMode, DecodeRequest, GenerateRequest, GrammarSpec, SessionConfig, VerifyRequest
 
 if TYPE_CHECKING:
     from cloud.verifier import VerifierLimits
@@ -57,6 +58,8 @@ class RequestChecks:
         if len(prompt) > self.limits.max_context_tokens:
             raise InvalidRequest(f"prompt has {len(prompt)} tokens, limit {self.limits.max_context_tokens}")
         check_ids("prompt_tokens", prompt, vocab)
+        if config.grammar is not None:
+            _check_grammar(config.grammar, vocab)
         return vocab
 
     def generate(self, req: GenerateRequest) -> int:
@@ -106,6 +109,15 @@ class RequestChecks:
         if req.want_top_k > self.limits.max_top_k:
             raise InvalidRequest(f"want_top_k {req.want_top_k}, limit {self.limits.max_top_k}")
         _check_mode_inputs(req, session.config.accept_mode, vocab)
+
+
+def _check_grammar(grammar: GrammarSpec, vocab: int) -> None:
+    """A grammar's size and stop ids; what it costs is checked as it compiles (shared/grammar.py)."""
+    if not grammar.text or len(grammar.text.encode()) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequest(f"grammar.text must hold 1 to {MAX_GRAMMAR_BYTES} bytes")
+    if not 1 <= len(grammar.stop_ids) <= MAX_STOP_IDS:
+        raise InvalidRequest(f"grammar.stop_token_ids must hold 1 to {MAX_STOP_IDS} ids")
+    check_ids("grammar.stop_token_ids", list(grammar.stop_ids), vocab)
 
 
 def _check_mode_inputs(req: VerifyRequest, mode: AcceptMode, vocab: int) -> None:

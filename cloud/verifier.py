@@ -14,12 +14,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
 
 from cloud.batch_step import Batch, BatchStep, ForwardStep, Partial
 from cloud.engine import Engine, KVPlan, KVRequest, SessionKV, StepOutcome, TokenSink
 from cloud.followed_stretch import FollowedStretch
 from cloud.generate_stream import GenerateStream
+from cloud.grammars import SessionGrammars
 from cloud.model_card import ModelCard, measure_decode_step
 from cloud.prefix_cache import KeptPrefix
 from cloud.prefix_scope import ReuseMode, ReuseScopes, Scope
@@ -112,6 +114,7 @@ class Verifier:
             note_prefixes=self.limits.reuse_prefixes and engine.caches_prefixes,
         )
         self.checks = RequestChecks(self.limits, self.model_vocab)
+        self.grammars = SessionGrammars(tokenizer.source if tokenizer else "", engine.logits_width)
         self.step = BatchStep(engine)
         self.scopes = ReuseScopes(_reuse_mode(self.limits))
 
@@ -123,6 +126,7 @@ class Verifier:
         """Run the model's first (slow) passes before serving, and put what one decode step
         costs in the card; returns that, in ms."""
         self.card.decode_step_ms = measure_decode_step(self.engine)
+        self.grammars.warm_up()
         return self.card.decode_step_ms
 
     # ---- sessions ---------------------------------------------------------------------
@@ -176,9 +180,10 @@ class Verifier:
             raise
         first = VerifyRequest(session_id, len(session.tokens), [])
         position = len(session.tokens)
-        token = _Round(self.sessions, self.engine, first, session, self.checks.vocab(session.config), prefill.start, position)
+        vocab = self.checks.vocab(session.config)
+        token = _Round(self.sessions, self.engine, first, session, vocab, prefill.start, position, _grammar_rows(session, first))
         opened = _OpenedRound(prefill, token)
-        ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position)
+        ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position, session)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         return ForwardStep(session.cache, req.prompt_tokens[held:], opened, 0, ahead, stops)
 
@@ -192,6 +197,7 @@ class Verifier:
         vocab = self.checks.vocab(config)
         scope = self.scopes.of(owner, reuse_token)
         self.engine.check_session(config, vocab)  # refused before any KV is made room for
+        constraint = None if config.grammar is None else self.grammars.start(config.grammar)
         kept = self.sessions.take_prefix(scope.name, prompt)
         kv: SessionKV | None = None
         try:
@@ -204,6 +210,7 @@ class Verifier:
         generator = torch.Generator().manual_seed(config.seed)
         session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
         session.scope, session.reuse_token, session.reused = scope.name, scope.token, held
+        session.constraint, session.prompt_len = constraint, len(prompt)
         try:
             self.sessions.add(session)
         except BaseException:
@@ -257,13 +264,15 @@ class Verifier:
         start = time.perf_counter()
         session = self.sessions.get(req.session_id, owner)
         self.checks.verify(req, session)
+        rows = _grammar_rows(session, req)  # before any KV is reserved: a token off the grammar is refused
         grows = len(req.committed_tokens) + len(req.draft_tokens) + 1
         self.sessions.reserve(grows, keep=session.session_id, owner=owner, scope=session.scope)
         # Rows for the last committed token and each draft: k + 1 predictions.
         block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
-        work = _Round(self.sessions, self.engine, req, session, self.checks.vocab(session.config), start, len(session.tokens))
+        vocab = self.checks.vocab(session.config)
+        work = _Round(self.sessions, self.engine, req, session, vocab, start, len(session.tokens), rows)
         room = self.limits.max_context_tokens - len(session.tokens) - len(req.committed_tokens)  # the rest would be refused
-        ahead, stops = _ahead(stretch, room)
+        ahead, stops = _ahead(stretch, room, session)
         return ForwardStep(session.cache, block, work, len(req.draft_tokens), ahead, stops, top_k=req.want_top_k)
 
     def follow_stretch(
@@ -272,6 +281,8 @@ class Verifier:
         """The rest of a Decode stretch (`left` tokens at most, `stops`) from the session's own
         decoding, its tokens going to `sink`; None: its tokens go one step each."""
         session = self.sessions.get(session_id, owner)
+        if session.constraint is not None:  # each token's mask follows from the ones before: a step each
+            return None
         left = min(left, self.limits.max_context_tokens - len(session.tokens))  # past it, a step refuses the token
         return FollowedStretch.start(self.sessions, self.engine, session, left, stops, sink) if left > 0 else None
 
@@ -348,6 +359,7 @@ class _Round:
     vocab: int
     start: float
     position: int  # the session's length when the round began
+    grammar_rows: np.ndarray | None = None  # the session's grammar's masks of the round's rows
 
     def rule(self) -> RoundRule:
         req, config = self.req, self.session.config
@@ -360,6 +372,7 @@ class _Round:
             req.draft_probs,
             req.sparse_draft,
             self.session.generator,
+            self.grammar_rows,
         )
 
     def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> VerifyResult:
@@ -404,12 +417,23 @@ class _OpenedRound:
         self.prefill.undo()
 
 
-def _ahead(stretch: DecodeStretchStep | None, room: int) -> tuple[int, frozenset[int]]:
+def _ahead(stretch: DecodeStretchStep | None, room: int, session: Session) -> tuple[int, frozenset[int]]:
     """The tokens a step's session reads from it on without drafts (at most the `room` the
-    context leaves: a step past it is refused), and the tokens that end them."""
-    if stretch is None:
+    context leaves: a step past it is refused; one under a grammar, whose masks follow each
+    token), and the tokens that end them."""
+    if stretch is None or session.constraint is not None:
         return 1, frozenset()
     return max(min(stretch.tokens, room), 1), stretch.stops
+
+
+def _grammar_rows(session: Session, req: VerifyRequest) -> np.ndarray | None:
+    """The masks of a round's rows under its session's grammar (None: no grammar): after the
+    committed tokens and catch-up, and after each draft (GrammarRefused: a catch-up token off
+    the grammar)."""
+    if session.constraint is None:
+        return None
+    session.constraint.sync([*session.tokens[session.prompt_len :], *req.committed_tokens])
+    return session.constraint.mask_rows(req.draft_tokens)
 
 
 def _prefix_acceptance(accept_probs: torch.Tensor, accepted_len: int) -> float | None:

@@ -25,11 +25,12 @@ from edge.transport.client import CapacityRetry, ClientTls, VerifierClient
 from edge.transport.local_verifier import local_verifier
 from shared import llamacpp
 from shared.errors import ConfigError
+from shared.grammar import Grammar
 from shared.models import DRAFT_MODEL
 from shared.models.hub import describe as describe_model
 from shared.models.store import model_folder
 from shared.net import is_loopback
-from shared.protocol import AcceptMode, SessionConfig
+from shared.protocol import AcceptMode, GrammarSpec, SessionConfig
 
 log = logging.getLogger("edge-agent")
 
@@ -48,13 +49,15 @@ class EdgeContext:
     # endpoint's (one --cloud target per process) and the drafter's; serve's per-request copies
     # of the context share it, and each generation's CostK plans over it
     round_costs: RoundCosts = field(default_factory=RoundCosts)
+    grammar: Grammar | None = None  # what a generation's output must follow (serve sets it per request)
 
     def observer(self, inner: Observer | None) -> Observer | None:
         return MeteredObserver(self.metrics, inner) if self.metrics else inner
 
     def generation_config(self, seed: int) -> GenerationConfig:
         s = self.settings
-        session = SessionConfig(s.sampling(), seed, s.resolved_accept_mode(), self.vocab_size)
+        grammar = None if self.grammar is None else GrammarSpec(self.grammar.text, tuple(sorted(self.stop_token_ids)))
+        session = SessionConfig(s.sampling(), seed, s.resolved_accept_mode(), self.vocab_size, grammar)
         timeouts = TimeoutPolicy(s.verify_timeout_ms / 1000, s.timeout_mode(), s.reconnect_window_s)
         egag = s.resolved_k_policy() == "egag"
         stop_rule = (lambda sig: sig.entropy_bits > s.egag_stop_bits) if egag else None
@@ -102,7 +105,7 @@ class EdgeContext:
         """The drafter of --drafter: the model, an n-gram store, or both. kv: a draft cache for
         the model's drafter to begin from (a conversation's last turn)."""
         s = self.settings
-        if s.drafter == "model":
+        if s.drafter == "model" or self.grammar is not None:  # n-grams know no grammar: the model drafts under it
             return self.drafter(seed, kv)
         mode = s.resolved_accept_mode()
         signals = s.gating or s.resolved_k_policy() == "egag"
@@ -133,7 +136,8 @@ class EdgeContext:
             mc_passes=s.mc_passes if s.gating else 0,
             window=s.draft_window,
         )
-        return Drafter(self.draft_lm, config, seed + 1, kv)  # the cloud's generator uses `seed`
+        grammar = None if self.grammar is None else self.grammar.start(self.stop_token_ids)
+        return Drafter(self.draft_lm, config, seed + 1, kv, grammar)  # the cloud's generator uses `seed`
 
 
 def load_draft_lm(settings: EdgeSettings, folder: str) -> DraftLM:

@@ -81,6 +81,7 @@ class EdgeTokenizer:
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"{path} has no tokenizer.json (the edge tokenizes with the verifier's tokenizer files)")
         self.backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.path = path / "tokenizer.json"  # grammars read it (shared/grammar.py)
         config = _read_json(path / "tokenizer_config.json")
         self.special_tokens = {
             key: text for key, value in config.items() if key.endswith("_token") and (text := _token_text(value)) is not None

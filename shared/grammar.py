@@ -19,8 +19,6 @@ A grammar is llguidance's grammar text: what `json_schema_grammar` and `lark_gra
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,19 +77,18 @@ def _short(err: BaseException | str, limit: int = 200) -> str:
 
 
 class GrammarVocab:
-    """A tokenizer as grammars see it: each id's bytes, the ids that end a generation, and the
-    width of the masks (the session's vocabulary). Building it reads every token (about half a
-    second for 152k tokens): build once per tokenizer and keep it."""
+    """A tokenizer as grammars see it: each id's bytes, and the width of the masks (the model's
+    logits). Building it reads every token (about half a second for 152k tokens): a process
+    builds one and keeps it. The ids that end a generation are each session's own
+    (`Constraint`), not the tokenizer's."""
 
-    def __init__(self, tokenizer_json: str, vocab: int, stop_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer_json: str, width: int) -> None:
         from llguidance import LLTokenizer
 
-        stops = sorted(set(stop_ids))
-        if not stops:
-            raise GrammarRefused("a grammar needs the tokens that end a generation (none given)", None)
-        self.vocab, self.stop_ids = vocab, tuple(stops)
-        self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=stops)
-        self.words = (vocab + 31) // 32  # int32 words per mask row
+        self.width = width
+        self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=width)
+        self.own_stops = tuple(self.tokenizer.eos_tokens)  # what llguidance allows at a grammar's end
+        self.words = (width + 31) // 32  # int32 words per mask row
 
     def compile(self, grammar: str) -> Grammar:
         """The grammar, checked against the limits; GrammarRefused says why it is not one."""
@@ -105,47 +102,35 @@ class GrammarVocab:
         return Grammar(self, grammar)
 
 
-class VocabCache:
-    """GrammarVocabs by (vocabulary, stop ids), built on first use, a few at most (one process
-    serves one tokenizer)."""
-
-    def __init__(self, tokenizer_json: str, capacity: int = 4) -> None:
-        self.tokenizer_json, self.capacity = tokenizer_json, capacity
-        self._vocabs: dict[tuple[int, tuple[int, ...]], GrammarVocab] = {}
-        self._lock = threading.Lock()  # built from worker threads
-
-    def get(self, vocab: int, stop_ids: Sequence[int]) -> GrammarVocab:
-        key = (vocab, tuple(sorted(set(stop_ids))))
-        with self._lock:
-            found = self._vocabs.get(key)
-            if found is None:
-                found = GrammarVocab(self.tokenizer_json, vocab, stop_ids)
-                if len(self._vocabs) >= self.capacity:
-                    self._vocabs.pop(next(iter(self._vocabs)))
-                self._vocabs[key] = found
-            return found
-
-
 @dataclass(frozen=True)
 class Grammar:
-    """A checked grammar on its vocabulary: what every session of it starts from."""
+    """A checked grammar on its vocabulary: what every generation of it starts from."""
 
     vocab: GrammarVocab
     text: str
 
-    def start(self) -> Constraint:
-        return Constraint(self)
+    def start(self, stop_ids: Sequence[int]) -> Constraint:
+        return Constraint(self, stop_ids)
 
 
 class Constraint:
     """One generation's place in its grammar: the tokens generated so far (after the prompt)
     consumed. Drafts are consumed to read the masks after them and taken back; `sync` moves
-    the place to any committed sequence (rolling back to the shared prefix)."""
+    the place to any committed sequence (rolling back to the shared prefix).
 
-    def __init__(self, grammar: Grammar) -> None:
+    The generation's stop ids are allowed exactly where the grammar is complete (and are then
+    the only tokens allowed once it can go no further); a stop id ends the generation, so it is
+    never consumed."""
+
+    def __init__(self, grammar: Grammar, stop_ids: Sequence[int]) -> None:
         from llguidance import LLMatcher
 
         self.grammar, self.vocab = grammar, grammar.vocab
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        if not self.stop_ids or max(self.stop_ids) >= grammar.vocab.width or min(self.stop_ids) < 0:
+            raise GrammarRefused("a grammar needs the ids that end a generation, inside the vocabulary", None)
+        self._stop_bits = _bits(self.stop_ids, grammar.vocab.words)
+        self._own_bits = _bits(set(grammar.vocab.own_stops) - self.stop_ids, grammar.vocab.words)
         self.matcher = LLMatcher(grammar.vocab.tokenizer, grammar.text, log_level=0, limits=_limits())
         self.consumed: list[int] = []
         self._check()
@@ -155,17 +140,17 @@ class Constraint:
             raise GrammarRefused(f"the grammar failed: {_short(self.matcher.get_error())}", None)
 
     def sync(self, generated: Sequence[int]) -> None:
-        """Move to `generated` (every token after the prompt): roll back to the shared prefix,
-        consume the rest. GrammarRefused when a token is not the grammar's."""
-        keep = 0
-        limit = min(len(self.consumed), len(generated))
-        if self.consumed[:limit] == list(generated[:limit]):
-            keep = limit
-        else:
-            while keep < limit and self.consumed[keep] == generated[keep]:
-                keep += 1
+        """Move to `generated` (every token after the prompt; a stop id at its end is the
+        generation's end, not the grammar's): roll back to the shared prefix, consume the rest.
+        GrammarRefused when a token is not the grammar's."""
+        tokens = list(generated)
+        if tokens and tokens[-1] in self.stop_ids:
+            tokens.pop()
+        keep = min(len(self.consumed), len(tokens))
+        if self.consumed[:keep] != tokens[:keep]:
+            keep = next(i for i, (a, b) in enumerate(zip(self.consumed, tokens, strict=False)) if a != b)
         self._rollback(len(self.consumed) - keep)
-        rest = list(generated[keep:])
+        rest = tokens[keep:]
         if rest:
             taken = self.matcher.try_consume_tokens(rest)
             self.consumed.extend(rest[:taken])
@@ -178,34 +163,54 @@ class Constraint:
                 self._check()
             del self.consumed[len(self.consumed) - count :]
 
-    def allowed(self) -> np.ndarray:  # [vocab] bool: the tokens the grammar allows next
-        return unpack(self.mask_rows([])[0], self.vocab.vocab)
-
     def mask_rows(self, drafts: Sequence[int]) -> np.ndarray:
         """[len(drafts) + 1, words] int32 bitmasks: row i allows what may follow the committed
-        tokens and drafts[:i]. After the first draft the grammar refuses, the rows allow
-        everything (that draft's own row already rejects it; the rows after are never read)."""
+        tokens and drafts[:i]. After the first draft the grammar refuses (or a stop id), the
+        rows allow everything: that draft's own row decides it (rejected, or the end), and the
+        rows after it are never read."""
         import llguidance.numpy as lln
 
-        rows = lln.allocate_token_bitmask(len(drafts) + 1, self.vocab.vocab)
-        lln.fill_next_token_bitmask(self.matcher, rows, 0)
+        rows = lln.allocate_token_bitmask(len(drafts) + 1, self.vocab.width)
+        self._fill(rows, 0)
         taken = 0
         for i, token in enumerate(drafts):
-            if not self.matcher.try_consume_tokens([int(token)]):
+            if int(token) in self.stop_ids or not self.matcher.try_consume_tokens([int(token)]):
                 break
             taken += 1
-            lln.fill_next_token_bitmask(self.matcher, rows, i + 1)
+            self._fill(rows, i + 1)
         if taken:
             self.matcher.rollback(taken)
         return rows
 
+    def _fill(self, rows: np.ndarray, row: int) -> None:
+        import llguidance.numpy as lln
+
+        lln.fill_next_token_bitmask(self.matcher, rows, row)
+        words = rows[row].view(np.uint32)
+        words &= ~self._own_bits
+        if self.matcher.is_accepting():
+            words |= self._stop_bits
+        else:
+            words &= ~self._stop_bits
+
+    def allowed(self) -> np.ndarray:  # [width] bool: the tokens the grammar allows next
+        return unpack(self.mask_rows([])[0], self.vocab.width)
+
     def valid_prefix(self, drafts: Sequence[int]) -> int:
-        """How many of the drafts the grammar allows, in order."""
-        return int(self.matcher.validate_tokens([int(t) for t in drafts])) if drafts else 0
+        """How many of the drafts the grammar allows, in order (a stop id where it may end)."""
+        count = 0
+        for token in drafts:
+            if not self.push(token):
+                break
+            count += 1
+        ends = count < len(drafts) and int(drafts[count]) in self.stop_ids and self.matcher.is_accepting()
+        self.pop(count)
+        return count + 1 if ends else count
 
     def push(self, token: int) -> bool:
-        """Consume one drafted token (taken back by `pop`); False when the grammar refuses it."""
-        if not self.matcher.try_consume_tokens([int(token)]):
+        """Consume one drafted token (taken back by `pop`); False when the grammar refuses it
+        (or it is a stop id: nothing follows it)."""
+        if int(token) in self.stop_ids or not self.matcher.try_consume_tokens([int(token)]):
             return False
         self.consumed.append(int(token))
         return True
@@ -214,54 +219,36 @@ class Constraint:
         self._rollback(count)
 
     def forced(self) -> int | None:
-        """The one token the grammar allows next, if only one (a stop id never: the generation's
-        end is the model's to read); None otherwise."""
-        if self.matcher.is_stopped():
+        """The one token the grammar allows next, if only one and not a stop id; None otherwise."""
+        if self.matcher.is_stopped() or self.matcher.is_accepting():
             return None
         ff = self.matcher.compute_ff_tokens()
         if not ff:
             return None
-        row = self.mask_rows([])[0]
-        token = int(ff[0])
-        if popcount(row) != 1 or token in self.vocab.stop_ids:
-            return None
-        return token
+        rows = self.mask_rows([])
+        return int(ff[0]) if popcount(rows[0]) == 1 else None
 
-    def done(self) -> bool:
-        """The grammar is complete and allows nothing but a stop id."""
-        return bool(self.matcher.is_stopped())
+
+def _bits(ids: set[int] | frozenset[int], words: int) -> np.ndarray:  # [words] uint32 with the ids' bits set
+    out = np.zeros(words, dtype=np.uint32)
+    for token in ids:
+        out[token // 32] |= np.uint32(1 << (token % 32))
+    return out
 
 
 def unpack(row: np.ndarray, vocab: int) -> np.ndarray:  # [vocab] bool
     return np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab].astype(bool)
 
 
+def allowed_rows(rows: np.ndarray, vocab: int) -> np.ndarray:  # [n, vocab] bool
+    """Bitmask rows [n, words] as booleans over the first `vocab` ids."""
+    return np.unpackbits(rows.view(np.uint8), axis=-1, bitorder="little")[:, :vocab].astype(bool)
+
+
 def popcount(row: np.ndarray) -> int:
     return int(np.unpackbits(row.view(np.uint8)).sum())
 
 
-def apply_mask_numpy(logits: np.ndarray, row: np.ndarray) -> np.ndarray:
-    """logits [V] with every token the mask row refuses set to -inf (a copy)."""
-    allowed = unpack(row, logits.shape[-1]) if logits.shape[-1] <= row.size * 32 else None
-    out = np.array(logits, dtype=np.float32, copy=True)
-    if allowed is None:
-        allowed = np.zeros(logits.shape[-1], dtype=bool)
-        allowed[: row.size * 32] = unpack(row, row.size * 32)
-    out[~allowed] = -np.inf
-    return out
-
-
-def describe_schema_error(schema: Any) -> str | None:
-    """Why `schema` is not a JSON object or boolean schema, or None."""
-    if isinstance(schema, bool | dict):
-        return None
-    return f"a JSON schema is an object or a boolean, not {type(schema).__name__}"
-
-
-def grammar_json(text: str) -> dict[str, Any] | None:
-    """The grammar's JSON form, or None for Lark text."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+def masked(logits: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """logits [V] with every token the mask row refuses set to -inf (a new array)."""
+    return np.where(unpack(row, logits.shape[-1]), logits, np.float32(-np.inf)).astype(np.float32, copy=False)

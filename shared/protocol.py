@@ -57,6 +57,16 @@ class SessionConfig:
     seed: int = 0
     accept_mode: AcceptMode = AcceptMode.GREEDY  # GREEDY whenever temperature is 0
     vocab_size: int = 0  # 0 = the model's own logits width
+    grammar: GrammarSpec | None = None  # what every generated token must follow (None: free text)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A session's grammar (shared/grammar.py): llguidance's text, and the ids that end the
+    generation where the grammar is complete."""
+
+    text: str
+    stop_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -28,9 +28,10 @@ class TokenizerCard:
     tokens: tuple[str, ...]  # the text of ids 0..len-1 ("" for an id the tokenizer lacks)
     specials: tuple[SpecialToken, ...]  # by id
     chat_template: str | None
+    source: str = field(default="", repr=False, compare=False)  # tokenizer.json's text (grammars read it)
 
     @classmethod
-    def of(cls, backend: Tokenizer, chat_template: str | None) -> TokenizerCard:
+    def of(cls, backend: Tokenizer, chat_template: str | None, source: str = "") -> TokenizerCard:
         vocab = backend.get_vocab(with_added_tokens=True)
         tokens = [""] * (max(vocab.values(), default=-1) + 1)
         for text, index in vocab.items():
@@ -39,7 +40,7 @@ class TokenizerCard:
             (SpecialToken(index, added.content) for index, added in backend.get_added_tokens_decoder().items() if added.special),
             key=lambda s: s.id,
         )
-        return cls(tuple(tokens), tuple(specials), chat_template)
+        return cls(tuple(tokens), tuple(specials), chat_template, source)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> TokenizerCard | None:
@@ -49,10 +50,11 @@ class TokenizerCard:
         if not (path / "tokenizer.json").is_file():
             return None
         try:
-            backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+            source = (path / "tokenizer.json").read_text(encoding="utf-8")
+            backend = Tokenizer.from_str(source)
         except Exception as err:  # noqa: BLE001 - the tokenizers library raises its own Exception types
             raise ConfigError(f"{path / 'tokenizer.json'}: not a tokenizer ({' '.join(str(err).split())[:200]})") from None
-        return cls.of(backend, read_chat_template(path))
+        return cls.of(backend, read_chat_template(path), source)
 
     def block(self, index: int) -> tuple[str, ...]:
         return self.tokens[index * BLOCK : (index + 1) * BLOCK]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shared import protocol
 from shared.errors import InvalidRequest
 from shared.pb import verifier_pb2 as pb
@@ -78,11 +80,14 @@ def open_request_to_pb(req: protocol.OpenSessionRequest) -> pb.OpenSessionReques
         accept_mode=_MODE_TO_PB.get(cfg.accept_mode, pb.ACCEPT_MODE_UNSPECIFIED),
         vocab_size=cfg.vocab_size,
         reuse_token=req.reuse_token,
+        grammar=None if cfg.grammar is None else pb.Grammar(text=cfg.grammar.text, stop_token_ids=cfg.grammar.stop_ids),
     )
 
 
 def open_request_from_pb(msg: pb.OpenSessionRequest) -> protocol.OpenSessionRequest:
     cfg = config_from_pb(msg.sampling, msg.seed, msg.accept_mode, msg.vocab_size)
+    if msg.HasField("grammar"):
+        cfg = replace(cfg, grammar=protocol.GrammarSpec(msg.grammar.text, tuple(msg.grammar.stop_token_ids)))
     return protocol.OpenSessionRequest(list(msg.prompt_tokens), cfg, msg.reuse_token)
 
 

@@ -332,6 +332,8 @@ class VllmEngine:
                 f"the vllm engine verifies only exact accept modes (greedy, point, sparse), not "
                 f"{config.accept_mode.value}: use --accept-mode sparse or point"
             )
+        if config.grammar is not None:
+            raise SessionRefused("the vllm engine does not apply grammars: use --engine transformers or llama.cpp")
         sampling = config.sampling
         try:
             params = SamplingParams(

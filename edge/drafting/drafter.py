@@ -18,6 +18,7 @@ from edge.drafting.feedback import RoundFeedback
 from edge.drafting.gating import TokenSignals, token_signals
 from edge.experimental.mc_dropout import with_mc_variance
 from shared.errors import ConfigError
+from shared.grammar import Constraint, masked
 from shared.protocol import AcceptMode, SamplingParams, SparseDistribution
 from shared.sampling import edge_numpy
 from shared.token_ids import shared_prefix
@@ -120,12 +121,23 @@ class DraftLM(Protocol):
     def new_cache(self, seed: int) -> DraftCache: ...  # seed: the runtime's own randomness (MC dropout)
 
 
+def _point(token: int, vocab: int) -> np.ndarray:  # [vocab] all mass on one token
+    q = np.zeros(vocab, dtype=np.float32)
+    q[token] = 1.0
+    return q
+
+
 class Drafter:
     filler_top_k = 0  # a model drafter learns nothing from the target's top-K
 
-    def __init__(self, lm: DraftLM, config: DrafterConfig, seed: int, kv: DraftKV | None = None) -> None:
+    def __init__(
+        self, lm: DraftLM, config: DrafterConfig, seed: int, kv: DraftKV | None = None, grammar: Constraint | None = None
+    ) -> None:
         """kv: another drafter's cache to begin from (its window's start kept); the first sync
-        keeps the KV of the longest prefix it shares with the tokens, as every sync does."""
+        keeps the KV of the longest prefix it shares with the tokens, as every sync does.
+        grammar: what the generation must follow: the model drafts under it (its q is the
+        masked, renormalised distribution it draws from, the one the verifier's test needs),
+        and a token the grammar forces is drafted without a forward pass (q = 1)."""
         if config.mc_passes > 0 and lm.runtime != "transformers":
             raise ConfigError("MC-dropout signals need --draft-runtime transformers (they read hidden states)")
         if config.mc_passes > 0 and kv is not None:  # its dropout masks come from the cache's seeded generator
@@ -141,6 +153,8 @@ class Drafter:
         self.reused_tokens = 0  # prompt tokens whose KV came with `kv` (counted by the first sync)
         self.prefilled_tokens = 0  # prompt tokens whose KV this drafter computed
         self._prompt_end: int | None = None  # the first sync's tokens (the prompt) in `tokens`
+        self.grammar = grammar
+        self.forced_tokens = 0  # drafted because the grammar allowed nothing else
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Continue from `tokens` (from the window's start on); keep the cached KV of its
@@ -182,18 +196,53 @@ class Drafter:
         draft = Draft()
         if k <= 0:
             return draft
-        logits = self._feed(self.tokens[len(self.cached) :])
+        if self.grammar is None:
+            return self._draft(draft, k, stop_after)
+        assert self._prompt_end is not None  # synced before drafting
+        self.grammar.sync(self.tokens[self._prompt_end :])
+        committed = len(self.grammar.consumed)
+        try:
+            return self._draft(draft, k, stop_after)
+        finally:
+            self.grammar.pop(len(self.grammar.consumed) - committed)  # the drafts are not committed yet
+
+    def _draft(self, draft: Draft, k: int, stop_after: StopRule | None) -> Draft:
         while True:
-            self._pick(logits, draft)
+            if not self._forced(draft):
+                self._pick(self._feed(self._unfed(draft)), draft)
             if len(draft) == k or draft.token_ids[-1] in self.config.stop_token_ids:
                 return draft
             if stop_after is not None and draft.signals and stop_after(draft.signals[-1]):
                 return draft
-            logits = self._feed(draft.token_ids[-1:])
+
+    def _unfed(self, draft: Draft) -> list[int]:
+        """The tokens before the next draft whose KV the cache lacks (the last committed one,
+        drafts, forced tokens)."""
+        return (self.tokens + draft.token_ids)[len(self.cached) :]
+
+    def _forced(self, draft: Draft) -> bool:
+        """Draft the token the grammar forces next, if it forces one: no forward pass, q = 1."""
+        if self.grammar is None:
+            return False
+        token = self.grammar.forced()
+        if token is None:
+            return False
+        self.grammar.push(token)
+        draft.token_ids.append(token)
+        draft.probs.append(1.0)
+        draft.sources.append("grammar")
+        if self.config.accept_mode is AcceptMode.SPARSE:
+            draft.sparse.append(SparseDistribution([token], [1.0]))
+        if self.config.signals:
+            draft.signals.append(token_signals(_point(token, self.config.vocab_size), token))
+        self.forced_tokens += 1
+        return True
 
     def _pick(self, logits: np.ndarray, draft: Draft) -> None:
         cfg = self.config
         penalized = edge_numpy.penalized_logits(logits, self.tokens + draft.token_ids, cfg.sampling, cfg.vocab_size)  # [V]
+        if self.grammar is not None:
+            penalized = masked(penalized, self.grammar.mask_rows([])[0])
         if cfg.accept_mode in (AcceptMode.GREEDY, AcceptMode.POINT):
             # Deterministic drafts; q (at temperature 1) is sent for gating and logs only.
             q = edge_numpy.softmax(penalized)
@@ -205,6 +254,8 @@ class Drafter:
                 support = np.flatnonzero(q)
                 draft.sparse.append(SparseDistribution(support.tolist(), q[support].tolist()))
             token = edge_numpy.sample_token(q, self.rng)
+        if self.grammar is not None:
+            self.grammar.push(token)  # a stop id is not consumed (the generation ends with it)
         draft.token_ids.append(token)
         draft.probs.append(float(q[token]))
         draft.sources.append("model")

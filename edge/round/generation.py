@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from edge.drafting.drafter import StopRule
@@ -196,4 +196,4 @@ def reopened_config(session: SessionConfig, reopens: int) -> SessionConfig:
     """The session's config with a fresh seed per reopen: a reopened session draws new
     randomness rather than replaying the first one's."""
     seed = session.seed + REOPEN_SEED_STRIDE * reopens
-    return SessionConfig(session.sampling, seed, session.accept_mode, session.vocab_size)
+    return replace(session, seed=seed)

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, ParamSpec, TypeVar
 
@@ -40,6 +41,7 @@ from edge.drafting.kpolicy import CostK
 from edge.round.generate import GenerationResult, RoundRecord, SpeculativeRun, cloud_only_generate
 from edge.serve.text import TextStreamer
 from shared.errors import ConfigError, InvalidParameter, SpecDecError
+from shared.grammar import Grammar, GrammarRefused, GrammarVocab
 
 log = logging.getLogger("edge-agent")
 CLOSE_WAIT_S = 10.0  # at shutdown, for cancelled generations to close their sessions
@@ -211,6 +213,15 @@ def _conversation_cache(ctx: EdgeContext) -> ConversationCache | None:
     return ConversationCache(s.conversation_cache_mb << 20)
 
 
+def _grammar_vocab(ctx: EdgeContext) -> Future[GrammarVocab]:
+    """The served tokenizer as grammars see it, built on a thread of its own."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-vocab")
+    try:
+        return pool.submit(lambda: GrammarVocab(ctx.tokenizer.path.read_text(encoding="utf-8"), ctx.vocab_size))
+    finally:
+        pool.shutdown(wait=False)
+
+
 def _cancel_once(task: asyncio.Task[None]) -> bool:
     """Cancel a task not yet done nor cancelled: a second cancel would land in the round loop's
     cleanup and cut the CloseSession call short."""
@@ -227,6 +238,7 @@ class Engine:
         self.client = verifier_client(ctx.settings, address)
         self.running: set[asyncio.Task[None]] = set()
         self.conversations = _conversation_cache(ctx)  # None: off
+        self.grammar_vocab = _grammar_vocab(ctx)  # built in the background: half a second for 152k tokens
 
     def start(
         self,
@@ -243,7 +255,7 @@ class Engine:
         Generation.events(). grammar: what the output must follow (shared/grammar.py; "" for
         free text), checked here: GrammarRefused (a 400) when it is not one."""
         self._check_room(settings, len(prompt_ids))
-        ctx = dataclasses.replace(self.ctx, settings=settings)
+        ctx = dataclasses.replace(self.ctx, settings=settings, grammar=self._grammar(grammar) if grammar else None)
         ctx.generation_config(settings.seed)  # a bad combination of options fails here, as a 400
         gen = Generation(request_id, settings, len(prompt_ids), TextStreamer(ctx.tokenizer, stop), caller=caller)
         relay = _Relay(gen.streamer, gen.queue, previews)
@@ -251,6 +263,16 @@ class Engine:
         self.running.add(gen.task)
         gen.task.add_done_callback(self.running.discard)
         return gen
+
+    def _grammar(self, text: str) -> Grammar:
+        """The request's grammar, compiled on the served tokenizer (GrammarRefused: a 400)."""
+        try:
+            vocab = self.grammar_vocab.result()
+        except Exception as err:  # noqa: BLE001 - llguidance's own errors: a tokenizer it cannot read
+            raise GrammarRefused(
+                f"this model's tokenizer cannot carry grammars ({' '.join(str(err).split())[:160]})", None
+            ) from None
+        return vocab.compile(text)
 
     def _check_room(self, settings: EdgeSettings, prompt_tokens: int) -> None:
         uses_model = settings.drafts() and settings.drafter != "ngram"

@@ -36,20 +36,30 @@ class SamplingConfig(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_tokens", "sampling", "seed", "accept_mode", "vocab_size", "reuse_token")
+    __slots__ = ("prompt_tokens", "sampling", "seed", "accept_mode", "vocab_size", "reuse_token", "grammar")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_MODE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     REUSE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingConfig
     seed: int
     accept_mode: AcceptMode
     vocab_size: int
     reuse_token: str
-    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., accept_mode: _Optional[_Union[AcceptMode, str]] = ..., vocab_size: _Optional[int] = ..., reuse_token: _Optional[str] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., accept_mode: _Optional[_Union[AcceptMode, str]] = ..., vocab_size: _Optional[int] = ..., reuse_token: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("text", "stop_token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "position", "max_draft_tokens", "vocab_size", "prefill_ms", "model_id", "reuse_token", "reused_tokens")
