@@ -80,13 +80,19 @@ class GenerateStream:
         """A step feeding `block`: the stream reads its next token, and the rest of the stream
         (the tokens and stops left) is what an engine that decodes ahead may make in one go."""
         left, stops = self.req.max_new_tokens - self.produced, frozenset(self.req.stop_token_ids)
+        if session.constraint is not None:  # each token's mask follows from the ones before: a step each
+            left = 1
         return ForwardStep(session.cache, block, self, ahead=left, stops=stops)
 
     def rule(self) -> RoundRule:
         """A round with no drafts: the token is the target's own draw."""
         session = self.session
         assert session is not None  # the first step stored it
-        return RoundRule.next_token(session.config, self.vocab, session.tokens, session.generator)
+        rule = RoundRule.next_token(session.config, self.vocab, session.tokens, session.generator)
+        if session.constraint is None:
+            return rule
+        session.constraint.sync(session.tokens[session.prompt_len :])  # its own draws: under the grammar
+        return replace(rule, grammar_rows=session.constraint.mask_rows([]))
 
     def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> GenerateChunk:
         assert self.session is not None and outcome is not None  # every step reads its token
@@ -104,7 +110,7 @@ class GenerateStream:
         """(on the model worker, after the first step) Whether the rest of the stream comes from
         the engine's own decoding, each token as it is made, to `sink`."""
         session = self.session
-        if session is None or self.finished:
+        if session is None or self.finished or session.constraint is not None:
             return False
         return self.engine.follow(session.cache, len(session.tokens), sink)
 

@@ -40,6 +40,9 @@ class SessionGrammars:
                 raise SessionRefused(self._refusal)
             return self._vocab
 
-    def start(self, spec: GrammarSpec) -> Constraint:
-        """A new session's place in its grammar (GrammarRefused: INVALID_ARGUMENT)."""
-        return self._grammar_vocab().compile(spec.text).start(spec.stop_ids)
+    def start(self, spec: GrammarSpec, prompt: list[int]) -> Constraint:
+        """A new session's place in its grammar, after the prompt's last `spec.generated`
+        tokens (GrammarRefused: INVALID_ARGUMENT)."""
+        constraint = self._grammar_vocab().compile(spec.text).start(spec.stop_ids)
+        constraint.sync(prompt[len(prompt) - spec.generated :] if spec.generated else [])
+        return constraint

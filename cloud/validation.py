@@ -59,7 +59,7 @@ class RequestChecks:
             raise InvalidRequest(f"prompt has {len(prompt)} tokens, limit {self.limits.max_context_tokens}")
         check_ids("prompt_tokens", prompt, vocab)
         if config.grammar is not None:
-            _check_grammar(config.grammar, vocab)
+            _check_grammar(config.grammar, vocab, len(prompt))
         return vocab
 
     def generate(self, req: GenerateRequest) -> int:
@@ -111,13 +111,15 @@ class RequestChecks:
         _check_mode_inputs(req, session.config.accept_mode, vocab)
 
 
-def _check_grammar(grammar: GrammarSpec, vocab: int) -> None:
+def _check_grammar(grammar: GrammarSpec, vocab: int, prompt: int) -> None:
     """A grammar's size and stop ids; what it costs is checked as it compiles (shared/grammar.py)."""
     if not grammar.text or len(grammar.text.encode()) > MAX_GRAMMAR_BYTES:
         raise InvalidRequest(f"grammar.text must hold 1 to {MAX_GRAMMAR_BYTES} bytes")
     if not 1 <= len(grammar.stop_ids) <= MAX_STOP_IDS:
         raise InvalidRequest(f"grammar.stop_token_ids must hold 1 to {MAX_STOP_IDS} ids")
     check_ids("grammar.stop_token_ids", list(grammar.stop_ids), vocab)
+    if grammar.generated >= prompt:
+        raise InvalidRequest("grammar.generated must be less than the prompt's length")
 
 
 def _check_mode_inputs(req: VerifyRequest, mode: AcceptMode, vocab: int) -> None:

@@ -197,7 +197,7 @@ class Verifier:
         vocab = self.checks.vocab(config)
         scope = self.scopes.of(owner, reuse_token)
         self.engine.check_session(config, vocab)  # refused before any KV is made room for
-        constraint = None if config.grammar is None else self.grammars.start(config.grammar)
+        constraint = None if config.grammar is None else self.grammars.start(config.grammar, prompt)
         kept = self.sessions.take_prefix(scope.name, prompt)
         kv: SessionKV | None = None
         try:
@@ -210,7 +210,7 @@ class Verifier:
         generator = torch.Generator().manual_seed(config.seed)
         session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
         session.scope, session.reuse_token, session.reused = scope.name, scope.token, held
-        session.constraint, session.prompt_len = constraint, len(prompt)
+        session.constraint, session.prompt_len = constraint, len(prompt) - (config.grammar.generated if config.grammar else 0)
         try:
             self.sessions.add(session)
         except BaseException:

@@ -67,6 +67,7 @@ class GrammarSpec:
 
     text: str
     stop_ids: tuple[int, ...]
+    generated: int = 0  # the prompt's last tokens the generation made (a session reopened midway): already under the grammar
 
 
 @dataclass(frozen=True)

@@ -80,15 +80,24 @@ def open_request_to_pb(req: protocol.OpenSessionRequest) -> pb.OpenSessionReques
         accept_mode=_MODE_TO_PB.get(cfg.accept_mode, pb.ACCEPT_MODE_UNSPECIFIED),
         vocab_size=cfg.vocab_size,
         reuse_token=req.reuse_token,
-        grammar=None if cfg.grammar is None else pb.Grammar(text=cfg.grammar.text, stop_token_ids=cfg.grammar.stop_ids),
+        grammar=grammar_to_pb(cfg.grammar),
     )
 
 
 def open_request_from_pb(msg: pb.OpenSessionRequest) -> protocol.OpenSessionRequest:
     cfg = config_from_pb(msg.sampling, msg.seed, msg.accept_mode, msg.vocab_size)
-    if msg.HasField("grammar"):
-        cfg = replace(cfg, grammar=protocol.GrammarSpec(msg.grammar.text, tuple(msg.grammar.stop_token_ids)))
+    cfg = replace(cfg, grammar=grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None)
     return protocol.OpenSessionRequest(list(msg.prompt_tokens), cfg, msg.reuse_token)
+
+
+def grammar_to_pb(grammar: protocol.GrammarSpec | None) -> pb.Grammar | None:
+    if grammar is None:
+        return None
+    return pb.Grammar(text=grammar.text, stop_token_ids=grammar.stop_ids, generated=grammar.generated)
+
+
+def grammar_from_pb(msg: pb.Grammar) -> protocol.GrammarSpec:
+    return protocol.GrammarSpec(msg.text, tuple(msg.stop_token_ids), msg.generated)
 
 
 def open_result_to_pb(res: protocol.OpenSessionResult) -> pb.OpenSessionResponse:
@@ -210,11 +219,13 @@ def generate_request_to_pb(req: protocol.GenerateRequest) -> pb.GenerateRequest:
         stop_token_ids=req.stop_token_ids,
         vocab_size=cfg.vocab_size,
         reuse_token=req.reuse_token,
+        grammar=grammar_to_pb(cfg.grammar),
     )
 
 
 def generate_request_from_pb(msg: pb.GenerateRequest) -> protocol.GenerateRequest:
     cfg = config_from_pb(msg.sampling, msg.seed, pb.ACCEPT_MODE_UNSPECIFIED, msg.vocab_size)
+    cfg = replace(cfg, grammar=grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None)
     return protocol.GenerateRequest(list(msg.prompt_tokens), cfg, msg.max_new_tokens, list(msg.stop_token_ids), msg.reuse_token)
 
 

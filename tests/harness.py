@@ -27,6 +27,7 @@ from edge.round.generate import GenerationConfig
 from edge.transport.client import VerifierClient
 from shared.errors import PositionMismatch
 from shared.protocol import AcceptMode, DecodeRequest, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
+from shared.tokenizer_card import TokenizerCard
 from tests.ops import greedy_continuation
 from tests.tiny_models import save_gguf, save_model, tiny_draft, tiny_target, tiny_vllm_target
 
@@ -172,9 +173,11 @@ async def running_verifier(
     target: PreTrainedModel | TargetEngine,
     limits: VerifierLimits | None = None,
     prefer_speculation_above: int | None = None,
+    tokenizer: TokenizerCard | None = None,
 ) -> AsyncIterator[tuple[VerifierClient, Verifier]]:
-    """A verifier of a transformers model, or of a fresh Engine of the target in one engine."""
-    verifier = Verifier(engine_of(target), "tiny-target", limits)
+    """A verifier of a transformers model, or of a fresh Engine of the target in one engine;
+    `tokenizer`: its model's (grammars need one)."""
+    verifier = Verifier(engine_of(target), "tiny-target", limits, tokenizer=tokenizer)
     state = ServerState.for_verifier(verifier, prefer_speculation_above=prefer_speculation_above)
     async with serving(state) as client:
         yield client, verifier

@@ -69,7 +69,7 @@ async def cloud_only_generate(
     while not out.done():
         req = GenerateRequest(
             prompt + out.result.token_ids,
-            reopened_config(cfg.session, out.result.reopens),
+            reopened_config(cfg.session, out.result.reopens, len(out.result.token_ids)),
             out.remaining(),
             sorted(cfg.stop_token_ids),
         )

@@ -192,8 +192,10 @@ class Output:
         return self.result
 
 
-def reopened_config(session: SessionConfig, reopens: int) -> SessionConfig:
+def reopened_config(session: SessionConfig, reopens: int, generated: int = 0) -> SessionConfig:
     """The session's config with a fresh seed per reopen: a reopened session draws new
-    randomness rather than replaying the first one's."""
+    randomness rather than replaying the first one's. `generated`: the tokens at the end of its
+    prompt the generation made (its grammar, if any, has consumed them)."""
     seed = session.seed + REOPEN_SEED_STRIDE * reopens
-    return replace(session, seed=seed)
+    grammar = None if session.grammar is None else replace(session.grammar, generated=generated)
+    return replace(session, seed=seed, grammar=grammar)

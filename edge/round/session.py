@@ -104,6 +104,7 @@ class SpeculativeRun:
         self.result = GenerationResult()
         self.out = Output(cfg, self.result, observer)
         self.tokens = RoundTokens(list(prompt))
+        self.prompt_len = len(prompt)
         self.blocks = BlockDrafting(drafter, k_policy, cfg)
         self.session = VerifierSession(client, drafter)
         self.overlap = DraftAhead(cfg.overlap, drafter, k_policy, cfg.stop_token_ids)
@@ -163,7 +164,8 @@ class SpeculativeRun:
                     self.result.reopens += 1
             committed = self.tokens.committed
             try:
-                opened = await self.session.open(committed, reopened_config(self.cfg.session, self.result.reopens))
+                config = reopened_config(self.cfg.session, self.result.reopens, len(committed) - self.prompt_len)
+                opened = await self.session.open(committed, config)
             except RECOVERABLE as failed:
                 self.result.count_wire(failed.wire)
                 err = failed
@@ -214,7 +216,7 @@ class SpeculativeRun:
         if self.session.live:
             base = len(tokens.committed) - len(tokens.catchup)
             return DecodeRequest(self.session.current().session_id, base, max_tokens, stops, tokens.catchup)
-        config = reopened_config(self.cfg.session, self.result.reopens)
+        config = reopened_config(self.cfg.session, self.result.reopens, len(tokens.committed) - self.prompt_len)
         return DecodeRequest("", 0, max_tokens, stops, open=OpenSessionRequest(list(tokens.committed), config))
 
     def _commit_decoded(self, new: list[int], decoded: list[int]) -> None:

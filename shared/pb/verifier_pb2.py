@@ -25,51 +25,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\"_\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\"\xe3\x01\n\x12OpenSessionRequest\x12\x15\n\rprompt_tokens\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingConfig\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12+\n\x0b\x61\x63\x63\x65pt_mode\x18\x04 \x01(\x0e\x32\x16.specdec.v1.AcceptMode\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x13\n\x0breuse_token\x18\x06 \x01(\t\x12$\n\x07grammar\x18\x07 \x01(\x0b\x32\x13.specdec.v1.Grammar\"/\n\x07Grammar\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\"\xbb\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nprefill_ms\x18\x05 \x01(\x02\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x13\n\x0breuse_token\x18\x07 \x01(\t\x12\x15\n\rreused_tokens\x18\x08 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xf0\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rbase_position\x18\x02 \x01(\r\x12\x18\n\x10\x63ommitted_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x05 \x03(\x02\x12\x11\n\thard_mask\x18\x06 \x01(\x0c\x12\x34\n\x0csparse_draft\x18\x07 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\nwant_top_k\x18\x08 \x01(\r\x12\x12\n\nrequest_id\x18\t \x01(\t\"\xaf\x01\n\x0cRoundMetrics\x12\x12\n\nalpha_mean\x18\x01 \x01(\x02\x12\x11\n\tla_over_k\x18\x02 \x01(\x02\x12\x11\n\tverify_ms\x18\x03 \x01(\x02\x12\x10\n\x08queue_ms\x18\x04 \x01(\x02\x12\x12\n\nforward_ms\x18\x05 \x01(\x02\x12\x13\n\x0bhard_tokens\x18\x06 \x01(\r\x12\x19\n\x0c\x61lpha_prefix\x18\x07 \x01(\x02H\x00\x88\x01\x01\x42\x0f\n\r_alpha_prefix\"(\n\x04TopK\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xd3\x01\n\x0eVerifyResponse\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x19\n\x11new_base_position\x18\x04 \x01(\r\x12)\n\x07metrics\x18\x05 \x01(\x0b\x32\x18.specdec.v1.RoundMetrics\x12&\n\x0ctarget_top_k\x18\x06 \x03(\x0b\x32\x10.specdec.v1.TopK\x12\x1a\n\x12prefer_speculation\x18\x07 \x01(\x08\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"8\n\x14\x43loseSessionResponse\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0e\n\x06rounds\x18\x02 \x01(\r\"\xbd\x01\n\x0fGenerateRequest\x12\x15\n\rprompt_tokens\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingConfig\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x13\n\x0breuse_token\x18\x07 \x01(\t\"q\n\rGenerateChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x13\n\x0breuse_token\x18\x04 \x01(\t\x12\x15\n\rreused_tokens\x18\x05 \x01(\r\"\xae\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\x04open\x18\x02 \x01(\x0b\x32\x1e.specdec.v1.OpenSessionRequest\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x18\n\x10\x63ommitted_tokens\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\"\xb3\x01\n\x0b\x44\x65\x63odeChunk\x12/\n\x06opened\x18\x01 \x01(\x0b\x32\x1f.specdec.v1.OpenSessionResponse\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\x12\x0f\n\x07step_ms\x18\x05 \x01(\x02\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x1a\n\x12prefer_speculation\x18\x07 \x01(\x08\"S\n\x0f\x44\x65scribeRequest\x12\x13\n\x0btokens_from\x18\x01 \x01(\r\x12\x14\n\x0ctokens_count\x18\x02 \x01(\r\x12\x15\n\rchat_template\x18\x03 \x01(\x08\"+\n\x0cSpecialToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc3\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nparameters\x18\x02 \x01(\x04\x12\x14\n\x0clogits_width\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x16\n\x0etokenizer_size\x18\x05 \x01(\r\x12\x18\n\x10vocab_block_size\x18\x06 \x01(\r\x12\x1b\n\x13vocab_block_digests\x18\x07 \x03(\x0c\x12\x30\n\x0especial_tokens\x18\x08 \x03(\x0b\x32\x18.specdec.v1.SpecialToken\x12\x1c\n\x14\x63hat_template_sha256\x18\t \x01(\x0c\x12\x16\n\x0e\x64\x65\x63ode_step_ms\x18\n \x01(\x02\x12\x0e\n\x06tokens\x18\x0b \x03(\t\x12\x15\n\rchat_template\x18\x0c \x01(\t*\xa0\x01\n\nAcceptMode\x12\x1b\n\x17\x41\x43\x43\x45PT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x43\x43\x45PT_MODE_POINT\x10\x01\x12\x16\n\x12\x41\x43\x43\x45PT_MODE_SPARSE\x10\x02\x12\x16\n\x12\x41\x43\x43\x45PT_MODE_SCALAR\x10\x03\x12\x18\n\x14\x41\x43\x43\x45PT_MODE_SHORTCUT\x10\x04\x12\x14\n\x10\x41\x43\x43\x45PT_MODE_TOP1\x10\x05\x32\xbb\x03\n\x08Verifier\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12\x44\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x12>\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x17.specdec.v1.DecodeChunk0\x01\x12\x45\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x1c.specdec.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\"_\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\"\xe3\x01\n\x12OpenSessionRequest\x12\x15\n\rprompt_tokens\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingConfig\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12+\n\x0b\x61\x63\x63\x65pt_mode\x18\x04 \x01(\x0e\x32\x16.specdec.v1.AcceptMode\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x13\n\x0breuse_token\x18\x06 \x01(\t\x12$\n\x07grammar\x18\x07 \x01(\x0b\x32\x13.specdec.v1.Grammar\"B\n\x07Grammar\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\x12\x11\n\tgenerated\x18\x03 \x01(\r\"\xbb\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nprefill_ms\x18\x05 \x01(\x02\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x13\n\x0breuse_token\x18\x07 \x01(\t\x12\x15\n\rreused_tokens\x18\x08 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xf0\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rbase_position\x18\x02 \x01(\r\x12\x18\n\x10\x63ommitted_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x05 \x03(\x02\x12\x11\n\thard_mask\x18\x06 \x01(\x0c\x12\x34\n\x0csparse_draft\x18\x07 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x12\n\nwant_top_k\x18\x08 \x01(\r\x12\x12\n\nrequest_id\x18\t \x01(\t\"\xaf\x01\n\x0cRoundMetrics\x12\x12\n\nalpha_mean\x18\x01 \x01(\x02\x12\x11\n\tla_over_k\x18\x02 \x01(\x02\x12\x11\n\tverify_ms\x18\x03 \x01(\x02\x12\x10\n\x08queue_ms\x18\x04 \x01(\x02\x12\x12\n\nforward_ms\x18\x05 \x01(\x02\x12\x13\n\x0bhard_tokens\x18\x06 \x01(\r\x12\x19\n\x0c\x61lpha_prefix\x18\x07 \x01(\x02H\x00\x88\x01\x01\x42\x0f\n\r_alpha_prefix\"(\n\x04TopK\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xd3\x01\n\x0eVerifyResponse\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x19\n\x11new_base_position\x18\x04 \x01(\r\x12)\n\x07metrics\x18\x05 \x01(\x0b\x32\x18.specdec.v1.RoundMetrics\x12&\n\x0ctarget_top_k\x18\x06 \x03(\x0b\x32\x10.specdec.v1.TopK\x12\x1a\n\x12prefer_speculation\x18\x07 \x01(\x08\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"8\n\x14\x43loseSessionResponse\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0e\n\x06rounds\x18\x02 \x01(\r\"\xe3\x01\n\x0fGenerateRequest\x12\x15\n\rprompt_tokens\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingConfig\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x13\n\x0breuse_token\x18\x07 \x01(\t\x12$\n\x07grammar\x18\x08 \x01(\x0b\x32\x13.specdec.v1.Grammar\"q\n\rGenerateChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x13\n\x0breuse_token\x18\x04 \x01(\t\x12\x15\n\rreused_tokens\x18\x05 \x01(\r\"\xae\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\x04open\x18\x02 \x01(\x0b\x32\x1e.specdec.v1.OpenSessionRequest\x12\x15\n\rbase_position\x18\x03 \x01(\r\x12\x18\n\x10\x63ommitted_tokens\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\"\xb3\x01\n\x0b\x44\x65\x63odeChunk\x12/\n\x06opened\x18\x01 \x01(\x0b\x32\x1f.specdec.v1.OpenSessionResponse\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\x12\x0f\n\x07step_ms\x18\x05 \x01(\x02\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x1a\n\x12prefer_speculation\x18\x07 \x01(\x08\"S\n\x0f\x44\x65scribeRequest\x12\x13\n\x0btokens_from\x18\x01 \x01(\r\x12\x14\n\x0ctokens_count\x18\x02 \x01(\r\x12\x15\n\rchat_template\x18\x03 \x01(\x08\"+\n\x0cSpecialToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc3\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nparameters\x18\x02 \x01(\x04\x12\x14\n\x0clogits_width\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x16\n\x0etokenizer_size\x18\x05 \x01(\r\x12\x18\n\x10vocab_block_size\x18\x06 \x01(\r\x12\x1b\n\x13vocab_block_digests\x18\x07 \x03(\x0c\x12\x30\n\x0especial_tokens\x18\x08 \x03(\x0b\x32\x18.specdec.v1.SpecialToken\x12\x1c\n\x14\x63hat_template_sha256\x18\t \x01(\x0c\x12\x16\n\x0e\x64\x65\x63ode_step_ms\x18\n \x01(\x02\x12\x0e\n\x06tokens\x18\x0b \x03(\t\x12\x15\n\rchat_template\x18\x0c \x01(\t*\xa0\x01\n\nAcceptMode\x12\x1b\n\x17\x41\x43\x43\x45PT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x43\x43\x45PT_MODE_POINT\x10\x01\x12\x16\n\x12\x41\x43\x43\x45PT_MODE_SPARSE\x10\x02\x12\x16\n\x12\x41\x43\x43\x45PT_MODE_SCALAR\x10\x03\x12\x18\n\x14\x41\x43\x43\x45PT_MODE_SHORTCUT\x10\x04\x12\x14\n\x10\x41\x43\x43\x45PT_MODE_TOP1\x10\x05\x32\xbb\x03\n\x08Verifier\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12\x44\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x12>\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x17.specdec.v1.DecodeChunk0\x01\x12\x45\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x1c.specdec.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACCEPTMODE']._serialized_start=2564
-  _globals['_ACCEPTMODE']._serialized_end=2724
+  _globals['_ACCEPTMODE']._serialized_start=2621
+  _globals['_ACCEPTMODE']._serialized_end=2781
   _globals['_SAMPLINGCONFIG']._serialized_start=41
   _globals['_SAMPLINGCONFIG']._serialized_end=136
   _globals['_OPENSESSIONREQUEST']._serialized_start=139
   _globals['_OPENSESSIONREQUEST']._serialized_end=366
   _globals['_GRAMMAR']._serialized_start=368
-  _globals['_GRAMMAR']._serialized_end=415
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=418
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=605
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=607
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=661
-  _globals['_VERIFYREQUEST']._serialized_start=664
-  _globals['_VERIFYREQUEST']._serialized_end=904
-  _globals['_ROUNDMETRICS']._serialized_start=907
-  _globals['_ROUNDMETRICS']._serialized_end=1082
-  _globals['_TOPK']._serialized_start=1084
-  _globals['_TOPK']._serialized_end=1124
-  _globals['_VERIFYRESPONSE']._serialized_start=1127
-  _globals['_VERIFYRESPONSE']._serialized_end=1338
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1340
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1381
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1383
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1439
-  _globals['_GENERATEREQUEST']._serialized_start=1442
-  _globals['_GENERATEREQUEST']._serialized_end=1631
-  _globals['_GENERATECHUNK']._serialized_start=1633
-  _globals['_GENERATECHUNK']._serialized_end=1746
-  _globals['_DECODEREQUEST']._serialized_start=1749
-  _globals['_DECODEREQUEST']._serialized_end=1923
-  _globals['_DECODECHUNK']._serialized_start=1926
-  _globals['_DECODECHUNK']._serialized_end=2105
-  _globals['_DESCRIBEREQUEST']._serialized_start=2107
-  _globals['_DESCRIBEREQUEST']._serialized_end=2190
-  _globals['_SPECIALTOKEN']._serialized_start=2192
-  _globals['_SPECIALTOKEN']._serialized_end=2235
-  _globals['_DESCRIBERESPONSE']._serialized_start=2238
-  _globals['_DESCRIBERESPONSE']._serialized_end=2561
-  _globals['_VERIFIER']._serialized_start=2727
-  _globals['_VERIFIER']._serialized_end=3170
+  _globals['_GRAMMAR']._serialized_end=434
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=437
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=624
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=626
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=680
+  _globals['_VERIFYREQUEST']._serialized_start=683
+  _globals['_VERIFYREQUEST']._serialized_end=923
+  _globals['_ROUNDMETRICS']._serialized_start=926
+  _globals['_ROUNDMETRICS']._serialized_end=1101
+  _globals['_TOPK']._serialized_start=1103
+  _globals['_TOPK']._serialized_end=1143
+  _globals['_VERIFYRESPONSE']._serialized_start=1146
+  _globals['_VERIFYRESPONSE']._serialized_end=1357
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1359
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1400
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1402
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1458
+  _globals['_GENERATEREQUEST']._serialized_start=1461
+  _globals['_GENERATEREQUEST']._serialized_end=1688
+  _globals['_GENERATECHUNK']._serialized_start=1690
+  _globals['_GENERATECHUNK']._serialized_end=1803
+  _globals['_DECODEREQUEST']._serialized_start=1806
+  _globals['_DECODEREQUEST']._serialized_end=1980
+  _globals['_DECODECHUNK']._serialized_start=1983
+  _globals['_DECODECHUNK']._serialized_end=2162
+  _globals['_DESCRIBEREQUEST']._serialized_start=2164
+  _globals['_DESCRIBEREQUEST']._serialized_end=2247
+  _globals['_SPECIALTOKEN']._serialized_start=2249
+  _globals['_SPECIALTOKEN']._serialized_end=2292
+  _globals['_DESCRIBERESPONSE']._serialized_start=2295
+  _globals['_DESCRIBERESPONSE']._serialized_end=2618
+  _globals['_VERIFIER']._serialized_start=2784
+  _globals['_VERIFIER']._serialized_end=3227
 # @@protoc_insertion_point(module_scope)

@@ -54,12 +54,14 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., accept_mode: _Optional[_Union[AcceptMode, str]] = ..., vocab_size: _Optional[int] = ..., reuse_token: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class Grammar(_message.Message):
-    __slots__ = ("text", "stop_token_ids")
+    __slots__ = ("text", "stop_token_ids", "generated")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
     text: str
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    generated: int
+    def __init__(self, text: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "position", "max_draft_tokens", "vocab_size", "prefill_ms", "model_id", "reuse_token", "reused_tokens")
@@ -170,7 +172,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, position: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_tokens", "sampling", "seed", "max_new_tokens", "stop_token_ids", "vocab_size", "reuse_token")
+    __slots__ = ("prompt_tokens", "sampling", "seed", "max_new_tokens", "stop_token_ids", "vocab_size", "reuse_token", "grammar")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +180,7 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     REUSE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingConfig
     seed: int
@@ -185,7 +188,8 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     vocab_size: int
     reuse_token: str
-    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., reuse_token: _Optional[str] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., reuse_token: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("tokens", "forward_ms", "finished", "reuse_token", "reused_tokens")
