@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders
-from tokenizers.models import WordLevel
+from tokenizers import Tokenizer, decoders, normalizers
+from tokenizers.models import BPE, WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
@@ -49,11 +49,12 @@ def tiny_vllm_target(seed: int = 0, vocab: int = VOCAB) -> PreTrainedModel:
     return model
 
 
-def save_model(model: PreTrainedModel, path: Path) -> Path:
-    """A model and a tiny tokenizer of its vocabulary as an HF folder."""
-    model.generation_config.eos_token_id = 1
+def save_model(model: PreTrainedModel, path: Path, tokenizer: PreTrainedTokenizerFast | None = None) -> Path:
+    """A model and a tokenizer of its vocabulary (a tiny word-level one unless given) as an HF folder."""
+    tokenizer = tokenizer or tiny_tokenizer(model.config.vocab_size)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
-    tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 
@@ -65,6 +66,25 @@ def tiny_draft(target: PreTrainedModel, noise: float = 0.5, seed: int = 1) -> Pr
         for param in draft.parameters():
             param.add_(torch.randn(param.shape, generator=gen) * noise * param.std())
     return draft.eval()
+
+
+_PIECES = ["▁", "a", "b", "c", "d", "e", "▁a", "▁b", "▁c", "ab", "cd", "▁ab", "▁cd", "abcd", "▁abcd"]
+_MERGES = [("▁", "a"), ("▁", "b"), ("▁", "c"), ("a", "b"), ("c", "d"), ("▁a", "b"), ("▁c", "d"), ("ab", "cd"), ("▁ab", "cd")]
+
+
+def llama_bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """<unk> <s> </s>, the 256 byte tokens, a few pieces and merges; what llama.cpp's converter
+    reads as a Llama (SentencePiece-style) vocabulary."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + _PIECES
+    bpe = BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_MERGES, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    backend = Tokenizer(bpe)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    return tokenizer
 
 
 def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
@@ -79,14 +99,17 @@ def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def save_pair(folder: Path, noise: float = 0.2, vllm: bool = False) -> tuple[Path, Path]:
+def save_pair(folder: Path, noise: float = 0.2, vllm: bool = False, bpe: bool = False) -> tuple[Path, Path]:
     """Save a tiny target and draft (with the tokenizer) as HF folders, and the draft as a GGUF
-    inside its folder; returns (draft, target). vllm: the target of tiny_vllm_target's shape."""
-    target = tiny_vllm_target() if vllm else tiny_target()
+    inside its folder; returns (draft, target). vllm: the target of tiny_vllm_target's shape;
+    bpe: on llama_bpe_tokenizer() (bytes: text such as JSON, which grammars need) instead of words."""
+    tokenizer = llama_bpe_tokenizer() if bpe else tiny_tokenizer()
+    vocab = len(tokenizer)
+    target = tiny_vllm_target(vocab=vocab) if vllm else tiny_target(vocab=vocab)
     draft = tiny_draft(target, noise)
     paths = folder / "draft", folder / "target"
     for model, path in zip((draft, target), paths, strict=True):
-        save_model(model, path)
+        save_model(model, path, llama_bpe_tokenizer() if bpe else None)
     save_gguf(draft, paths[0] / "draft.gguf")  # what the edge's llama.cpp runtime loads
     return paths
 

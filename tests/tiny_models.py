@@ -7,14 +7,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, normalizers
-from tokenizers.models import BPE
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.tiny_models import VOCAB, save_gguf, save_model, save_pair, tiny_draft, tiny_target, tiny_tokenizer, tiny_vllm_target
+from bench.tiny_models import (
+    VOCAB,
+    llama_bpe_tokenizer,
+    save_gguf,
+    save_model,
+    save_pair,
+    tiny_draft,
+    tiny_target,
+    tiny_tokenizer,
+    tiny_vllm_target,
+)
 
 __all__ = [
     "VOCAB",
+    "llama_bpe_tokenizer",
     "save_convertible_pair",
     "save_gguf",
     "save_model",
@@ -24,24 +33,6 @@ __all__ = [
     "tiny_tokenizer",
     "tiny_vllm_target",
 ]
-
-_PIECES = ["▁", "a", "b", "c", "d", "e", "▁a", "▁b", "▁c", "ab", "cd", "▁ab", "▁cd", "abcd", "▁abcd"]
-_MERGES = [("▁", "a"), ("▁", "b"), ("▁", "c"), ("a", "b"), ("c", "d"), ("▁a", "b"), ("▁c", "d"), ("ab", "cd"), ("▁ab", "cd")]
-
-
-def llama_bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """<unk> <s> </s>, the 256 byte tokens, a few pieces and merges; what llama.cpp's converter
-    reads as a Llama (SentencePiece-style) vocabulary."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + _PIECES
-    bpe = BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_MERGES, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
-    backend = Tokenizer(bpe)
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tokenizer.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
-    return tokenizer
 
 
 def _convertible_llama(seed: int, vocab: int) -> LlamaForCausalLM:

@@ -27,6 +27,7 @@ from bench.studies import (
     prefill_stall,
     prefix_isolation,
     serve_overhead,
+    structured_output,
     two_keys,
 )
 from edge import calibrate
@@ -98,6 +99,7 @@ SETTINGS_COMMANDS: dict[str, tuple[Callable[[], argparse.ArgumentParser], tuple[
         (prefix_isolation.PrefixIsolationSettings,),
     ),
     "python -m bench.studies.serve_overhead": (serve_overhead.parser, (serve_overhead.ServeOverheadSettings,)),
+    "python -m bench.studies.structured_output": (structured_output.parser, (structured_output.StructuredOutputSettings,)),
     "python -m tools.netproxy": (netproxy_parser, (NetproxySettings,)),
     "python -m tools.check_tokenizer": (check_tokenizer.parser, (check_tokenizer.CheckTokenizerSettings,)),
     "python -m tools.gpu_probe": (gpu_probe.parser, (gpu_probe.GpuProbeSettings,)),
