@@ -7,7 +7,8 @@ synchronous channel. Every field of every request message is drawn: prompts, sam
 ids (real ones the fuzzer opened, mutated, empty, long, non-ASCII), base positions near the real
 one, catch-up, drafts, draft probabilities, hard masks, sparse drafts, want_top_k, request ids,
 max_new_tokens, stop ids, Decode stretches (on a held session, or opening one, or both, or neither;
-max_tokens; stop ids; catch-up), and the call's deadline and metadata. Raw frames go to each method
+max_tokens; stop ids; catch-up), grammars (text, stop ids, generated count), and the call's
+deadline and metadata. Raw frames go to each method
 as bytes: random, truncated, corrupted, with invalid UTF-8 in string fields, nested too deep, oversize.
 
 For every case: the status is OK or one that docs/architecture.md's "Errors" section documents (never
@@ -278,6 +279,28 @@ def reuse_tokens(clean: bool) -> st.SearchStrategy[str]:
 
 
 @st.composite
+def grammars(draw: Any, prompt_len: int) -> pb.Grammar | None:
+    """None mostly; else a grammar of any text (valid Lark, garbage, oversize), stop ids in and
+    out of the vocabulary, a generated count in and past the prompt. The fuzzed verifier's
+    tokenizer carries no grammars: those that pass validation are refused (FAILED_PRECONDITION)."""
+    if draw(DICE) < 8:
+        return None
+    text = draw(
+        weighted(
+            (3, st.just('start: "w1" | "w2"')),
+            (3, st.text(max_size=200)),
+            (1, st.just("")),
+            (1, st.integers(64 * 1024 - 2, 64 * 1024 + 2).map(lambda n: "x" * n)),
+        )
+    )
+    stops = draw(
+        weighted((4, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)), (2, st.lists(ids(VOCAB), max_size=12)))
+    )
+    generated = draw(weighted((4, st.just(0)), (2, st.integers(0, prompt_len + 2)), (1, st.integers(0, 2**32 - 1))))
+    return pb.Grammar(text=text, stop_token_ids=stops, generated=generated)
+
+
+@st.composite
 def open_requests(draw: Any, clean_in_ten: int = 4) -> pb.OpenSessionRequest:
     # by default four in ten valid in every field, so OK paths are fuzzed as deeply as refusals
     clean = draw(DICE) < clean_in_ten
@@ -291,6 +314,8 @@ def open_requests(draw: Any, clean_in_ten: int = 4) -> pb.OpenSessionRequest:
     )
     if (sampling := draw(sampling_configs(clean))) is not None:
         req.sampling.CopyFrom(sampling)
+    if not clean and (grammar := draw(grammars(len(req.prompt_tokens)))) is not None:
+        req.grammar.CopyFrom(grammar)
     return req
 
 
@@ -321,6 +346,8 @@ def generate_requests(draw: Any) -> pb.GenerateRequest:
     )
     if (sampling := draw(sampling_configs(clean))) is not None:
         req.sampling.CopyFrom(sampling)
+    if (grammar := draw(grammars(len(req.prompt_tokens)))) is not None:
+        req.grammar.CopyFrom(grammar)
     return req
 
 
@@ -822,10 +849,12 @@ POOL_MAX = 12
 
 
 def _refused_session(result: Result) -> bool:
-    """The engine refused to open a session it cannot verify exactly (vLLM: an approximate mode):
-    FAILED_PRECONDITION without a position, its reason naming the engine."""
+    """The engine refused to open a session it cannot verify exactly (vLLM: an approximate mode),
+    or the verifier a grammar its tokenizer cannot carry: FAILED_PRECONDITION without a
+    position, its reason naming the engine or the grammar."""
     positioned = wire.SERVER_POSITION_KEY in result.trailing
-    return result.code == "FAILED_PRECONDITION" and not positioned and "vllm engine" in result.details
+    named = "vllm engine" in result.details or "grammar" in result.details
+    return result.code == "FAILED_PRECONDITION" and not positioned and named
 
 
 def _describe(message: Any) -> str:
