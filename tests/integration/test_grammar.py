@@ -27,7 +27,7 @@ from shared.grammar import Constraint, Grammar, GrammarVocab, json_schema_gramma
 from shared.protocol import AcceptMode, GrammarSpec, OpenSessionRequest, SamplingParams, SessionConfig, VerifyRequest
 from shared.sampling.verifier_torch import probs_from_logits
 from shared.tokenizer_card import TokenizerCard
-from tests.harness import TargetEngine, running_verifier
+from tests.harness import TargetEngine, gguf_lm, running_verifier
 from tests.tiny_models import llama_bpe_tokenizer, save_gguf, tiny_draft, tiny_target
 
 STOP = frozenset({2})  # </s>
@@ -106,9 +106,9 @@ def _config(bpe: Bpe, grammar: Grammar, max_new: int, params: SamplingParams = G
     return GenerationConfig(session, max_new, STOP)
 
 
-def _drafter(bpe: Bpe, grammar: Grammar, params: SamplingParams = GREEDY, mode=AcceptMode.GREEDY, seed=1) -> Drafter:  # type: ignore[no-untyped-def]
+def _drafter(bpe: Bpe, grammar: Grammar, params: SamplingParams = GREEDY, mode=AcceptMode.GREEDY, seed=1, lm=None) -> Drafter:  # type: ignore[no-untyped-def]
     config = DrafterConfig(params, mode, bpe.size, draft_top_k=8, stop_token_ids=STOP)
-    return Drafter(TransformersDraftLM(bpe.draft), config, seed, grammar=grammar.start(STOP))
+    return Drafter(lm or TransformersDraftLM(bpe.draft), config, seed, grammar=grammar.start(STOP))
 
 
 def constrained_greedy(model: PreTrainedModel, prompt: list[int], constraint: Constraint, n: int) -> list[int]:
@@ -145,6 +145,23 @@ def test_greedy_under_a_schema_equals_the_target_alone(bpe: Bpe, engine: TargetE
                 for policy in (FixedK(3), FixedK(8), CostK(1, 12)):
                     result = await speculative_generate(prompt, _drafter(bpe, grammar), client, policy, cfg)
                     assert result.token_ids == reference, f"{type(policy).__name__}, prompt {prompt}"
+
+    asyncio.run(run())
+
+
+def test_a_llamacpp_drafter_drafts_under_the_grammar(bpe: Bpe, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The llama.cpp draft runtime (numpy logits, as the laptop runs it) under the grammar."""
+    grammar = bpe.vocab.compile(json_schema_grammar(SCHEMAS["nested-array"]))
+    lm = gguf_lm(bpe.draft, tmp_path)
+
+    async def run() -> None:
+        async with running_verifier(TargetEngine("transformers", bpe.target), tokenizer=bpe.card) as (client, _):
+            for prompt in PROMPTS[:2]:
+                reference = constrained_greedy(bpe.target, prompt, grammar.start(STOP), 128)
+                drafter = _drafter(bpe, grammar, lm=lm)
+                result = await speculative_generate(prompt, drafter, client, FixedK(4), _config(bpe, grammar, 128))
+                assert result.token_ids == reference
+                assert result.accepted_by.get("model", 0) > 0  # the model's drafts passed too, not only forced ones
 
     asyncio.run(run())
 
