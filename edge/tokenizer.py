@@ -120,10 +120,18 @@ class EdgeTokenizer:
                 text = text.replace(before, after)
         return text
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The chat template over `messages`; tools as transformers passes them (a list of
+        {"type": "function", "function": {name, description, parameters}}), None for none."""
         if self.chat_template is None:
             raise ConfigError("the model has no chat template (use --no-chat)")
         template = _template_environment().from_string(self.chat_template)
         return template.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            messages=messages,
+            tools=tools or None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
         )

@@ -1,21 +1,30 @@
 """The OpenAI-compatible request bodies `edge-agent serve` accepts, and what a request asks
-of the edge: settings over the server's defaults, its prompt's token ids, its stop strings.
+of the edge: settings over the server's defaults, its prompt's token ids, its stop strings,
+the grammar its output must follow and whether tool calls are read out of it.
 
-Fields OpenAI defines and this server cannot honour (n > 1, logprobs, penalties other than
-0) are refused with a 400 naming them rather than ignored; unknown fields are refused too,
-as OpenAI does. `top_k` and `repetition_penalty` are vLLM's sampling extras. The
-`speculative` object is this server's extension (README: "Use it from your app").
+Every field of OpenAI's chat API is honoured, accepted as metadata that changes nothing
+(`user`, `metadata`, `store`: nothing is stored, `service_tier`, the prompt cache's hints:
+caching here is automatic, `safety_identifier`), or refused with a 400 naming it when it asks
+for what this server cannot do (n > 1, logprobs, penalties other than 0, logit_bias, audio,
+predicted outputs, reasoning, web search, moderation, verbosity, the deprecated functions);
+unknown fields are refused too, as OpenAI does. `top_k` and `repetition_penalty` are vLLM's
+sampling extras. The `speculative` object is this server's extension (README: "Use it from
+your app").
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any, Literal, TypeVar
 
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from edge.config import EdgeSettings
+from edge.serve.structured import JsonSchemaFormat, ResponseFormat, TextFormat, format_grammar
+from edge.serve.tagged import is_tag
+from edge.serve.tools import ToolChoice, ToolPlan, ToolSpec, plan_tools
 from edge.tokenizer import EdgeTokenizer
 from shared.errors import InvalidParameter
 
@@ -41,8 +50,9 @@ class Speculative(_Strict):
     provisional: bool = False  # stream provisional text as previews (marked, never content)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; no chunk carries padding
 
 
 class SamplingRequest(_Strict):
@@ -131,19 +141,96 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ValueError("not a JSON object")
+        return value
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict[str, Any]:
+        """As HF chat templates read a call: its arguments parsed (Qwen2.5's writes them with tojson)."""
+        function = {"name": self.function.name, "arguments": json.loads(self.function.arguments)}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # name, refusal, ...: not used by chat templates
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_as_part(cls, value: Any) -> Any:
         return [{"type": "text", "text": value}] if isinstance(value, str) else value
 
-    def for_template(self) -> dict[str, str]:
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistants_only(cls, value: list[AssistantToolCall] | None, info: ValidationInfo) -> list[AssistantToolCall] | None:
+        if value and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message has tool calls")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_answers_a_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+    def for_template(self, called: dict[str, str]) -> dict[str, Any]:
+        """The message as chat templates read it; `called`: the earlier calls' names by id."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": "".join(part.text for part in self.content or [])}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.role == "tool":
+            message |= {"tool_call_id": self.tool_call_id, "name": called.get(self.tool_call_id or "", "")}
+        return message
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages for the chat template; 400 for a tool result no earlier call asked for."""
+    called: dict[str, str] = {}
+    out = []
+    for i, message in enumerate(messages):
+        if message.role == "tool" and message.tool_call_id not in called:
+            param = f"messages[{i}].tool_call_id"
+            raise InvalidParameter(f"{param}: no earlier assistant tool call has id {message.tool_call_id!s:.64}", param)
+        out.append(message.for_template(called))
+        called |= {call.id: call.function.name for call in message.tool_calls or []}
+    return out
+
+
+def _refuse(reason: str) -> Any:
+    """A validator for a field this server cannot honour: only its empty values pass."""
+
+    def check(cls: type, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False, {}, []):
+            raise ValueError(reason)
+        return value
+
+    return classmethod(check)
 
 
 class ChatRequest(SamplingRequest):
@@ -151,6 +238,44 @@ class ChatRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
+    response_format: ResponseFormat | None = None
+    # Metadata: accepted, changes nothing here.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # nothing is stored either way
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # prefixes are kept per caller, without hints
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    # Refused unless empty: what this server cannot do.
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    logit_bias: dict[str, Any] | None = None
+    functions: Any = None
+    function_call: Any = None
+
+    _no_audio = field_validator("audio")(_refuse("audio output is not supported (text only)"))
+    _no_prediction = field_validator("prediction")(_refuse("predicted outputs are not supported (the draft model predicts)"))
+    _no_reasoning = field_validator("reasoning_effort", "verbosity")(_refuse("not supported: the model does not reason"))
+    _no_search = field_validator("web_search_options")(_refuse("web search is not supported"))
+    _no_moderation = field_validator("moderation")(_refuse("moderation is not supported"))
+    _no_bias = field_validator("logit_bias")(_refuse("not supported (use response_format or tools for constrained output)"))
+    _no_functions = field_validator("functions", "function_call")(_refuse("deprecated by OpenAI: use tools and tool_choice"))
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value and value != ["text"]:
+            raise ValueError('only ["text"] is supported')
+        return value
 
     @model_validator(mode="after")
     def _no_logprobs(self) -> ChatRequest:
@@ -161,11 +286,28 @@ class ChatRequest(SamplingRequest):
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def prompt_ids(self, tokenizer: EdgeTokenizer) -> list[int]:
+    def tool_plan(self) -> ToolPlan:
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+
+    def grammar(self, plan: ToolPlan) -> tuple[str, str]:
+        """(the grammar the output must follow, the field that asked for it); ("", "") for none."""
+        fmt = self.response_format
+        if plan.forced:
+            if fmt is not None and not isinstance(fmt, TextFormat):
+                raise InvalidParameter("response_format: a forced tool call is not also a JSON reply", "response_format")
+            return plan.grammar, "tool_choice"
+        grammar = format_grammar(fmt, "response_format")
+        return grammar, "response_format" if grammar else ""
+
+    def schema_strict(self) -> bool:
+        return isinstance(self.response_format, JsonSchemaFormat) and bool(self.response_format.json_schema.strict)
+
+    def prompt_ids(self, tokenizer: EdgeTokenizer, plan: ToolPlan | None = None) -> list[int]:
         if tokenizer.chat_template is None:
             raise InvalidParameter("the model has no chat template: send a raw prompt to /v1/completions", "messages")
+        messages = template_messages(self.messages)
         try:
-            text = tokenizer.render_chat([m.for_template() for m in self.messages])
+            text = tokenizer.render_chat(messages, tools=(plan or self.tool_plan()).rendered)
         except TemplateError as err:
             raise InvalidParameter(f"the chat template refused the messages: {err}", "messages") from None
         return _non_empty(tokenizer.encode(text, add_special_tokens=False), "messages")
@@ -205,6 +347,8 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
     """A pydantic location as OpenAI names a parameter: stop[0], speculative.k."""
     out = ""
     for part in loc:
+        if isinstance(part, str) and is_tag(part):
+            continue  # a union member's tag, not a field
         out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
     return out or None
 
