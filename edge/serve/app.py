@@ -1,5 +1,5 @@
-"""The HTTP side of `edge-agent serve`: OpenAI's chat and text completions (JSON, or
-Server-Sent Events with `stream`), /v1/models, /health and the chat page at /.
+"""The HTTP side of `edge-agent serve`: OpenAI's chat and text completions and its Responses
+API (JSON, or Server-Sent Events with `stream`), /v1/models, /health and the chat page at /.
 
 A client that goes away (its connection closed) cancels its generation, which closes its
 cloud session. A stream's status is decided by its first event: an error before any text
@@ -10,12 +10,11 @@ cloud session. A stream's status is decided by its first event: an error before 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Literal, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
@@ -24,10 +23,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edge.serve.engine import Engine, Event, Generation
 from edge.serve.openai_api import ChatRequest, CompletionRequest, SamplingRequest, parse_request, request_settings
-from edge.serve.openai_replies import ErrorReply, Shape, error_reply, http_error_reply
+from edge.serve.openai_replies import CompletionReply, ErrorReply, Shape, error_reply, http_error_reply
+from edge.serve.responses_api import ResponsesRequest, responses_names
+from edge.serve.responses_replies import ResponsesReply
 from edge.serve.stats import speculation_stats, usage
+from edge.serve.structured import refused
+from edge.serve.tool_calls import Piece, ToolCallParser
+from edge.serve.tools import ToolPlan
+from edge.tokenizer import EdgeTokenizer
 from shared.api_keys import ApiKeys
 from shared.errors import InvalidParameter, SpecDecError, Unauthenticated
+from shared.grammar import GrammarRefused
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of a stream
@@ -42,10 +48,6 @@ class ServeInfo:
 
 def _json_reply(reply: ErrorReply) -> JSONResponse:
     return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 async def _disconnected(request: Request) -> None:
@@ -75,12 +77,46 @@ def _finish_reason(gen: Generation, event: Event) -> str:
     return "stop" if gen.streamer.stopped or event.result.finish_reason == "stop" else "length"
 
 
+class Reply(Protocol):
+    """One response's shapes (a chat or text completion, a Responses object), whole or as
+    Server-Sent Events, from the pieces of the generated text."""
+
+    previews: bool  # whether streams carry provisional text
+
+    @property
+    def id(self) -> str: ...
+
+    def body(self, pieces: list[Piece], finish: str, usage: dict[str, int], stats: dict[str, Any]) -> dict[str, Any]: ...
+    def opening(self) -> list[str]: ...
+    def pieces(self, pieces: list[Piece]) -> list[str]: ...
+    def provisional(self, text: str) -> list[str]: ...
+    def named(self, err: BaseException) -> BaseException: ...  # an error naming the fields as this API does
+    def failed(self, err: BaseException) -> list[str]: ...
+    def closing(self, finish: str, usage: dict[str, int], stats: dict[str, Any]) -> list[str]: ...
+    def end(self) -> list[str]: ...
+
+
+class _Reader:
+    """The generated text as pieces: content, and tool calls where the request reads them."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.parser = ToolCallParser(plan.names, plan.first_only) if plan.parse else None
+
+    def push(self, text: str) -> list[Piece]:
+        return self.parser.push(text) if self.parser is not None else [Piece(text)] if text else []
+
+    def finish(self) -> list[Piece]:
+        return self.parser.finish() if self.parser is not None else []
+
+
 class _Completion:
     """One request of `caller` (its API key's name) from its parsed body to its response."""
 
-    def __init__(self, engine: Engine, info: ServeInfo, req: SamplingRequest, kind: Literal["chat", "text"], caller: str) -> None:
-        self.engine, self.req, self.caller = engine, req, caller
-        self.shape = Shape.new(kind, info.model)
+    def __init__(self, engine: Engine, req: SamplingRequest, reply: Reply, caller: str) -> None:
+        self.engine, self.req, self.reply, self.caller = engine, req, reply, caller
+        self.plan = req.tool_plan()
+        self.grammar, self.grammar_param = req.grammar(self.plan)
+        self.reader = _Reader(self.plan)
 
     def _final(self, gen: Generation, event: Event) -> tuple[dict[str, int], dict[str, Any]]:
         assert event.result is not None
@@ -89,11 +125,26 @@ class _Completion:
         stats = speculation_stats(event.result, gen.settings, disabled, draft_prompt, gen.k_costs_rounds)
         return usage(gen.prompt_tokens, event.result), stats
 
-    async def respond(self, request: Request, prompt_ids: list[int]) -> Response:
+    def _named(self, err: BaseException) -> BaseException:
+        """An error as the client reads it: a grammar's refusal names the field that asked for
+        the grammar, and each field is named as the reply's API names it."""
+        if isinstance(err, GrammarRefused) and self.grammar_param:
+            err = refused(err, self.grammar_param)
+        return self.reply.named(err)
+
+    def _start(self, prompt_ids: list[int]) -> Generation:
         base = self.engine.ctx.settings
         settings = request_settings(base, self.req.settings_update(base))
-        previews = self.req.stream and self.req.speculative.provisional
-        gen = self.engine.start(self.shape.id, settings, prompt_ids, self.req.stop or [], previews, caller=self.caller)
+        previews = self.req.stream and self.req.speculative.provisional and self.reply.previews
+        try:
+            return self.engine.start(
+                self.reply.id, settings, prompt_ids, self.req.stop or [], previews, caller=self.caller, grammar=self.grammar
+            )
+        except GrammarRefused as err:
+            raise self._named(err) from None
+
+    async def respond(self, request: Request, tokenizer: EdgeTokenizer) -> Response:
+        gen = self._start(self.req.prompt_ids(tokenizer, self.plan))
         events = gen.events()
         if not self.req.stream:
             return await self._whole(request, gen, events)
@@ -103,7 +154,7 @@ class _Completion:
             return Response(status_code=204)  # nobody is listening
         if first.kind == "error":
             assert first.error is not None
-            return _json_reply(error_reply(first.error))
+            return _json_reply(error_reply(self._named(first.error)))
 
         async def stop() -> None:  # also when the client left before the stream began
             gen.cancel()
@@ -113,59 +164,57 @@ class _Completion:
         )
 
     async def _whole(self, request: Request, gen: Generation, events: AsyncIterator[Event]) -> Response:
-        async def collect() -> tuple[str, Event]:
-            text = ""
+        async def collect() -> tuple[list[Piece], Event]:
+            pieces: list[Piece] = []
             async for event in events:
                 if event.kind == "text":
-                    text += event.text
+                    pieces += self.reader.push(event.text)
                 elif event.kind == "error":
                     assert event.error is not None
-                    raise event.error
+                    raise self._named(event.error)
                 elif event.kind == "done":
-                    return text, event
+                    return pieces + self.reader.finish(), event
             raise AssertionError("a generation ends with done or error")
 
         collected = await _unless_gone(request, collect())
         if collected is None:
             gen.cancel()
             return Response(status_code=204)
-        text, done = collected
+        pieces, done = collected
         use, stats = self._final(gen, done)
-        return JSONResponse(self.shape.body(text, _finish_reason(gen, done), use, stats))
+        return JSONResponse(self.reply.body(pieces, _finish_reason(gen, done), use, stats))
 
     async def _stream(self, gen: Generation, first: Event, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        shape = self.shape
+        reply = self.reply
         try:
-            yield _sse(shape.chunk("", role=True))
+            for frame in reply.opening():
+                yield frame
             event: Event | None = first
             while event is not None:
-                if event.kind == "text":
-                    yield _sse(shape.chunk(event.text))
-                elif event.kind == "provisional":
-                    yield _sse(shape.chunk(provisional=event.text))
-                elif event.kind == "error":
-                    assert event.error is not None
-                    yield _sse(error_reply(event.error).body)
-                else:
-                    for chunk in self._last_chunks(gen, event):
-                        yield _sse(chunk)
+                for frame in self._frames(gen, event):
+                    yield frame
                 event = None if event.kind in ("done", "error") else await anext(events)
-            yield "data: [DONE]\n\n"
+            for frame in reply.end():
+                yield frame
         finally:
             gen.cancel()  # a no-op once done; else the client went away mid-stream
 
-    def _last_chunks(self, gen: Generation, done: Event) -> list[dict[str, Any]]:
-        use, stats = self._final(gen, done)
-        finish = self.shape.chunk(finish=_finish_reason(gen, done))
-        if self.req.include_usage():
-            return [finish, self.shape.usage_chunk(use, stats)]
-        return [{**finish, "speculative_decoding": stats}]
+    def _frames(self, gen: Generation, event: Event) -> list[str]:
+        if event.kind == "text":
+            return self.reply.pieces(self.reader.push(event.text))
+        if event.kind == "provisional":
+            return self.reply.provisional(event.text)
+        if event.kind == "error":
+            assert event.error is not None
+            return self.reply.failed(self._named(event.error))
+        use, stats = self._final(gen, event)
+        return self.reply.pieces(self.reader.finish()) + self.reply.closing(_finish_reason(gen, event), use, stats)
 
 
 async def _body(request: Request) -> Any:
     try:
         return await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep to parse
         raise InvalidParameter("the request body is not JSON", None) from None
 
 
@@ -224,14 +273,22 @@ def create_app(engine: Engine, info: ServeInfo) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request, caller: str = guard) -> Response:
         req = parse_request(ChatRequest, await _body(request))
-        ids = req.prompt_ids(engine.ctx.tokenizer)
-        return await _Completion(engine, info, req, "chat", caller).respond(request, ids)
+        reply = CompletionReply(Shape.new("chat", info.model), req.include_usage())
+        return await _Completion(engine, req, reply, caller).respond(request, engine.ctx.tokenizer)
 
     @app.post("/v1/completions")
     async def completions(request: Request, caller: str = guard) -> Response:
         req = parse_request(CompletionRequest, await _body(request))
-        ids = req.prompt_ids(engine.ctx.tokenizer)
-        return await _Completion(engine, info, req, "text", caller).respond(request, ids)
+        reply = CompletionReply(Shape.new("text", info.model), req.include_usage())
+        return await _Completion(engine, req, reply, caller).respond(request, engine.ctx.tokenizer)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, caller: str = guard) -> Response:
+        with responses_names():  # errors name the Responses API's fields
+            asked = parse_request(ResponsesRequest, await _body(request))
+            req = asked.chat_request()
+            reply = ResponsesReply(info.model, asked.echo())
+            return await _Completion(engine, req, reply, caller).respond(request, engine.ctx.tokenizer)
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page() -> str:

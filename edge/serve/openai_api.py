@@ -22,7 +22,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from edge.config import EdgeSettings
-from edge.serve.structured import JsonSchemaFormat, ResponseFormat, TextFormat, format_grammar
+from edge.serve.structured import ResponseFormat, TextFormat, format_grammar
 from edge.serve.tagged import is_tag
 from edge.serve.tools import ToolChoice, ToolPlan, ToolSpec, plan_tools
 from edge.tokenizer import EdgeTokenizer
@@ -102,6 +102,17 @@ class SamplingRequest(_Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def tool_plan(self) -> ToolPlan:
+        """What the request's tools ask (chat requests have tools; others none)."""
+        return ToolPlan()
+
+    def grammar(self, plan: ToolPlan) -> tuple[str, str]:
+        """(the grammar the output must follow, the field that asked for it); ("", "") for none."""
+        return "", ""
+
+    def prompt_ids(self, tokenizer: EdgeTokenizer, plan: ToolPlan) -> list[int]:
+        raise NotImplementedError
 
     def _sampled(self, base: EdgeSettings) -> bool:
         return (base.temperature if self.temperature is None else self.temperature) > 0
@@ -222,7 +233,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _refuse(reason: str) -> Any:
+def refuse(reason: str) -> Any:
     """A validator for a field this server cannot honour: only its empty values pass."""
 
     def check(cls: type, value: Any, info: ValidationInfo) -> Any:
@@ -262,13 +273,13 @@ class ChatRequest(SamplingRequest):
     functions: Any = None
     function_call: Any = None
 
-    _no_audio = field_validator("audio")(_refuse("audio output is not supported (text only)"))
-    _no_prediction = field_validator("prediction")(_refuse("predicted outputs are not supported (the draft model predicts)"))
-    _no_reasoning = field_validator("reasoning_effort", "verbosity")(_refuse("not supported: the model does not reason"))
-    _no_search = field_validator("web_search_options")(_refuse("web search is not supported"))
-    _no_moderation = field_validator("moderation")(_refuse("moderation is not supported"))
-    _no_bias = field_validator("logit_bias")(_refuse("not supported (use response_format or tools for constrained output)"))
-    _no_functions = field_validator("functions", "function_call")(_refuse("deprecated by OpenAI: use tools and tool_choice"))
+    _no_audio = field_validator("audio")(refuse("audio output is not supported (text only)"))
+    _no_prediction = field_validator("prediction")(refuse("predicted outputs are not supported (the draft model predicts)"))
+    _no_reasoning = field_validator("reasoning_effort", "verbosity")(refuse("not supported: the model does not reason"))
+    _no_search = field_validator("web_search_options")(refuse("web search is not supported"))
+    _no_moderation = field_validator("moderation")(refuse("moderation is not supported"))
+    _no_bias = field_validator("logit_bias")(refuse("not supported (use response_format or tools for constrained output)"))
+    _no_functions = field_validator("functions", "function_call")(refuse("deprecated by OpenAI: use tools and tool_choice"))
 
     @field_validator("modalities")
     @classmethod
@@ -290,7 +301,6 @@ class ChatRequest(SamplingRequest):
         return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     def grammar(self, plan: ToolPlan) -> tuple[str, str]:
-        """(the grammar the output must follow, the field that asked for it); ("", "") for none."""
         fmt = self.response_format
         if plan.forced:
             if fmt is not None and not isinstance(fmt, TextFormat):
@@ -299,15 +309,12 @@ class ChatRequest(SamplingRequest):
         grammar = format_grammar(fmt, "response_format")
         return grammar, "response_format" if grammar else ""
 
-    def schema_strict(self) -> bool:
-        return isinstance(self.response_format, JsonSchemaFormat) and bool(self.response_format.json_schema.strict)
-
-    def prompt_ids(self, tokenizer: EdgeTokenizer, plan: ToolPlan | None = None) -> list[int]:
+    def prompt_ids(self, tokenizer: EdgeTokenizer, plan: ToolPlan) -> list[int]:
         if tokenizer.chat_template is None:
             raise InvalidParameter("the model has no chat template: send a raw prompt to /v1/completions", "messages")
         messages = template_messages(self.messages)
         try:
-            text = tokenizer.render_chat(messages, tools=(plan or self.tool_plan()).rendered)
+            text = tokenizer.render_chat(messages, tools=plan.rendered)
         except TemplateError as err:
             raise InvalidParameter(f"the chat template refused the messages: {err}", "messages") from None
         return _non_empty(tokenizer.encode(text, add_special_tokens=False), "messages")
@@ -329,12 +336,12 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("one prompt per request (a list holds exactly one string)")
         return self
 
-    def prompt_ids(self, tokenizer: EdgeTokenizer) -> list[int]:
+    def prompt_ids(self, tokenizer: EdgeTokenizer, plan: ToolPlan) -> list[int]:
         text = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         return _non_empty(tokenizer.encode(text), "prompt")
 
 
-R = TypeVar("R", bound=SamplingRequest)
+R = TypeVar("R", bound=BaseModel)
 
 
 def _non_empty(ids: list[int], param: str) -> list[int]:

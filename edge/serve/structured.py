@@ -9,7 +9,7 @@ own limits are shared/grammar.py's (at Engine.start).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,10 +46,13 @@ class JsonSchemaFormat(_Strict):
     json_schema: JsonSchemaSpec
 
 
-ResponseFormat = tagged(
-    {"text": TextFormat, "json_object": JsonObjectFormat, "json_schema": JsonSchemaFormat},
-    'the type is "text", "json_object" or "json_schema"',
-)
+if TYPE_CHECKING:
+    ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+else:
+    ResponseFormat = tagged(
+        {"text": TextFormat, "json_object": JsonObjectFormat, "json_schema": JsonSchemaFormat},
+        'the type is "text", "json_object" or "json_schema"',
+    )
 
 
 def _depth(value: Any) -> int:
@@ -78,8 +81,8 @@ def lenient(schema: dict[str, Any] | bool, strict: bool | None) -> dict[str, Any
     ignored rather than refused. Otherwise (true, or absent) the schema is followed as given."""
     if strict is not False or not isinstance(schema, dict):
         return schema
-    options = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
-    return {**schema, "x-guidance": {**options, "lenient": True}}
+    options = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**(options if isinstance(options, dict) else {}), "lenient": True}}
 
 
 def schema_grammar(schema: dict[str, Any] | bool, strict: bool | None, param: str) -> str:

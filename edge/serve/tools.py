@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -76,11 +76,13 @@ class AllowedToolsChoice(_Strict):
     allowed_tools: AllowedTools
 
 
-ToolChoice = tagged(
-    {"str": Literal["none", "auto", "required"], "function": NamedToolChoice, "allowed_tools": AllowedToolsChoice},
-    'tool_choice is "none", "auto", "required", {"type": "function", ...} or {"type": "allowed_tools", ...}',
-)
-ToolChoiceValue = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
+if TYPE_CHECKING:
+    ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
+else:
+    ToolChoice = tagged(
+        {"str": Literal["none", "auto", "required"], "function": NamedToolChoice, "allowed_tools": AllowedToolsChoice},
+        'one of "none", "auto", "required", {"type": "function", ...} or {"type": "allowed_tools", ...}',
+    )
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class ToolPlan:
         return bool(self.grammar)
 
 
-def _choice_names(tools: list[ToolSpec], choice: ToolChoiceValue) -> tuple[str, frozenset[str]]:
+def _choice_names(tools: list[ToolSpec], choice: ToolChoice) -> tuple[str, frozenset[str]]:
     """(mode, the names a call may have) of a tool_choice; 400 for a name that is no tool's."""
     every = frozenset(t.function.name for t in tools)
     if isinstance(choice, str):
@@ -122,7 +124,7 @@ def check_tools(tools: list[ToolSpec]) -> None:
         check_schema(tool.function.arguments_schema(), f"tools[{i}].function.parameters")
 
 
-def plan_tools(tools: list[ToolSpec] | None, choice: ToolChoiceValue | None, parallel: bool) -> ToolPlan:
+def plan_tools(tools: list[ToolSpec] | None, choice: ToolChoice | None, parallel: bool) -> ToolPlan:
     if not tools:
         if choice not in (None, "none", "auto"):
             raise InvalidParameter("tool_choice: no tools were given", "tool_choice")
