@@ -273,6 +273,7 @@ class ChatRequest(SamplingRequest):
     functions: Any = None
     function_call: Any = None
 
+    _no_logprobs = field_validator("logprobs", "top_logprobs")(refuse("logprobs are not supported"))
     _no_audio = field_validator("audio")(refuse("audio output is not supported (text only)"))
     _no_prediction = field_validator("prediction")(refuse("predicted outputs are not supported (the draft model predicts)"))
     _no_reasoning = field_validator("reasoning_effort", "verbosity")(refuse("not supported: the model does not reason"))
@@ -287,12 +288,6 @@ class ChatRequest(SamplingRequest):
         if value and value != ["text"]:
             raise ValueError('only ["text"] is supported')
         return value
-
-    @model_validator(mode="after")
-    def _no_logprobs(self) -> ChatRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs are not supported")
-        return self
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -41,14 +41,20 @@ class TextContent(_Loose):
     text: str
 
 
-def _joined(content: str | list[TextContent]) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+def _joined(content: list[TextContent]) -> str:
+    return "".join(part.text for part in content)
+
+
+def _text_as_part(value: Any) -> Any:
+    return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
 
 
 class MessageItem(_Loose):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[TextContent]
+    content: list[TextContent]
+
+    _text = field_validator("content", mode="before")(_text_as_part)
 
 
 class FunctionCallItem(_Loose):
@@ -72,7 +78,9 @@ class FunctionCallItem(_Loose):
 class FunctionCallOutputItem(_Loose):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
-    output: str | list[TextContent]
+    output: list[TextContent]
+
+    _text = field_validator("output", mode="before")(_text_as_part)
 
 
 if TYPE_CHECKING:
@@ -124,7 +132,7 @@ class JsonObjectFormat(_Strict):
 class JsonSchemaFormat(_Strict):
     type: Literal["json_schema"]
     name: str = Field(pattern=NAME_PATTERN)
-    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    json_schema: Any = Field(alias="schema")  # checked when its grammar is built: 400s name the format
     description: str | None = None
     strict: bool | None = None
 
@@ -145,7 +153,7 @@ class TextConfig(_Strict):
 
 class ResponsesRequest(_Strict):
     model: str | None = None
-    input: str | list[InputItem]
+    input: list[InputItem]  # a string is one user message
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
@@ -183,6 +191,11 @@ class ResponsesRequest(_Strict):
     image: Any = None
     access_programs: Any = None
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _user_text(cls, value: Any) -> Any:
+        return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
     _nothing_stored = field_validator("previous_response_id", "conversation")(
         refuse("nothing is stored here: send the whole conversation as input")
     )
@@ -197,9 +210,8 @@ class ResponsesRequest(_Strict):
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         called: set[str] = set()
-        for i, item in enumerate(items):
+        for i, item in enumerate(self.input):
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": _joined(item.content)})
             elif isinstance(item, FunctionCallItem):

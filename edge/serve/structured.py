@@ -37,7 +37,7 @@ class JsonObjectFormat(_Strict):
 class JsonSchemaSpec(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
-    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    json_schema: Any = Field(alias="schema")  # checked when its grammar is built: 400s name the format
     strict: bool | None = None
 
 
