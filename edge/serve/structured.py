@@ -87,6 +87,8 @@ def lenient(schema: dict[str, Any] | bool, strict: bool | None) -> dict[str, Any
 
 def schema_grammar(schema: dict[str, Any] | bool, strict: bool | None, param: str) -> str:
     check_schema(schema, param)
+    if isinstance(schema, bool):  # true: any JSON value; false: none
+        schema = {} if schema else {"not": {}}
     try:
         return json_schema_grammar(lenient(schema, strict))
     except GrammarRefused as err:
