@@ -304,6 +304,33 @@ def test_a_verifier_lost_midstream_repeats_no_text(
         assert server.stop() == 0
 
 
+TOOLS: Any = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tools_the_model_does_not_call_leave_the_text_its_own(client: OpenAI, expected: dict[str, dict[str, Any]]) -> None:
+    """Under tool_choice auto, text without a call is the reply as it was: the content, whole
+    or streamed, with the target's own tokens (the tiny template shows no tools)."""
+    reply = client.chat.completions.create(model="any", messages=_chat(PROMPTS["p0"]), tools=TOOLS, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.content == expected["p0"]["text"] and not choice.message.tool_calls
+    assert choice.finish_reason == "length"
+    pieces, chunks = stream_chat(client, PROMPTS["p0"], tools=TOOLS, tool_choice="auto", parallel_tool_calls=False)
+    assert "".join(pieces) == expected["p0"]["text"]
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+
+
+def test_the_responses_api_equals_the_target_alone(client: OpenAI, expected: dict[str, dict[str, Any]]) -> None:
+    response = client.responses.create(model="any", input=PROMPTS["p1"], temperature=0, max_output_tokens=MAX_TOKENS)
+    assert response.output_text == expected["p1"]["text"]
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.usage is not None and response.usage.output_tokens == MAX_TOKENS
+    assert response.model_extra["speculative_decoding"]["exact"]  # type: ignore[index]
+    events = list(client.responses.create(model="any", input=PROMPTS["p1"], temperature=0, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]  # type: ignore[union-attr]
+    assert "".join(deltas) == expected["p1"]["text"] and len(deltas) > 2  # one per verified round
+    assert events[-1].type == "response.incomplete" and [e.sequence_number for e in events] == list(range(len(events)))
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -313,6 +340,9 @@ def test_a_verifier_lost_midstream_repeats_no_text(
         ({"temperature": 3.5}, "temperature"),
         ({"extra_body": {"temperature": "hot"}}, "temperature"),
         ({"stop": ["w5", ""]}, "stop"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"extra_body": {"logit_bias": {"5": 3}}}, "logit_bias"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ],
 )
 def test_bad_fields_are_openai_400s(client: OpenAI, body: dict[str, Any], param: str) -> None:
