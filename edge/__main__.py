@@ -110,7 +110,7 @@ async def generate_one(
     s = ctx.settings
     cfg = ctx.generation_config(seed)
     if s.mode == "edge_only":
-        return edge_only_generate(prompt_ids, ctx.drafter(seed), cfg, on_commit)
+        return edge_only_generate(prompt_ids, ctx.drafter(seed, None, len(prompt_ids)), cfg, on_commit)
     if client is None:
         raise ConfigError("no verifier address")
     recorder = SessionRecorder(_trace_header(ctx, prompt_ids, cfg)) if s.record else None
@@ -118,7 +118,9 @@ async def generate_one(
     if s.mode == "cloud_only":
         result = await cloud_only_generate(prompt_ids, calls, cfg, on_commit)
     else:  # auto or speculative: the generation config says which
-        result = await speculative_generate(prompt_ids, ctx.draft_source(seed), calls, ctx.k_policy(), cfg, on_commit)
+        result = await speculative_generate(
+            prompt_ids, ctx.draft_source(seed, None, len(prompt_ids)), calls, ctx.k_policy(), cfg, on_commit
+        )
     if ctx.metrics is not None:
         ctx.metrics.record_generation(result)
     if recorder is not None and s.record:

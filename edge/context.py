@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.config import EdgeSettings
-from edge.drafting.drafter import Drafter, DrafterConfig, DraftKV, DraftLM, DraftSource
+from edge.drafting.drafter import Drafter, DrafterConfig, DraftGrammar, DraftKV, DraftLM, DraftSource
 from edge.drafting.gating import EscalationRules, GatingThresholds, load_gating_config
 from edge.drafting.kpolicy import CostK, EgagK, FixedK, KPolicy, LaRatioK
 from edge.drafting.ngram import HybridDrafter, NGramDrafter, NGramStore
@@ -101,12 +101,13 @@ class EdgeContext:
             return CostK(1, s.k_max, s.overlap, self.round_costs)
         return FixedK(s.fixed_k())
 
-    def draft_source(self, seed: int, kv: DraftKV | None = None) -> DraftSource:
+    def draft_source(self, seed: int, kv: DraftKV | None = None, prompt_len: int = 0) -> DraftSource:
         """The drafter of --drafter: the model, an n-gram store, or both. kv: a draft cache for
-        the model's drafter to begin from (a conversation's last turn)."""
+        the model's drafter to begin from (a conversation's last turn); prompt_len: where the
+        generation's own tokens begin (its grammar, if any, starts there)."""
         s = self.settings
         if s.drafter == "model" or self.grammar is not None:  # n-grams know no grammar: the model drafts under it
-            return self.drafter(seed, kv)
+            return self.drafter(seed, kv, prompt_len)
         mode = s.resolved_accept_mode()
         signals = s.gating or s.resolved_k_policy() == "egag"
         ngram = NGramDrafter(
@@ -120,7 +121,7 @@ class EdgeContext:
             return ngram
         return HybridDrafter(self.drafter(seed, kv), ngram, s.hybrid_min_order, s.hybrid_min_count)
 
-    def drafter(self, seed: int, kv: DraftKV | None = None) -> Drafter:
+    def drafter(self, seed: int, kv: DraftKV | None = None, prompt_len: int = 0) -> Drafter:
         if self.draft_lm is None:
             raise ConfigError("this mode needs a draft model")
         s = self.settings
@@ -136,7 +137,7 @@ class EdgeContext:
             mc_passes=s.mc_passes if s.gating else 0,
             window=s.draft_window,
         )
-        grammar = None if self.grammar is None else self.grammar.start(self.stop_token_ids)
+        grammar = None if self.grammar is None else DraftGrammar(self.grammar.start(self.stop_token_ids), prompt_len)
         return Drafter(self.draft_lm, config, seed + 1, kv, grammar)  # the cloud's generator uses `seed`
 
 

@@ -19,7 +19,7 @@ A grammar is llguidance's grammar text: what `json_schema_grammar` and `lark_gra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +109,7 @@ class Grammar:
     vocab: GrammarVocab
     text: str
 
-    def start(self, stop_ids: Sequence[int]) -> Constraint:
+    def start(self, stop_ids: Collection[int]) -> Constraint:
         return Constraint(self, stop_ids)
 
 
@@ -122,7 +122,7 @@ class Constraint:
     the only tokens allowed once it can go no further); a stop id ends the generation, so it is
     never consumed."""
 
-    def __init__(self, grammar: Grammar, stop_ids: Sequence[int]) -> None:
+    def __init__(self, grammar: Grammar, stop_ids: Collection[int]) -> None:
         from llguidance import LLMatcher
 
         self.grammar, self.vocab = grammar, grammar.vocab

@@ -121,6 +121,16 @@ class DraftLM(Protocol):
     def new_cache(self, seed: int) -> DraftCache: ...  # seed: the runtime's own randomness (MC dropout)
 
 
+@dataclass(frozen=True)
+class DraftGrammar:
+    """A generation's grammar as its drafter follows it: its place in the grammar, and where the
+    generation's own tokens begin in the sequences the drafter is synced to (the prompt's end:
+    a drafter may first be synced after the target alone made some, as in auto mode)."""
+
+    constraint: Constraint
+    prompt_len: int
+
+
 def _point(token: int, vocab: int) -> np.ndarray:  # [vocab] all mass on one token
     q = np.zeros(vocab, dtype=np.float32)
     q[token] = 1.0
@@ -131,7 +141,7 @@ class Drafter:
     filler_top_k = 0  # a model drafter learns nothing from the target's top-K
 
     def __init__(
-        self, lm: DraftLM, config: DrafterConfig, seed: int, kv: DraftKV | None = None, grammar: Constraint | None = None
+        self, lm: DraftLM, config: DrafterConfig, seed: int, kv: DraftKV | None = None, grammar: DraftGrammar | None = None
     ) -> None:
         """kv: another drafter's cache to begin from (its window's start kept); the first sync
         keeps the KV of the longest prefix it shares with the tokens, as every sync does.
@@ -153,7 +163,9 @@ class Drafter:
         self.reused_tokens = 0  # prompt tokens whose KV came with `kv` (counted by the first sync)
         self.prefilled_tokens = 0  # prompt tokens whose KV this drafter computed
         self._prompt_end: int | None = None  # the first sync's tokens (the prompt) in `tokens`
-        self.grammar = grammar
+        self.grammar = None if grammar is None else grammar.constraint
+        self.prompt_len = 0 if grammar is None else grammar.prompt_len
+        self.generated: list[int] = []  # the generation's own tokens, as the last sync gave them
         self.forced_tokens = 0  # drafted because the grammar allowed nothing else
 
     def sync(self, tokens: Sequence[int]) -> None:
@@ -162,6 +174,7 @@ class Drafter:
         if self.start is None:
             self.start = max(len(tokens) - self.config.window, 0) if self.config.window else 0
         self.tokens = list(tokens[self.start :])
+        self.generated = list(tokens[self.prompt_len :]) if self.grammar is not None else []
         keep = max(min(shared_prefix(self.cached, self.tokens), len(self.tokens) - 1), 0)  # the last is fed
         self.cache.crop(keep)
         del self.cached[keep:]
@@ -198,8 +211,7 @@ class Drafter:
             return draft
         if self.grammar is None:
             return self._draft(draft, k, stop_after)
-        assert self._prompt_end is not None  # synced before drafting
-        self.grammar.sync(self.tokens[self._prompt_end :])
+        self.grammar.sync(self.generated)
         committed = len(self.grammar.consumed)
         try:
             return self._draft(draft, k, stop_after)

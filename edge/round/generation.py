@@ -119,7 +119,7 @@ class GenerationResult:
     stretches: int = 0  # Decode stretches (auto mode)
     tokens_by_mode: dict[str, int] = field(default_factory=dict)  # generated tokens: speculative / cloud_only
     mode_switches: list[dict[str, Any]] = field(default_factory=list)  # auto mode: {at_token, to, reason}
-    drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per drafter (model / ngram)
+    drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per drafter (model / ngram / grammar: forced)
     accepted_by: dict[str, int] = field(default_factory=dict)
     round_log: list[RoundRecord] = field(default_factory=list)
 

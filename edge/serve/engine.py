@@ -314,7 +314,9 @@ class Engine:
                 relay.live = GenerationResult()
                 return await cloud_only_generate(prompt_ids, client, cfg, observer, result=relay.live)
             kv = self._take_draft_kv(gen.caller, s, prompt_ids)
-            lease = DrafterLease(await asyncio.to_thread(ctx.draft_source, s.seed, kv))  # a llama.cpp context: allocation
+            lease = DrafterLease(
+                await asyncio.to_thread(ctx.draft_source, s.seed, kv, len(prompt_ids))
+            )  # a llama.cpp context: allocation
             policy = ctx.k_policy()
             gen.k_costs_rounds = policy.costs.rounds if isinstance(policy, CostK) else None
             run = SpeculativeRun(prompt_ids, lease, client, policy, cfg, observer)

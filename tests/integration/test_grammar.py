@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jsonschema
 import pytest
@@ -17,10 +17,11 @@ import torch
 from scipy.stats import chisquare
 from transformers import PreTrainedModel
 
-from edge.drafting.drafter import Drafter, DrafterConfig
+from edge.drafting.drafter import Drafter, DrafterConfig, DraftGrammar
 from edge.drafting.kpolicy import CostK, FixedK
 from edge.drafting.runtime_transformers import TransformersDraftLM
 from edge.round.generate import GenerationConfig, cloud_only_generate, speculative_generate
+from edge.round.mode_switch import ModeMemory, SwitchRules
 from shared import lm
 from shared.errors import InvalidRequest, SessionRefused
 from shared.grammar import Constraint, Grammar, GrammarVocab, json_schema_grammar, masked
@@ -106,9 +107,9 @@ def _config(bpe: Bpe, grammar: Grammar, max_new: int, params: SamplingParams = G
     return GenerationConfig(session, max_new, STOP)
 
 
-def _drafter(bpe: Bpe, grammar: Grammar, params: SamplingParams = GREEDY, mode=AcceptMode.GREEDY, seed=1, lm=None) -> Drafter:  # type: ignore[no-untyped-def]
+def _drafter(bpe: Bpe, grammar: Grammar, prompt: list[int], params=GREEDY, mode=AcceptMode.GREEDY, seed=1, lm=None) -> Drafter:  # type: ignore[no-untyped-def]
     config = DrafterConfig(params, mode, bpe.size, draft_top_k=8, stop_token_ids=STOP)
-    return Drafter(lm or TransformersDraftLM(bpe.draft), config, seed, grammar=grammar.start(STOP))
+    return Drafter(lm or TransformersDraftLM(bpe.draft), config, seed, grammar=DraftGrammar(grammar.start(STOP), len(prompt)))
 
 
 def constrained_greedy(model: PreTrainedModel, prompt: list[int], constraint: Constraint, n: int) -> list[int]:
@@ -143,8 +144,15 @@ def test_greedy_under_a_schema_equals_the_target_alone(bpe: Bpe, engine: TargetE
                 alone = await cloud_only_generate(prompt, client, cfg)
                 assert alone.token_ids == reference, f"cloud_only, prompt {prompt}"
                 for policy in (FixedK(3), FixedK(8), CostK(1, 12)):
-                    result = await speculative_generate(prompt, _drafter(bpe, grammar), client, policy, cfg)
+                    result = await speculative_generate(prompt, _drafter(bpe, grammar, prompt), client, policy, cfg)
                     assert result.token_ids == reference, f"{type(policy).__name__}, prompt {prompt}"
+                # auto mode: the target alone first, then a probe of speculation, whose drafter
+                # first syncs after tokens the grammar already took
+                auto = replace(cfg, mode_switch=SwitchRules(), mode_memory=ModeMemory())
+                result = await speculative_generate(prompt, _drafter(bpe, grammar, prompt), client, CostK(1, 12), auto)
+                assert result.token_ids == reference, f"auto, prompt {prompt}"
+                if len(reference) > SwitchRules().first_stretch_tokens:
+                    assert {"cloud_only", "speculative"} <= set(result.tokens_by_mode), result.tokens_by_mode
 
     asyncio.run(run())
 
@@ -158,7 +166,7 @@ def test_a_llamacpp_drafter_drafts_under_the_grammar(bpe: Bpe, tmp_path) -> None
         async with running_verifier(TargetEngine("transformers", bpe.target), tokenizer=bpe.card) as (client, _):
             for prompt in PROMPTS[:2]:
                 reference = constrained_greedy(bpe.target, prompt, grammar.start(STOP), 128)
-                drafter = _drafter(bpe, grammar, lm=lm)
+                drafter = _drafter(bpe, grammar, prompt, lm=lm)
                 result = await speculative_generate(prompt, drafter, client, FixedK(4), _config(bpe, grammar, 128))
                 assert result.token_ids == reference
                 assert result.accepted_by.get("model", 0) > 0  # the model's drafts passed too, not only forced ones
@@ -173,7 +181,7 @@ def test_forced_tokens_are_drafted_without_a_forward_pass(bpe: Bpe) -> None:
 
     async def run() -> None:
         async with running_verifier(TargetEngine("transformers", bpe.target), tokenizer=bpe.card) as (client, _):
-            drafter = _drafter(bpe, grammar)
+            drafter = _drafter(bpe, grammar, PROMPTS[0])
             result = await speculative_generate(PROMPTS[0], drafter, client, FixedK(4), _config(bpe, grammar, 64))
         forced = [(r, i) for r in result.round_log for i, s in enumerate(r.sources) if s == "grammar"]
         assert drafter.forced_tokens == len(forced) >= 8  # {"x":" and ","n": at least
@@ -222,7 +230,9 @@ def test_sampling_under_a_grammar_follows_the_constrained_target(bpe: Bpe, mode:
         async with running_verifier(TargetEngine("transformers", bpe.target), tokenizer=bpe.card) as (client, _):
             for trial in range(TRIALS):
                 cfg = _config(bpe, grammar, 16, params, mode, seed=trial)
-                drafter = _drafter(bpe, grammar, params if mode is AcceptMode.SPARSE else GREEDY, mode, seed=10_000 + trial)
+                drafter = _drafter(
+                    bpe, grammar, prompt, params if mode is AcceptMode.SPARSE else GREEDY, mode, seed=10_000 + trial
+                )
                 result = await speculative_generate(prompt, drafter, client, FixedK(3), cfg)
                 seen[tuple(result.token_ids)] += 1
         return seen
