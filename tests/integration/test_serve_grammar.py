@@ -5,14 +5,18 @@ or parses as calls of the named tools, and greedy constrained output is the targ
 (speculation on equals speculation off, token for token)."""
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
 import pytest
 from openai import OpenAI
+from pydantic import BaseModel, Field
 
 from tests.serve_procs import SERVE_READY, Server, serve_cmd, start, start_verifier
 from tests.tiny_models import llama_bpe_tokenizer, save_convertible_pair
@@ -166,3 +170,45 @@ def test_a_schema_the_grammar_engine_refuses_is_a_400(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="m", messages=ASK, response_format=_json_schema({"type": "objekt"}))
     assert caught.value.param == "response_format" and "objekt" not in caught.value.message.split(":", 1)[0]
+
+
+class Thing(BaseModel):
+    """SCHEMA as a pydantic model, as LangChain's structured output takes one."""
+
+    x: Literal["ab", "cd", "abcd"]
+    n: int = Field(ge=0, le=99)
+
+
+def test_langchain_chat_tools_and_structured_output(served: Server) -> None:
+    """LangChain's ChatOpenAI, as agent frameworks drive an OpenAI-compatible endpoint."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=served.match.group(1) + "/v1", api_key="unused", model="m", temperature=0, max_retries=0)
+    assert isinstance(chat.invoke("abcd").content, str)
+    assert len(list(chat.stream("abcd"))) > 1
+    bound = chat.bind_tools([WEATHER], tool_choice="get_weather", parallel_tool_calls=False)
+    (call,) = bound.invoke("abcd").tool_calls  # type: ignore[attr-defined]
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])  # type: ignore[index]
+    for method in ("json_schema", "function_calling"):  # strict: no properties past Thing's (a random model would add them)
+        thing = chat.with_structured_output(Thing, method=method, strict=True).invoke("abcd")  # type: ignore[arg-type]
+        assert isinstance(thing, Thing), method
+
+
+def test_the_llm_cli_with_an_openai_compatible_model_entry(served: Server, tmp_path: Path) -> None:
+    """Simon Willison's `llm`: a model entry naming the endpoint, then prompts, a schema and tools."""
+    entry = f"- model_id: edge\n  model_name: m\n  api_base: {served.match.group(1)}/v1\n"
+    (tmp_path / "extra-openai-models.yaml").write_text(entry + "  supports_tools: true\n  supports_schema: true\n")
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "unused"}
+
+    def llm(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "llm", "-m", "edge", *args], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    assert llm("abcd", "-o", "max_tokens", "16").strip()
+    jsonschema.validate(json.loads(llm("abcd", "--schema", json.dumps(SCHEMA))), SCHEMA)
+    tool = "def get_time() -> str:\n    return 'noon'\n"
+    assert llm("abcd", "--functions", tool, "-o", "max_tokens", "16") is not None  # tools offered: the request is served
