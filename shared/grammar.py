@@ -52,7 +52,7 @@ class GrammarRefused(InvalidParameter):
     """A grammar that does not compile, or costs more than the limits allow."""
 
 
-def json_schema_grammar(schema: dict[str, Any] | bool, *, compact: bool = True) -> str:
+def json_schema_grammar(schema: dict[str, Any], *, compact: bool = True) -> str:
     """The grammar of JSON values valid under `schema` (Draft 2020-12, llguidance's subset:
     objects with properties in the schema's order, arrays, enums, consts, anyOf, local $refs,
     string patterns and formats, number bounds). compact: no whitespace between tokens (what a
