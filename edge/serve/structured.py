@@ -76,10 +76,10 @@ def check_schema(schema: Any, param: str) -> None:
         raise InvalidParameter(f"{param}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
 
 
-def lenient(schema: dict[str, Any] | bool, strict: bool | None) -> dict[str, Any] | bool:
+def lenient(schema: dict[str, Any], strict: bool | None) -> dict[str, Any]:
     """strict false (OpenAI: best effort): keywords the grammar engine does not implement are
     ignored rather than refused. Otherwise (true, or absent) the schema is followed as given."""
-    if strict is not False or not isinstance(schema, dict):
+    if strict is not False:
         return schema
     options = schema.get("x-guidance")
     return {**schema, "x-guidance": {**(options if isinstance(options, dict) else {}), "lenient": True}}
