@@ -44,12 +44,13 @@ class TargetEngine:
     model: PreTrainedModel
     gguf: Path | None = None  # the target written to an f32 GGUF (llama.cpp)
     folder: Path | None = None  # the target as an HF folder (vLLM loads it in its own processes)
+    async_scheduling: bool = False  # vLLM's steps scheduled asynchronously (a GPU's way)
 
     def __call__(self) -> Engine:
         if self.gguf is not None:
             return LlamaCppEngine(self.gguf, threads=1, batch_tokens=512)
         if self.folder is not None:
-            return vllm_engine(self.folder)
+            return vllm_engine(self.folder, self.async_scheduling)
         return TransformersEngine(self.model)
 
     def draft_model(self) -> PreTrainedModel:

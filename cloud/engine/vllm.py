@@ -19,6 +19,12 @@ longer extend its request's (a round that caught up on tokens of its own) gets a
 its salted prefix-cache blocks serve the whole blocks of it. A session vLLM cannot verify exactly (an approximate accept mode, a
 vocabulary narrower than the model's that vLLM cannot mask) is refused when it opens.
 
+A session under a grammar keeps its place in it here (its own Constraint, on the model folder's
+tokenizer), and each of its requests hands it to the scheduler, which masks every row vLLM
+samples or verifies for the request (cloud/engine/vllm_scheduler.py): the session's tokens enter
+the grammar where its prompt's generated tokens begin (GrammarSpec.generated), in every request
+it gets, so a new request midway goes on where the last one was.
+
 The target's top-k a round asks for (`want_top_k`) comes from the same step: a session whose
 round asks gets a request that returns, with each token it samples or verifies, the top-k of the
 distribution it came from as vLLM's sampler processed it (temperature, top-k, top-p, penalties:
@@ -42,9 +48,11 @@ import torch
 
 from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV, SessionStep, StepOutcome, TokenSink
 from cloud.engine.vllm_runtime import MAX_STALLED_STEPS, STALLED_RETRY_MS, LiveRequest, TopRow, VllmRuntime
+from cloud.grammars import SessionGrammars
 from cloud.rejection_sampler import RoundOutcome
 from shared import lm
 from shared.errors import CapacityExceeded, ConfigError, SessionRefused, VerifierFault
+from shared.grammar import Constraint
 from shared.protocol import SessionConfig, SparseDistribution
 from shared.token_ids import shared_prefix
 
@@ -186,6 +194,9 @@ class VllmKV:
     seed: int = 0
     live: LiveRequest | None = None
     top_k: bool = False  # its requests return each sampled row's top-k (a round asked for it)
+    grammar: Constraint | None = None  # its place in its grammar (None: free text)
+    generated: int = 0  # of its prompt, the last tokens made under its grammar
+    grammar_start: int | None = None  # where its tokens enter the grammar: set by its first step, its prompt's
 
     def get_seq_length(self) -> int:
         return len(self.tokens)
@@ -248,6 +259,8 @@ class VllmEngine:
         self.kv_bytes_per_token = int(layers * 2 * heads * config.get_head_size() * width)
         self.parameters = lm.safetensors_parameters(Path(config.model))  # vLLM does not report it
         self.dtype = str(config.dtype).removeprefix("torch.")
+        self.grammars = SessionGrammars(_tokenizer_json(Path(config.model)), self.logits_width)
+        self.grammars.warm_up()
 
     def plan_kv(self, request: KVRequest) -> KVPlan:
         """vLLM holds the KV (sized when it started): the context it serves, and the KV it
@@ -319,6 +332,8 @@ class VllmEngine:
         point drafts as q = 1, sparse drafts with the edge's q as its draft probabilities)."""
         own = _own(kv)
         own.params, own.seed = self._sampling(config, vocab), config.seed
+        if config.grammar is not None:  # its place follows each request's tokens (LiveScheduler)
+            own.grammar, own.generated = self.grammars.start(config.grammar, []), config.grammar.generated
 
     def _sampling(self, config: SessionConfig, vocab: int) -> Any:
         """vLLM's sampling of a session; SessionRefused for one it cannot verify exactly (an
@@ -332,8 +347,6 @@ class VllmEngine:
                 f"the vllm engine verifies only exact accept modes (greedy, point, sparse), not "
                 f"{config.accept_mode.value}: use --accept-mode sparse or point"
             )
-        if config.grammar is not None:
-            raise SessionRefused("the vllm engine does not apply grammars: use --engine transformers or llama.cpp")
         sampling = config.sampling
         try:
             params = SamplingParams(
@@ -452,7 +465,7 @@ class VllmEngine:
             if len(work.base) > runtime.max_context_tokens:
                 work.error = VerifierFault("the session's tokens fill the context")
                 return
-            kv.live = runtime.start_live(work.base, kv.salt, self._seeded(kv, len(work.base)))
+            kv.live = runtime.start_live(work.base, kv.salt, self._seeded(kv, len(work.base)), *self._grammar(kv, work.base))
             return
         if self._prefilling(work, live):
             return
@@ -496,6 +509,15 @@ class VllmEngine:
             return
         self.runtime.wake(live, [], more, step.stops)
 
+    def _grammar(self, kv: VllmKV, base: list[int]) -> tuple[Constraint | None, int]:
+        """The session's grammar for a request of its tokens `base`, and where they enter it: its
+        first request's tokens are its prompt, whose last `generated` are the grammar's first."""
+        if kv.grammar is None:
+            return None, 0
+        if kv.grammar_start is None:
+            kv.grammar_start = len(base) - kv.generated
+        return kv.grammar, kv.grammar_start
+
     def _seeded(self, kv: VllmKV, position: int) -> Any:
         """The session's sampling for a request starting at `position`: seeded from its seed
         and the position, so its requests draw independently."""
@@ -505,6 +527,12 @@ class VllmEngine:
         if params.temperature > 0:
             params.seed = (kv.seed + LIVE_SEED_STRIDE * position) % (1 << 63)
         return params
+
+
+def _tokenizer_json(folder: Path) -> str:
+    """The model folder's tokenizer.json, which the verifier's grammars read too ("": none)."""
+    path = folder / "tokenizer.json"
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
 
 
 def _own(kv: SessionKV) -> VllmKV:

@@ -36,6 +36,7 @@ from shared.protocol import SparseDistribution
 
 if TYPE_CHECKING:
     from cloud.engine.vllm_scheduler import LiveScheduler
+    from shared.grammar import Constraint
 
 log = logging.getLogger("cloud-verifier")
 T = TypeVar("T")
@@ -137,8 +138,11 @@ class VllmRuntime:
 
     # ---- live requests (on vLLM's thread) ----------------------------------------------------
 
-    def start_live(self, prompt: list[int], salt: str, params: Any) -> LiveRequest:
-        """A session's live request: its prefill samples one token, then it parks."""
+    def start_live(
+        self, prompt: list[int], salt: str, params: Any, grammar: Constraint | None = None, start: int = 0
+    ) -> LiveRequest:
+        """A session's live request: its prefill samples one token, then it parks. Under a
+        `grammar` (its tokens from `start` on), every token it samples or verifies is masked."""
         from vllm import TokensPrompt
 
         from cloud.engine.vllm_scheduler import LIVE_PREFIX
@@ -154,6 +158,8 @@ class VllmRuntime:
         # which would build a RequestOutput for it each step, forgets it (the engine keeps it).
         self.llm.output_processor.abort_requests([live.engine_id], internal=True)
         self._live[live.engine_id] = live
+        if grammar is not None:
+            self.scheduler.constrain(live.engine_id, grammar, start)
         return live
 
     def wake(

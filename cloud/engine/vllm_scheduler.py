@@ -13,6 +13,15 @@ for a number of tokens:
   stop token.
 After the work's tokens the request is parked again.
 
+A live request of a session under a grammar (LiveGrammar: the session's place in it, and where
+the request's tokens enter it) has every row of its steps masked by the grammar: vLLM's engine
+core asks the scheduler for a step's grammar bitmask (`get_grammar_bitmask`) once it is
+scheduled, and its model runner applies it to the target's logits before its samplers, the
+rejection sampler's draft rows and bonus row included. The masks are the request's own: after
+its tokens, and after each draft the step verifies, so every token vLLM samples or verifies for
+it is the target's under the grammar. vLLM's own structured outputs (a grammar compiled per
+request from its start) cannot start a grammar midway, where a session's new request does.
+
 A step whose requests all decode on their own (streams, stretches) or carry K drafts can run
 as one uniform batch of 1 + K tokens a request, for which vLLM keeps its full CUDA graph (a
 step of one token a request runs its piecewise graph). Where `pad_limit` allows (that many
@@ -26,7 +35,8 @@ of the one before it come back, so a request's next token is not known when its 
 scheduled. A live request then takes no pads and none of vLLM's draft placeholders (its only
 drafts are the edge's), and a request whose work the scheduled tokens complete (a round, a
 prefill) parks at once. Until the outputs of its last step come back it is parked but
-settling: not scheduled, and not yet given new work.
+settling: not scheduled, and not yet given new work. A request under a grammar parks after
+every step: the masks of its next step follow the tokens this one samples.
 
 vLLM loads these classes in its engine core (`scheduler_cls`) and the verifier reaches them in
 the same process (the engine core runs in-process: cloud/engine/vllm_runtime.py). The scheduler
@@ -38,12 +48,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Any
 
+import numpy as np
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import remove_all
 from vllm.v1.request import Request, RequestStatus
+
+from shared.grammar import Constraint, GrammarRefused
 
 LIVE_PREFIX = "live-"  # the ids of live requests (the others are plain vLLM requests)
 # Set on a request when vLLM first schedules it: the prompt tokens its prefix cache served
@@ -61,6 +76,15 @@ class LiveWork:
     stops: frozenset[int] = field(default_factory=frozenset)
 
 
+@dataclass
+class LiveGrammar:
+    """A live request's grammar: its session's place in it (moved to the request's tokens before
+    each step), and the position of the request's tokens where the grammar starts."""
+
+    constraint: Constraint
+    start: int
+
+
 class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM's scheduler, with live requests parked between their pieces of work."""
 
@@ -73,6 +97,7 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         self.settling: dict[str, Request] = {}  # not scheduled, a step's outputs still to come
         self.work: dict[str, LiveWork] = {}
         self.draft_q: dict[str, list[DraftDistribution]] = {}  # a woken round's sparse drafts' distributions
+        self.grammars: dict[str, LiveGrammar] = {}  # the live requests under a grammar
         self.pad_limit = 0  # the most tokens a step padded to 1 + K a request may have (0: no pads)
         self.steps = 0  # steps scheduled that run the model
 
@@ -130,6 +155,11 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         self._park(request)
         return request_id in self.parked
 
+    def constrain(self, request_id: str, constraint: Constraint, start: int) -> None:
+        """Mask every row of the request's steps with `constraint`'s grammar, which its tokens
+        enter at `start`, from its next step on."""
+        self.grammars[request_id] = LiveGrammar(constraint, start)
+
     def is_parked(self, request_id: str) -> bool:
         """Parked with nothing in flight: ready for work."""
         return request_id in self.parked
@@ -166,6 +196,20 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
             if request is not None and not hasattr(request, CACHED_TOKENS):
                 setattr(request, CACHED_TOKENS, int(new.num_computed_tokens))
         return output
+
+    def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
+        """The masks of a scheduled step's live requests under a grammar, for the model runner
+        to apply to their logits: 1 + drafts rows each (a prompt's chunk that samples nothing
+        has none). Every request here is live: vLLM's own structured outputs have none."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        ids = [rid for rid in scheduled if rid in self.grammars and not self.requests[rid].is_prefill_chunk]
+        if not ids:
+            return super().get_grammar_bitmask(scheduler_output)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        rows = [_grammar_rows(self.requests[rid], self.grammars[rid], drafts.get(rid, ())) for rid in ids]
+        # vLLM 0.32's GrammarOutput also says how many drafts each mask covers, for its V2 model
+        # runner only: the edge's drafts run on the V1 runner (the custom_class proposer).
+        return GrammarOutput(ids, np.concatenate(rows))
 
     def _scheduled_draft_q(self, scheduled: dict[str, list[int]]) -> dict[str, list[DraftDistribution]]:
         """The distributions of the sparse drafts this step verifies (as many as vLLM scheduled
@@ -235,6 +279,7 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         for request_id in ids:
             self.work.pop(request_id, None)
             self.draft_q.pop(request_id, None)
+            self.grammars.pop(request_id, None)
             parked = self.parked.pop(request_id, None) or self.settling.pop(request_id, None)
             if parked is not None:  # finished from the running list, as vLLM expects
                 self.running.append(parked)
@@ -262,7 +307,8 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
     def _update_after_schedule(self, scheduler_output: Any) -> None:
         """After vLLM's own bookkeeping of a step: the scheduled requests drop vLLM's draft
         placeholders, and those whose work the step's tokens complete park now (they settle
-        when its outputs come back)."""
+        when its outputs come back), as do those under a grammar: the masks of their next step
+        need the tokens this one samples, which the step scheduled next would not wait for."""
         super()._update_after_schedule(scheduler_output)
         done = set()
         for request_id in scheduler_output.num_scheduled_tokens:
@@ -271,9 +317,25 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
                 continue
             request.spec_token_ids = []
             work = self.work.get(request_id)
-            if work is not None and _due(request) >= work.until:
+            if work is not None and (_due(request) >= work.until or request_id in self.grammars):
                 done.add(request)
         self._park_all(done)
+
+
+def _grammar_rows(request: Request, grammar: LiveGrammar, drafts: list[int]) -> np.ndarray:  # [1 + drafts, words] int32
+    """Row i allows what the grammar allows after the request's tokens and drafts[:i]. A padding
+    draft of vLLM's (-1: rejected) and the rows after it allow everything, as do the rows of a
+    request whose tokens went on past a stop id (the verifier refuses the session's next round
+    there; a raise here would end vLLM's engine)."""
+    constraint = grammar.constraint
+    rows = np.full((1 + len(drafts), constraint.vocab.words), -1, dtype=np.int32)
+    valid = list(takewhile(lambda token: token >= 0, drafts))
+    try:
+        constraint.sync(request.all_token_ids[grammar.start :])
+    except GrammarRefused:
+        return rows
+    rows[: 1 + len(valid)] = constraint.mask_rows(valid)
+    return rows
 
 
 def _prefilling(request: Request) -> bool:
