@@ -60,8 +60,8 @@ def test_greedy_under_a_schema_equals_the_target_alone(bpe: Bpe, engine: TargetE
 
 
 @pytest.mark.parametrize("mode", [AcceptMode.POINT, AcceptMode.SPARSE], ids=["point", "sparse"])
-def test_sampling_under_a_grammar_follows_the_constrained_target(bpe: Bpe, folder: Path, mode: AcceptMode) -> None:
-    asyncio.run(check_sampling_follows_the_constrained_target(bpe, TargetEngine("vllm", bpe.target, folder=folder), mode))
+def test_sampling_under_a_grammar_follows_the_constrained_target(bpe: Bpe, engine: TargetEngine, mode: AcceptMode) -> None:
+    asyncio.run(check_sampling_follows_the_constrained_target(bpe, engine, mode))
 
 
 def _grammar(bpe: Bpe, schema: str) -> Grammar:
@@ -146,6 +146,6 @@ def test_grammar_sessions_in_the_engine_process_equal_the_target_alone(bpe: Bpe,
                 result = verifier.verify(VerifyRequest(session_id, position, drafts))
                 tokens += [*drafts[: result.accepted_len], result.next_token]
                 position = result.new_base_position
-            assert tokens == reference
+            assert tokens[: len(reference)] == reference  # past the stop id, the grammar says nothing
     finally:
         engine.close()
