@@ -29,7 +29,7 @@ from tests.grammar_cases import (
     check_sampling_follows_the_constrained_target,
     constrained_greedy,
 )
-from tests.harness import VLLM_CONTEXT, TargetEngine
+from tests.harness import VLLM_CONTEXT, TargetEngine, padded_steps
 from tests.ops import greedy_continuation
 from tests.tiny_models import llama_bpe_tokenizer, tiny_vllm_target
 
@@ -81,9 +81,10 @@ def _live(verifier: Verifier, session_id: str) -> object:
 
 
 def test_drafts_the_grammar_refuses_are_rejected_at_their_own_rows(bpe: Bpe, engine: TargetEngine) -> None:
-    """Rounds drafting the target's own free greedy tokens: each draft the grammar refuses is
-    rejected (however likely the target finds it) and corrected by the target's token under the
-    grammar, so the session's tokens are the target alone under the grammar."""
+    """Rounds drafting two of the target's tokens under the grammar, then its own free greedy
+    tokens: a free draft the grammar refuses is rejected at its own row (however likely the
+    target finds it) and corrected by the target's token under the grammar, so the session's
+    tokens are the target alone under the grammar."""
     grammar = _grammar(bpe, "enum-and-bounded-int")
     prompt = PROMPTS[0]
     reference = constrained_greedy(bpe.target, prompt, grammar.start(STOP), 64)
@@ -92,12 +93,13 @@ def test_drafts_the_grammar_refuses_are_rejected_at_their_own_rows(bpe: Bpe, eng
     tokens: list[int] = []
     refused = 0
     while len(tokens) < len(reference) and not STOP.intersection(tokens):
-        drafts = greedy_continuation(bpe.target, prompt + tokens, 4)
+        head = reference[len(tokens) : len(tokens) + 2]
+        drafts = head + greedy_continuation(bpe.target, prompt + tokens + head, 3)
         result = verifier.verify(VerifyRequest(session_id, position, drafts))
-        refused += result.accepted_len < len(drafts)  # the target's own argmax: only its grammar refuses it
+        refused += len(head) <= result.accepted_len < len(drafts)  # the target's argmax: only its grammar refuses it
         tokens += [*drafts[: result.accepted_len], result.next_token]
         position = result.new_base_position
-    assert tokens == reference[: len(tokens)] and tokens[-1] in STOP
+    assert tokens[: len(reference)] == reference
     assert refused >= 2, "the target's free tokens leave the grammar"
 
 
@@ -127,6 +129,25 @@ def test_a_session_restarted_or_opened_midway_goes_on_under_its_grammar(bpe: Bpe
         position = result.new_base_position
     result = verifier.verify(VerifyRequest(session_id, position, reference[16:20]))
     assert (result.accepted_len, result.next_token) == (4, reference[20])
+
+
+def test_steps_padded_to_k_drafts_stay_under_the_grammar(bpe: Bpe, folder: Path) -> None:
+    """Steps padded to K drafts (a GPU's full CUDA graphs): a grammar session's pads are drafts
+    masked at their rows like the edge's, so its tokens, a step each, are the target's alone
+    under the grammar, and the steps ran with pads."""
+    grammar = _grammar(bpe, "nested-array")
+    verifier = Verifier(TargetEngine("vllm", bpe.target, folder=folder)(), "tiny", tokenizer=bpe.card)
+    with padded_steps(verifier.engine) as padded:
+        for prompt in PROMPTS:
+            reference = constrained_greedy(bpe.target, prompt, grammar.start(STOP), 64)
+            session_id, position = _open(verifier, bpe, prompt, grammar)
+            tokens: list[int] = []
+            while not STOP.intersection(tokens) and len(tokens) < len(reference):
+                result = verifier.verify(VerifyRequest(session_id, position, []))
+                tokens.append(result.next_token)
+                position = result.new_base_position
+            assert tokens == reference
+    assert sum(padded) > 0
 
 
 def test_grammar_sessions_in_the_engine_process_equal_the_target_alone(bpe: Bpe, folder: Path) -> None:
