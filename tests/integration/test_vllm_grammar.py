@@ -131,6 +131,24 @@ def test_a_session_restarted_or_opened_midway_goes_on_under_its_grammar(bpe: Bpe
     assert (result.accepted_len, result.next_token) == (4, reference[20])
 
 
+def test_a_new_request_cached_but_for_its_last_token_stays_under_the_grammar(bpe: Bpe, engine: TargetEngine) -> None:
+    """A round asking for the target's top-k gets the session a new request (one that returns
+    rows), whose prompt's whole blocks are cached but for its last token: vLLM 0.32 runs that
+    step with placeholder drafts (-1), whose rows the grammar leaves open; the token its first
+    row gives is the target's under the grammar."""
+    grammar = _grammar(bpe, "nested-array")
+    prompt = [(7 * i) % 250 + 3 for i in range(28)]  # with 5 tokens more, one whole block of 32 computed
+    reference = constrained_greedy(bpe.target, prompt, grammar.start(STOP), 12)
+    verifier = Verifier(engine(), "tiny", tokenizer=bpe.card)
+    session_id, position = _open(verifier, bpe, prompt, grammar)
+    tokens: list[int] = []
+    for top_k in [0] * 5 + [4, 0]:
+        result = verifier.verify(VerifyRequest(session_id, position, [], want_top_k=top_k))
+        tokens.append(result.next_token)
+        position = result.new_base_position
+    assert tokens == reference[: len(tokens)]
+
+
 def test_steps_padded_to_k_drafts_stay_under_the_grammar(bpe: Bpe, folder: Path) -> None:
     """Steps padded to K drafts (a GPU's full CUDA graphs): a grammar session's pads are drafts
     masked at their rows like the edge's, so its tokens, a step each, are the target's alone
