@@ -46,7 +46,7 @@ names (pinned in pyproject.toml), where the model runner's side of the hand-over
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import Any
@@ -322,7 +322,7 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
         self._park_all(done)
 
 
-def _grammar_rows(request: Request, grammar: LiveGrammar, drafts: list[int]) -> np.ndarray:  # [1 + drafts, words] int32
+def _grammar_rows(request: Request, grammar: LiveGrammar, drafts: Sequence[int]) -> np.ndarray:  # [1 + drafts, words] int32
     """Row i allows what the grammar allows after the request's tokens and drafts[:i]. A padding
     draft of vLLM's (-1: rejected) and the rows after it allow everything, as do the rows of a
     request whose tokens went on past a stop id (the verifier refuses the session's next round
