@@ -114,7 +114,13 @@ class Verifier:
             note_prefixes=self.limits.reuse_prefixes and engine.caches_prefixes,
         )
         self.checks = RequestChecks(self.limits, self.model_vocab)
-        self.grammars = SessionGrammars(tokenizer.source if tokenizer else "", engine.logits_width)
+        # an engine that masks with grammars itself (vLLM) holds the one vocabulary: built once
+        own = getattr(engine, "grammars", None)
+        self.grammars = (
+            own
+            if isinstance(own, SessionGrammars)
+            else SessionGrammars(tokenizer.source if tokenizer else "", engine.logits_width)
+        )
         self.step = BatchStep(engine)
         self.scopes = ReuseScopes(_reuse_mode(self.limits))
 
