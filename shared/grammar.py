@@ -52,11 +52,14 @@ class GrammarRefused(InvalidParameter):
     """A grammar that does not compile, or costs more than the limits allow."""
 
 
-def json_schema_grammar(schema: dict[str, Any], *, compact: bool = True) -> str:
+def json_schema_grammar(schema: dict[str, Any], *, compact: bool = False) -> str:
     """The grammar of JSON values valid under `schema` (Draft 2020-12, llguidance's subset:
     objects with properties in the schema's order, arrays, enums, consts, anyOf, local $refs,
-    string patterns and formats, number bounds). compact: no whitespace between tokens (what a
-    model writes most likely is then the only choice, and forced tokens ride free)."""
+    string patterns and formats, number bounds). Whitespace between tokens as the model lays
+    the value out (as vLLM's server allows by default): a model writes what it writes most
+    likely, so drafts pass, where forcing another layout costs acceptance (measured: tau 8.0
+    with the model's layout, 4.4 compact, on the packaged pair). Compact: no whitespace, every
+    brace, quote and key name the only choice where it stands."""
     from llguidance import LLMatcher
 
     try:

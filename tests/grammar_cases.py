@@ -126,7 +126,7 @@ def valid(bpe: Bpe, tokens: list[int], schema: dict) -> None:  # type: ignore[ty
 async def check_greedy_equals_the_target_alone(bpe: Bpe, engine: TargetEngine, schema: str) -> None:
     """cloud_only, speculative and auto-mode greedy output under the schema equal the target
     alone under it, token for token, for every prompt and k policy."""
-    grammar = bpe.vocab.compile(json_schema_grammar(SCHEMAS[schema]))
+    grammar = bpe.vocab.compile(json_schema_grammar(SCHEMAS[schema], compact=True))
     async with running_verifier(engine, tokenizer=bpe.card) as (client, _):
         for prompt in PROMPTS:
             reference = constrained_greedy(bpe.target, prompt, grammar.start(STOP), 128)
@@ -170,7 +170,7 @@ async def check_sampling_follows_the_constrained_target(bpe: Bpe, engine: Target
     """TRIALS speculative generations under ENUM, each its own seed: only outputs the grammar
     allows, in the frequencies the target's constrained distribution gives them (chi-square)."""
     params = SamplingParams(temperature=1.0)
-    grammar = bpe.vocab.compile(json_schema_grammar(ENUM))
+    grammar = bpe.vocab.compile(json_schema_grammar(ENUM, compact=True))
     prompt = PROMPTS[1]
     expected = enum_paths(bpe, prompt, grammar.start(STOP), params)
     assert abs(sum(expected.values()) - 1.0) < 1e-4

@@ -51,7 +51,7 @@ def test_greedy_under_a_schema_equals_the_target_alone(bpe: Bpe, engine: TargetE
 
 def test_a_llamacpp_drafter_drafts_under_the_grammar(bpe: Bpe, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The llama.cpp draft runtime (numpy logits, as the laptop runs it) under the grammar."""
-    grammar = bpe.vocab.compile(json_schema_grammar(SCHEMAS["nested-array"]))
+    grammar = bpe.vocab.compile(json_schema_grammar(SCHEMAS["nested-array"], compact=True))
     lm = gguf_lm(bpe.draft, tmp_path)
 
     async def run() -> None:
@@ -69,7 +69,7 @@ def test_a_llamacpp_drafter_drafts_under_the_grammar(bpe: Bpe, tmp_path) -> None
 def test_forced_tokens_are_drafted_without_a_forward_pass(bpe: Bpe) -> None:
     """The object's braces, quotes and key names are the only tokens the grammar allows where
     they stand: they ride in the draft (q = 1, source "grammar") and are all accepted."""
-    grammar = bpe.vocab.compile(json_schema_grammar(SCHEMAS["enum-and-bounded-int"]))
+    grammar = bpe.vocab.compile(json_schema_grammar(SCHEMAS["enum-and-bounded-int"], compact=True))
 
     async def run() -> None:
         async with running_verifier(TargetEngine("transformers", bpe.target), tokenizer=bpe.card) as (client, _):
@@ -91,7 +91,7 @@ def test_sampling_under_a_grammar_follows_the_constrained_target(bpe: Bpe, mode:
 
 
 def test_a_verifier_refuses_bad_grammars_alone(bpe: Bpe) -> None:
-    grammar = bpe.vocab.compile(json_schema_grammar(SCHEMAS["any-of"]))
+    grammar = bpe.vocab.compile(json_schema_grammar(SCHEMAS["any-of"], compact=True))
 
     async def run() -> None:
         async with running_verifier(TargetEngine("transformers", bpe.target), tokenizer=bpe.card) as (client, _):

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from tests.serve_procs import SERVE_READY, Server, serve_cmd, start, start_verifier
 from tests.tiny_models import llama_bpe_tokenizer, save_convertible_pair
@@ -26,11 +26,15 @@ TEMPLATE = (
     "{% if tools %}<s>tools:{% for t in tools %} {{ t | tojson }}{% endfor %}</s>{% endif %}"
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant:"
 )
+# compact (llguidance's x-guidance option): a random model, free to lay the JSON out, pads it
+# with whitespace until max_tokens
+COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 SCHEMA = {
     "type": "object",
     "properties": {"x": {"enum": ["ab", "cd", "abcd"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
     "required": ["x", "n"],
     "additionalProperties": False,
+    **COMPACT,
 }
 WEATHER = {
     "type": "function",
@@ -174,6 +178,8 @@ def test_a_schema_the_grammar_engine_refuses_is_a_400(client: OpenAI) -> None:
 
 class Thing(BaseModel):
     """SCHEMA as a pydantic model, as LangChain's structured output takes one."""
+
+    model_config = ConfigDict(json_schema_extra=COMPACT)
 
     x: Literal["ab", "cd", "abcd"]
     n: int = Field(ge=0, le=99)

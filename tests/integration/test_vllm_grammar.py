@@ -65,7 +65,7 @@ def test_sampling_under_a_grammar_follows_the_constrained_target(bpe: Bpe, engin
 
 
 def _grammar(bpe: Bpe, schema: str) -> Grammar:
-    return bpe.vocab.compile(json_schema_grammar(SCHEMAS[schema]))
+    return bpe.vocab.compile(json_schema_grammar(SCHEMAS[schema], compact=True))
 
 
 def _open(verifier: Verifier, bpe: Bpe, prompt: list[int], grammar: Grammar, generated: int = 0) -> tuple[str, int]:

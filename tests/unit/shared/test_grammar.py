@@ -52,7 +52,9 @@ def test_sync_moves_to_any_committed_sequence(vocab: GrammarVocab) -> None:
 
 
 def test_a_token_the_grammar_allows_alone_is_forced(vocab: GrammarVocab) -> None:
-    grammar = vocab.compile(json_schema_grammar({"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}))
+    grammar = vocab.compile(
+        json_schema_grammar({"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}, compact=True)
+    )
     constraint = grammar.start([STOP])
     forced = []
     while (token := constraint.forced()) is not None:
@@ -71,8 +73,21 @@ def test_grammars_past_the_limits_are_refused(vocab: GrammarVocab) -> None:
         vocab.compile(lark_grammar("start: %json{"))
     big = {"type": "object", "properties": {f"p{i}": {"enum": [f"v{j}" for j in range(60)]} for i in range(300)}}
     with pytest.raises(GrammarRefused):  # too many grammar symbols for the limits
-        vocab.compile(json_schema_grammar(big))
+        vocab.compile(json_schema_grammar(big, compact=True))
     with pytest.raises(GrammarRefused, match="not a JSON schema"):
-        json_schema_grammar({"type": "integer", "minimum": 10**40})
+        json_schema_grammar({"type": "integer", "minimum": 10**40}, compact=True)
     with pytest.raises(GrammarRefused, match="ids that end"):
         vocab.compile(lark_grammar('start: "a"')).start([])
+
+
+def test_json_takes_the_models_layout_unless_compact(vocab: GrammarVocab) -> None:
+    schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}
+    space = llama_bpe_tokenizer().convert_tokens_to_ids("▁")
+
+    def takes(text: str, compact: bool = False) -> bool:  # a token a character: none of these has a merge
+        ids = [space if char == " " else _byte(char) for char in text]
+        constraint = vocab.compile(json_schema_grammar(schema, compact=compact)).start([STOP])
+        return constraint.valid_prefix([*ids, STOP]) == len(ids) + 1
+
+    assert takes('{"k":7}') and takes('{\n  "k": 7\n}') and takes('{ "k" : 7 }')
+    assert takes('{"k":7}', compact=True) and not takes('{"k": 7}', compact=True)
