@@ -152,21 +152,23 @@ class TextPart(_Strict):
     text: str
 
 
+def json_object_text(value: str) -> str:
+    """A call's arguments, as OpenAI sends them: the text of one JSON object."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
     arguments: str
 
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, value: str) -> str:
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise ValueError("not a JSON object")
-        return value
+    _arguments = field_validator("arguments")(json_object_text)
 
 
 class AssistantToolCall(BaseModel):

@@ -13,7 +13,6 @@ are this server's extensions, as in chat requests.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from edge.serve.openai_api import ChatRequest, Speculative, StreamOptions, parse_request, refuse
+from edge.serve.openai_api import ChatRequest, Speculative, StreamOptions, json_object_text, parse_request, refuse
 from edge.serve.structured import NAME_PATTERN
 from edge.serve.tagged import tagged
 from shared.errors import InvalidParameter
@@ -63,16 +62,7 @@ class FunctionCallItem(_Loose):
     name: str
     arguments: str
 
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, value: str) -> str:
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise ValueError("not a JSON object")
-        return value
+    _arguments = field_validator("arguments")(json_object_text)
 
 
 class FunctionCallOutputItem(_Loose):
