@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from edge.serve.openai_api import ChatRequest, Speculative, StreamOptions, json_object_text, parse_request, refuse
-from edge.serve.structured import NAME_PATTERN
+from edge.serve.structured import NAME_PATTERN, JsonObjectFormat, TextFormat
 from edge.serve.tagged import tagged
 from shared.errors import InvalidParameter
 
@@ -109,14 +109,6 @@ else:
         {"str": Literal["none", "auto", "required"], "function": NamedFunction, "allowed_tools": AllowedTools},
         'one of "none", "auto", "required", {"type": "function", "name": ...} or {"type": "allowed_tools", ...}',
     )
-
-
-class TextFormat(_Strict):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(_Strict):
-    type: Literal["json_object"]
 
 
 class JsonSchemaFormat(_Strict):
