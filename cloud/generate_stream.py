@@ -89,7 +89,7 @@ class GenerateStream:
         session = self.session
         assert session is not None  # the first step stored it
         rule = RoundRule.next_token(session.config, self.vocab, session.tokens, session.generator)
-        if session.constraint is None:
+        if session.constraint is None or self.engine.applies_grammars:
             return rule
         session.constraint.sync(session.tokens[session.prompt_len :])  # its own draws: under the grammar
         return replace(rule, grammar_rows=session.constraint.mask_rows([]))

@@ -187,7 +187,9 @@ class Verifier:
         first = VerifyRequest(session_id, len(session.tokens), [])
         position = len(session.tokens)
         vocab = self.checks.vocab(session.config)
-        token = _Round(self.sessions, self.engine, first, session, vocab, prefill.start, position, _grammar_rows(session, first))
+        token = _Round(
+            self.sessions, self.engine, first, session, vocab, prefill.start, position, _grammar_rows(session, first, self.engine)
+        )
         opened = _OpenedRound(prefill, token)
         ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position, session)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
@@ -270,7 +272,7 @@ class Verifier:
         start = time.perf_counter()
         session = self.sessions.get(req.session_id, owner)
         self.checks.verify(req, session)
-        rows = _grammar_rows(session, req)  # before any KV is reserved: a token off the grammar is refused
+        rows = _grammar_rows(session, req, self.engine)  # before any KV is reserved: a token off the grammar is refused
         grows = len(req.committed_tokens) + len(req.draft_tokens) + 1
         self.sessions.reserve(grows, keep=session.session_id, owner=owner, scope=session.scope)
         # Rows for the last committed token and each draft: k + 1 predictions.
@@ -432,14 +434,14 @@ def _ahead(stretch: DecodeStretchStep | None, room: int, session: Session) -> tu
     return max(min(stretch.tokens, room), 1), stretch.stops
 
 
-def _grammar_rows(session: Session, req: VerifyRequest) -> np.ndarray | None:
-    """The masks of a round's rows under its session's grammar (None: no grammar): after the
-    committed tokens and catch-up, and after each draft (GrammarRefused: a catch-up token off
-    the grammar)."""
+def _grammar_rows(session: Session, req: VerifyRequest, engine: Engine) -> np.ndarray | None:
+    """The masks of a round's rows under its session's grammar (None: no grammar, or an engine
+    that masks by itself): after the committed tokens and catch-up, and after each draft
+    (GrammarRefused: a catch-up token off the grammar, whichever engine)."""
     if session.constraint is None:
         return None
     session.constraint.sync([*session.tokens[session.prompt_len :], *req.committed_tokens])
-    return session.constraint.mask_rows(req.draft_tokens)
+    return None if engine.applies_grammars else session.constraint.mask_rows(req.draft_tokens)
 
 
 def _prefix_acceptance(accept_probs: torch.Tensor, accepted_len: int) -> float | None:

@@ -118,6 +118,9 @@ class Engine(Protocol):
     # True: a session may decode past its step in the engine's own loop, and a stream can
     # follow those tokens (follow); False: each token is a step
     decodes_ahead: bool
+    # True: the engine masks a grammar session's every row itself (vLLM's scheduler); False:
+    # the rejection sampler applies the masks each RoundRule carries (grammar_rows)
+    applies_grammars: bool
 
     def plan_kv(self, request: KVRequest) -> KVPlan:
         """Hold the KV for these limits (a pool, when the layout has one); called once, first."""

@@ -25,6 +25,7 @@ class ForwardEngine(ABC):
 
     caches_prefixes = False  # the verifier keeps closed sessions' KV (cloud/prefix_cache.py)
     decodes_ahead = False
+    applies_grammars = False  # the rejection sampler masks with the rounds' grammar rows
     sampler = RejectionSampler()  # stateless: every session's randomness is its own generator
 
     def cached_tokens(self, kv: SessionKV) -> int:

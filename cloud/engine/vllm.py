@@ -248,6 +248,7 @@ class VllmEngine:
     name: EngineName = "vllm"
     caches_prefixes = True  # its prefix cache, salted by each session's scope
     decodes_ahead = True
+    applies_grammars = True  # its scheduler masks every row (cloud/engine/vllm_scheduler.py)
 
     def __init__(self, runtime: VllmRuntime, owns_runtime: bool = True) -> None:
         config = runtime.llm.model_config

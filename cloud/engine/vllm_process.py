@@ -57,6 +57,7 @@ class ProcessEngine:
     name: EngineName = "vllm"
     caches_prefixes = True
     decodes_ahead = True
+    applies_grammars = True
 
     def __init__(self, options: VllmOptions) -> None:
         context = multiprocessing.get_context("spawn")  # CUDA and vLLM's threads: never forked
