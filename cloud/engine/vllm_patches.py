@@ -37,6 +37,7 @@ class NoDrafts:
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
         _hand_edge_draft_probs()
+        _sample_plainly_without_drafts()
         _step_async_without_proposer()
         _mend_cpu_expand()
         _skip_empty_constraints()
@@ -82,6 +83,29 @@ def _step_async_without_proposer() -> None:
     _bookkeeping_sync.keeps_first_token = True  # type: ignore[attr-defined]
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     GPUModelRunner.execute_model = execute_model
+
+
+def _sample_plainly_without_drafts() -> None:
+    """vLLM's model runner sends every step through its rejection sampler once speculative
+    decoding is on, a step without a draft included: that copies every row of the step's logits
+    and, with the processed logprobs the verifier's top-k rows need, takes a log-softmax of
+    each (vLLM's sampler does not pass the rejection sampler's mode down to its sampling), which
+    on a CPU costs as much as the model's step. A step that verifies no draft (every request
+    decoding on its own, prompts) samples with vLLM's plain sampler instead, as an engine without
+    speculative decoding does: the same draws from the same rows and generators."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample = GPUModelRunner._sample
+    if getattr(sample, "plain_without_drafts", False):
+        return
+
+    def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            spec_decode_metadata = None
+        return sample(self, logits, spec_decode_metadata)
+
+    _sample.plain_without_drafts = True  # type: ignore[attr-defined]
+    GPUModelRunner._sample = _sample
 
 
 def _hand_edge_draft_probs() -> None:
