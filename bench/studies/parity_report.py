@@ -105,7 +105,8 @@ def _step_lines(result: dict[str, Any] | None) -> list[str]:
     ]
     for row in result["rows"]:
         ratio = row["live_over_plain"]
-        lines.append(f"| {row['requests']} | {row['plain_ms']:.2f} | {row['live_ms']:.2f} | {ratio:.2f}x {_mark(ratio <= GOALS['step'])} |")
+        met = _mark(ratio <= GOALS["step"])
+        lines.append(f"| {row['requests']} | {row['plain_ms']:.2f} | {row['live_ms']:.2f} | {ratio:.2f}x {met} |")
     return [*lines, ""]
 
 
