@@ -52,6 +52,7 @@ class BatchLimits:
 
 PREFILL_TOKENS = 32  # a pass feeding this many tokens or more measures prefill throughput
 MARGIN = 1.25  # estimates are compared with deadlines after this factor: a pass may run slower than the last ones
+RETURN_WAIT = 0.25  # the share of a pass's time its sessions' next steps are waited for (their replies' round trips)
 
 
 def _ema(old: float, new: float) -> float:
@@ -114,6 +115,7 @@ class ForwardBatcher:
         self.cost = ForwardCost()
         self._running_until = 0.0  # when the pass running now should end (perf_counter)
         self._last_owners: frozenset[str] = frozenset()  # whose steps ran in the last pass
+        self._last_ended = 0.0  # when it ended (perf_counter)
         self.rate = TokenRate(limits.per_key.tokens_per_s)
 
     async def submit(
@@ -216,7 +218,8 @@ class ForwardBatcher:
                 if isinstance(err, asyncio.CancelledError):
                     raise
                 continue
-            elapsed_ms = (time.perf_counter() - started) * 1000.0
+            self._last_ended = time.perf_counter()
+            elapsed_ms = (self._last_ended - started) * 1000.0
             self._batch_ms = _ema(self._batch_ms, elapsed_ms)
             self.metrics.busy_time.inc(elapsed_ms / 1000.0)
             self.metrics.forward_passes.inc()
@@ -238,8 +241,13 @@ class ForwardBatcher:
         """Give the oldest step up to max_batch_wait_ms for others to join it, unless every
         session of the last pass has its next step waiting already: a lone Decode stream or a
         lone session's next round expects no company, and waiting would add the window to each
-        of its tokens."""
+        of its tokens. While sessions of the last pass are still coming back (their replies
+        and next rounds cross the network one after the other), they are waited for up to
+        RETURN_WAIT of a pass's time: a session that misses the pass would wait for all of the
+        next one."""
         deadline = self._waiting[0].submitted + self.limits.max_batch_wait_ms / 1000.0
+        if self._last_owners:
+            deadline = max(deadline, self._last_ended + RETURN_WAIT * self._batch_ms / 1000.0)
         while (
             len(self._waiting) < self.limits.max_batch_size
             and not self._all_back()
