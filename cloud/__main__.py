@@ -84,10 +84,9 @@ def _vllm_verifier(settings: VerifierSettings) -> Verifier:
     cuda = torch.cuda.is_available()
     dtype = choose_dtype(settings.dtype, "cuda" if cuda else "cpu")
     options = vllm_options(settings, folder, dtype.name, cuda)
-    in_child = cuda if settings.vllm_engine_process is None else settings.vllm_engine_process
-    engine: VllmEngine | ProcessEngine = ProcessEngine(options) if in_child else VllmEngine(VllmRuntime(options))
-    if settings.vllm_async_scheduling and not cuda:
-        log.warning("--vllm-async-scheduling on a CPU: the model runs on the thread that schedules, so no step overlaps")
+    engine: VllmEngine | ProcessEngine = (
+        ProcessEngine(options) if settings.vllm_engine_process else VllmEngine(VllmRuntime(options))
+    )
     facts = engine.describe()
     threads, scheduling = facts.get("threads"), facts["scheduling"]  # threads: on a CPU
     where = f"{dtype.name} ({dtype.reason})" + (f", {threads} CPU threads" if threads else "") + f", {scheduling} scheduling"

@@ -92,6 +92,7 @@ class _Waiting:
     admitting: bool = False  # a new session's prefill: refused (not run late) when it cannot meet its deadline
     key: str = ""  # the API key it runs for
     chunk: int = 0  # tokens fed per pass (0 = all at once)
+    round_trip: bool = False  # its owner's next step comes over the network after this one's reply
     step: ForwardStep[Any] | None = None  # once begun: what is left of it (chunked prefills)
 
     @property
@@ -115,6 +116,7 @@ class ForwardBatcher:
         self.cost = ForwardCost()
         self._running_until = 0.0  # when the pass running now should end (perf_counter)
         self._last_owners: frozenset[str] = frozenset()  # whose steps ran in the last pass
+        self._returning: frozenset[str] = frozenset()  # of those, the ones whose next step crosses the network
         self._last_ended = 0.0  # when it ended (perf_counter)
         self.rate = TokenRate(limits.per_key.tokens_per_s)
 
@@ -126,19 +128,22 @@ class ForwardBatcher:
         deadline: float | None = None,
         admitting: bool = False,
         key: str = "",
+        round_trip: bool = False,
     ) -> R:
         """Run begin() and its forward pass in the next batch with room (a long prefill: in
         chunks over several passes); the step's result. `deadline` (perf_counter time) is
         when the caller stops waiting; with `admitting` (a new session) a step that cannot
-        finish by then is refused rather than run late. `key` is the API key it runs for."""
+        finish by then is refused rather than run late. `key` is the API key it runs for.
+        `round_trip`: the owner's next step comes from its client once this one's reply
+        reaches it (a Verify round, a new session's prefill), and the next pass waits a while
+        for it (_gather)."""
         self._check_queue(key)
         if admitting and deadline is not None:
             self._admit(tokens, deadline)
         self.rate.take(key, tokens)
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._waiting.append(
-            _Waiting(owner, tokens, begin, time.perf_counter(), future, deadline, admitting, key, self.limits.max_prefill_chunk)
-        )
+        chunk, now = self.limits.max_prefill_chunk, time.perf_counter()
+        self._waiting.append(_Waiting(owner, tokens, begin, now, future, deadline, admitting, key, chunk, round_trip))
         self.metrics.queue_depth.set(len(self._waiting))
         self._arrived.set()
         if self._runner is None or self._runner.done():
@@ -205,6 +210,7 @@ class ForwardBatcher:
             if not batch:
                 continue
             self._last_owners = frozenset(w.owner for w in batch)
+            self._returning = frozenset(w.owner for w in batch if w.round_trip)
             self.metrics.queue_depth.set(len(self._waiting))
             started = time.perf_counter()
             fed = sum(w.tokens for w in batch)
@@ -241,12 +247,12 @@ class ForwardBatcher:
         """Give the oldest step up to max_batch_wait_ms for others to join it, unless every
         session of the last pass has its next step waiting already: a lone Decode stream or a
         lone session's next round expects no company, and waiting would add the window to each
-        of its tokens. While sessions of the last pass are still coming back (their replies
-        and next rounds cross the network one after the other), they are waited for up to
-        RETURN_WAIT of a pass's time: a session that misses the pass would wait for all of the
-        next one."""
+        of its tokens. While sessions of the last pass are still coming back from their clients
+        (their replies and next rounds cross the network one after the other), they are waited
+        for up to RETURN_WAIT of a pass's time after it: one that misses the pass would wait for
+        all of the next one."""
         deadline = self._waiting[0].submitted + self.limits.max_batch_wait_ms / 1000.0
-        if self._last_owners:
+        if self._returning - {w.owner for w in self._waiting}:
             deadline = max(deadline, self._last_ended + RETURN_WAIT * self._batch_ms / 1000.0)
         while (
             len(self._waiting) < self.limits.max_batch_size

@@ -62,11 +62,11 @@ class VerifierSettings(BaseSettings):
         "(where the step still fits the largest graph)",
     )
     vllm_async_scheduling: bool = Field(
-        False,
+        True,
         description="--engine vllm: vLLM schedules each step while the one before it runs, as it does for its own "
-        "proposers, so that its Python work per step overlaps the GPU's. Steps are then not padded "
+        "proposers, so that its Python work per step overlaps the model's. Steps are then not padded "
         "(--pad-decode-steps does nothing), and a stream may decode one token past its stop token (kept for "
-        "the session's next steps). Exact like the default; on a CPU it gains nothing",
+        "the session's next steps). Exact like --no-vllm-async-scheduling, which steps synchronously",
     )
     vllm_cudagraph_mode: Literal["auto", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE"] = Field(
         "auto",
@@ -75,12 +75,11 @@ class VerifierSettings(BaseSettings):
         "(FULL_AND_PIECEWISE) runs as a full graph; FULL runs steps of any shape as full graphs where the "
         "attention backend allows it (vLLM falls back and says so where it does not). auto: vLLM's choice",
     )
-    vllm_engine_process: bool | None = Field(
-        None,
+    vllm_engine_process: bool = Field(
+        True,
         description="--engine vllm: vLLM (its engine core, scheduler and model runner) in a child process, so that "
         "its work per step and the serving (gRPC, the batcher, streams) do not take turns on one interpreter; "
-        "--no-vllm-engine-process keeps it in the verifier's process, on a thread of its own (default: a child "
-        "on a GPU, the verifier's process on a CPU)",
+        "--no-vllm-engine-process keeps it in the verifier's process, on a thread of its own",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="--engine vllm on a GPU: the share of each GPU's memory vLLM takes (weights and KV)"

@@ -53,13 +53,13 @@ class SessionCalls:
     async def open(self, req: OpenSessionRequest) -> OpenSessionResult:
         """A new session: its prefill is one more step for the batcher (rounds of open sessions
         share its forward passes), held from eviction by its id while its chunks run."""
-        return await self._opening(req, self.verifier.begin_open)
+        return await self._opening(req, self.verifier.begin_open, round_trip=True)
 
     async def verify(self, req: VerifyRequest, stretch: DecodeStretchStep | None = None) -> VerifyResult:
         """One round (the caller holds its session from eviction), or a token of a stretch."""
         tokens = len(req.committed_tokens) + len(req.draft_tokens) + 1
         begin = partial(self.verifier.begin_verify, req, self.key, stretch)
-        return await self.batcher.submit(req.session_id, tokens, begin, self.deadline, key=self.key)
+        return await self.batcher.submit(req.session_id, tokens, begin, self.deadline, key=self.key, round_trip=stretch is None)
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         """A Decode stretch of up to `max_tokens` tokens. A call that opens its session gets the
@@ -156,9 +156,12 @@ class SessionCalls:
         finally:
             self.worker.submit(stream.close)
 
-    async def _opening(self, req: OpenSessionRequest, begin: Callable[[OpenSessionRequest, str, str], ForwardStep[R]]) -> R:
+    async def _opening(
+        self, req: OpenSessionRequest, begin: Callable[[OpenSessionRequest, str, str], ForwardStep[R]], round_trip: bool = False
+    ) -> R:
         """A new session's first step (`begin`: its prefill, or its prefill and first token),
-        admitted against the caller's deadline and held from eviction by its new id."""
+        admitted against the caller's deadline and held from eviction by its new id.
+        `round_trip`: its next step is its client's first round."""
         sessions = self.verifier.sessions
         session_id = sessions.new_id()
         with sessions.holding(session_id):
@@ -167,7 +170,9 @@ class SessionCalls:
             scope = self.verifier.scopes.known(self.key, req.reuse_token)
             fed = len(req.prompt_tokens) - sessions.reusable(scope.name, req.prompt_tokens)
             step = partial(begin, req, session_id, self.key)
-            result = await self.batcher.submit(session_id, fed, step, self.deadline, admitting=True, key=self.key)
+            result = await self.batcher.submit(
+                session_id, fed, step, self.deadline, admitting=True, key=self.key, round_trip=round_trip
+            )
             opened = result[0] if isinstance(result, tuple) else result
             assert isinstance(opened, OpenSessionResult)
             self.batcher.settle(self.key, fed, len(req.prompt_tokens) - opened.reused_tokens)

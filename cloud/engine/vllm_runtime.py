@@ -65,7 +65,7 @@ class VllmOptions:
     pad_decode: bool = True  # steps of requests decoding on their own padded to K drafts, for vLLM's full CUDA graph
     pad_limit: int = 0  # the most tokens such a step may have (0: vLLM's largest CUDA graph)
     cpu_threads: int = 0  # on a CPU, the threads vLLM's model runs on (0: the cores this process may use)
-    async_scheduling: bool = False  # vLLM schedules a step while the one before it runs (no pads then)
+    async_scheduling: bool = True  # vLLM schedules a step while the one before it runs (no pads then)
     cudagraph_mode: str = ""  # vLLM's CUDA graph mode (FULL: full graphs for steps of any shape); "": vLLM's choice
 
 
@@ -92,7 +92,7 @@ class VllmRuntime:
         try:
             # The engine core in this process: the verifier wakes and parks live requests in its
             # scheduler between steps. vLLM reads the setting while it builds the engine only.
-            with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+            with environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
                 self.llm: Any = self.call(_start_engine, args, options.async_scheduling)
         except Exception as err:  # vLLM's own config errors name the setting that failed
             self._thread.shutdown()
@@ -308,7 +308,7 @@ class VllmRuntime:
 
 
 @contextlib.contextmanager
-def _environment(**settings: str) -> Iterator[None]:
+def environment(**settings: str) -> Iterator[None]:
     """Environment variables set for a while, then as they were (other vLLMs this process
     starts, and the processes it starts, keep their own)."""
     before = {name: os.environ.get(name) for name in settings}

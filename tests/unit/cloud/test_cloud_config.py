@@ -102,9 +102,9 @@ def _flags_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_vllm_schedules_asynchronously_only_when_asked() -> None:
+def test_vllm_schedules_asynchronously_unless_told_not_to() -> None:
     parser = _flags_parser()
-    for flags, asked in (([], False), (["--vllm-async-scheduling"], True)):
+    for flags, asked in (([], True), (["--no-vllm-async-scheduling"], False)):
         settings = load_settings(vars(parser.parse_args(flags)))
         assert vllm_options(settings, "/models/target", "bfloat16", cuda=True).async_scheduling is asked
 
@@ -119,11 +119,8 @@ def test_vllm_cuda_graphs_are_vllm_s_choice_unless_a_mode_is_named() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flags", "in_child"), [([], None), (["--vllm-engine-process"], True), (["--no-vllm-engine-process"], False)]
+    ("flags", "in_child"), [([], True), (["--vllm-engine-process"], True), (["--no-vllm-engine-process"], False)]
 )
-def test_the_vllm_engine_process_is_on_off_or_left_to_the_device(flags: list[str], in_child: bool | None) -> None:
-    """A switch whose unset value (None) lets the verifier choose: a child on a GPU, its own process on a CPU."""
+def test_the_vllm_engine_runs_in_a_child_process_unless_told_not_to(flags: list[str], in_child: bool) -> None:
     parser = _flags_parser()
-    given = vars(parser.parse_args(flags))
-    assert given.get("vllm_engine_process") == in_child
-    assert load_settings(given).vllm_engine_process is in_child
+    assert load_settings(vars(parser.parse_args(flags))).vllm_engine_process is in_child
