@@ -4,10 +4,12 @@ capacity search with.
 
 The candidates are the verifier as it starts by default (`cloud_only`, no flags) and each
 labelled variant ("LABEL SWITCH_S FLAGS...;...", the format of gpu_parity.sh's VARIANTS).
-They are ranked by tok/s at the middle stream count of the run (24 of 1,24,64). A variant with
-asynchronous scheduling is a candidate only where the parity study found the asynchronous
-engine's tokens equal to the synchronous one's; a missing or unfinished study allows none.
-With no parity result the default's flags (none) are printed.
+They are ranked by tok/s at the middle stream count of the run (24 of 1,24,64). A candidate
+that schedules asynchronously (the default does; `--no-vllm-async-scheduling` does not) is one
+only where the parity study found the asynchronous engine's tokens equal to the synchronous
+one's; a missing or unfinished study allows none, and then the synchronous flag is printed if no
+synchronous variant was measured. With no parity result the default's flags (none) are printed,
+or the synchronous flag where asynchronous scheduling is not allowed.
 
     python -m bench.fastest_verifier --parity PARITY.json [--async-parity ASYNC.json] [--variants V]
 """
@@ -26,7 +28,7 @@ from bench.cli import settings_parser
 from shared.cli import run_cli, settings_from_args
 
 DEFAULT = "cloud_only"  # tools/gpu_parity.sh's label for the verifier as it starts by default
-ASYNC_FLAG = "--vllm-async-scheduling"
+SYNC_FLAG = "--no-vllm-async-scheduling"
 
 
 class FastestVerifierSettings(BaseSettings):
@@ -55,14 +57,15 @@ def asynchronous_is_exact(study: dict[str, Any] | None) -> bool:
 
 def fastest(parity: dict[str, Any] | None, flags: dict[str, str], async_exact: bool) -> str:
     """The flags of the allowed candidate with the most tok/s at the run's middle stream count."""
+    allowed = {label: f for label, f in flags.items() if async_exact or SYNC_FLAG in f.split()}
+    fallback = flags[DEFAULT] if async_exact else SYNC_FLAG
     rows = sorted((parity or {}).get("rows", []), key=lambda row: row["streams"])
     if not rows:
-        return flags[DEFAULT]
+        return fallback
     row = rows[len(rows) // 2]
-    allowed = {label: f for label, f in flags.items() if async_exact or ASYNC_FLAG not in f.split()}
     measured = {label: row[label]["tok_s"] for label in allowed if label in row}
     if not measured:
-        return flags[DEFAULT]
+        return fallback
     return allowed[max(measured, key=lambda label: measured[label])]
 
 

@@ -12,8 +12,8 @@
 #
 #   tools/gpu_measure.sh MODEL_DIR OUT_DIR
 #
-# Environment (defaults): VARIANTS ("async - --vllm-async-scheduling;async_full - --vllm-async-scheduling
-# --vllm-cudagraph-mode FULL": tools/gpu_parity.sh's format), PARITY_SHARE and PARITY_KV_BYTES (0.15 and
+# Environment (defaults): VARIANTS ("sync - --no-vllm-async-scheduling;full - --vllm-cudagraph-mode FULL":
+# tools/gpu_parity.sh's format), PARITY_SHARE and PARITY_KV_BYTES (0.15 and
 # 6000000000: each of part 2's servers' GPU share and KV), CAPACITY_MODEL (bench/data/configs/qwen2.5-coder-7b),
 # PARTS (1 2 3), PYTHON (python3), EAGER=1 (no compiled graphs: a dry run on a CPU). The parts' own variables
 # (STREAMS, REPEATS, STEP_S, RESOLUTION, ...) pass through to them.
@@ -22,7 +22,7 @@ model=$1 out=$2
 py=${PYTHON:-python3}
 parts=${PARTS:-1 2 3}
 here=$(dirname "$0")
-variants=${VARIANTS-async - --vllm-async-scheduling;async_full - --vllm-async-scheduling --vllm-cudagraph-mode FULL}
+variants=${VARIANTS-sync - --no-vllm-async-scheduling;full - --vllm-cudagraph-mode FULL}
 mkdir -p "$out"
 say() { echo "$(date +%T) gpu_measure: $*"; }
 eager=()

@@ -41,6 +41,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -379,10 +380,13 @@ class VllmEngine:
         return yielded
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
+        """Queued on vLLM's thread behind the step running, not waited for: the streams whose
+        first tokens a batch gave start following at once, not one step of the others apart
+        (what it decodes meanwhile is read from `position`)."""
         live = _own(kv).live
         if live is None:
             return False
-        self.runtime.call(self.runtime.follow, live, position, sink)
+        self.runtime.soon(partial(self.runtime.follow, live, position, sink))
         return True
 
     def unfollow(self, kv: SessionKV) -> None:
