@@ -306,6 +306,8 @@ class SessionStore:
                 continue
             if need > cap:
                 raise CapacityExceeded(f"{new_tokens} tokens need {need} KV bytes, over the cap of {cap}")
+            if self.kv_bytes(whose) + need <= cap:
+                continue  # the usual round: room already (a sum over every session: once, not three times)
             self._free_fairly(scope, whose, Room(cap, need, partial(self.kv_bytes, whose), self._scope_bytes))
             while self.kv_bytes(whose) + need > cap and self._evict_one(keep, owner, reason):
                 pass
