@@ -38,6 +38,7 @@ class NoDrafts:
         self.vllm_config = vllm_config
         _hand_edge_draft_probs()
         _sample_plainly_without_drafts()
+        _leave_cpu_generators_unwound()
         _step_async_without_proposer()
         _mend_cpu_expand()
         _skip_empty_constraints()
@@ -106,6 +107,34 @@ def _sample_plainly_without_drafts() -> None:
 
     _sample.plain_without_drafts = True  # type: ignore[attr-defined]
     GPUModelRunner._sample = _sample
+
+
+def _leave_cpu_generators_unwound() -> None:
+    """When a step samples a token for a request whose prompt it computed only a chunk of, vLLM's
+    model runner drops the token and winds the request's seeded generator back by the offset the
+    draw took, which a GPU's generator has and a CPU's has not: on a CPU it raises, and vLLM's
+    engine fails, for any sampling session whose prompt vLLM chunks in a step with other
+    requests. On a CPU those generators are left as the draw left them: the session's next draw
+    comes from further along its stream, still a draw from the same distribution. A GPU's are
+    wound back as vLLM does."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    bookkeeping = GPUModelRunner._bookkeeping_sync
+    if not current_platform.is_cpu() or getattr(bookkeeping, "leaves_cpu_generators", False):
+        return
+
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        generators = self.input_batch.generators
+        discarded = self.discard_request_mask.np[: self.input_batch.num_reqs].nonzero()[0]
+        held = {int(i): generators.pop(int(i)) for i in discarded if int(i) in generators}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(held)
+
+    _bookkeeping_sync.leaves_cpu_generators = True  # type: ignore[attr-defined]
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
 
 
 def _hand_edge_draft_probs() -> None:

@@ -244,6 +244,28 @@ def test_a_long_prompt_is_one_request_whose_chunks_share_steps_with_rounds(verif
     assert (result.accepted_len, result.next_token) == (3, expected[3])
 
 
+def test_a_sampling_session_s_prompt_chunked_beside_another_s_draws(verifier: Verifier) -> None:
+    """A sampling session's long prompt computed in chunks while another sampling session draws
+    in the same steps: vLLM drops the token its seeded generator drew for the unfinished prompt
+    and, on a CPU, must not wind that generator back (a CPU generator has no offset: vLLM's
+    engine would fail). Both sessions go on."""
+    config = SessionConfig(SamplingParams(temperature=0.8), accept_mode=AcceptMode.POINT, vocab_size=VOCAB, seed=5)
+    other, position = _open(verifier, _tokens(78, 20), config)
+    step: Any = replace(verifier.begin_open(OpenSessionRequest(_tokens(79, 150), replace(config, seed=6))), chunk=32)
+    chunks = 0
+    while True:
+        other_round = verifier.begin_verify(VerifyRequest(other, position, []))
+        opened, answered = verifier.run_batch([(step, 0.0), (other_round, 0.0)])
+        assert not isinstance(answered, Exception) and 0 <= answered.next_token < VOCAB
+        position = answered.new_base_position
+        if not isinstance(opened, Partial):
+            break
+        step, chunks = opened.rest, chunks + 1
+    assert chunks >= 2 and _engine(verifier).failure() is None
+    result = verifier.verify(VerifyRequest(opened.session_id, opened.position, []))
+    assert 0 <= result.next_token < VOCAB
+
+
 def _agree(drafts: list[int], target: list[int]) -> int:
     n = 0
     while n < len(drafts) and drafts[n] == target[n]:
