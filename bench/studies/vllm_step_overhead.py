@@ -182,6 +182,7 @@ def live_steps(args: StepOverheadSettings, counts: list[int]) -> dict[int, LiveT
         gpu_memory_utilization=args.gpu_memory,
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
+        async_scheduling=not cpu,  # as the plain engine: vLLM schedules asynchronously on a GPU, not on a CPU
     )
     runtime = VllmRuntime(options)
     rows = int(runtime.llm.model_config.get_vocab_size())
