@@ -35,11 +35,9 @@ class StepWork(Protocol[R_co]):
     def rule(self) -> RoundRule | None:
         """How the step's drafts are accepted and its next token drawn; None for a step that
         reads nothing (a prefill)."""
-        ...
 
     def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> R_co:
         """The step's result, from its outcome (None for a step that reads nothing)."""
-        ...
 
     def undo(self) -> None: ...
 
