@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from fastapi.responses import HTMLResponse
 
-from cloud.auth import Caller
 from cloud.metrics import CONTENT_TYPE
 from cloud.state import ServerState
 from cloud.tls import ServerTls
 from shared import http_server
+from shared.api_keys import Caller
 from shared.errors import Unauthenticated
 from shared.http_server import HttpServer
 
@@ -88,7 +88,7 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
 
 def _add_telemetry(app: FastAPI, state: ServerState, caller: Any) -> None:
     """Prometheus metrics (every key's aggregates), and the sessions and recent rounds the
-    caller may see: its own key's, or every key's for an operator key (cloud/auth.py)."""
+    caller may see: its own key's, or every key's for an operator key (shared/api_keys.py)."""
     page = (resources.files("cloud") / "static" / "index.html").read_text()
 
     @app.get("/metrics", dependencies=[caller])

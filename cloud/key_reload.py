@@ -22,9 +22,9 @@ import logging
 import os
 import signal
 
-from cloud.auth import ApiKeys
 from cloud.logs import log_event
 from cloud.state import ServerState
+from shared.api_keys import ApiKeys
 from shared.errors import ConfigError
 
 log = logging.getLogger("cloud-verifier")

@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 
-from cloud.auth import ApiKeys
 from cloud.config import VerifierSettings
 from cloud.grpc_server import start_server
 from cloud.heap import trim_when_idle
@@ -24,6 +23,7 @@ from cloud.logs import log_event
 from cloud.state import ServerState
 from cloud.tls import ServerTls, check_exposure
 from cloud.verifier import Verifier
+from shared.api_keys import ApiKeys
 from shared.errors import EngineFailed
 from shared.http_server import stop_signal
 from shared.net import is_loopback

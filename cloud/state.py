@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from functools import partial
 from importlib import metadata
 
-from cloud.auth import ApiKeys, Caller
 from cloud.batcher import BatchLimits, ForwardBatcher
 from cloud.live import LiveStats
 from cloud.logs import RefusalLog
@@ -18,6 +17,7 @@ from cloud.metrics import VerifierMetrics
 from cloud.sessions import session_tag
 from cloud.verifier import Verifier
 from cloud.worker import ModelWorker
+from shared.api_keys import ApiKeys, Caller
 from shared.errors import ServerDraining, SpecDecError
 from shared.protocol import VerifyResult
 
