@@ -85,22 +85,6 @@ class _Decision:
 _NOT_DECIDED = LookupError("the round was not decided")  # replaced by each ready round's outcome
 
 
-def accept(
-    mode: AcceptMode,
-    draft_token_ids: torch.Tensor,  # [k] long
-    target: torch.Tensor,  # [k + 1, V]: GREEDY: penalised logits; other modes: processed probabilities p
-    generator: torch.Generator,
-    draft_probs: torch.Tensor | None = None,  # [k] q(y) of each drafted token: SCALAR and SHORTCUT
-    sparse_draft: torch.Tensor | None = None,  # [k, V] the draft's distributions q: SPARSE
-) -> RoundOutcome:
-    """One round on its own: the accepted prefix of a draft block and the recovered or bonus
-    token, by the session's mode (accept_batch with one round)."""
-    outcome = accept_batch([RoundDraft(mode, draft_token_ids, target, generator, draft_probs, sparse_draft)])[0]
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
-
-
 def accept_batch(rounds: Sequence[RoundDraft]) -> list[RoundOutcome | Exception]:
     """Every round of a forward pass at once: per round its outcome, or the exception that
     ended it (the others go on). GREEDY accepts while the draft is the target's argmax of the
