@@ -166,6 +166,5 @@ class PrefixCache:
         for entry_id, entry in self._entries.items():
             if owner in (None, entry.owner) and scope in (None, entry.scope):
                 if kept_before is None or entry.kept_at < kept_before:
-                    del self._entries[entry_id]
-                    return entry.kv
+                    return self._entries.pop(entry_id).kv
         return None
