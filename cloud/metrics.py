@@ -12,15 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    ProcessCollector,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from cloud.sessions import EVICTION_REASONS
 from shared.protocol import VerifyResult

@@ -126,12 +126,7 @@ class LlamaCppEngine(ForwardEngine):
 
     # ---- one batched pass -----------------------------------------------------------------
 
-    def forward(
-        self,
-        kvs: Sequence[SessionKV],
-        blocks: Sequence[Sequence[int]],
-        keeps: Sequence[int],
-    ) -> list[torch.Tensor]:
+    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
         """Feed each block after its KV in one pass; per block, the last keeps[i] rows of
         float32 logits [keep, V] (all rows when 0). On failure every KV is as it was."""
         caches = [_own(kv) for kv in kvs]

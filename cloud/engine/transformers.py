@@ -63,12 +63,7 @@ class TransformersEngine(ForwardEngine):
     def crop(self, kv: SessionKV, length: int) -> None:
         crop(_own(kv), length)
 
-    def forward(
-        self,
-        kvs: Sequence[SessionKV],
-        blocks: Sequence[Sequence[int]],
-        keeps: Sequence[int],
-    ) -> list[torch.Tensor]:
+    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
         return forward_packed(self.model, [_own(kv) for kv in kvs], blocks, keeps)
 
     def failure(self) -> str | None:
