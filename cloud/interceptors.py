@@ -63,7 +63,8 @@ class Undecodable:
 class _ServiceInterceptor(grpc.aio.ServerInterceptor):
     """Runs one service's unary-request methods inside `around`; other services pass through."""
 
-    def __init__(self, service: str) -> None:
+    def __init__(self, state: ServerState, service: str) -> None:
+        self.state = state
         self._prefix = f"/{service}/"
 
     async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: Any) -> Any:
@@ -112,10 +113,6 @@ class ApiKeyInterceptor(_ServiceInterceptor):
     (or when their session, ended with the key, fails them); a unary call in flight finishes,
     or fails NOT_FOUND with its session gone."""
 
-    def __init__(self, state: ServerState, service: str) -> None:
-        super().__init__(service)
-        self.state = state
-
     @asynccontextmanager
     async def around(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Replied]:
         name = self.state.api_keys.principal(_authorization(context))
@@ -156,19 +153,12 @@ class ApiKeyInterceptor(_ServiceInterceptor):
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return str(value)
-    return None
+    return next((str(value) for key, value in context.invocation_metadata() or () if key == "authorization"), None)
 
 
 class StatusInterceptor(_ServiceInterceptor):
     """Every call's answer and bookkeeping: its status code (and trailers), one sample of the
     request metrics by method and code, and one log line."""
-
-    def __init__(self, state: ServerState, service: str) -> None:
-        super().__init__(service)
-        self.state = state
 
     @asynccontextmanager
     async def around(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Replied]:
