@@ -174,7 +174,7 @@ class VllmRuntime:
         return self.scheduler.park(live.engine_id)
 
     def parked(self, live: LiveRequest) -> bool:
-        return self.scheduler.is_parked(live.engine_id)
+        return live.engine_id in self.scheduler.parked
 
     def settling(self, live: LiveRequest) -> bool:
         """Parked, the outputs of its last step still to come (asynchronous scheduling)."""
@@ -194,7 +194,7 @@ class VllmRuntime:
         (its stretch done) or ends, the sink is told no more will come."""
         live.sink = sink
         sink.put(live.tokens[position:], 0.0)
-        if live.ended or self.scheduler.is_parked(live.engine_id):
+        if live.ended or live.engine_id in self.scheduler.parked:
             self.unfollow(live)
             return
         self._followed[live.engine_id] = live
@@ -205,7 +205,7 @@ class VllmRuntime:
     def _pump(self) -> None:
         """One step while a followed request decodes on its own, then the next one queued behind
         whatever else waits for vLLM's thread (a pass's rounds take their turn between them)."""
-        for live in [live for live in self._followed.values() if self.scheduler.is_parked(live.engine_id)]:
+        for live in [live for live in self._followed.values() if live.engine_id in self.scheduler.parked]:
             self.unfollow(live)  # parked since: its stretch is done
         followed = list(self._followed.values())
         if not followed or self._failed is not None or self._closing.is_set():
@@ -254,7 +254,7 @@ class VllmRuntime:
 
     def busy(self) -> bool:
         """Whether vLLM has a request to step, or a parked request's outputs still to come."""
-        return self.stepping() or self.scheduler.in_flight()
+        return self.stepping() or bool(self.scheduler.settling)
 
     def step(self) -> None:
         """One step of vLLM: every running request advances; outputs go to their owners (under

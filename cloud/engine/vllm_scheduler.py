@@ -160,14 +160,6 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         enter at `start`, from its next step on."""
         self.grammars[request_id] = LiveGrammar(constraint, start)
 
-    def is_parked(self, request_id: str) -> bool:
-        """Parked with nothing in flight: ready for work."""
-        return request_id in self.parked
-
-    def in_flight(self) -> bool:
-        """Whether a parked request still waits for the outputs of its last step."""
-        return bool(self.settling)
-
     # ---- vLLM's scheduler, for live requests --------------------------------------------------
 
     def add_request(self, request: Request) -> None:
@@ -290,15 +282,8 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
     """The live scheduler under vLLM's asynchronous scheduling: it schedules a step while the
     one before it runs on the GPU."""
 
-    def wake(
-        self,
-        request_id: str,
-        drafts: list[int],
-        tokens: int,
-        stops: Iterable[int] = (),
-        draft_q: list[DraftDistribution] | None = None,
-    ) -> None:
-        super().wake(request_id, drafts, tokens, stops, draft_q)
+    def wake(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        super().wake(request_id, *args, **kwargs)
         # Its next step sends the model runner all its tokens, as for a request that was not in
         # the step before, and the runner takes it as new (NoDrafts): the tokens it holds on
         # the device may be those of a round that verified drafts.
