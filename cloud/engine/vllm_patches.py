@@ -31,10 +31,7 @@ def warn_if_untested() -> None:
 class NoDrafts:
     """vLLM's proposer slot (`custom_class`), which turns on its rejection sampler and its
     1 + K batch shapes; the drafts come from the edge, so it proposes none. Built in the
-    process that runs the model, where it also hands the rejection sampler the edge's draft
-    distributions (_hand_edge_draft_probs), mends vLLM's sampling of rounds (_mend_cpu_expand,
-    _skip_empty_constraints, _mask_banned_spans) and its model runner's asynchronous steps
-    (_step_async_without_proposer)."""
+    process that runs the model, where it applies the patches below."""
 
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
@@ -42,7 +39,6 @@ class NoDrafts:
         _sample_plainly_without_drafts()
         _step_async_without_proposer()
         _mend_cpu_expand()
-        _skip_empty_constraints()
         _mask_banned_spans()
 
     def propose(self, sampled_token_ids: list[Any], *args: Any, **kwargs: Any) -> list[list[int]]:
@@ -205,25 +201,6 @@ def _mend_cpu_expand() -> None:
         return expanded
 
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-
-
-def _skip_empty_constraints() -> None:
-    """vLLM's rejection sampler runs in every step once speculative decoding is on, a step
-    without drafts included, and applies a request's top-k and top-p to the rows of its drafts:
-    none there. Its CPU top-k (no top-p) takes the largest k of that empty batch and raises,
-    which fails the whole engine for one session that samples with top-k. A step with no draft
-    rows has nothing to constrain: it is skipped."""
-    from vllm.v1.sample import rejection_sampler
-
-    constrain = rejection_sampler.apply_top_k_top_p
-    if getattr(constrain, "skips_empty", False):
-        return
-
-    def apply_top_k_top_p(logits: Any, k: Any, p: Any) -> Any:
-        return logits if logits.shape[0] == 0 else constrain(logits, k, p)
-
-    apply_top_k_top_p.skips_empty = True  # type: ignore[attr-defined]
-    rejection_sampler.apply_top_k_top_p = apply_top_k_top_p
 
 
 def _mask_banned_spans() -> None:
