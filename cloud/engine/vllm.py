@@ -93,12 +93,6 @@ def limit_vocab(params: Any, vocab: int, width: int) -> None:
         raise ValueError(f"a vocabulary of {vocab} in {width} rows cannot be given to vLLM's sampler")
 
 
-def _delta() -> Any:
-    from vllm.sampling_params import RequestOutputKind
-
-    return RequestOutputKind.DELTA  # each output carries the step's new tokens only
-
-
 @dataclass(frozen=True)
 class LiveStep:
     """A session step as the live request takes it (what crosses to the engine process): the
@@ -343,6 +337,7 @@ class VllmEngine:
         verified by another rule."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import RequestOutputKind
 
         if not config.accept_mode.exact:
             raise SessionRefused(
@@ -358,7 +353,7 @@ class VllmEngine:
                 repetition_penalty=sampling.repetition_penalty,
                 ignore_eos=True,  # a session ends when the edge closes it
                 detokenize=False,
-                output_kind=_delta(),
+                output_kind=RequestOutputKind.DELTA,  # each output carries the step's new tokens only
             )
             limit_vocab(params, vocab, self.logits_width)
         except (VLLMValidationError, ValueError) as err:
