@@ -53,9 +53,6 @@ class SlotKV:
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(length, 0))
 
-    def release(self) -> None:
-        self.pool.release(self)
-
 
 @torch.inference_mode()
 def _layer_shapes(model: PreTrainedModel) -> list[tuple[int, int, torch.dtype]]:
