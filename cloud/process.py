@@ -94,11 +94,9 @@ def _log_trust(settings: VerifierSettings, keys: ApiKeys | None) -> None:
         if keys is not None:
             log.info("one prefix cache per API key (--shared-prefix-cache): a key's clients share it, keys never do")
         else:
-            log_event(
-                log,
-                logging.WARNING,
+            log.warning(
                 "one prefix cache for every client (--shared-prefix-cache): a client can tell from its prefill time "
-                "whether another client's prompt began with the same text",
+                "whether another client's prompt began with the same text"
             )
 
 
