@@ -1,38 +1,32 @@
 """The vLLM engine: the target in vLLM (`--engine vllm`), which owns the KV as paged,
 prefix-cached blocks and batches every request of a step itself.
 
-A session is ONE live vLLM request for its whole life (the scheduler in
-cloud/engine/vllm_scheduler.py), and each session step (cloud/engine/__init__.py) a step of it.
-Its prefill is the request's prompt, which vLLM's scheduler computes in chunks (a long one, a
-chunk in each batch, beside other sessions' rounds); a Verify round puts the edge's drafts on
-it as speculative tokens for one step, verified by vLLM's rejection sampler: greedy drafts by
-the argmax, point drafts as q = 1, sparse drafts with the edge's distribution over each handed
-to the sampler as its draft probabilities. A Generate stream or a Decode stretch is vLLM
-decoding it on its own. Between its steps the request is parked: it keeps its KV and costs no
-step. The tokens a request holds past the session's own (a stretch decoded ahead, the token its
+A session is ONE live vLLM request for its whole life, and each session step
+(cloud/engine/__init__.py) a step of it: its prefill is the request's prompt (computed in
+chunks by vLLM's scheduler), a Verify round puts the edge's drafts on it for one step, a
+Generate stream or a Decode stretch is vLLM decoding it on its own, and between its steps it is
+parked (how: cloud/engine/vllm_scheduler.py; what each call becomes and why: docs/operations.md,
+"The vLLM engine"). vLLM itself is started and run by a VllmRuntime
+(cloud/engine/vllm_runtime.py), in the verifier's process or a child of it
+(cloud/engine/vllm_process.py).
+
+The tokens a request holds past the session's own (a stretch decoded ahead, the token its
 prefill sampled) are read by the session's next steps: a draft that equals the token vLLM
 sampled there is accepted without a step, the first that differs is corrected by it. Whatever
 the accept mode, this is exact: the token at that position is the target's own draw (a sparse
 draft is accepted there with probability p(y) where the sampler's rule gives min(1,
 p(y)/q(y)): a lower acceptance, at one position after a prefill). A session whose tokens no
 longer extend its request's (a round that caught up on tokens of its own) gets a new request;
-its salted prefix-cache blocks serve the whole blocks of it. A session vLLM cannot verify exactly (an approximate accept mode, a
-vocabulary narrower than the model's that vLLM cannot mask) is refused when it opens.
+its salted prefix-cache blocks serve the whole blocks of it. A session vLLM cannot verify
+exactly (an approximate accept mode, a vocabulary narrower than the model's that vLLM cannot
+mask) is refused when it opens.
 
 A session under a grammar keeps its place in it here (its own Constraint, on the model folder's
 tokenizer), and each of its requests hands it to the scheduler, which masks every row vLLM
-samples or verifies for the request (cloud/engine/vllm_scheduler.py): the session's tokens enter
-the grammar where its prompt's generated tokens begin (GrammarSpec.generated), in every request
-it gets, so a new request midway goes on where the last one was.
-
-The target's top-k a round asks for (`want_top_k`) comes from the same step: a session whose
-round asks gets a request that returns, with each token it samples or verifies, the top-k of the
-distribution it came from as vLLM's sampler processed it (temperature, top-k, top-p, penalties:
-the reference accept's distribution).
-
-vLLM itself is started and run by a VllmRuntime (cloud/engine/vllm_runtime.py), on a thread of
-its own, in the verifier's process or a child of it (`--vllm-engine-process`,
-cloud/engine/vllm_process.py).
+samples or verifies for the request: the session's tokens enter the grammar where its prompt's
+generated tokens begin (GrammarSpec.generated), in every request it gets, so a new request
+midway goes on where the last one was. The target's top-k a round asks for (`want_top_k`) comes
+from the same step, as vLLM's sampler processed the row (_seeded asks the request for it).
 """
 
 from __future__ import annotations
