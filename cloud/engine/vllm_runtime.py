@@ -1,11 +1,15 @@
-"""vLLM started and run for the verifier: one vLLM engine (its engine core in this process) on
-a thread of its own, and the requests it runs, the sessions' live requests among them.
+"""vLLM started and run for the verifier: one vLLM engine and the requests it runs, the
+sessions' live requests among them. The engine built on it is cloud/engine/vllm.py; the patches
+of vLLM's internals it needs are cloud/engine/vllm_patches.py.
 
-vLLM's engine core runs in the process that holds the VllmRuntime, so the verifier reaches the
-scheduler of its live requests directly (cloud/engine/vllm_scheduler.py): the verifier's own
-process, or a child of it (`--vllm-engine-process`, cloud/engine/vllm_process.py). The engine
-built on it is cloud/engine/vllm.py; the patches of vLLM's internals it needs are
-cloud/engine/vllm_patches.py.
+vLLM's engine core runs in the process that holds the VllmRuntime (the verifier's own, or a
+child of it: cloud/engine/vllm_process.py), so the verifier reaches the scheduler of its live
+requests directly (cloud/engine/vllm_scheduler.py). vLLM runs on one thread of its own, as in
+its own engine-core process (its CPU kernels read per-thread OpenMP settings it makes when it
+starts): every call into it goes through `VllmRuntime.call`, which also makes callers from
+several threads (engines sharing it in tests) take turns. While a stream follows a live request
+(`follow`), vLLM also steps on that thread by itself (the pump), one step at a time between the
+other calls, and each step's new tokens go to the streams' sinks.
 """
 
 from __future__ import annotations
@@ -70,13 +74,7 @@ class VllmOptions:
 
 
 class VllmRuntime:
-    """One vLLM engine (its engine core, in this process) and its requests: the live sessions'.
-    vLLM runs on one thread of its own, as in its own
-    engine-core process (its CPU kernels read per-thread OpenMP settings it makes when it
-    starts): every call into it goes through `call`, which also makes callers from several
-    threads (engines sharing it in tests) take turns. While a stream follows a live request
-    (`follow`), vLLM also steps on that thread by itself (the pump), one step at a time between
-    the other calls, and each step's new tokens go to the streams' sinks."""
+    """One vLLM engine (its engine core, in this process) and its requests: the live sessions'."""
 
     def __init__(self, options: VllmOptions) -> None:
         cpu = not torch.cuda.is_available()
