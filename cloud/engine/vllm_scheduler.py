@@ -22,13 +22,10 @@ its tokens, and after each draft the step verifies, so every token vLLM samples 
 it is the target's under the grammar. vLLM's own structured outputs (a grammar compiled per
 request from its start) cannot start a grammar midway, where a session's new request does.
 
-A step whose requests all decode on their own (streams, stretches) or carry K drafts can run
-as one uniform batch of 1 + K tokens a request, for which vLLM keeps its full CUDA graph (a
-step of one token a request runs its piecewise graph). Where `pad_limit` allows (that many
-tokens at most: the largest full graph), the requests decoding on their own get K drafts of
-their last token as pads. A pad is a draft like any other, verified by the rejection sampler
-(a point draft: exact, greedy or not): a rejected one costs nothing more, an accepted one is
-a token decoded ahead.
+Where `pad_limit` allows, requests decoding on their own get K drafts of their last token as
+pads, so that a step is one uniform batch of 1 + K tokens a request, which vLLM runs as its full
+CUDA graph (_pad_own_decoding). A pad is a point draft like any other, verified exactly: a
+rejected one costs nothing more, an accepted one is a token decoded ahead.
 
 Under asynchronous scheduling (AsyncLiveScheduler) vLLM schedules a step before the outputs
 of the one before it come back, so a request's next token is not known when its next step is
@@ -38,10 +35,10 @@ prefill) parks at once. Until the outputs of its last step come back it is parke
 settling: not scheduled, and not yet given new work. A request under a grammar parks after
 every step: the masks of its next step follow the tokens this one samples.
 
-vLLM loads these classes in its engine core (`scheduler_cls`) and the verifier reaches them in
-the same process (the engine core runs in-process: cloud/engine/vllm_runtime.py). The scheduler
-API is vLLM's internal one: the vLLM versions this runs on are those cloud/engine/vllm_patches.py
-names (pinned in pyproject.toml), where the model runner's side of the hand-over is.
+vLLM loads these classes in its engine core (`scheduler_cls`), which runs in the process of the
+VllmRuntime (cloud/engine/vllm_runtime.py). The scheduler API is vLLM's internal one: the model
+runner's side of the hand-over, and the vLLM versions both are tested on, are in
+cloud/engine/vllm_patches.py.
 """
 
 from __future__ import annotations
