@@ -4,9 +4,8 @@
   their documented status codes and trailers, an unexpected exception INTERNAL with the
   request id only, never UNKNOWN; and it counts every call by method and code and logs it once.
 - ApiKeyInterceptor (inside it) lets a call run only with a key of the keys in force
-  (shared/api_keys.py; reloaded while the server runs, cloud/key_reload.py) and makes the key's name
-  the call's principal(), which the servicer and the log line read. A stream whose key is
-  removed meanwhile ends UNAUTHENTICATED at its next reply.
+  (shared/api_keys.py; reloaded while the server runs, cloud/key_reload.py) and makes the key's
+  name the call's principal(), which the servicer and the log line read.
 
 The health and reflection services pass through both untouched: probes call them without a key.
 """

@@ -52,16 +52,10 @@ class VerifierLimits:
     max_top_k: int = 16  # cap on want_top_k
     max_new_tokens: int = 4096  # Generate
     sessions: SessionLimits = SessionLimits()
-    # packed: each session its own DynamicCache, concatenated for every batched pass (the
-    # reference); slots: KV in place in a pool allocated at start (cloud/engine/kv_slots.py)
-    kv_layout: Literal["packed", "slots"] = "packed"
-    # slots: positions per session (its context limit); the pool holds min(max_sessions,
-    # max_kv_bytes / slot bytes) slots
-    kv_slot_tokens: int = 4096
-    # A closed session's KV stays for the next session of its scope with the same first tokens
-    # (a chat's next turn): kept by the verifier (cloud/prefix_cache.py), or by an engine with a
-    # prefix cache of its own (vLLM); a scope is one client of one API key (cloud/prefix_scope.py)
-    reuse_prefixes: bool = True
+    # The rest as their flags' help says (cloud/config.py: --kv-layout, --prefix-reuse, --shared-prefix-cache)
+    kv_layout: Literal["packed", "slots"] = "packed"  # slots: cloud/engine/kv_slots.py
+    kv_slot_tokens: int = 4096  # slots: positions per session (its context limit)
+    reuse_prefixes: bool = True  # cloud/prefix_cache.py, cloud/prefix_scope.py
     share_prefixes: bool = False  # a scope is a key instead (without keys: every client): they trust each other
 
 
