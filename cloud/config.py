@@ -146,8 +146,7 @@ class VerifierSettings(BaseSettings):
     )
     kv_layout: Literal["packed", "slots"] = Field(
         "packed",
-        description="packed: each session its own KV, "
-        "concatenated for every batched pass; slots: KV in place in a pool "
+        description="packed: each session its own KV, concatenated for every batched pass; slots: KV in place in a pool "
         "allocated at start (min(max_sessions, max_kv_bytes / slot) slots)",
     )
     kv_slot_tokens: int = Field(

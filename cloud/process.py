@@ -69,13 +69,8 @@ async def start_servers(settings: VerifierSettings) -> Servers:
     credentials = tls.grpc_credentials() if tls else None
     grpc_host = f"[{settings.host}]" if ":" in settings.host and not settings.host.startswith("[") else settings.host  # IPv6
     server, port = await start_server(state, f"{grpc_host}:{settings.port}", settings.reflection, credentials=credentials)
-    log_event(
-        log,
-        logging.INFO,
-        f"grpc on {settings.host}:{port} (health NOT_SERVING until the model loads)",
-        grpc_port=port,
-        **security,
-    )
+    serving = f"grpc on {settings.host}:{port} (health NOT_SERVING until the model loads)"
+    log_event(log, logging.INFO, serving, grpc_port=port, **security)
     return Servers(state, server, port, http)
 
 
