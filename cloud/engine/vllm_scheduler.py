@@ -22,18 +22,10 @@ its tokens, and after each draft the step verifies, so every token vLLM samples 
 it is the target's under the grammar. vLLM's own structured outputs (a grammar compiled per
 request from its start) cannot start a grammar midway, where a session's new request does.
 
-Where `pad_limit` allows, requests decoding on their own get K drafts of their last token as
-pads, so that a step is one uniform batch of 1 + K tokens a request, which vLLM runs as its full
-CUDA graph (_pad_own_decoding). A pad is a point draft like any other, verified exactly: a
-rejected one costs nothing more, an accepted one is a token decoded ahead.
-
-Under asynchronous scheduling (AsyncLiveScheduler) vLLM schedules a step before the outputs
-of the one before it come back, so a request's next token is not known when its next step is
-scheduled. A live request then takes no pads and none of vLLM's draft placeholders (its only
-drafts are the edge's), and a request whose work the scheduled tokens complete (a round, a
-prefill) parks at once. Until the outputs of its last step come back it is parked but
-settling: not scheduled, and not yet given new work. A request under a grammar parks after
-every step: the masks of its next step follow the tokens this one samples.
+Under asynchronous scheduling (AsyncLiveScheduler) a request's next token is not known when
+its next step is scheduled: a live request takes no pads (_pad_own_decoding) and none of vLLM's
+draft placeholders, and a request whose work the scheduled tokens complete parks at once, then
+settles (not scheduled, not yet given new work) until that step's outputs come back.
 
 vLLM loads these classes in its engine core (`scheduler_cls`), which runs in the process of the
 VllmRuntime (cloud/engine/vllm_runtime.py). The scheduler API is vLLM's internal one: the model
@@ -206,10 +198,12 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         return {rid: self.draft_q.pop(rid)[: len(drafts)] for rid, drafts in scheduled.items() if rid in self.draft_q}
 
     def _pad_own_decoding(self) -> None:
-        """K pads on each request decoding on its own, when that makes the step a uniform batch
-        (every running request decodes, with K drafts or on its own; nothing waits) that fits
-        pad_limit. A request whose last token is still in flight (asynchronous scheduling) has
-        no pads: its token is not known."""
+        """K pads (its last token, repeated) on each request decoding on its own, when that makes
+        the step a uniform batch (every running request decodes, with K drafts or on its own;
+        nothing waits) that fits pad_limit, which vLLM runs as its full CUDA graph. A pad is a
+        point draft, verified exactly: rejected, it costs nothing more; accepted, it is a token
+        decoded ahead. A request whose last token is still in flight (asynchronous scheduling)
+        has no pads: its token is not known."""
         k = self.num_spec_tokens
         if not self.pad_limit or not k or self.get_request_counts()[1] or len(self.running) * (1 + k) > self.pad_limit:
             return
