@@ -58,11 +58,10 @@ LIVE_SEED_STRIDE = 7_919  # a session's request starting at position p samples w
 
 
 class BannedSpan(list[list[int]]):
-    """Single-token bad words that are one span of ids, [start, end): a session's vocabulary
-    narrower than the model's rows (a draft's 151,936 tokens on a target padded to 152,064).
-    vLLM masks bad words one word and one row at a time, a tensor write each (128 words on the
-    17 rows of a padded step: 2,176 writes a request a step); a span is masked with one write
-    for all the rows of a run of requests (cloud/engine/vllm_scheduler.py)."""
+    """Single-token bad words that are one span of ids, [start, end): the rows past a session's
+    vocabulary. vLLM masks bad words one word and one row at a time, a tensor write each (the
+    cost: docs/operations.md); a span is masked with one write for all the rows of a run of
+    requests (vllm_patches._mask_banned_spans)."""
 
     def __init__(self, start: int, end: int) -> None:
         super().__init__([token] for token in range(start, end))
