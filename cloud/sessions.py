@@ -8,10 +8,8 @@ key and this is plain LRU. Each eviction is one INFO line and is counted by its 
 
 A closed session's KV may stay as a kept prefix (cloud/prefix_cache.py) for the next session of
 its reuse scope (cloud/prefix_scope.py): kept prefixes count against the same caps, the key's
-session cap included, and are the first KV to go, fairly: a scope that needs room gives up its
-own kept prefixes first, and another scope's only while that one holds more than its fair share
-(the cap over the scopes holding any), the largest holder first. So a flood of one key's new
-prompts churns its own cache and leaves another key's conversation in place."""
+session cap included, and are the first KV to go, fairly (_free_fairly), so that a flood of one
+key's new prompts churns its own cache and leaves another key's conversation in place."""
 
 from __future__ import annotations
 
