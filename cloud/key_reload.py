@@ -55,17 +55,10 @@ async def reload_keys(state: ServerState, path: str, why: str) -> bool:
         return False
     before, after = key_names(state.api_keys), key_names(keys)
     state.api_keys = keys  # from here on, every call and request of a removed name is refused
-    removed = sorted(before - after)
-    ended = [await state.end_owner(name) for name in removed]
-    log_event(
-        log,
-        logging.INFO,
-        f"API keys reloaded ({why}): {len(keys.entries)} keys",
-        keys=len(keys.entries),
-        added=sorted(after - before),
-        removed=removed,
-        ended_sessions=sum(ended),
-    )
+    added, removed = sorted(after - before), sorted(before - after)
+    ended = sum([await state.end_owner(name) for name in removed])
+    reloaded = f"API keys reloaded ({why}): {len(keys.entries)} keys"
+    log_event(log, logging.INFO, reloaded, keys=len(keys.entries), added=added, removed=removed, ended_sessions=ended)
     return True
 
 

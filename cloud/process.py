@@ -78,13 +78,8 @@ def _log_trust(settings: VerifierSettings, keys: ApiKeys | None) -> None:
     """Say at start what clients share: no kept prefix crosses clients, unless the operator
     asked for one prefix cache per key (without keys: for every client)."""
     if keys is None and not is_loopback(settings.host):
-        log_event(
-            log,
-            logging.WARNING,
-            f"no API keys on {settings.host}: any client that reaches the port may open sessions on the model "
-            "(give --api-keys-file; README: Securing a verifier)",
-            host=settings.host,
-        )
+        exposed = f"no API keys on {settings.host}: any client that reaches the port may open sessions on the model"
+        log_event(log, logging.WARNING, f"{exposed} (give --api-keys-file; README: Securing a verifier)", host=settings.host)
     if settings.shared_prefix_cache and settings.prefix_reuse:
         if keys is not None:
             log.info("one prefix cache per API key (--shared-prefix-cache): a key's clients share it, keys never do")
