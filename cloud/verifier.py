@@ -109,12 +109,8 @@ class Verifier:
         )
         self.checks = RequestChecks(self.limits, self.model_vocab)
         # an engine that masks with grammars itself (vLLM) holds the one vocabulary: built once
-        own = getattr(engine, "grammars", None)
-        self.grammars = (
-            own
-            if isinstance(own, SessionGrammars)
-            else SessionGrammars(tokenizer.source if tokenizer else "", engine.logits_width)
-        )
+        own, source = getattr(engine, "grammars", None), tokenizer.source if tokenizer else ""
+        self.grammars = own if isinstance(own, SessionGrammars) else SessionGrammars(source, engine.logits_width)
         self.step = BatchStep(engine)
         self.scopes = ReuseScopes(_reuse_mode(self.limits))
 
