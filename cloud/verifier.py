@@ -292,9 +292,8 @@ class Verifier:
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
 
     def open_generate(self, req: GenerateRequest, stream_id: str = "", owner: str = "") -> GenerateStream:
-        """Validate a Generate call (no model work, no state: safe off the model worker). Its
-        stream lives in the session store as a session nobody else can name, so it counts
-        against the same session and KV caps; the first step stores it, close() drops it."""
+        """Validate a Generate call (no model work, no state: safe off the model worker); its
+        stream, whose KV is a session in the store (GenerateStream)."""
         vocab = self.checks.generate(req)
         return GenerateStream(self, self.engine, req, vocab, stream_id or self.sessions.new_id(), owner)
 

@@ -268,7 +268,6 @@ class VllmEngine:
         return self.runtime.kv_tokens() * self.kv_bytes_per_token
 
     def kv_tokens(self) -> int:
-        """The tokens of KV vLLM allocated."""
         return self.runtime.kv_tokens()
 
     def failure(self) -> str | None:

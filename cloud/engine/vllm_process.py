@@ -154,7 +154,6 @@ class ProcessEngine:
         return self._call("kv_bytes_held")  # type: ignore[no-any-return]
 
     def kv_tokens(self) -> int:
-        """The tokens of KV vLLM allocated."""
         return self._kv_tokens
 
     def new_kv(self, scope: str = "") -> KVHandle:
