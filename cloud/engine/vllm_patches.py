@@ -84,13 +84,10 @@ def _step_async_without_proposer() -> None:
 
 
 def _sample_plainly_without_drafts() -> None:
-    """vLLM's model runner sends every step through its rejection sampler once speculative
-    decoding is on, a step without a draft included: that copies every row of the step's logits
-    and, with the processed logprobs the verifier's top-k rows need, takes a log-softmax of
-    each (vLLM's sampler does not pass the rejection sampler's mode down to its sampling), which
-    on a CPU costs as much as the model's step. A step that verifies no draft (every request
-    decoding on its own, prompts) samples with vLLM's plain sampler instead, as an engine without
-    speculative decoding does: the same draws from the same rows and generators."""
+    """A step that verifies no draft (every request decoding on its own, prompts) samples with
+    vLLM's plain sampler, as an engine without speculative decoding does: the same draws from the
+    same rows and generators, without the rejection sampler's copies and log-softmax of every row
+    (on a CPU as costly as the model's step: docs/vllm_overhead.md)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     sample = GPUModelRunner._sample

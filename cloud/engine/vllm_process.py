@@ -37,10 +37,8 @@ if TYPE_CHECKING:
     from cloud.engine.vllm_runtime import VllmOptions
 
 START_TIMEOUT_S = 1800.0  # vLLM compiles its graphs first: minutes on a GPU
-# How long an idle OpenMP thread of the child (vLLM's CPU kernels) spins before it sleeps; libgomp's
-# default, 300,000, keeps it spinning through the Python between a step's kernels and between steps,
-# on a core the serving needs (2 cores, 32 streams: 3,887 tok/s at 5,000 against 2,906). A
-# GOMP_SPINCOUNT of the verifier's environment stands.
+# How long an idle OpenMP thread of the child (vLLM's CPU kernels) spins before it sleeps, unless
+# the verifier's environment sets GOMP_SPINCOUNT (why, measured: docs/vllm_overhead.md)
 OPENMP_SPINS = "5000"
 
 
