@@ -49,18 +49,14 @@ class NoDrafts:
 
 
 def _step_async_without_proposer() -> None:
-    """vLLM's model runner under asynchronous scheduling keeps each request's sampled token on
-    the device as the input of its next step, and takes the drafts of a request that was in
-    the step before from the device too: a proposer of vLLM's own (EAGLE, n-gram on the GPU)
-    keeps both there. The edge's drafts have no such proposer, so for the runners this
-    proposer serves:
-    - after a step that verified drafts, each request's first sampled token is kept: a request
-      decoding on its own sampled just that one, and a round's request parked when it was
-      scheduled, so what it sampled is never its next input;
-    - a woken request (one the scheduler sends all its tokens for: AsyncLiveScheduler.wake)
-      leaves the runner's batch and its record of the step before, so the runner adds it as a
-      new request: its inputs, the edge's drafts included, come from those tokens, whatever
-      steps ran since it parked."""
+    """vLLM's model runner under asynchronous scheduling keeps each request's sampled token, and
+    the drafts of a request that was in the step before, on the device for its next step, as a
+    proposer of vLLM's own (EAGLE, n-gram on the GPU) keeps them. The edge's drafts have none, so:
+    - after a step that verified drafts, each request's first sampled token is kept (a round's
+      request parked when it was scheduled: what it sampled is never its next input);
+    - a woken request (AsyncLiveScheduler.wake) leaves the runner's batch and its record of the
+      step before, so the runner adds it as new, its inputs (the edge's drafts among them) from
+      the tokens the scheduler sends, whatever steps ran since it parked."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     bookkeeping, execute = GPUModelRunner._bookkeeping_sync, GPUModelRunner.execute_model
