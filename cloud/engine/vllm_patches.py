@@ -52,8 +52,8 @@ def _step_async_without_proposer() -> None:
     """vLLM's model runner under asynchronous scheduling keeps each request's sampled token, and
     the drafts of a request that was in the step before, on the device for its next step, as a
     proposer of vLLM's own (EAGLE, n-gram on the GPU) keeps them. The edge's drafts have none, so:
-    - after a step that verified drafts, each request's first sampled token is kept (a round's
-      request parked when it was scheduled: what it sampled is never its next input);
+    - after a step that verified drafts, each request's first sampled token is kept (one decoding
+      on its own sampled just that one; a round's request parked when it was scheduled);
     - a woken request (AsyncLiveScheduler.wake) leaves the runner's batch and its record of the
       step before, so the runner adds it as new, its inputs (the edge's drafts among them) from
       the tokens the scheduler sends, whatever steps ran since it parked."""
