@@ -1,13 +1,8 @@
 """One batch step, a straight line: the steps of several sessions and streams (a round, a
-prefill, a Generate token) -> ONE call of the engine with their session steps
-(cloud/engine/__init__.py: forward, accept and crop, or the engine's own live steps) -> each
-step commits its own outcome, or, where the engine computed a chunk of its tokens (a long
-prompt), is Partial: its rest runs in a later batch.
-
-A step is one sequence's share of the batch (ForwardStep); what it does with its outcome and
-how it is put back after a failure is its StepWork. A failed batch leaves every cache as it
-was; a step that fails in the engine or in its commit is undone alone, so it never fails or
-corrupts the others of its batch.
+prefill, a Generate token) -> ONE call of the engine with their session steps -> each step
+commits its own outcome, or is Partial (the engine computed a chunk of a long prompt) and its
+rest runs in a later batch. A failed batch leaves every cache as it was; a step that fails in the
+engine or in its commit is undone alone (its StepWork), so it never fails the others.
 """
 
 from __future__ import annotations
