@@ -390,10 +390,9 @@ def _schedule_asynchronously(config: Any) -> None:
 
 
 def _set_cpu_threads(threads: int) -> None:
-    """The threads of vLLM's CPU kernels, set on vLLM's thread before vLLM starts: OpenMP keeps
-    the setting per thread, and vLLM's CPU worker then replaces torch.set_num_threads with a
-    no-op, so torch's own binding is called. Threads beyond the cores free for them stall each
-    parallel region at its barrier while the serving (gRPC, the streams) holds a core."""
+    """The threads of vLLM's CPU kernels (how many: docs/operations.md, "Threads on a CPU"), set on
+    vLLM's thread before vLLM starts: OpenMP keeps the setting per thread, and vLLM's CPU worker
+    then replaces torch.set_num_threads with a no-op, so torch's own binding is called."""
     torch._C.set_num_threads(threads)
 
 

@@ -2,16 +2,11 @@
 
 Between its steps a live request is parked: it keeps its KV blocks and its computed tokens
 but leaves vLLM's running list, so vLLM neither schedules it nor spins for it. Work wakes it
-for a number of tokens:
-- a Verify round: the edge's drafts become the request's speculative tokens for one step,
-  which vLLM's rejection sampler verifies like its own drafts (the rejected positions roll
-  back `num_computed_tokens`; their KV slots are overwritten later, nothing is recomputed).
-  A round of sparse drafts also hands the sampler the edge's distribution over each draft
-  (DraftDistribution): the step's scheduler output carries them (`edge_draft_q`) to the model
-  runner, which gives them to the rejection sampler as its draft probabilities;
-- a Decode stretch or a Generate stream: vLLM decodes it on its own for n tokens or until a
-  stop token.
-After the work's tokens the request is parked again.
+for a number of tokens, then it parks again: a Verify round's drafts become its speculative
+tokens for one step, which vLLM's rejection sampler verifies like its own drafts (a sparse
+round's distributions ride the step's scheduler output, `edge_draft_q`, to the model runner:
+vllm_patches._hand_edge_draft_probs); a Decode stretch or a Generate stream is vLLM decoding
+it on its own for n tokens or until a stop token (what each call becomes: docs/operations.md).
 
 A live request of a session under a grammar (LiveGrammar: the session's place in it, and where
 the request's tokens enter it) has every row of its steps masked by the grammar: vLLM's engine
