@@ -1,8 +1,5 @@
-"""cloud-verifier settings: flags, environment variables (SPECDEC_CLOUD_*), a config file, defaults.
-
-Precedence, highest first: command-line flags, SPECDEC_CLOUD_* environment variables, the
---config file (JSON or TOML), the defaults below.
-"""
+"""cloud-verifier settings: flags, environment variables (SPECDEC_CLOUD_*), a config file (JSON
+or TOML), defaults, in the order PRECEDENCE says."""
 
 from __future__ import annotations
 

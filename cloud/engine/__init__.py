@@ -5,12 +5,9 @@ and draws its next token by the session's rule (cloud/rejection_sampler.py): a p
 Verify round, a token of a Decode stretch or a Generate stream are all one step. The engine
 also owns each session's KV (new, crop, free) and says which sessions it can verify exactly.
 
-- transformers.py (`--engine transformers`, the default: the reference) and llamacpp.py
-  (`--engine llama.cpp`) run forward passes; forward_steps.py turns their one pass over a
-  batch into its steps' outcomes (forward -> the batched accept -> each KV cropped).
-- vllm.py (`--engine vllm`) runs each session as one live vLLM request, which verifies its
-  drafts with vLLM's own rejection sampler and may decode ahead of the session on its own
-  (a stream follows it); vllm_process.py runs the same engine in a child process.
+transformers.py (the reference) and llamacpp.py run forward passes, which forward_steps.py
+turns into steps' outcomes; vllm.py runs each session as one live vLLM request, which may decode
+ahead of the session on its own (a stream follows it), and vllm_process.py runs it in a child.
 
 Sessions, admission, the batcher and the wire see only this Protocol. Another engine is one
 more module that implements Engine, and one more entry in ENGINES."""
