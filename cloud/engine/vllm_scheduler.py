@@ -110,9 +110,7 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         """Run a parked live request for `tokens` more tokens (1: one step, whatever it accepts),
         with `drafts` as its speculative tokens for the first step and `draft_q` the edge's
         distribution over each (None: point drafts, q = 1)."""
-        request = self.parked.pop(request_id, None)
-        if request is None:
-            raise KeyError(request_id)
+        request = self.parked.pop(request_id)  # KeyError: it is not parked
         request.spec_token_ids = list(drafts)
         # Until the step that schedules the drafts takes them: under asynchronous scheduling the
         # request parks while that step is scheduled (AsyncLiveScheduler._update_after_schedule).
