@@ -212,8 +212,7 @@ class _Call:
             log_event(log, logging.DEBUG if self.method == "Verify" else logging.INFO, self.method, **fields)
 
     def _refused(self, code: str, detail: str, fields: dict[str, Any]) -> None:
-        """Counted every time; logged at most once per interval per source and code, with
-        how many refusals the line stands for."""
+        """Counted every time; logged as the RefusalLog lets it, with how many refusals it stands for."""
         caller = principal()
         self.state.metrics.refused_calls.labels(code, caller).inc()
         refusals = self.state.refusals.admit(f"key {caller}" if caller else self.peer, code)

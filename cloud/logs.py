@@ -58,7 +58,7 @@ def log_event(logger: logging.Logger, level: int, message: str, **fields: Any) -
     logger.log(level, message, extra={"fields": fields}, stacklevel=2)
 
 
-# Refusals a client's own request earns: logged at most once per interval per (who, code).
+# Refusals a client's own request earns: their lines are bounded (RefusalLog).
 REFUSALS = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "NOT_FOUND"})
 
 
