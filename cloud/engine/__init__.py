@@ -108,15 +108,13 @@ class Engine(Protocol):
     logits_width: int  # rows of the output layer (may exceed the tokenizer's vocabulary)
     kv_bytes_per_token: int
     parameters: int  # the model's parameter count, as a client's size check reads it
-    # True: the engine keeps the KV of past sessions' prefixes itself and serves new sessions
-    # from it within their scope (vLLM's prefix cache); False: the verifier keeps closed
-    # sessions' KV for reuse (cloud/prefix_cache.py)
+    # caches_prefixes: the engine keeps past sessions' prefixes itself and serves new sessions of
+    # their scope from them (vLLM's prefix cache), else the verifier keeps them (cloud/prefix_cache.py).
+    # decodes_ahead: a session may decode past its step in the engine's own loop, followed by a
+    # stream (follow), else each token is a step. applies_grammars: the engine masks a grammar
+    # session's rows itself (vLLM's scheduler), else the rejection sampler does (grammar_rows).
     caches_prefixes: bool
-    # True: a session may decode past its step in the engine's own loop, and a stream can
-    # follow those tokens (follow); False: each token is a step
     decodes_ahead: bool
-    # True: the engine masks a grammar session's every row itself (vLLM's scheduler); False:
-    # the rejection sampler applies the masks each RoundRule carries (grammar_rows)
     applies_grammars: bool
 
     def plan_kv(self, request: KVRequest) -> KVPlan:
