@@ -22,11 +22,9 @@ exactly (an approximate accept mode, a vocabulary narrower than the model's that
 mask) is refused when it opens.
 
 A session under a grammar keeps its place in it here (its own Constraint, on the model folder's
-tokenizer), and each of its requests hands it to the scheduler, which masks every row vLLM
-samples or verifies for the request: the session's tokens enter the grammar where its prompt's
-generated tokens begin (GrammarSpec.generated), in every request it gets, so a new request
-midway goes on where the last one was. The target's top-k a round asks for (`want_top_k`) comes
-from the same step, as vLLM's sampler processed the row (_seeded asks the request for it).
+tokenizer) and hands it to each of its requests (_grammar), whose scheduler masks every row, so
+a new request midway goes on where the last one was. The target's top-k a round asks for
+(`want_top_k`) comes from the same step, as vLLM's sampler processed the row (_seeded).
 """
 
 from __future__ import annotations
