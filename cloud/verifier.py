@@ -174,12 +174,10 @@ class Verifier:
         except BaseException:
             prefill.undo()  # never opened: its id reaches no one
             raise
-        first = VerifyRequest(session_id, len(session.tokens), [])
-        position = len(session.tokens)
-        vocab = self.checks.vocab(session.config)
-        token = _Round(
-            self.sessions, self.engine, first, session, vocab, prefill.start, position, _grammar_rows(session, first, self.engine)
-        )
+        position, vocab = len(session.tokens), self.checks.vocab(session.config)
+        first = VerifyRequest(session_id, position, [])
+        rows = _grammar_rows(session, first, self.engine)
+        token = _Round(self.sessions, self.engine, first, session, vocab, prefill.start, position, rows)
         opened = _OpenedRound(prefill, token)
         ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position, session)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
