@@ -70,8 +70,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
         verifier, _ = self.state.verifier_for(new_session=False)
-        card = verifier.card
-        return wire.description_to_pb(card.describe(request.tokens_from, request.tokens_count, request.chat_template))
+        return wire.description_to_pb(verifier.card.describe(request.tokens_from, request.tokens_count, request.chat_template))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         req = wire.generate_request_from_pb(request)

@@ -57,9 +57,7 @@ class ReuseScopes:
         """The scope of a new session of API key `owner` ("" without keys) presenting `token`:
         a new client's when the token is not one this verifier signed for the key."""
         known = self.known(owner, token)
-        if known.name or self.mode == "off":
-            return known
-        return self._client(owner, secrets.token_bytes(_NONCE_BYTES))
+        return known if known.name or self.mode == "off" else self._client(owner, secrets.token_bytes(_NONCE_BYTES))
 
     def known(self, owner: str, token: str) -> Scope:
         """The scope `of` gives, but NO_SCOPE where that would be a new one (nothing is kept in
@@ -88,6 +86,4 @@ class ReuseScopes:
         except (binascii.Error, ValueError):
             return None
         nonce, mac = raw[:_NONCE_BYTES], raw[_NONCE_BYTES:]
-        if len(nonce) != _NONCE_BYTES or not hmac.compare_digest(mac, self._mac(owner, nonce)):
-            return None
-        return nonce
+        return nonce if len(nonce) == _NONCE_BYTES and hmac.compare_digest(mac, self._mac(owner, nonce)) else None

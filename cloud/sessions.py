@@ -167,9 +167,8 @@ class SessionStore:
         return len(self._of(owner, scope)) + self.prefixes.count(owner, scope)
 
     def session_bytes(self, session: Session) -> int:
-        if self.slot_bytes:
-            return self.slot_bytes  # the slot is allocated in full from the start
-        return max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
+        # A slot is allocated in full from the start.
+        return self.slot_bytes or max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
 
     def _free(self, kv: SessionKV) -> None:
         """Free the KV of a session or kept prefix leaving the store."""

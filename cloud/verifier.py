@@ -436,6 +436,4 @@ def _prefix_acceptance(accept_probs: torch.Tensor, accepted_len: int) -> float |
     first rejected one): what a k policy's i.i.d. model means by acceptance. The drafts after the
     first rejection were verified on a wrong prefix and are left out."""
     k = accept_probs.shape[0]
-    if k == 0:
-        return None
-    return float(accept_probs[: min(accepted_len + 1, k)].mean())
+    return float(accept_probs[: min(accepted_len + 1, k)].mean()) if k else None

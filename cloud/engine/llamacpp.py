@@ -180,12 +180,11 @@ class _Entry:
 
 
 def _entries(caches: Sequence[LlamaCppKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[_Entry]:
-    entries = []
-    for step, (kv, block, keep) in enumerate(zip(caches, blocks, keeps, strict=True)):
-        first_kept = len(block) - (keep or len(block))
-        for i, token in enumerate(block):
-            entries.append(_Entry(step, kv.seq_id, token, kv.length + i, i >= first_kept))
-    return entries
+    return [
+        _Entry(step, kv.seq_id, token, kv.length + i, i >= len(block) - (keep or len(block)))  # logits at the kept rows
+        for step, (kv, block, keep) in enumerate(zip(caches, blocks, keeps, strict=True))
+        for i, token in enumerate(block)
+    ]
 
 
 def _own(kv: SessionKV) -> LlamaCppKV:

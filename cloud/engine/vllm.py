@@ -297,8 +297,7 @@ class VllmEngine:
 
     def free(self, kv: SessionKV) -> None:
         kv = _own(kv)
-        kv.released = True
-        kv.tokens = []
+        kv.released, kv.tokens = True, []
         if kv.live is not None:
             self.runtime.call(self.runtime.end_live, kv.live)
 

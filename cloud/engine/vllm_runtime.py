@@ -116,9 +116,7 @@ class VllmRuntime:
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on vLLM's thread (at once when called from it)."""
-        if threading.get_ident() == self._ident:
-            return fn(*args)
-        return self._thread.submit(fn, *args).result()
+        return fn(*args) if threading.get_ident() == self._ident else self._thread.submit(fn, *args).result()
 
     def soon(self, fn: Callable[[], None]) -> None:
         """fn() on vLLM's thread after what waits for it now (the step running, a pump step
