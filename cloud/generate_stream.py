@@ -56,8 +56,7 @@ class GenerateStream:
             self.session = self.opener.new_session(self.stream_id, config, prompt, self.owner, planned, token)
             self._undo_to = None
             held = self.session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
-            block = self.session.tokens[held:]
-            return self._step(self.session, block)
+            return self._step(self.session, self.session.tokens[held:])
         session = self.opener.sessions.get(self.stream_id, self.owner)  # evicted only if the caller has gone
         self._undo_to = session.cache.get_seq_length()
         return self._step(session, session.tokens[-1:])

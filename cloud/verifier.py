@@ -156,8 +156,7 @@ class Verifier:
         prefill = _Prefill(self, session, opened, start)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         last = req.prompt_tokens[-1:]  # the first round feeds it; a live engine computes it now
-        block = req.prompt_tokens[held:-1]
-        return ForwardStep(session.cache, block, prefill, known=last)
+        return ForwardStep(session.cache, req.prompt_tokens[held:-1], prefill, known=last)
 
     def begin_open_decode(
         self, req: OpenSessionRequest, session_id: str, owner: str = "", stretch: DecodeStretchStep | None = None

@@ -124,8 +124,7 @@ def forward_packed(
             keys, values = lm.keys_values(layer)
             cache.update(keys[..., block, :].clone(), values[..., block, :].clone(), index)
         new_start += length
-    logits = out.logits[0].float().cpu()
-    return list(logits.split([len(r) for r in rows]))
+    return list(out.logits[0].float().cpu().split([len(r) for r in rows]))
 
 
 def _packed_past(model: PreTrainedModel, caches: Sequence[DynamicCache], pasts: Sequence[int]) -> DynamicCache:
