@@ -40,14 +40,8 @@ def build_verifier(settings: VerifierSettings) -> Verifier:
     device = lm.resolve_device(settings.device)
     dtype = choose_dtype(settings.dtype, device.type)
     threads = lm.configure_cpu(device, settings.threads)
-    log_event(
-        log,
-        logging.INFO,
-        f"{device.type}, {dtype.name} ({dtype.reason})" + (f", {threads} CPU threads" if threads else ""),
-        dtype=dtype.name,
-        dtype_reason=dtype.reason,
-        threads=threads,
-    )
+    where = f"{device.type}, {dtype.name} ({dtype.reason})" + (f", {threads} CPU threads" if threads else "")
+    log_event(log, logging.INFO, where, dtype=dtype.name, dtype_reason=dtype.reason, threads=threads)
     path = model_folder(settings.model, TARGET_MODEL)
     model = lm.load_model(path, dtype.name, str(device))
     return _warmed(TransformersEngine(model), path, settings, dtype.reason)
@@ -137,14 +131,10 @@ def _warmed(engine: Engine, folder: str, settings: VerifierSettings, dtype_reaso
     verifier = Verifier(engine, describe_model(folder), settings.limits(), dtype_reason=dtype_reason, tokenizer=tokenizer)
     step_ms = verifier.warm_up()
     card = verifier.card
-    log_event(
-        log,
-        logging.INFO,
-        f"{verifier.model_id}: {card.parameters / 1e9:.2f}B parameters, one decode step {step_ms:.1f} ms"
-        + ("" if card.tokenizer else "; no tokenizer.json beside it: clients cannot check their tokenizer against it"),
-        parameters=card.parameters,
-        decode_step_ms=round(step_ms, 3),
-    )
+    loaded = f"{verifier.model_id}: {card.parameters / 1e9:.2f}B parameters, one decode step {step_ms:.1f} ms"
+    if card.tokenizer is None:
+        loaded += "; no tokenizer.json beside it: clients cannot check their tokenizer against it"
+    log_event(log, logging.INFO, loaded, parameters=card.parameters, decode_step_ms=round(step_ms, 3))
     return verifier
 
 

@@ -1,13 +1,8 @@
 """One batch step, a straight line: the steps of several sessions and streams (a round, a
-prefill, a Generate token) -> ONE call of the engine with their session steps
-(cloud/engine/__init__.py: forward, accept and crop, or the engine's own live steps) -> each
-step commits its own outcome, or, where the engine computed a chunk of its tokens (a long
-prompt), is Partial: its rest runs in a later batch.
-
-A step is one sequence's share of the batch (ForwardStep); what it does with its outcome and
-how it is put back after a failure is its StepWork. A failed batch leaves every cache as it
-was; a step that fails in the engine or in its commit is undone alone, so it never fails or
-corrupts the others of its batch.
+prefill, a Generate token) -> ONE call of the engine with their session steps -> each step
+commits its own outcome, or is Partial (the engine computed a chunk of a long prompt) and its
+rest runs in a later batch. A failed batch leaves every cache as it was; a step that fails in the
+engine or in its commit is undone alone (its StepWork), so it never fails the others.
 """
 
 from __future__ import annotations
@@ -35,11 +30,9 @@ class StepWork(Protocol[R_co]):
     def rule(self) -> RoundRule | None:
         """How the step's drafts are accepted and its next token drawn; None for a step that
         reads nothing (a prefill)."""
-        ...
 
     def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> R_co:
         """The step's result, from its outcome (None for a step that reads nothing)."""
-        ...
 
     def undo(self) -> None: ...
 

@@ -1,25 +1,13 @@
 """Cross-session batching: rounds (and Generate steps) that arrive close together run in ONE
 forward pass of the target, on the one model worker.
 
-A bounded queue in front of it is the verifier's backpressure: past `max_queue` waiting
-steps, a call is refused with RESOURCE_EXHAUSTED and a retry hint (how long the queue ahead
-takes to drain at the recent batch time) instead of waiting without bound.
-
-Admission: the batcher learns what a forward pass costs here (a decode step, and the time per
-prefilled token). A new session whose prefill cannot start and finish before its caller's
-deadline is refused at once with RESOURCE_EXHAUSTED and a retry hint, so that the sessions
-it admits are served instead of all of them timing out together; prefills join a batch only
-while the batch still ends before every deadline in it.
-
-Long prompts are computed in chunks of about `max_prefill_chunk` tokens, one chunk per pass,
-with the other sessions' rounds in the same passes: a round sent during a long prefill waits
-for the pass running and one pass with a chunk, not for the whole prefill. The engine cuts the
-chunks (a forward pass at `max_prefill_chunk`, vLLM's scheduler at the same size); a step of
-which a pass computed a chunk comes back Partial and its rest queues again.
-
-Fairness between API keys: each pass takes the oldest step of every key before a second
-step of any key, a full queue still takes steps from keys holding less than their share of
-it, and each key's own limits (cloud/quotas.py) are checked as its steps arrive.
+Around the passes (why each: docs/architecture.md "Batching", docs/operations.md "Admission",
+"A request can only fail itself", "Per-key limits and fairness"): a bounded queue is the
+backpressure (_check_queue); a new session whose prefill cannot end before its caller's deadline
+is refused at once (_admit, _take); a long prompt is computed a chunk per pass beside the other
+sessions' rounds (the engine cuts the chunks; a step comes back Partial and its rest queues
+again); each pass takes every key's oldest step first (_fair_order), and each key's own limits
+(cloud/quotas.py) are checked as its steps arrive.
 """
 
 from __future__ import annotations

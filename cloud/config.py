@@ -1,8 +1,5 @@
-"""cloud-verifier settings: flags, environment variables (SPECDEC_CLOUD_*), a config file, defaults.
-
-Precedence, highest first: command-line flags, SPECDEC_CLOUD_* environment variables, the
---config file (JSON or TOML), the defaults below.
-"""
+"""cloud-verifier settings: flags, environment variables (SPECDEC_CLOUD_*), a config file (JSON
+or TOML), defaults, in the order PRECEDENCE says."""
 
 from __future__ import annotations
 
@@ -146,8 +143,7 @@ class VerifierSettings(BaseSettings):
     )
     kv_layout: Literal["packed", "slots"] = Field(
         "packed",
-        description="packed: each session its own KV, "
-        "concatenated for every batched pass; slots: KV in place in a pool "
+        description="packed: each session its own KV, concatenated for every batched pass; slots: KV in place in a pool "
         "allocated at start (min(max_sessions, max_kv_bytes / slot) slots)",
     )
     kv_slot_tokens: int = Field(

@@ -2,10 +2,9 @@
 Verify round with no draft tokens, so decoding and speculative rounds advance one session
 with one KV and one generator. Each token is one step for the batcher, batched with other
 sessions' rounds and other streams' tokens; on an engine that decodes ahead (vLLM) only the
-first is: the session's request decodes the rest of the stretch in one go, and the call reads
-the tokens as they come (cloud/followed_stretch.py). Opening a session (its prefill) is one
-step too, shared by OpenSession and a Decode call that opens its session. SessionCalls also
-runs a Generate call (cloud/generate_stream.py)."""
+first is (cloud/followed_stretch.py). Opening a session (its prefill) is one step too, shared
+by OpenSession and a Decode call that opens its session. SessionCalls also runs a Generate
+call (cloud/generate_stream.py)."""
 
 from __future__ import annotations
 

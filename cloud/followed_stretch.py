@@ -1,9 +1,7 @@
 """A Decode stretch that reads its session's own decoding: after the stretch's first token (one
-batched step), an engine that decodes ahead on its own (vLLM) decodes the rest of the stretch in its own
-loop, and the call takes the tokens from a TokenFeed as they come (cloud/token_feed.py), with
-no pass per token. The session takes them when the call commits them: its tokens, its KV's
-length and its rounds are then what one step a token would have left (each token counts as a
-round with no drafts, as a stepped token does), before any other step of the session runs.
+batched step), an engine that decodes ahead on its own (vLLM) decodes the rest in its own loop,
+and the call takes the tokens from a TokenFeed as they come (cloud/token_feed.py), with no pass
+per token; the session takes them when the call commits them (FollowedStretch.commit).
 
 Built and committed on the model worker, which owns the session; taken from on the event loop,
 where only this object's own counts change."""
@@ -60,10 +58,10 @@ class FollowedStretch:
         return tokens
 
     def commit(self) -> None:
-        """(on the model worker) The session takes the tokens taken since the last commit, and
-        the engine hands the call no more. A session closed or evicted meanwhile is left gone;
-        one that another call's step moved on (a client that did not wait for the stretch) keeps
-        that step's tokens."""
+        """(on the model worker) The session takes the tokens taken since the last commit, as one
+        step a token (a round each) would have left it, and the engine hands the call no more. A
+        session closed or evicted meanwhile is left gone; one that another call's step moved on (a
+        client that did not wait for the stretch) keeps that step's tokens."""
         taken, self._taken = self._taken, []
         session = self.session
         if not self.sessions.holds(session):

@@ -2,35 +2,23 @@
 step is a round with no drafts (its token drawn by the same rule as a Decode stretch's). Its
 first step (the prompt's prefill and the first token) is batched with other streams' steps
 and sessions' rounds. After it, on an engine that decodes ahead on its own (vLLM) the stream
-follows its session, and reads its tokens as they come (a TokenFeed: no pass per token); on
-the other engines each token is one more step."""
+follows its session (cloud/token_feed.py); on the other engines each token is one more step."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from cloud.batch_step import ForwardStep
 from cloud.engine import Engine, StepOutcome, TokenSink
-from cloud.prefix_scope import ReuseScopes
 from cloud.rejection_sampler import RoundRule
-from cloud.sessions import Session, SessionStore
+from cloud.sessions import Session
 from cloud.token_feed import taken_part
 from shared.errors import InvalidRequest
 from shared.protocol import AcceptMode, GenerateChunk, GenerateRequest, SessionConfig
 
-
-class SessionOpener(Protocol):
-    """Where a stream stores its KV: the verifier's session store."""
-
-    sessions: SessionStore
-    scopes: ReuseScopes
-
-    def new_session(
-        self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0, reuse_token: str = ""
-    ) -> Session: ...
-
-    def count_opened(self, session: Session) -> int: ...
+if TYPE_CHECKING:
+    from cloud.verifier import Verifier  # which imports this module
 
 
 class GenerateStream:
@@ -38,9 +26,7 @@ class GenerateStream:
     knows), so the session and KV caps count it like any session's; the first step stores
     it, close() drops it. A stream is the work of each of its steps."""
 
-    def __init__(
-        self, opener: SessionOpener, engine: Engine, req: GenerateRequest, vocab: int, stream_id: str, owner: str
-    ) -> None:
+    def __init__(self, opener: Verifier, engine: Engine, req: GenerateRequest, vocab: int, stream_id: str, owner: str) -> None:
         self.opener = opener
         self.engine = engine
         self.req = req
@@ -70,8 +56,7 @@ class GenerateStream:
             self.session = self.opener.new_session(self.stream_id, config, prompt, self.owner, planned, token)
             self._undo_to = None
             held = self.session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
-            block = self.session.tokens[held:]
-            return self._step(self.session, block)
+            return self._step(self.session, self.session.tokens[held:])
         session = self.opener.sessions.get(self.stream_id, self.owner)  # evicted only if the caller has gone
         self._undo_to = session.cache.get_seq_length()
         return self._step(session, session.tokens[-1:])

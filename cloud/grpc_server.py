@@ -38,8 +38,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
         req = wire.open_request_from_pb(request)
-        result = await self._calls(context, new_session=True).open(req)
-        return wire.open_result_to_pb(result)
+        return wire.open_result_to_pb(await self._calls(context, new_session=True).open(req))
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.VerifyResponse:
         req = wire.verify_request_from_pb(request)
@@ -65,13 +64,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
         verifier, _ = self.state.verifier_for(new_session=False)
-        result = await self.state.worker.run(verifier.close_session, request.session_id, principal())
-        return wire.close_result_to_pb(result)
+        return wire.close_result_to_pb(await self.state.worker.run(verifier.close_session, request.session_id, principal()))
 
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
         verifier, _ = self.state.verifier_for(new_session=False)
-        card = verifier.card
-        return wire.description_to_pb(card.describe(request.tokens_from, request.tokens_count, request.chat_template))
+        return wire.description_to_pb(verifier.card.describe(request.tokens_from, request.tokens_count, request.chat_template))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         req = wire.generate_request_from_pb(request)

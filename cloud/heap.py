@@ -3,8 +3,7 @@
 A session's KV grows a token at a time and is freed when the session ends, and a long prefill's
 activations are freed after its pass. glibc's allocator keeps freed pages for reuse, so a
 verifier left idle after a load holds memory no session uses: 20 to 70 MiB each time on the
-1.5B target on a CPU (the larger growth of a long soak was torch's per-shape matmul caches,
-bounded in shared/lm.py). `malloc_trim(0)` returns those pages. It runs on the model worker (no
+1.5B target on a CPU. `malloc_trim(0)` returns those pages. It runs on the model worker (no
 forward pass allocates meanwhile), only when the verifier holds no session and has run a forward
 pass since the last trim, at most once per check interval.
 """

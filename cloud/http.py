@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from fastapi.responses import HTMLResponse
 
-from cloud.auth import Caller
 from cloud.metrics import CONTENT_TYPE
 from cloud.state import ServerState
 from cloud.tls import ServerTls
 from shared import http_server
+from shared.api_keys import Caller
 from shared.errors import Unauthenticated
 from shared.http_server import HttpServer
 
@@ -22,21 +22,18 @@ from shared.http_server import HttpServer
 def _status(state: ServerState) -> dict[str, Any]:
     """The status, the model, the caps admission enforces (the context of a session and the KV
     of all) and the uptime."""
-    uptime = {"uptime_s": round(state.uptime_s(), 3)}
-    if state.verifier is None:
-        keys = ("engine", "dtype", "dtype_reason", "device", "max_context_tokens", "max_kv_bytes")
-        return {"status": state.status, "model_ids": [], **dict.fromkeys(keys), **uptime}
-    engine, limits = state.verifier.engine.describe(), state.verifier.limits
+    verifier = state.verifier  # None while the model loads: its facts are null
+    engine = verifier.engine.describe() if verifier else {}
     return {
         "status": state.status,
-        "model_ids": [state.verifier.model_id],
-        "engine": engine["engine"],
-        "dtype": engine["dtype"],
-        "dtype_reason": state.verifier.dtype_reason,
-        "device": engine["device"],
-        "max_context_tokens": limits.max_context_tokens,
-        "max_kv_bytes": limits.sessions.max_kv_bytes,
-        **uptime,
+        "model_ids": [verifier.model_id] if verifier else [],
+        "engine": engine.get("engine"),
+        "dtype": engine.get("dtype"),
+        "dtype_reason": verifier.dtype_reason if verifier else None,
+        "device": engine.get("device"),
+        "max_context_tokens": verifier.limits.max_context_tokens if verifier else None,
+        "max_kv_bytes": verifier.limits.sessions.max_kv_bytes if verifier else None,
+        "uptime_s": round(state.uptime_s(), 3),
     }
 
 
@@ -88,7 +85,7 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
 
 def _add_telemetry(app: FastAPI, state: ServerState, caller: Any) -> None:
     """Prometheus metrics (every key's aggregates), and the sessions and recent rounds the
-    caller may see: its own key's, or every key's for an operator key (cloud/auth.py)."""
+    caller may see: its own key's, or every key's for an operator key (shared/api_keys.py)."""
     page = (resources.files("cloud") / "static" / "index.html").read_text()
 
     @app.get("/metrics", dependencies=[caller])

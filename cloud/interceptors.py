@@ -4,9 +4,8 @@
   their documented status codes and trailers, an unexpected exception INTERNAL with the
   request id only, never UNKNOWN; and it counts every call by method and code and logs it once.
 - ApiKeyInterceptor (inside it) lets a call run only with a key of the keys in force
-  (cloud/auth.py; reloaded while the server runs, cloud/key_reload.py) and makes the key's name
-  the call's principal(), which the servicer and the log line read. A stream whose key is
-  removed meanwhile ends UNAUTHENTICATED at its next reply.
+  (shared/api_keys.py; reloaded while the server runs, cloud/key_reload.py) and makes the key's
+  name the call's principal(), which the servicer and the log line read.
 
 The health and reflection services pass through both untouched: probes call them without a key.
 """
@@ -63,7 +62,8 @@ class Undecodable:
 class _ServiceInterceptor(grpc.aio.ServerInterceptor):
     """Runs one service's unary-request methods inside `around`; other services pass through."""
 
-    def __init__(self, service: str) -> None:
+    def __init__(self, state: ServerState, service: str) -> None:
+        self.state = state
         self._prefix = f"/{service}/"
 
     async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: Any) -> Any:
@@ -112,10 +112,6 @@ class ApiKeyInterceptor(_ServiceInterceptor):
     (or when their session, ended with the key, fails them); a unary call in flight finishes,
     or fails NOT_FOUND with its session gone."""
 
-    def __init__(self, state: ServerState, service: str) -> None:
-        super().__init__(service)
-        self.state = state
-
     @asynccontextmanager
     async def around(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Replied]:
         name = self.state.api_keys.principal(_authorization(context))
@@ -156,19 +152,12 @@ class ApiKeyInterceptor(_ServiceInterceptor):
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return str(value)
-    return None
+    return next((str(value) for key, value in context.invocation_metadata() or () if key == "authorization"), None)
 
 
 class StatusInterceptor(_ServiceInterceptor):
     """Every call's answer and bookkeeping: its status code (and trailers), one sample of the
     request metrics by method and code, and one log line."""
-
-    def __init__(self, state: ServerState, service: str) -> None:
-        super().__init__(service)
-        self.state = state
 
     @asynccontextmanager
     async def around(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Replied]:
@@ -223,8 +212,7 @@ class _Call:
             log_event(log, logging.DEBUG if self.method == "Verify" else logging.INFO, self.method, **fields)
 
     def _refused(self, code: str, detail: str, fields: dict[str, Any]) -> None:
-        """Counted every time; logged at most once per interval per source and code, with
-        how many refusals the line stands for."""
+        """Counted every time; logged as the RefusalLog lets it, with how many refusals it stands for."""
         caller = principal()
         self.state.metrics.refused_calls.labels(code, caller).inc()
         refusals = self.state.refusals.admit(f"key {caller}" if caller else self.peer, code)

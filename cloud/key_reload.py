@@ -2,16 +2,10 @@
 file changes (its mtime, size or inode, looked at every second: no watch library to install).
 
 A file that parses replaces the keys at once (ServerState.api_keys, which the interceptor and the
-HTTP side read at each call) and logs one INFO line: how many keys, the names added and removed
-(names are safe to log). A file that does not parse, holds no key or cannot be read leaves the
-keys in force and logs one WARNING line saying why, never its text (it holds keys): an empty
-file never opens the verifier to everyone.
-
-Sessions and kept prefixes belong to a key's NAME, so a key rotated under its name (a new secret,
-or the old and the new one listed and then the old one removed) keeps them. A name that is gone
-is ended: its calls are refused as an unknown key's, its streams end UNAUTHENTICATED at their
-next reply (cloud/interceptors.py), and each of its sessions and kept prefixes goes at once, its
-KV freed; other keys' sessions are untouched.
+HTTP side read at each call); one that does not leaves the keys in force, so an emptied file
+never opens the verifier to everyone. A name that is gone is ended: its sessions and kept
+prefixes go here, its streams in cloud/interceptors.py. What an operator sees of it, rotation
+included: docs/operations.md ("Changing keys").
 """
 
 from __future__ import annotations
@@ -22,9 +16,9 @@ import logging
 import os
 import signal
 
-from cloud.auth import ApiKeys
 from cloud.logs import log_event
 from cloud.state import ServerState
+from shared.api_keys import ApiKeys
 from shared.errors import ConfigError
 
 log = logging.getLogger("cloud-verifier")
@@ -55,17 +49,10 @@ async def reload_keys(state: ServerState, path: str, why: str) -> bool:
         return False
     before, after = key_names(state.api_keys), key_names(keys)
     state.api_keys = keys  # from here on, every call and request of a removed name is refused
-    removed = sorted(before - after)
-    ended = [await state.end_owner(name) for name in removed]
-    log_event(
-        log,
-        logging.INFO,
-        f"API keys reloaded ({why}): {len(keys.entries)} keys",
-        keys=len(keys.entries),
-        added=sorted(after - before),
-        removed=removed,
-        ended_sessions=sum(ended),
-    )
+    added, removed = sorted(after - before), sorted(before - after)
+    ended = sum([await state.end_owner(name) for name in removed])
+    reloaded = f"API keys reloaded ({why}): {len(keys.entries)} keys"
+    log_event(log, logging.INFO, reloaded, keys=len(keys.entries), added=added, removed=removed, ended_sessions=ended)
     return True
 
 

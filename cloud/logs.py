@@ -12,8 +12,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
     fields = getattr(record, "fields", None)
@@ -22,7 +20,7 @@ def _fields(record: logging.LogRecord) -> dict[str, Any]:
 
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
-        super().__init__(TEXT_FORMAT)
+        super().__init__("%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
@@ -60,7 +58,7 @@ def log_event(logger: logging.Logger, level: int, message: str, **fields: Any) -
     logger.log(level, message, extra={"fields": fields}, stacklevel=2)
 
 
-# Refusals a client's own request earns: logged at most once per interval per (who, code).
+# Refusals a client's own request earns: their lines are bounded (RefusalLog).
 REFUSALS = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "NOT_FOUND"})
 
 

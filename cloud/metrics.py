@@ -10,17 +10,10 @@ eviction reason, never a session or request id or a caller's address.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    ProcessCollector,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from cloud.sessions import EVICTION_REASONS
 from shared.protocol import VerifyResult
@@ -34,34 +27,30 @@ class VerifierMetrics:
     def __init__(self, max_draft_tokens: int) -> None:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds: what a soak watches
-        self.requests = Counter("specdec_requests", "RPCs by method and gRPC status code", ["method", "code"], registry=r)
-        self.received_bytes = Counter("specdec_received_bytes", "serialized request bytes", ["method"], registry=r)
-        self.sent_bytes = Counter("specdec_sent_bytes", "serialized response bytes", ["method"], registry=r)
-        self.rounds = Counter("specdec_rounds", "verify rounds (vLLM: num_drafts)", registry=r)
-        self.draft_tokens = Counter("specdec_draft_tokens", "drafted tokens received", registry=r)
-        self.accepted_tokens = Counter("specdec_accepted_tokens", "drafted tokens accepted", registry=r)
-        self.accepted_per_pos = Counter(
-            "specdec_accepted_tokens_per_pos", "accepted tokens by draft position (0-based)", ["position"], registry=r
+        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
+        latency = partial(Histogram, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.requests = counter("specdec_requests", "RPCs by method and gRPC status code", ["method", "code"])
+        self.received_bytes = counter("specdec_received_bytes", "serialized request bytes", ["method"])
+        self.sent_bytes = counter("specdec_sent_bytes", "serialized response bytes", ["method"])
+        self.rounds = counter("specdec_rounds", "verify rounds (vLLM: num_drafts)")
+        self.draft_tokens = counter("specdec_draft_tokens", "drafted tokens received")
+        self.accepted_tokens = counter("specdec_accepted_tokens", "drafted tokens accepted")
+        self.accepted_per_pos = counter(
+            "specdec_accepted_tokens_per_pos", "accepted tokens by draft position (0-based)", ["position"]
         )
-        self.decode_tokens = Counter(
-            "specdec_decode_tokens", "tokens of Decode stretches: the target's own decoding on a session", registry=r
+        self.decode_tokens = counter(
+            "specdec_decode_tokens", "tokens of Decode stretches: the target's own decoding on a session"
         )
-        self.bonus_tokens = Counter("specdec_bonus_tokens", "bonus tokens: rounds whose drafts all passed", registry=r)
-        self.verify_latency = Histogram(
-            "specdec_verify_latency_seconds", "server time per round, queue included", buckets=LATENCY_BUCKETS_S, registry=r
-        )
-        self.forward_time = Histogram(
-            "specdec_forward_seconds", "target forward pass per round", buckets=LATENCY_BUCKETS_S, registry=r
-        )
+        self.bonus_tokens = counter("specdec_bonus_tokens", "bonus tokens: rounds whose drafts all passed")
+        self.verify_latency = latency("specdec_verify_latency_seconds", "server time per round, queue included")
+        self.forward_time = latency("specdec_forward_seconds", "target forward pass per round")
         # Once per pass, however many steps it ran: busy / wall time is the verifier's load.
-        self.busy_time = Counter("specdec_busy_seconds", "model-worker time in target forward passes", registry=r)
-        self.forward_passes = Counter("specdec_forward_passes", "target forward passes (batched steps count once)", registry=r)
+        self.busy_time = counter("specdec_busy_seconds", "model-worker time in target forward passes")
+        self.forward_passes = counter("specdec_forward_passes", "target forward passes (batched steps count once)")
         # An engine with its own loop (vLLM) also steps outside passes, for the streams that follow it.
-        self.engine_steps = Counter("specdec_engine_steps", "steps of the engine's own loop (vLLM)", registry=r)
-        self.engine_step_time = Counter("specdec_engine_step_seconds", "time in the engine's own steps (vLLM)", registry=r)
-        self.queue_time = Histogram(
-            "specdec_queue_seconds", "wait in the batch queue per round", buckets=LATENCY_BUCKETS_S, registry=r
-        )
+        self.engine_steps = counter("specdec_engine_steps", "steps of the engine's own loop (vLLM)")
+        self.engine_step_time = counter("specdec_engine_step_seconds", "time in the engine's own steps (vLLM)")
+        self.queue_time = latency("specdec_queue_seconds", "wait in the batch queue per round")
         positions = [float(i) for i in range(max_draft_tokens + 1)]  # one bucket per possible length
         self.draft_len = Histogram("specdec_draft_length", "k: drafted tokens per round", buckets=positions, registry=r)
         self.accepted_len = Histogram("specdec_accepted_length", "accepted drafts per round", buckets=positions, registry=r)
@@ -71,54 +60,47 @@ class VerifierMetrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
             registry=r,
         )
-        self.queue_depth = Gauge("specdec_queue_depth", "steps waiting for a forward pass", registry=r)
-        self.rejected = Counter(
-            "specdec_rejected_requests",
-            "calls refused with RESOURCE_EXHAUSTED (queue, KV or session caps)",
-            ["method"],
-            registry=r,
+        self.queue_depth = gauge("specdec_queue_depth", "steps waiting for a forward pass")
+        self.rejected = counter(
+            "specdec_rejected_requests", "calls refused with RESOURCE_EXHAUSTED (queue, KV or session caps)", ["method"]
         )
-        self.admission_refusals = Counter(
+        self.admission_refusals = counter(
             "specdec_admission_refusals",
             "new sessions refused because their prefill could not finish before the caller's deadline",
-            registry=r,
         )
-        self._add_refusals_and_evictions(r)
+        self._add_refusals_and_evictions(counter, gauge)
         self._counted: dict[Counter, float] = {}  # what each counter fed from a total elsewhere has counted
-        self.open_sessions = Gauge("specdec_open_sessions", "sessions holding a KV cache", registry=r)
-        self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions", registry=r)
+        self.open_sessions = gauge("specdec_open_sessions", "sessions holding a KV cache")
+        self.kv_cache_bytes = gauge("specdec_kv_cache_bytes", "KV-cache bytes held by open sessions")
         for position in range(max_draft_tokens):  # every position exists from the start, at 0
             self.accepted_per_pos.labels(str(position))
 
-    def _add_refusals_and_evictions(self, r: CollectorRegistry) -> None:
-        self.refused_calls = Counter(
+    def _add_refusals_and_evictions(self, counter: Callable[..., Counter], gauge: Callable[..., Gauge]) -> None:
+        self.refused_calls = counter(
             "specdec_refused_calls",
             "calls refused for their own request (UNAUTHENTICATED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, NOT_FOUND) by "
             "code and API key name (empty: no valid key); the log has one line per source and interval",
             ["code", "key"],
-            registry=r,
         )
-        self.evicted_sessions = Counter(
+        self.evicted_sessions = counter(
             "specdec_evicted_sessions",
             "sessions the verifier dropped, by reason: ttl (idle too long), session_cap and kv_cap (the global caps; "
             "only the key that needed the room loses a session), key_kv_cap (a key's own KV cap)",
             ["reason"],
-            registry=r,
         )
         for reason in EVICTION_REASONS:  # every reason's series exists from the start, at 0
             self.evicted_sessions.labels(reason)
-        self.prefix_reused_tokens = Counter(
+        self.prefix_reused_tokens = counter(
             "specdec_prefix_reused_tokens",
             "prompt tokens of new sessions whose KV came from a closed session of the same API key (a kept prefix)",
-            registry=r,
         )
-        self.prefix_prefilled_tokens = Counter(
-            "specdec_prefix_prefilled_tokens", "prompt tokens of new sessions the target computed (prefill)", registry=r
+        self.prefix_prefilled_tokens = counter(
+            "specdec_prefix_prefilled_tokens", "prompt tokens of new sessions the target computed (prefill)"
         )
-        self.prefix_cache_bytes = Gauge(
-            "specdec_prefix_cache_bytes", "KV bytes kept from closed sessions for their keys' next sessions", registry=r
+        self.prefix_cache_bytes = gauge(
+            "specdec_prefix_cache_bytes", "KV bytes kept from closed sessions for their keys' next sessions"
         )
-        self.prefix_cache_entries = Gauge("specdec_prefix_cache_entries", "closed sessions' KV kept for reuse", registry=r)
+        self.prefix_cache_entries = gauge("specdec_prefix_cache_entries", "closed sessions' KV kept for reuse")
 
     def record_rpc(self, method: str, code: str, received: int, sent: int) -> None:
         self.requests.labels(method, code).inc()

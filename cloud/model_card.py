@@ -75,8 +75,7 @@ def measure_decode_step(engine: Engine) -> float:
     config = SessionConfig()
     try:
         engine.start_session(kv, config, engine.logits_width)
-        tokens = [0] * WARMUP_TOKENS
-        fed = tokens
+        tokens = fed = [0] * WARMUP_TOKENS
         times = []
         for _ in range(TIMED_STEPS + 1):
             start = time.perf_counter()

@@ -7,8 +7,7 @@ A kept prefix is one entry: the tokens whose KV its engine handle holds, and the
 session takes the entry of its scope that shares the longest prefix with its prompt
 (llama-server picks a slot by prompt similarity the same way), crops it to the shared part and
 prefills only the rest; the entry leaves the cache, so each handle has one owner at a time. A
-session can only take its own scope's entries: the tokens it reuses, and the time its prefill
-saves, tell it nothing of another scope's prompts.
+session can only take its own scope's entries (why: cloud/prefix_scope.py).
 
 Kept prefixes are the first KV to go: the session store counts their bytes against the key's
 and the global KV caps and their handles against the session caps, and evicts them fairly
@@ -166,6 +165,5 @@ class PrefixCache:
         for entry_id, entry in self._entries.items():
             if owner in (None, entry.owner) and scope in (None, entry.scope):
                 if kept_before is None or entry.kept_at < kept_before:
-                    del self._entries[entry_id]
-                    return entry.kv
+                    return self._entries.pop(entry_id).kv
         return None

@@ -1,19 +1,13 @@
 """Whose kept prefixes a new session may start from (its reuse scope), so that prefix reuse never
-crosses a trust boundary. A session that starts from kept KV prefills faster, and its client
-sees it (`prefill_ms`, `reused_tokens`): a scope shared by two clients would tell each whether
+crosses a trust boundary: a session that starts from kept KV prefills faster, and its client
+sees it (`prefill_ms`, `reused_tokens`), so a scope shared by two clients would tell each whether
 the other's prompts began with a given text.
 
-A scope is one client of one API key ("" without keys): the client proves it is the one an
-earlier session came from with the reuse token the verifier gave it then, a nonce and its HMAC
-(over the key's name and the nonce) under a secret drawn at start. No state is kept per client,
-a token names nothing under another key, and a restart invalidates every token (it drops every
-kept prefix too). A request with no valid token gets a new scope and its token. The edge's
-client keeps its token per verifier, so a chat's turns share a scope, and so do the sessions
-of one `edge-agent serve` caller.
-
-`--shared-prefix-cache`: a scope is a key instead (without keys: ONE scope for every client),
-for clients that trust each other. With reuse off there is no scope: nothing is kept, and vLLM
-gives each session a salt of its own.
+A scope is one client of one API key ("" without keys), proven by the reuse token the verifier
+gave it with an earlier session: a nonce and its HMAC (over the key's name and the nonce) under a
+secret drawn at start, so no state is kept per client. `--shared-prefix-cache` makes a scope a
+key instead; with reuse off there is none. What a client sees of it: docs/operations.md ("Who
+shares").
 """
 
 from __future__ import annotations
@@ -63,9 +57,7 @@ class ReuseScopes:
         """The scope of a new session of API key `owner` ("" without keys) presenting `token`:
         a new client's when the token is not one this verifier signed for the key."""
         known = self.known(owner, token)
-        if known.name or self.mode == "off":
-            return known
-        return self._client(owner, secrets.token_bytes(_NONCE_BYTES))
+        return known if known.name or self.mode == "off" else self._client(owner, secrets.token_bytes(_NONCE_BYTES))
 
     def known(self, owner: str, token: str) -> Scope:
         """The scope `of` gives, but NO_SCOPE where that would be a new one (nothing is kept in
@@ -94,6 +86,4 @@ class ReuseScopes:
         except (binascii.Error, ValueError):
             return None
         nonce, mac = raw[:_NONCE_BYTES], raw[_NONCE_BYTES:]
-        if len(nonce) != _NONCE_BYTES or not hmac.compare_digest(mac, self._mac(owner, nonce)):
-            return None
-        return nonce
+        return nonce if len(nonce) == _NONCE_BYTES and hmac.compare_digest(mac, self._mac(owner, nonce)) else None

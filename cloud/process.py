@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 
-from cloud.auth import ApiKeys
 from cloud.config import VerifierSettings
 from cloud.grpc_server import start_server
 from cloud.heap import trim_when_idle
@@ -24,6 +23,7 @@ from cloud.logs import log_event
 from cloud.state import ServerState
 from cloud.tls import ServerTls, check_exposure
 from cloud.verifier import Verifier
+from shared.api_keys import ApiKeys
 from shared.errors import EngineFailed
 from shared.http_server import stop_signal
 from shared.net import is_loopback
@@ -69,13 +69,8 @@ async def start_servers(settings: VerifierSettings) -> Servers:
     credentials = tls.grpc_credentials() if tls else None
     grpc_host = f"[{settings.host}]" if ":" in settings.host and not settings.host.startswith("[") else settings.host  # IPv6
     server, port = await start_server(state, f"{grpc_host}:{settings.port}", settings.reflection, credentials=credentials)
-    log_event(
-        log,
-        logging.INFO,
-        f"grpc on {settings.host}:{port} (health NOT_SERVING until the model loads)",
-        grpc_port=port,
-        **security,
-    )
+    serving = f"grpc on {settings.host}:{port} (health NOT_SERVING until the model loads)"
+    log_event(log, logging.INFO, serving, grpc_port=port, **security)
     return Servers(state, server, port, http)
 
 
@@ -83,22 +78,15 @@ def _log_trust(settings: VerifierSettings, keys: ApiKeys | None) -> None:
     """Say at start what clients share: no kept prefix crosses clients, unless the operator
     asked for one prefix cache per key (without keys: for every client)."""
     if keys is None and not is_loopback(settings.host):
-        log_event(
-            log,
-            logging.WARNING,
-            f"no API keys on {settings.host}: any client that reaches the port may open sessions on the model "
-            "(give --api-keys-file; README: Securing a verifier)",
-            host=settings.host,
-        )
+        exposed = f"no API keys on {settings.host}: any client that reaches the port may open sessions on the model"
+        log_event(log, logging.WARNING, f"{exposed} (give --api-keys-file; README: Securing a verifier)", host=settings.host)
     if settings.shared_prefix_cache and settings.prefix_reuse:
         if keys is not None:
             log.info("one prefix cache per API key (--shared-prefix-cache): a key's clients share it, keys never do")
         else:
-            log_event(
-                log,
-                logging.WARNING,
+            log.warning(
                 "one prefix cache for every client (--shared-prefix-cache): a client can tell from its prefill time "
-                "whether another client's prompt began with the same text",
+                "whether another client's prompt began with the same text"
             )
 
 

@@ -1,12 +1,9 @@
 """What one API key may take of a verifier, so a heavy client cannot starve the others.
 
 A key is the name an API key has in --api-keys-file; without a keys file every client is
-the one key "". Each limit is per key, 0 meaning no limit:
-- sessions and KV bytes are held by the session store: a key at its session cap is refused
-  a new one; a key over its KV cap first loses its own least recently used idle session
-  (never another key's), so its live sessions can go on;
-- queued steps and fed tokens per second are checked by the batcher when a step arrives.
-Over a limit the call gets RESOURCE_EXHAUSTED with a retry hint, as for the global caps.
+the one key "". Each limit is per key, 0 meaning no limit: sessions and KV bytes are enforced
+by the session store (cloud/sessions.py), queued steps and fed tokens per second by the batcher
+as a step arrives. Over a limit the call gets RESOURCE_EXHAUSTED with a retry hint.
 """
 
 from __future__ import annotations

@@ -14,14 +14,10 @@ Vocabulary (as in vLLM's rejection sampler):
 - the *bonus* token: drawn from the target at position k+1 when all k drafts pass.
 A round emits the accepted tokens plus exactly one recovered or bonus token.
 
-Modes (temperature > 0) and what the edge must send:
-- POINT: deterministic drafts (greedy draft model, n-gram), q = 1. Exact.
-- SPARSE: the draft's (truncated) distribution per position. Exact: residual max(p - q, 0).
-- SCALAR: only q(y); residual p - 1[v=y] q(y). APPROXIMATE: q off the drafted token is unknown.
-- SHORTCUT: only q(y); resample from p on rejection. APPROXIMATE.
-- TOP1: accept while the draft is the target's argmax, then sample from p. APPROXIMATE
-  (exact only at temperature 0); offered for n-gram drafts as in the NASD design.
-Temperature 0 is GREEDY: accept while the draft equals the target argmax. Exact.
+Modes: GREEDY (temperature 0), POINT (q = 1: greedy drafts, n-gram) and SPARSE (the draft's
+truncated distribution) are exact; SCALAR and SHORTCUT (q(y) alone) and TOP1 (the target's argmax,
+offered for n-gram drafts as in the NASD design) are APPROXIMATE. What each accepts and draws:
+accept_batch and _residual; what the edge sends for each: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -83,22 +79,6 @@ class _Decision:
 
 
 _NOT_DECIDED = LookupError("the round was not decided")  # replaced by each ready round's outcome
-
-
-def accept(
-    mode: AcceptMode,
-    draft_token_ids: torch.Tensor,  # [k] long
-    target: torch.Tensor,  # [k + 1, V]: GREEDY: penalised logits; other modes: processed probabilities p
-    generator: torch.Generator,
-    draft_probs: torch.Tensor | None = None,  # [k] q(y) of each drafted token: SCALAR and SHORTCUT
-    sparse_draft: torch.Tensor | None = None,  # [k, V] the draft's distributions q: SPARSE
-) -> RoundOutcome:
-    """One round on its own: the accepted prefix of a draft block and the recovered or bonus
-    token, by the session's mode (accept_batch with one round)."""
-    outcome = accept_batch([RoundDraft(mode, draft_token_ids, target, generator, draft_probs, sparse_draft)])[0]
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
 
 
 def accept_batch(rounds: Sequence[RoundDraft]) -> list[RoundOutcome | Exception]:

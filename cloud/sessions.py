@@ -8,10 +8,8 @@ key and this is plain LRU. Each eviction is one INFO line and is counted by its 
 
 A closed session's KV may stay as a kept prefix (cloud/prefix_cache.py) for the next session of
 its reuse scope (cloud/prefix_scope.py): kept prefixes count against the same caps, the key's
-session cap included, and are the first KV to go, fairly: a scope that needs room gives up its
-own kept prefixes first, and another scope's only while that one holds more than its fair share
-(the cap over the scopes holding any), the largest holder first. So a flood of one key's new
-prompts churns its own cache and leaves another key's conversation in place."""
+session cap included, and are the first KV to go, fairly (_free_fairly), so that a flood of one
+key's new prompts churns its own cache and leaves another key's conversation in place."""
 
 from __future__ import annotations
 
@@ -156,15 +154,21 @@ class SessionStore:
         # 72 random bits in 12 characters: unguessable, and short because it rides in every Verify.
         return secrets.token_urlsafe(9)
 
-    def kv_bytes(self, owner: str | None = None) -> int:
-        """KV bytes of every session and kept prefix, or of `owner`'s."""
-        held = sum(self.session_bytes(s) for s in self._sessions.values() if owner is None or s.owner == owner)
-        return held + self.prefixes.nbytes(owner)
+    def _of(self, owner: str | None = None, scope: str | None = None) -> list[Session]:
+        """The sessions of `owner`'s and of `scope` (None: any)."""
+        return [s for s in self._sessions.values() if owner in (None, s.owner) and scope in (None, s.scope)]
+
+    def kv_bytes(self, owner: str | None = None, scope: str | None = None) -> int:
+        """KV bytes of every session and kept prefix, or of `owner`'s, or of `scope`'s."""
+        return sum(map(self.session_bytes, self._of(owner, scope))) + self.prefixes.nbytes(owner, scope)
+
+    def _handles(self, owner: str | None = None, scope: str | None = None) -> int:
+        """Engine handles held by sessions and kept prefixes (of `owner`'s, of `scope`'s)."""
+        return len(self._of(owner, scope)) + self.prefixes.count(owner, scope)
 
     def session_bytes(self, session: Session) -> int:
-        if self.slot_bytes:
-            return self.slot_bytes  # the slot is allocated in full from the start
-        return max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
+        # A slot is allocated in full from the start.
+        return self.slot_bytes or max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
 
     def _free(self, kv: SessionKV) -> None:
         """Free the KV of a session or kept prefix leaving the store."""
@@ -233,29 +237,19 @@ class SessionStore:
         """The scope with kept prefixes holding the most, if more than the cap shared evenly by
         every scope that holds any (sessions or kept prefixes) and `scope`."""
         holders = self.prefixes.scopes(owner)
-        tenants = holders | {s.scope for s in self._sessions.values() if owner in (None, s.owner)} | {scope}
+        tenants = holders | {s.scope for s in self._of(owner)} | {scope}
         share = room.cap / max(len(tenants - {""}), 1)
         over = [t for t in holders - {scope} if room.held(t) > share]
         return max(over, key=room.held, default=None)
-
-    def _scope_bytes(self, scope: str) -> int:
-        held = sum(self.session_bytes(s) for s in self._sessions.values() if s.scope == scope)
-        return held + self.prefixes.nbytes(scope=scope)
-
-    def _scope_handles(self, scope: str) -> int:
-        return sum(1 for s in self._sessions.values() if s.scope == scope) + self.prefixes.count(scope=scope)
 
     def room_for_session(self, scope: str = "", owner: str = "") -> None:
         """Free kept prefixes, fairly, while they and the sessions fill the session caps: each
         holds an engine handle (a llama.cpp sequence, a KV slot) a new session may need, and a
         key's kept prefixes count against its own session cap."""
-        self._free_fairly(scope, None, Room(self.limits.max_sessions, 1, self._handles, self._scope_handles))
+        by_scope = partial(self._handles, None)
+        self._free_fairly(scope, None, Room(self.limits.max_sessions, 1, self._handles, by_scope))
         if per_key := self.limits.per_key.max_sessions:
-            self._free_fairly(scope, owner, Room(per_key, 1, partial(self._handles, owner), self._scope_handles))
-
-    def _handles(self, owner: str | None = None) -> int:
-        """Engine handles held by sessions and kept prefixes (of `owner`'s)."""
-        return sum(1 for s in self._sessions.values() if owner in (None, s.owner)) + self.prefixes.count(owner=owner)
+            self._free_fairly(scope, owner, Room(per_key, 1, partial(self._handles, owner), by_scope))
 
     def expire(self) -> None:
         now = self.clock()
@@ -308,7 +302,7 @@ class SessionStore:
                 raise CapacityExceeded(f"{new_tokens} tokens need {need} KV bytes, over the cap of {cap}")
             if self.kv_bytes(whose) + need <= cap:
                 continue  # the usual round: room already (a sum over every session: once, not three times)
-            self._free_fairly(scope, whose, Room(cap, need, partial(self.kv_bytes, whose), self._scope_bytes))
+            self._free_fairly(scope, whose, Room(cap, need, partial(self.kv_bytes, whose), partial(self.kv_bytes, None)))
             while self.kv_bytes(whose) + need > cap and self._evict_one(keep, owner, reason):
                 pass
             if self.kv_bytes(whose) + need > cap:
@@ -335,9 +329,6 @@ class SessionStore:
         with self._lock:
             self._sessions[session.session_id] = session
 
-    def _count(self, owner: str) -> int:
-        return sum(1 for s in self._sessions.values() if s.owner == owner)
-
     def remove(self, session_id: str, owner: str = "") -> Session:
         """Close `owner`'s session: its KV may stay as a kept prefix."""
         session = self.get(session_id, owner)
@@ -359,7 +350,7 @@ class SessionStore:
         """Drop every session (calls in flight or not) and kept prefix of API key `owner`, which
         was removed, and free their KV; how many sessions it had."""
         with self._lock:
-            ended = [s for s in self._sessions.values() if s.owner == owner]
+            ended = self._of(owner)
             for session in ended:
                 del self._sessions[session.session_id]
             self.prefixes.forget_notes(owner=owner)
@@ -390,8 +381,7 @@ class SessionStore:
         with self._lock:
             prefixes = self.prefixes
             totals = prefixes.totals if owner is None else prefixes.totals_by_owner.get(owner, ReuseTotals())
-            entries = sum(1 for e in prefixes.entries() if owner is None or e.owner == owner)
-            return totals.reused, totals.prefilled, entries, prefixes.nbytes(owner)
+            return totals.reused, totals.prefilled, prefixes.count(owner), prefixes.nbytes(owner)
 
     def eviction_totals(self) -> dict[str, int]:
         """Sessions evicted so far by reason (safe to read from the event loop)."""

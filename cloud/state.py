@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from functools import partial
 from importlib import metadata
 
-from cloud.auth import ApiKeys, Caller
 from cloud.batcher import BatchLimits, ForwardBatcher
 from cloud.live import LiveStats
 from cloud.logs import RefusalLog
@@ -18,6 +17,7 @@ from cloud.metrics import VerifierMetrics
 from cloud.sessions import session_tag
 from cloud.verifier import Verifier
 from cloud.worker import ModelWorker
+from shared.api_keys import ApiKeys, Caller
 from shared.errors import ServerDraining, SpecDecError
 from shared.protocol import VerifyResult
 
@@ -171,9 +171,7 @@ class ServerState:
 
     def live_for(self, caller: Caller) -> LiveStats:
         """The recent rounds `caller` may see: every key's, or its own."""
-        if caller.sees_all:
-            return self.live
-        return self.live_by_key.get(caller.name) or LiveStats(self.live.max_k)
+        return self.live if caller.sees_all else self.live_by_key.get(caller.name) or LiveStats(self.live.max_k)
 
     def sessions(self, caller: Caller = EVERYONE) -> list[SessionRow]:
         """Open sessions `caller` may see (those past their TTL left out, as the store's next
@@ -192,7 +190,6 @@ class ServerState:
         if caller.sees_all:
             self.metrics.set_sessions(len(rows), sum(r.kv_bytes for r in rows))
         self.metrics.record_evictions(store.eviction_totals())
-        reused, prefilled, entries, nbytes = store.prefix_totals()
-        self.metrics.record_prefixes(reused, prefilled, entries, nbytes)
+        self.metrics.record_prefixes(*store.prefix_totals())
         self.metrics.record_engine_steps(*self.verifier.engine.own_steps())
         return rows

@@ -71,9 +71,5 @@ def check_exposure(host: str, tls: ServerTls | None, insecure: bool) -> None:
             "(README: Securing a verifier), or --insecure for plaintext on a trusted network"
         )
     # Not worded "serving ...": scripts wait for the line that starts so.
-    log_event(
-        log,
-        logging.WARNING,
-        f"no TLS on {host} (--insecure): API keys, prompts and tokens cross the network in clear text",
-        host=host,
-    )
+    clear_text = f"no TLS on {host} (--insecure): API keys, prompts and tokens cross the network in clear text"
+    log_event(log, logging.WARNING, clear_text, host=host)

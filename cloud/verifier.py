@@ -52,16 +52,10 @@ class VerifierLimits:
     max_top_k: int = 16  # cap on want_top_k
     max_new_tokens: int = 4096  # Generate
     sessions: SessionLimits = SessionLimits()
-    # packed: each session its own DynamicCache, concatenated for every batched pass (the
-    # reference); slots: KV in place in a pool allocated at start (cloud/engine/kv_slots.py)
-    kv_layout: Literal["packed", "slots"] = "packed"
-    # slots: positions per session (its context limit); the pool holds min(max_sessions,
-    # max_kv_bytes / slot bytes) slots
-    kv_slot_tokens: int = 4096
-    # A closed session's KV stays for the next session of its scope with the same first tokens
-    # (a chat's next turn): kept by the verifier (cloud/prefix_cache.py), or by an engine with a
-    # prefix cache of its own (vLLM); a scope is one client of one API key (cloud/prefix_scope.py)
-    reuse_prefixes: bool = True
+    # The rest as their flags' help says (cloud/config.py: --kv-layout, --prefix-reuse, --shared-prefix-cache)
+    kv_layout: Literal["packed", "slots"] = "packed"  # slots: cloud/engine/kv_slots.py
+    kv_slot_tokens: int = 4096  # slots: positions per session (its context limit)
+    reuse_prefixes: bool = True  # cloud/prefix_cache.py, cloud/prefix_scope.py
     share_prefixes: bool = False  # a scope is a key instead (without keys: every client): they trust each other
 
 
@@ -115,12 +109,8 @@ class Verifier:
         )
         self.checks = RequestChecks(self.limits, self.model_vocab)
         # an engine that masks with grammars itself (vLLM) holds the one vocabulary: built once
-        own = getattr(engine, "grammars", None)
-        self.grammars = (
-            own
-            if isinstance(own, SessionGrammars)
-            else SessionGrammars(tokenizer.source if tokenizer else "", engine.logits_width)
-        )
+        own, source = getattr(engine, "grammars", None), tokenizer.source if tokenizer else ""
+        self.grammars = own if isinstance(own, SessionGrammars) else SessionGrammars(source, engine.logits_width)
         self.step = BatchStep(engine)
         self.scopes = ReuseScopes(_reuse_mode(self.limits))
 
@@ -166,8 +156,7 @@ class Verifier:
         prefill = _Prefill(self, session, opened, start)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
         last = req.prompt_tokens[-1:]  # the first round feeds it; a live engine computes it now
-        block = req.prompt_tokens[held:-1]
-        return ForwardStep(session.cache, block, prefill, known=last)
+        return ForwardStep(session.cache, req.prompt_tokens[held:-1], prefill, known=last)
 
     def begin_open_decode(
         self, req: OpenSessionRequest, session_id: str, owner: str = "", stretch: DecodeStretchStep | None = None
@@ -184,12 +173,10 @@ class Verifier:
         except BaseException:
             prefill.undo()  # never opened: its id reaches no one
             raise
-        first = VerifyRequest(session_id, len(session.tokens), [])
-        position = len(session.tokens)
-        vocab = self.checks.vocab(session.config)
-        token = _Round(
-            self.sessions, self.engine, first, session, vocab, prefill.start, position, _grammar_rows(session, first, self.engine)
-        )
+        position, vocab = len(session.tokens), self.checks.vocab(session.config)
+        first = VerifyRequest(session_id, position, [])
+        rows = _grammar_rows(session, first, self.engine)
+        token = _Round(self.sessions, self.engine, first, session, vocab, prefill.start, position, rows)
         opened = _OpenedRound(prefill, token)
         ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position, session)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
@@ -302,9 +289,8 @@ class Verifier:
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
 
     def open_generate(self, req: GenerateRequest, stream_id: str = "", owner: str = "") -> GenerateStream:
-        """Validate a Generate call (no model work, no state: safe off the model worker). Its
-        stream lives in the session store as a session nobody else can name, so it counts
-        against the same session and KV caps; the first step stores it, close() drops it."""
+        """Validate a Generate call (no model work, no state: safe off the model worker); its
+        stream, whose KV is a session in the store (GenerateStream)."""
         vocab = self.checks.generate(req)
         return GenerateStream(self, self.engine, req, vocab, stream_id or self.sessions.new_id(), owner)
 
@@ -449,6 +435,4 @@ def _prefix_acceptance(accept_probs: torch.Tensor, accepted_len: int) -> float |
     first rejected one): what a k policy's i.i.d. model means by acceptance. The drafts after the
     first rejection were verified on a wrong prefix and are left out."""
     k = accept_probs.shape[0]
-    if k == 0:
-        return None
-    return float(accept_probs[: min(accepted_len + 1, k)].mean())
+    return float(accept_probs[: min(accepted_len + 1, k)].mean()) if k else None

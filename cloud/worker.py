@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,10 +33,8 @@ class ModelWorker:
             except Exception:
                 log.exception("clean-up on the model worker failed")
 
-        try:
+        with contextlib.suppress(RuntimeError):  # shut down: the process is stopping and its state with it
             self._executor.submit(logged)
-        except RuntimeError:  # shut down: the process is stopping and its state with it
-            pass
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -111,7 +111,7 @@ def forward_with_hidden(
     return out.logits[0].float().cpu(), last_hidden
 
 
-def _keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [1, kv_heads, positions, head_dim] of one attention layer of a cache."""
     return layer.keys, layer.values
 
@@ -126,7 +126,7 @@ def crop(cache: DynamicCache, length: int) -> None:
 def cache_bytes(cache: DynamicCache) -> int:
     """The memory a cache's keys and values hold: their storage, which a crop leaves in place
     until the next feed."""
-    tensors = [tensor for layer in cache.layers for tensor in _keys_values(layer) if tensor is not None]
+    tensors = [tensor for layer in cache.layers for tensor in keys_values(layer) if tensor is not None]
     return sum(tensor.untyped_storage().nbytes() for tensor in tensors)
 
 
@@ -141,6 +141,6 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
     forward(model, cache, [0, 0])
     total = 0
     for layer in cache.layers:
-        for tensor in _keys_values(layer):
+        for tensor in keys_values(layer):
             total += tensor.numel() * tensor.element_size()
     return total // 2

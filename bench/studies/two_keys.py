@@ -25,7 +25,6 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from bench.environment import MeasurementSettings, load_measured_model
-from cloud.auth import ApiKeys
 from cloud.batcher import BatchLimits
 from cloud.engine.transformers import TransformersEngine
 from cloud.grpc_server import create_server
@@ -34,6 +33,7 @@ from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
 from edge.transport.client import CapacityRetry, VerifierClient
 from shared import lm
+from shared.api_keys import ApiKeys
 from shared.errors import SpecDecError
 from shared.protocol import OpenSessionRequest, SessionConfig, VerifyRequest
 

@@ -5,12 +5,9 @@ and draws its next token by the session's rule (cloud/rejection_sampler.py): a p
 Verify round, a token of a Decode stretch or a Generate stream are all one step. The engine
 also owns each session's KV (new, crop, free) and says which sessions it can verify exactly.
 
-- transformers.py (`--engine transformers`, the default: the reference) and llamacpp.py
-  (`--engine llama.cpp`) run forward passes; forward_steps.py turns their one pass over a
-  batch into its steps' outcomes (forward -> the batched accept -> each KV cropped).
-- vllm.py (`--engine vllm`) runs each session as one live vLLM request, which verifies its
-  drafts with vLLM's own rejection sampler and may decode ahead of the session on its own
-  (a stream follows it); vllm_process.py runs the same engine in a child process.
+transformers.py (the reference) and llamacpp.py run forward passes, which forward_steps.py
+turns into steps' outcomes; vllm.py runs each session as one live vLLM request, which may decode
+ahead of the session on its own (a stream follows it), and vllm_process.py runs it in a child.
 
 Sessions, admission, the batcher and the wire see only this Protocol. Another engine is one
 more module that implements Engine, and one more entry in ENGINES."""
@@ -111,53 +108,44 @@ class Engine(Protocol):
     logits_width: int  # rows of the output layer (may exceed the tokenizer's vocabulary)
     kv_bytes_per_token: int
     parameters: int  # the model's parameter count, as a client's size check reads it
-    # True: the engine keeps the KV of past sessions' prefixes itself and serves new sessions
-    # from it within their scope (vLLM's prefix cache); False: the verifier keeps closed
-    # sessions' KV for reuse (cloud/prefix_cache.py)
+    # caches_prefixes: the engine keeps past sessions' prefixes itself and serves new sessions of
+    # their scope from them (vLLM's prefix cache), else the verifier keeps them (cloud/prefix_cache.py).
+    # decodes_ahead: a session may decode past its step in the engine's own loop, followed by a
+    # stream (follow), else each token is a step. applies_grammars: the engine masks a grammar
+    # session's rows itself (vLLM's scheduler), else the rejection sampler does (grammar_rows).
     caches_prefixes: bool
-    # True: a session may decode past its step in the engine's own loop, and a stream can
-    # follow those tokens (follow); False: each token is a step
     decodes_ahead: bool
-    # True: the engine masks a grammar session's every row itself (vLLM's scheduler); False:
-    # the rejection sampler applies the masks each RoundRule carries (grammar_rows)
     applies_grammars: bool
 
     def plan_kv(self, request: KVRequest) -> KVPlan:
         """Hold the KV for these limits (a pool, when the layout has one); called once, first."""
-        ...
 
     def new_kv(self, scope: str = "") -> SessionKV:
         """A new session's empty KV. `scope`: the sessions whose cached prefixes it may share in
         an engine that caches prefixes itself (one reuse scope's, cloud/prefix_scope.py); ""
         shares with none."""
-        ...
 
     def cached_tokens(self, kv: SessionKV) -> int:
         """Of the prompt kv's session was opened with, the tokens the engine served from its own
         prefix cache rather than computing them, by the engine's own account (0 for an engine
         without one); read once the prompt is computed."""
-        ...
 
     def free(self, kv: SessionKV) -> None: ...
 
     def freed(self, kv: SessionKV) -> bool:
         """Whether kv was freed (its session left while a step for it waited)."""
-        ...
 
     def crop(self, kv: SessionKV, length: int) -> None:
         """Keep the first `length` positions (no-op when already shorter)."""
-        ...
 
     def check_session(self, config: SessionConfig, vocab: int) -> None:
         """Raise SessionRefused (shared/errors.py) for a session the engine cannot verify exactly
         (an accept mode it has no exact rule for, settings or a vocabulary it cannot sample
         with), naming the engine and what it refused; before anything is held for it."""
-        ...
 
     def start_session(self, kv: SessionKV, config: SessionConfig, vocab: int) -> None:
         """kv is a session's, sampled and accepted as `config` says within `vocab` ids (before
         its first step)."""
-        ...
 
     def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
         """Every step at once: per step its outcome (None for a step that reads nothing), or what
@@ -166,37 +154,29 @@ class Engine(Protocol):
         whose fed tokens were computed only in part (a chunk of a long prompt), those computed:
         the step then reads nothing, and the caller feeds the rest in a later step. A failure
         of the engine itself raises, and leaves every KV as it was."""
-        ...
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
         """Hand every token kv's session decodes on its own from `position` on (those it holds
         already, then each step's) to `sink`, until its stream ends; False when it is not
         decoding on its own (its steps go on one at a time)."""
-        ...
 
     def unfollow(self, kv: SessionKV) -> None:
         """No more of kv's tokens go to the sink it followed with, and kv's session stops
         decoding on its own. What it decoded past the stream's tokens stays for its next steps."""
-        ...
 
     def extend(self, kv: SessionKV, tokens: list[int]) -> None:
         """kv's session took `tokens` its request decoded on its own (a followed stream's):
         kv counts them, as a step that fed them would have left it."""
-        ...
 
     def own_steps(self) -> tuple[int, float]:
         """The steps the engine ran in its own loop so far and the seconds they took (0 for an
         engine whose every pass is a batch's)."""
-        ...
 
     def describe(self) -> dict[str, str]:
         """What /healthz reports of it: the engine, its dtype and device."""
-        ...
 
     def failure(self) -> str | None:
         """Why the engine can run no more steps (its own processes died), or None."""
-        ...
 
     def close(self) -> None:
         """Release what outlives the process's memory (vLLM's processes); after the last step."""
-        ...

@@ -53,9 +53,6 @@ class SlotKV:
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(length, 0))
 
-    def release(self) -> None:
-        self.pool.release(self)
-
 
 @torch.inference_mode()
 def _layer_shapes(model: PreTrainedModel) -> list[tuple[int, int, torch.dtype]]:
@@ -169,11 +166,7 @@ def choose_shape(kvs: Sequence[SlotKV], lengths: Sequence[int]) -> str:
 
 @torch.inference_mode()
 def forward_slots(
-    model: PreTrainedModel,
-    kvs: Sequence[SlotKV],
-    blocks: Sequence[Sequence[int]],
-    keeps: Sequence[int],
-    shape: str = "auto",
+    model: PreTrainedModel, kvs: Sequence[SlotKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int], shape: str = "auto"
 ) -> list[torch.Tensor]:
     """forward_packed over slots: per sequence, the last keeps[i] rows of float32 logits
     (all rows when 0), on the CPU; each slot gains its block's KV. `shape`: auto, batch or
@@ -248,10 +241,7 @@ def _forward_batch(
     slot_of_row = first + torch.arange(rows)
     dest = (slot_of_row[:, None] * pool.slot_tokens + positions)[real]  # [total_new], row-major like _real
     view = _PoolView(
-        pool,
-        dest.to(device),
-        lambda layer: _slot_rows(layer, first, rows, width, pool.slot_tokens),
-        real.reshape(-1).to(device),
+        pool, dest.to(device), lambda layer: _slot_rows(layer, first, rows, width, pool.slot_tokens), real.reshape(-1).to(device)
     )
     out = model(
         input_ids=input_ids.to(device),

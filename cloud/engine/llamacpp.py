@@ -126,12 +126,7 @@ class LlamaCppEngine(ForwardEngine):
 
     # ---- one batched pass -----------------------------------------------------------------
 
-    def forward(
-        self,
-        kvs: Sequence[SessionKV],
-        blocks: Sequence[Sequence[int]],
-        keeps: Sequence[int],
-    ) -> list[torch.Tensor]:
+    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
         """Feed each block after its KV in one pass; per block, the last keeps[i] rows of
         float32 logits [keep, V] (all rows when 0). On failure every KV is as it was."""
         caches = [_own(kv) for kv in kvs]
@@ -185,12 +180,11 @@ class _Entry:
 
 
 def _entries(caches: Sequence[LlamaCppKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[_Entry]:
-    entries = []
-    for step, (kv, block, keep) in enumerate(zip(caches, blocks, keeps, strict=True)):
-        first_kept = len(block) - (keep or len(block))
-        for i, token in enumerate(block):
-            entries.append(_Entry(step, kv.seq_id, token, kv.length + i, i >= first_kept))
-    return entries
+    return [
+        _Entry(step, kv.seq_id, token, kv.length + i, i >= len(block) - (keep or len(block)))  # logits at the kept rows
+        for step, (kv, block, keep) in enumerate(zip(caches, blocks, keeps, strict=True))
+        for i, token in enumerate(block)
+    ]
 
 
 def _own(kv: SessionKV) -> LlamaCppKV:

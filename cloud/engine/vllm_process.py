@@ -5,9 +5,9 @@ runner, in a child process, so that vLLM's Python work per step and the verifier
 
 The verifier holds a ProcessEngine: each engine call goes to the child over a pipe and waits for
 its answer, one call at a time (they come from the model worker; /metrics and /healthz read what
-the child's last message said, and never wait for the pipe). A session's KV is a handle there:
-its id and the length the child last reported. The tokens of followed streams come back on a second pipe, one message for every
-followed session's tokens of a step, read by a thread that hands them to the streams' sinks.
+the child's last message said, and never wait for the pipe). A session's KV is a handle (KVHandle).
+The tokens of followed streams come back on a second pipe (_Outbox), read by a thread
+(ProcessEngine._read_tokens) that hands them to the streams' sinks.
 
 A child that dies fails every call after it (VerifierFault) and `failure()` says why, as when
 vLLM's own engine-core process dies under the in-process engine.
@@ -37,10 +37,8 @@ if TYPE_CHECKING:
     from cloud.engine.vllm_runtime import VllmOptions
 
 START_TIMEOUT_S = 1800.0  # vLLM compiles its graphs first: minutes on a GPU
-# How long an idle OpenMP thread of the child (vLLM's CPU kernels) spins before it sleeps; libgomp's
-# default, 300,000, keeps it spinning through the Python between a step's kernels and between steps,
-# on a core the serving needs (2 cores, 32 streams: 3,887 tok/s at 5,000 against 2,906). A
-# GOMP_SPINCOUNT of the verifier's environment stands.
+# How long an idle OpenMP thread of the child (vLLM's CPU kernels) spins before it sleeps, unless
+# the verifier's environment sets GOMP_SPINCOUNT (why, measured: docs/vllm_overhead.md)
 OPENMP_SPINS = "5000"
 
 
@@ -87,13 +85,9 @@ class ProcessEngine:
         if not self._calls.poll(START_TIMEOUT_S):
             self._stop()
             raise ConfigError(f"vLLM's engine process did not start within {START_TIMEOUT_S:.0f} s")
-        facts = self._answer()
-        self.logits_width, self.kv_bytes_per_token, self.parameters = (
-            facts["logits_width"],
-            facts["kv_bytes_per_token"],
-            facts["parameters"],
+        self.logits_width, self.kv_bytes_per_token, self.parameters, self.dtype, self._kv_tokens, self._description = (
+            self._answer()  # _Child.facts
         )
-        self.dtype, self._kv_tokens, self._description = facts["dtype"], facts["kv_tokens"], facts["describe"]
         self._steps: tuple[int, float] = (0, 0.0)  # the engine's steps and their seconds, as its last message said
         self._reader = threading.Thread(target=self._read_tokens, name="vllm-tokens", daemon=True)
         self._reader.start()
@@ -158,7 +152,6 @@ class ProcessEngine:
         return self._call("kv_bytes_held")  # type: ignore[no-any-return]
 
     def kv_tokens(self) -> int:
-        """The tokens of KV vLLM allocated."""
         return self._kv_tokens
 
     def new_kv(self, scope: str = "") -> KVHandle:
@@ -198,10 +191,8 @@ class ProcessEngine:
     def close(self) -> None:
         self._closing = True
         if self._failed is None and self._process.is_alive():
-            try:
+            with contextlib.suppress(VerifierFault):
                 self._call("close")
-            except VerifierFault:
-                pass
         self._stop()
 
     def _stop(self) -> None:
@@ -226,7 +217,8 @@ class ProcessEngine:
         handles = [_handle(step.kv) for step in steps]
         sent = [replace(step, kv=handle.kv_id) for step, handle in zip(steps, handles, strict=True)]  # type: ignore[arg-type]
         results, lengths = self._call("run_live", sent)
-        _set_lengths(handles, lengths)
+        for handle, length in zip(handles, lengths, strict=True):
+            handle.length = length
         return results  # type: ignore[no-any-return]
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
@@ -260,11 +252,6 @@ def _handle(kv: SessionKV) -> KVHandle:
     return kv
 
 
-def _set_lengths(handles: list[KVHandle], lengths: list[int]) -> None:
-    for handle, length in zip(handles, lengths, strict=True):
-        handle.length = length
-
-
 # ---- the child ----------------------------------------------------------------------------------
 
 
@@ -291,10 +278,8 @@ class _Outbox:
     def _send(self) -> None:
         with self._lock:
             items, self._items = self._items, []
-        try:
-            self.pipe.send((items, self.runtime.steps_taken()))
-        except (OSError, EOFError):  # the verifier has gone: nobody reads the tokens
-            pass
+        with contextlib.suppress(OSError, EOFError):  # the verifier has gone: nobody reads the tokens
+            self.pipe.send((items, (self.runtime.steps, self.runtime.step_seconds)))
 
 
 class _PipeSink:
@@ -321,16 +306,10 @@ class _Child:
         self.kvs: dict[int, Any] = {}
         self.outbox = _Outbox(tokens, self.engine.runtime)
 
-    def facts(self) -> dict[str, Any]:
-        engine = self.engine
-        return {
-            "logits_width": engine.logits_width,
-            "kv_bytes_per_token": engine.kv_bytes_per_token,
-            "parameters": engine.parameters,
-            "dtype": engine.dtype,
-            "kv_tokens": engine.runtime.kv_tokens(),
-            "describe": engine.describe(),
-        }
+    def facts(self) -> tuple[int, int, int, str, int, dict[str, str]]:
+        """What the verifier reads of the engine once, in ProcessEngine's order."""
+        engine, kv_tokens = self.engine, self.engine.runtime.kv_tokens()
+        return engine.logits_width, engine.kv_bytes_per_token, engine.parameters, engine.dtype, kv_tokens, engine.describe()
 
     def kv(self, kv_id: int, scope: str = "") -> Any:
         kv = self.kvs.get(kv_id)
@@ -380,9 +359,8 @@ def serve(options: VllmOptions, calls: Connection, tokens: Connection) -> None:
     try:
         child = _Child(options, tokens)
     except Exception as err:
-        calls.send(
-            (False, err if isinstance(err, ConfigError) else ConfigError(f"vLLM could not start: {str(err)[:300]}"), (0, 0.0))
-        )
+        fault = err if isinstance(err, ConfigError) else ConfigError(f"vLLM could not start: {str(err)[:300]}")
+        calls.send((False, fault, (0, 0.0)))
         return
     calls.send((True, child.facts(), (0, 0.0)))
     handlers = child.handlers()

@@ -1,11 +1,15 @@
-"""vLLM started and run for the verifier: one vLLM engine (its engine core in this process) on
-a thread of its own, and the requests it runs, the sessions' live requests among them.
+"""vLLM started and run for the verifier: one vLLM engine and the requests it runs, the
+sessions' live requests among them. The engine built on it is cloud/engine/vllm.py; the patches
+of vLLM's internals it needs are cloud/engine/vllm_patches.py.
 
-vLLM's engine core runs in the process that holds the VllmRuntime, so the verifier reaches the
-scheduler of its live requests directly (cloud/engine/vllm_scheduler.py): the verifier's own
-process, or a child of it (`--vllm-engine-process`, cloud/engine/vllm_process.py). The engine
-built on it is cloud/engine/vllm.py; the patches of vLLM's internals it needs are
-cloud/engine/vllm_patches.py.
+vLLM's engine core runs in the process that holds the VllmRuntime (the verifier's own, or a
+child of it: cloud/engine/vllm_process.py), so the verifier reaches the scheduler of its live
+requests directly (cloud/engine/vllm_scheduler.py). vLLM runs on one thread of its own, as in
+its own engine-core process (its CPU kernels read per-thread OpenMP settings it makes when it
+starts): every call into it goes through `VllmRuntime.call`, which also makes callers from
+several threads (engines sharing it in tests) take turns. While a stream follows a live request
+(`follow`), vLLM also steps on that thread by itself (the pump), one step at a time between the
+other calls, and each step's new tokens go to the streams' sinks.
 """
 
 from __future__ import annotations
@@ -70,13 +74,7 @@ class VllmOptions:
 
 
 class VllmRuntime:
-    """One vLLM engine (its engine core, in this process) and its requests: the live sessions'.
-    vLLM runs on one thread of its own, as in its own
-    engine-core process (its CPU kernels read per-thread OpenMP settings it makes when it
-    starts): every call into it goes through `call`, which also makes callers from several
-    threads (engines sharing it in tests) take turns. While a stream follows a live request
-    (`follow`), vLLM also steps on that thread by itself (the pump), one step at a time between
-    the other calls, and each step's new tokens go to the streams' sinks."""
+    """One vLLM engine (its engine core, in this process) and its requests: the live sessions'."""
 
     def __init__(self, options: VllmOptions) -> None:
         cpu = not torch.cuda.is_available()
@@ -98,7 +96,7 @@ class VllmRuntime:
             self._thread.shutdown()
             raise ConfigError(f"vLLM could not start on {options.model}: {str(err)[:300]}") from err
         self.scheduler: LiveScheduler = self.llm.engine_core.engine_core.scheduler
-        warn_if_untested(_vllm_version())
+        warn_if_untested()
         self._caught = _CaughtOutputs(self.llm.engine_core.get_output)
         self.llm.engine_core.get_output = self._caught
         if options.pad_decode and not options.async_scheduling:
@@ -118,9 +116,7 @@ class VllmRuntime:
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on vLLM's thread (at once when called from it)."""
-        if threading.get_ident() == self._ident:
-            return fn(*args)
-        return self._thread.submit(fn, *args).result()
+        return fn(*args) if threading.get_ident() == self._ident else self._thread.submit(fn, *args).result()
 
     def soon(self, fn: Callable[[], None]) -> None:
         """fn() on vLLM's thread after what waits for it now (the step running, a pump step
@@ -129,12 +125,8 @@ class VllmRuntime:
 
     @property
     def steps(self) -> int:
-        """The steps vLLM ran the model in so far."""
+        """The steps vLLM ran the model in so far (they took `step_seconds`)."""
         return self.scheduler.steps
-
-    def steps_taken(self) -> tuple[int, float]:
-        """The steps vLLM ran so far, and the seconds they took."""
-        return self.steps, self.step_seconds
 
     # ---- live requests (on vLLM's thread) ----------------------------------------------------
 
@@ -174,7 +166,7 @@ class VllmRuntime:
         return self.scheduler.park(live.engine_id)
 
     def parked(self, live: LiveRequest) -> bool:
-        return self.scheduler.is_parked(live.engine_id)
+        return live.engine_id in self.scheduler.parked
 
     def settling(self, live: LiveRequest) -> bool:
         """Parked, the outputs of its last step still to come (asynchronous scheduling)."""
@@ -194,7 +186,7 @@ class VllmRuntime:
         (its stretch done) or ends, the sink is told no more will come."""
         live.sink = sink
         sink.put(live.tokens[position:], 0.0)
-        if live.ended or self.scheduler.is_parked(live.engine_id):
+        if live.ended or self.parked(live):
             self.unfollow(live)
             return
         self._followed[live.engine_id] = live
@@ -205,7 +197,7 @@ class VllmRuntime:
     def _pump(self) -> None:
         """One step while a followed request decodes on its own, then the next one queued behind
         whatever else waits for vLLM's thread (a pass's rounds take their turn between them)."""
-        for live in [live for live in self._followed.values() if self.scheduler.is_parked(live.engine_id)]:
+        for live in [live for live in self._followed.values() if self.parked(live)]:
             self.unfollow(live)  # parked since: its stretch is done
         followed = list(self._followed.values())
         if not followed or self._failed is not None or self._closing.is_set():
@@ -254,7 +246,7 @@ class VllmRuntime:
 
     def busy(self) -> bool:
         """Whether vLLM has a request to step, or a parked request's outputs still to come."""
-        return self.stepping() or self.scheduler.in_flight()
+        return self.stepping() or bool(self.scheduler.settling)
 
     def step(self) -> None:
         """One step of vLLM: every running request advances; outputs go to their owners (under
@@ -321,12 +313,6 @@ def environment(**settings: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _vllm_version() -> str:
-    import vllm
-
-    return str(vllm.__version__)
 
 
 def _positions(folder: str) -> int:
@@ -402,10 +388,9 @@ def _schedule_asynchronously(config: Any) -> None:
 
 
 def _set_cpu_threads(threads: int) -> None:
-    """The threads of vLLM's CPU kernels, set on vLLM's thread before vLLM starts: OpenMP keeps
-    the setting per thread, and vLLM's CPU worker then replaces torch.set_num_threads with a
-    no-op, so torch's own binding is called. Threads beyond the cores free for them stall each
-    parallel region at its barrier while the serving (gRPC, the streams) holds a core."""
+    """The threads of vLLM's CPU kernels (how many: docs/operations.md, "Threads on a CPU"), set on
+    vLLM's thread before vLLM starts: OpenMP keeps the setting per thread, and vLLM's CPU worker
+    then replaces torch.set_num_threads with a no-op, so torch's own binding is called."""
     torch._C.set_num_threads(threads)
 
 

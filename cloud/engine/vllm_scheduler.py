@@ -2,16 +2,11 @@
 
 Between its steps a live request is parked: it keeps its KV blocks and its computed tokens
 but leaves vLLM's running list, so vLLM neither schedules it nor spins for it. Work wakes it
-for a number of tokens:
-- a Verify round: the edge's drafts become the request's speculative tokens for one step,
-  which vLLM's rejection sampler verifies like its own drafts (the rejected positions roll
-  back `num_computed_tokens`; their KV slots are overwritten later, nothing is recomputed).
-  A round of sparse drafts also hands the sampler the edge's distribution over each draft
-  (DraftDistribution): the step's scheduler output carries them (`edge_draft_q`) to the model
-  runner, which gives them to the rejection sampler as its draft probabilities;
-- a Decode stretch or a Generate stream: vLLM decodes it on its own for n tokens or until a
-  stop token.
-After the work's tokens the request is parked again.
+for a number of tokens, then it parks again: a Verify round's drafts become its speculative
+tokens for one step, which vLLM's rejection sampler verifies like its own drafts (a sparse
+round's distributions ride the step's scheduler output, `edge_draft_q`, to the model runner:
+vllm_patches._hand_edge_draft_probs); a Decode stretch or a Generate stream is vLLM decoding
+it on its own for n tokens or until a stop token (what each call becomes: docs/operations.md).
 
 A live request of a session under a grammar (LiveGrammar: the session's place in it, and where
 the request's tokens enter it) has every row of its steps masked by the grammar: vLLM's engine
@@ -22,26 +17,15 @@ its tokens, and after each draft the step verifies, so every token vLLM samples 
 it is the target's under the grammar. vLLM's own structured outputs (a grammar compiled per
 request from its start) cannot start a grammar midway, where a session's new request does.
 
-A step whose requests all decode on their own (streams, stretches) or carry K drafts can run
-as one uniform batch of 1 + K tokens a request, for which vLLM keeps its full CUDA graph (a
-step of one token a request runs its piecewise graph). Where `pad_limit` allows (that many
-tokens at most: the largest full graph), the requests decoding on their own get K drafts of
-their last token as pads. A pad is a draft like any other, verified by the rejection sampler
-(a point draft: exact, greedy or not): a rejected one costs nothing more, an accepted one is
-a token decoded ahead.
+Under asynchronous scheduling (AsyncLiveScheduler) a request's next token is not known when
+its next step is scheduled: a live request takes no pads (_pad_own_decoding) and none of vLLM's
+draft placeholders, and a request whose work the scheduled tokens complete parks at once, then
+settles (not scheduled, not yet given new work) until that step's outputs come back.
 
-Under asynchronous scheduling (AsyncLiveScheduler) vLLM schedules a step before the outputs
-of the one before it come back, so a request's next token is not known when its next step is
-scheduled. A live request then takes no pads and none of vLLM's draft placeholders (its only
-drafts are the edge's), and a request whose work the scheduled tokens complete (a round, a
-prefill) parks at once. Until the outputs of its last step come back it is parked but
-settling: not scheduled, and not yet given new work. A request under a grammar parks after
-every step: the masks of its next step follow the tokens this one samples.
-
-vLLM loads these classes in its engine core (`scheduler_cls`) and the verifier reaches them in
-the same process (the engine core runs in-process: cloud/engine/vllm_runtime.py). The scheduler
-API is vLLM's internal one: the vLLM versions this runs on are those cloud/engine/vllm_patches.py
-names (pinned in pyproject.toml), where the model runner's side of the hand-over is.
+vLLM loads these classes in its engine core (`scheduler_cls`), which runs in the process of the
+VllmRuntime (cloud/engine/vllm_runtime.py). The scheduler API is vLLM's internal one: the model
+runner's side of the hand-over, and the vLLM versions both are tested on, are in
+cloud/engine/vllm_patches.py.
 """
 
 from __future__ import annotations
@@ -126,9 +110,7 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         """Run a parked live request for `tokens` more tokens (1: one step, whatever it accepts),
         with `drafts` as its speculative tokens for the first step and `draft_q` the edge's
         distribution over each (None: point drafts, q = 1)."""
-        request = self.parked.pop(request_id, None)
-        if request is None:
-            raise KeyError(request_id)
+        request = self.parked.pop(request_id)  # KeyError: it is not parked
         request.spec_token_ids = list(drafts)
         # Until the step that schedules the drafts takes them: under asynchronous scheduling the
         # request parks while that step is scheduled (AsyncLiveScheduler._update_after_schedule).
@@ -159,14 +141,6 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         """Mask every row of the request's steps with `constraint`'s grammar, which its tokens
         enter at `start`, from its next step on."""
         self.grammars[request_id] = LiveGrammar(constraint, start)
-
-    def is_parked(self, request_id: str) -> bool:
-        """Parked with nothing in flight: ready for work."""
-        return request_id in self.parked
-
-    def in_flight(self) -> bool:
-        """Whether a parked request still waits for the outputs of its last step."""
-        return bool(self.settling)
 
     # ---- vLLM's scheduler, for live requests --------------------------------------------------
 
@@ -217,10 +191,12 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         return {rid: self.draft_q.pop(rid)[: len(drafts)] for rid, drafts in scheduled.items() if rid in self.draft_q}
 
     def _pad_own_decoding(self) -> None:
-        """K pads on each request decoding on its own, when that makes the step a uniform batch
-        (every running request decodes, with K drafts or on its own; nothing waits) that fits
-        pad_limit. A request whose last token is still in flight (asynchronous scheduling) has
-        no pads: its token is not known."""
+        """K pads (its last token, repeated) on each request decoding on its own, when that makes
+        the step a uniform batch (every running request decodes, with K drafts or on its own;
+        nothing waits) that fits pad_limit, which vLLM runs as its full CUDA graph. A pad is a
+        point draft, verified exactly: rejected, it costs nothing more; accepted, it is a token
+        decoded ahead. A request whose last token is still in flight (asynchronous scheduling)
+        has no pads: its token is not known."""
         k = self.num_spec_tokens
         if not self.pad_limit or not k or self.get_request_counts()[1] or len(self.running) * (1 + k) > self.pad_limit:
             return
@@ -290,15 +266,8 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
     """The live scheduler under vLLM's asynchronous scheduling: it schedules a step while the
     one before it runs on the GPU."""
 
-    def wake(
-        self,
-        request_id: str,
-        drafts: list[int],
-        tokens: int,
-        stops: Iterable[int] = (),
-        draft_q: list[DraftDistribution] | None = None,
-    ) -> None:
-        super().wake(request_id, drafts, tokens, stops, draft_q)
+    def wake(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        super().wake(request_id, *args, **kwargs)
         # Its next step sends the model runner all its tokens, as for a request that was not in
         # the step before, and the runner takes it as new (NoDrafts): the tokens it holds on
         # the device may be those of a round that verified drafts.

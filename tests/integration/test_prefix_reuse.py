@@ -6,11 +6,11 @@ prefix that is gone costs only a prefill."""
 
 import asyncio
 
-from cloud.auth import Caller
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
 from edge.drafting.kpolicy import FixedK
 from edge.round.generate import cloud_only_generate, speculative_generate
+from shared.api_keys import Caller
 from shared.protocol import DecodeRequest, OpenSessionRequest, OpenSessionResult, SessionConfig
 from tests.harness import TargetEngine, engine_of, gen_config, make_drafter, random_prompt, running_verifier
 from tests.ops import metric_samples

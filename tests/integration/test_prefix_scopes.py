@@ -12,7 +12,6 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from cloud.auth import ApiKeys
 from cloud.batcher import ForwardCost
 from cloud.grpc_server import create_server
 from cloud.quotas import KeyLimits, TokenRate
@@ -20,6 +19,7 @@ from cloud.sessions import SessionLimits
 from cloud.state import ServerState
 from cloud.verifier import Verifier, VerifierLimits
 from edge.transport.client import VerifierClient
+from shared.api_keys import ApiKeys
 from shared.errors import CapacityExceeded
 from shared.protocol import DecodeRequest, GenerateRequest, OpenSessionRequest, SessionConfig
 from tests.harness import TargetEngine, engine_of, random_prompt

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cloud.auth import ApiKeys
+from shared.api_keys import ApiKeys
 from shared.errors import ConfigError, Unauthenticated
 
 ALICE_KEY, BOB_KEY, ANON_KEY = "alice-secret-1", "bob-secret-2", "anonymous-secret-3"

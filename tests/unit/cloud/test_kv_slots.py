@@ -79,7 +79,7 @@ def test_many_rounds_with_crops_joins_and_leaves_decode_like_alone(target_model,
             _assert_same_kv(kv, cache)
         if rng.random() < 0.3:
             leaving = live.pop(rng.randrange(len(live)))
-            leaving[0].release()
+            pool.release(leaving[0])
     assert pool.free_slots == 5 - len(live)
 
 
@@ -98,7 +98,7 @@ def test_a_failed_pass_leaves_every_slot_as_it_was(target_model, shape: str) -> 
         assert torch.equal(old[:, :, b.base : b.base + 2], new[:, :, b.base : b.base + 2])
     with pytest.raises(InvalidRequest):  # past the slot: refused before the pass
         forward_slots(target_model, [a], [list(range(30))], [1])
-    b.release()
+    pool.release(b)
     with pytest.raises(SessionNotFound):
         forward_slots(target_model, [a, b], [[1], [2]], [1, 1])
     assert a.length == 3

@@ -5,10 +5,25 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cloud.rejection_sampler import RoundDraft, accept, accept_batch
+from cloud.rejection_sampler import RoundDraft, RoundOutcome, accept_batch
 from shared.protocol import AcceptMode
 
 V = 6
+
+
+def accept(
+    mode: AcceptMode,
+    draft_token_ids: torch.Tensor,
+    target: torch.Tensor,
+    generator: torch.Generator,
+    draft_probs: torch.Tensor | None = None,
+    sparse_draft: torch.Tensor | None = None,
+) -> RoundOutcome:
+    """One round on its own (accept_batch with one round); a round that fails raises."""
+    outcome = accept_batch([RoundDraft(mode, draft_token_ids, target, generator, draft_probs, sparse_draft)])[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
 
 def verify_greedy(drafts: torch.Tensor, logits: torch.Tensor):  # type: ignore[no-untyped-def]
