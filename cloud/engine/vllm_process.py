@@ -359,8 +359,8 @@ def serve(options: VllmOptions, calls: Connection, tokens: Connection) -> None:
     try:
         child = _Child(options, tokens)
     except Exception as err:
-        fault = err if isinstance(err, ConfigError) else ConfigError(f"vLLM could not start: {str(err)[:300]}")
-        calls.send((False, fault, (0, 0.0)))
+        refusal = err if isinstance(err, ConfigError) else ConfigError(f"vLLM could not start: {str(err)[:300]}")
+        calls.send((False, refusal, (0, 0.0)))
         return
     calls.send((True, child.facts(), (0, 0.0)))
     handlers = child.handlers()
