@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
-from cloud.engine import Engine, SessionKV, SessionStep, StepOutcome
+from cloud.engine import Engine, PromptChunk, SessionKV, SessionStep, StepOutcome
 from cloud.rejection_sampler import RoundRule
 from shared.errors import SessionNotFound, SpecDecError, VerifierFault
 
@@ -103,15 +103,13 @@ class BatchStep:
         start = time.perf_counter()
         with _undone_on_failure(steps):
             session_steps = [step.session_step() for step, _ in steps]
-            lengths = [step.kv.get_seq_length() for step in session_steps]
             outcomes = self.engine.run_steps(session_steps)
         forward_ms = (time.perf_counter() - start) * 1000.0
         self.passes += 1 if any(s.grows_by or s.drafts for s in session_steps) else 0
         results = []
-        for (step, queue_ms), session_step, length, outcome in zip(steps, session_steps, lengths, outcomes, strict=True):
-            computed = step.cache.get_seq_length() - length
-            if outcome is None and computed < session_step.grows_by:  # a chunk of its tokens: the rest follows
-                results.append(Partial(step.rest(computed)))
+        for (step, queue_ms), outcome in zip(steps, outcomes, strict=True):
+            if isinstance(outcome, PromptChunk):  # a chunk of its tokens: the rest follows
+                results.append(Partial(step.rest(outcome.computed)))
             else:
                 results.append(_finish(step, outcome, forward_ms, queue_ms))
         return results

@@ -224,14 +224,14 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 @dataclass(frozen=True)
 class RoundRule:
-    """How one round is accepted, before its forward pass: its session's settings, its drafts
-    and what the edge said of them. A round with no drafts draws the session's next token."""
+    """How one round is accepted, before its forward pass: its session's settings and what the
+    edge said of its drafts (the drafts themselves are its step's: SessionStep.drafts). A round
+    with no drafts draws the session's next token."""
 
     mode: AcceptMode
     sampling: SamplingParams
     vocab: int  # the session's vocabulary (the logits may be wider: padded embeddings)
     context: Sequence[int]  # tokens before row 0's prediction (prompt + committed)
-    draft_token_ids: Sequence[int]
     draft_probs: Sequence[float]  # q(y) per draft: SCALAR and SHORTCUT
     sparse_draft: Sequence[SparseDistribution]  # the draft's distributions: SPARSE
     generator: torch.Generator  # the session's own
@@ -241,11 +241,13 @@ class RoundRule:
     def next_token(cls, config: SessionConfig, vocab: int, context: Sequence[int], generator: torch.Generator) -> RoundRule:
         """A round with no drafts: the target's own next token after `context`, drawn as a
         session of `config` draws it."""
-        return cls(config.accept_mode, config.sampling, vocab, context, [], [], [], generator)
+        return cls(config.accept_mode, config.sampling, vocab, context, [], [], generator)
 
-    def with_logits(self, logits: torch.Tensor) -> RoundLogits:
-        """The round as its forward pass left it, with the target's rows [k + 1, V_model]."""
-        return RoundLogits(**{f.name: getattr(self, f.name) for f in fields(RoundRule)}, logits=logits)
+    def with_logits(self, logits: torch.Tensor, draft_token_ids: Sequence[int]) -> RoundLogits:
+        """The round as its forward pass left it: the target's rows [k + 1, V_model] after the
+        committed tokens and each of the step's drafts."""
+        own = {f.name: getattr(self, f.name) for f in fields(RoundRule)}
+        return RoundLogits(**own, logits=logits, draft_token_ids=draft_token_ids)
 
 
 @dataclass(frozen=True)
@@ -254,6 +256,7 @@ class RoundLogits(RoundRule):
     committed token and each draft, and what its session's settings make of them."""
 
     logits: torch.Tensor = field(kw_only=True)  # [k + 1, V_model]
+    draft_token_ids: Sequence[int] = field(kw_only=True)
 
 
 def top_k_rows(probs: torch.Tensor, k: int) -> list[SparseDistribution]:

@@ -362,7 +362,6 @@ class _Round:
             config.sampling,
             self.vocab,
             self.session.tokens + req.committed_tokens,
-            req.draft_tokens,
             req.draft_probs,
             req.sparse_draft,
             self.session.generator,

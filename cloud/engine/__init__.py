@@ -92,6 +92,15 @@ class StepOutcome:
     top_k: list[SparseDistribution] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class PromptChunk:
+    """What a step yields whose new tokens the engine computed only in part (a chunk of a long
+    prompt): its KV holds the first `computed` of them, it reads nothing, and the caller feeds the
+    rest in a later step."""
+
+    computed: int
+
+
 class TokenSink(Protocol):
     """Where a followed session's tokens go as the engine makes them, from the engine's own
     thread (cloud/token_feed.py)."""
@@ -147,12 +156,11 @@ class Engine(Protocol):
         """kv is a session's, sampled and accepted as `config` says within `vocab` ids (before
         its first step)."""
 
-    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
-        """Every step at once: per step its outcome (None for a step that reads nothing), or what
-        failed it alone (its KV as it was). Each KV then holds the step's fed tokens and its
-        accepted drafts, not its next token (the session's next step feeds it); or, for a step
-        whose fed tokens were computed only in part (a chunk of a long prompt), those computed:
-        the step then reads nothing, and the caller feeds the rest in a later step. A failure
+    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
+        """Every step at once: per step its outcome (None for a step that reads nothing), a
+        PromptChunk for one whose fed tokens were computed only in part, or what failed it alone
+        (its KV as it was). Each KV then holds the step's fed tokens and its accepted drafts,
+        not its next token (the session's next step feeds it), or the chunk computed. A failure
         of the engine itself raises, and leaves every KV as it was."""
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from cloud.engine import SessionKV, SessionStep, StepOutcome, TokenSink
+from cloud.engine import PromptChunk, SessionKV, SessionStep, StepOutcome, TokenSink
 from cloud.rejection_sampler import AcceptedRound, RejectionSampler, top_k_rows
 from shared.errors import VerifierFault
 from shared.protocol import SessionConfig
@@ -40,7 +40,8 @@ class ForwardEngine(ABC):
     @abstractmethod
     def crop(self, kv: SessionKV, length: int) -> None: ...
 
-    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
+    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
+        chunked = [bool(step.chunk) and step.grows_by > step.chunk for step in steps]
         steps = [_chunked(step) for step in steps]
         lengths = [step.kv.get_seq_length() for step in steps]
         computed = [i for i, step in enumerate(steps) if step.grows_by + len(step.drafts) > 0]
@@ -52,13 +53,18 @@ class ForwardEngine(ABC):
         for step, length, outcome in zip(steps, lengths, outcomes, strict=True):
             kept = length + step.grows_by + (outcome.round.accepted_len if isinstance(outcome, StepOutcome) else 0)
             self.crop(step.kv, length if isinstance(outcome, Exception) else kept)
-        return outcomes
+        return [
+            PromptChunk(step.grows_by) if cut and outcome is None else outcome
+            for step, cut, outcome in zip(steps, chunked, outcomes, strict=True)
+        ]
 
-    def _accept(self, steps: Sequence[SessionStep], rows: dict[int, torch.Tensor]) -> list[StepOutcome | None | Exception]:
+    def _accept(
+        self, steps: Sequence[SessionStep], rows: dict[int, torch.Tensor]
+    ) -> list[StepOutcome | PromptChunk | None | Exception]:
         """The batched accept over the steps that read; a step whose accept fails fails alone."""
         reading = [i for i, step in enumerate(steps) if step.rule is not None and i in rows]
-        rounds = [steps[i].rule.with_logits(rows[i]) for i in reading]  # type: ignore[union-attr]  # reading: a rule
-        outcomes: list[StepOutcome | None | Exception] = [None] * len(steps)
+        rounds = [steps[i].rule.with_logits(rows[i], steps[i].drafts) for i in reading]  # type: ignore[union-attr]  # reading: a rule
+        outcomes: list[StepOutcome | PromptChunk | None | Exception] = [None] * len(steps)
         for i, step in enumerate(steps):
             if step.rule is not None and i not in rows:
                 outcomes[i] = VerifierFault("a step that reads fed no tokens")

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV, SessionStep, StepOutcome, TokenSink
+from cloud.engine import EngineName, KVPlan, KVRequest, PromptChunk, SessionKV, SessionStep, StepOutcome, TokenSink
 from cloud.engine.vllm_runtime import MAX_STALLED_STEPS, STALLED_RETRY_MS, LiveRequest, TopRow, VllmRuntime
 from cloud.grammars import SessionGrammars
 from cloud.rejection_sampler import RoundOutcome
@@ -123,22 +123,22 @@ class LiveYield:
 class LiveRuns(Protocol):
     """An engine whose sessions are live requests: VllmEngine, or the same in a child process."""
 
-    def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | Exception]: ...
+    def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | PromptChunk | Exception]: ...
 
     def crop(self, kv: SessionKV, length: int) -> None: ...
 
 
-def steps_as_live(engine: LiveRuns, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
+def steps_as_live(engine: LiveRuns, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
     """Session steps as live requests' steps: each one's tokens become its outcome, and its KV
     is cropped to the drafts it accepted."""
     lengths = [step.kv.get_seq_length() for step in steps]
     produced = engine.run_live([LiveStep.of(step) for step in steps])
-    outcomes: list[StepOutcome | None | Exception] = []
+    outcomes: list[StepOutcome | PromptChunk | None | Exception] = []
     for step, yielded, length in zip(steps, produced, lengths, strict=True):
-        if isinstance(yielded, Exception):
+        if isinstance(yielded, (Exception, PromptChunk)):
             outcomes.append(yielded)
-        elif step.rule is None or step.kv.get_seq_length() < length + step.grows_by:
-            outcomes.append(None)  # it reads nothing, or vLLM computed a chunk of its prompt
+        elif step.rule is None:
+            outcomes.append(None)  # it reads nothing
         elif not yielded.tokens:
             outcomes.append(VerifierFault("vLLM yielded no token for a step that reads"))
         else:
@@ -208,10 +208,12 @@ class _PendingStep:
             return self.base[: self.computed]
         return self.base[: len(self.base) - self.step.known] + self.step.drafts
 
-    def yielded(self) -> LiveYield | Exception:
+    def yielded(self) -> LiveYield | PromptChunk | Exception:
         if self.tokens is None:
             assert self.error is not None  # decided
             return self.error
+        if self.computed is not None:  # of the tokens it fed, those computed before the step stopped
+            return PromptChunk(self.computed - (len(self.base) - len(self.step.fed)))
         live = self.kv.live
         if not self.step.top_k or not self.tokens or live is None:
             return LiveYield(self.tokens)
@@ -349,10 +351,10 @@ class VllmEngine:
             raise SessionRefused(f"the vllm engine cannot sample this session: {str(err)[:200]}") from err
         return params
 
-    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
+    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
         return steps_as_live(self, steps)
 
-    def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | Exception]:
+    def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | PromptChunk | Exception]:
         """Each step advanced as far as the tokens its request holds decide it; vLLM steps while
         any is undecided. A session's tokens grow by the step's fed tokens and drafts (the
         rejected ones are cropped after: steps_as_live)."""
@@ -384,7 +386,7 @@ class VllmEngine:
     def own_steps(self) -> tuple[int, float]:
         return self.runtime.steps, self.runtime.step_seconds
 
-    def _decide(self, works: list[_PendingStep]) -> list[LiveYield | Exception]:
+    def _decide(self, works: list[_PendingStep]) -> list[LiveYield | PromptChunk | Exception]:
         """On vLLM's thread: advance every work, and step vLLM while any is undecided; what
         each yields. vLLM's scheduler cuts a long prompt into the works' chunks."""
         self.runtime.scheduler.prefill_chunk = max((work.step.chunk for work in works), default=0)

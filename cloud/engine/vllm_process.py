@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from cloud.engine import EngineName, KVPlan, KVRequest, SessionKV, SessionStep, StepOutcome, TokenSink
+from cloud.engine import EngineName, KVPlan, KVRequest, PromptChunk, SessionKV, SessionStep, StepOutcome, TokenSink
 from cloud.engine.vllm import LiveStep, LiveYield, steps_as_live
 from cloud.engine.vllm_runtime import environment
 from shared.errors import ConfigError, VerifierFault
@@ -210,10 +210,10 @@ class ProcessEngine:
         handle = _handle(kv)
         self._call("start_session", handle.kv_id, config, vocab, handle.scope)
 
-    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | None | Exception]:
+    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
         return steps_as_live(self, steps)
 
-    def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | Exception]:
+    def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | PromptChunk | Exception]:
         handles = [_handle(step.kv) for step in steps]
         sent = [replace(step, kv=handle.kv_id) for step, handle in zip(steps, handles, strict=True)]  # type: ignore[arg-type]
         results, lengths = self._call("run_live", sent)
