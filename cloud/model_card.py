@@ -81,8 +81,10 @@ def measure_decode_step(engine: Engine) -> float:
             start = time.perf_counter()
             rule = RoundRule.next_token(config, engine.logits_width, tokens, torch.Generator())
             [outcome] = engine.run_steps([SessionStep(kv, fed, rule=rule)])
+            if isinstance(outcome, Exception):
+                raise outcome
             if not isinstance(outcome, StepOutcome):
-                raise outcome or VerifierFault("a decode step read no token")
+                raise VerifierFault("a decode step read no token")
             times.append((time.perf_counter() - start) * 1000.0)
             tokens = [*tokens, outcome.round.next_token]
             fed = tokens[-1:]
