@@ -65,6 +65,11 @@ def streams(out: Path) -> dict[str, dict[int, dict[str, dict[str, float]]]]:
     return found
 
 
+def _rows(rows: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A study's rows as build() kept them, in the shape its JSON has (None: the study did not run)."""
+    return None if rows is None else {"rows": rows}
+
+
 def _mark(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
@@ -158,7 +163,7 @@ def build(out: Path) -> dict[str, Any]:
     }
 
 
-def report(result: dict[str, Any], out: Path) -> str:
+def report(result: dict[str, Any]) -> str:
     found = {t: {int(n): s for n, s in levels.items()} for t, levels in result["streams"].items()}
     lines = [
         "# The verifier's vLLM engine against vLLM alone",
@@ -167,8 +172,8 @@ def report(result: dict[str, Any], out: Path) -> str:
         "Each server measured alone (the others stopped), the two taking turns.",
         "",
         *_stream_lines(found),
-        *_round_lines(_read(out / "served_rounds" / "served_rounds.json"), _read(out / "live_rounds" / "vllm_live_rounds.json")),
-        *_step_lines(_read(out / "step_overhead" / "vllm_step_overhead.json")),
+        *_round_lines(_rows(result["served_rounds"]), _rows(result["live_rounds"])),
+        *_step_lines(_rows(result["step_overhead"])),
     ]
     return "\n".join([*lines, "Each study's own report and command: the folders beside this file.", ""])
 
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("usage: python -m bench.studies.parity_report OUT_DIR")
     out = Path(args[0])
     result = build(out)
-    write_result(out, "parity", result, report(result, out))
+    write_result(out, "parity", result, report(result))
     return 0
 
 

@@ -54,7 +54,7 @@ def test_a_run_s_figures_are_pooled_per_server_and_set_beside_their_goals(tmp_pa
     level = result["streams"]["0"]["1"]
     assert level["vllm_alone"]["tok_s"] == 105.0  # the median of all four runs
     assert level["vllm_alone"]["ttft_ms"] == 20.0 and level["vllm_alone"]["times_up"] == 2
-    text = report(result, tmp_path)
+    text = report(result)
     assert "| 1 | 105 | 105 | 1.00x yes |" in text  # tok/s goal met
     assert "| 64 | 1,000 | 850 | 0.85x **no** |" in text  # not met, said so
     assert "0.62x yes" in text  # TTFT 12.5 against 20 ms
