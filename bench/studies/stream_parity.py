@@ -214,8 +214,9 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
             for name, measured in runs.items():
                 row[name] = sorted(measured, key=lambda r: r["tok_s"])[len(measured) // 2]
                 row[name]["tok_s_runs"] = [r["tok_s"] for r in measured]
-            for name in systems if reference is not None else ():
-                row[name]["over_vllm_alone"] = round(row[name]["tok_s"] / row[str(reference)]["tok_s"], 3)
+            if reference is not None:
+                for name in systems:
+                    row[name]["over_vllm_alone"] = round(row[name]["tok_s"] / row[reference]["tok_s"], 3)
             result["rows"].append(row)
             write_result(args.out, "stream_parity", result, report(result))  # each level as it comes
     finally:
