@@ -213,7 +213,7 @@ class _PendingStep:
             assert self.error is not None  # decided
             return self.error
         if self.computed is not None:  # of the tokens it fed, those computed before the step stopped
-            return PromptChunk(self.computed - (len(self.base) - len(self.step.fed)))
+            return PromptChunk(self.computed - self.held)
         live = self.kv.live
         if not self.step.top_k or not self.tokens or live is None:
             return LiveYield(self.tokens)
@@ -223,6 +223,11 @@ class _PendingStep:
         if any(row is None for row in rows):
             return VerifierFault("vLLM returned no top-k for a token of the step")
         return LiveYield(self.tokens, rows)  # type: ignore[arg-type]  # checked: every row is there
+
+    @property
+    def held(self) -> int:
+        """The session's tokens before the ones the step feeds."""
+        return len(self.base) - len(self.step.fed)
 
     @property
     def decided(self) -> bool:
@@ -486,8 +491,7 @@ class VllmEngine:
         computed = self.runtime.computed(live)
         if live.ended or computed >= prompt:
             return False
-        held = len(work.base) - len(work.step.fed)
-        if work.stepped and computed > held:
+        if work.stepped and computed > work.held:
             work.tokens, work.computed = [], computed
         return True
 
