@@ -1,5 +1,6 @@
 """Target-only streams through the verifier against vLLM's own server, side by side: N
-concurrent streams of the same prompts on each, every stream `--new-tokens` tokens, greedy (or
+concurrent streams on each (the same prompts on every server; new ones each repeat, so that no
+server's prefix cache serves them), every stream `--new-tokens` tokens, greedy (or
 sampled at `--temperature` and `--top-p`, as chat traffic is), no stop token, at each N of
 `--streams`.
 
@@ -205,9 +206,11 @@ async def measure(args: StreamParitySettings, result: dict[str, Any]) -> None:
         for stream, _ in systems.values():  # warm-up: each server's first streams
             await level(stream, prompts(4))
         for count in (int(n) for n in args.streams.split(",")):
-            same = prompts(count)
+            # New prompts each repeat, the same for every server: a server's prefix cache would
+            # serve a repeat's prompts from the one before.
+            sets = [prompts(count) for _ in range(args.repeats)]
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
-            for _ in range(args.repeats):
+            for same in sets:
                 for name, (stream, url) in systems.items():
                     runs[name].append(await level(stream, same, url))
             row: dict[str, Any] = {"streams": count}
