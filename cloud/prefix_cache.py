@@ -7,11 +7,8 @@ A kept prefix is one entry: the tokens whose KV its engine handle holds, and the
 session takes the entry of its scope that shares the longest prefix with its prompt
 (llama-server picks a slot by prompt similarity the same way), crops it to the shared part and
 prefills only the rest; the entry leaves the cache, so each handle has one owner at a time. A
-session can only take its own scope's entries (why: cloud/prefix_scope.py).
-
-Kept prefixes are the first KV to go: the session store counts their bytes against the key's
-and the global KV caps and their handles against the session caps, and evicts them fairly
-(cloud/sessions.py). Idle entries expire with the sessions' TTL.
+session can only take its own scope's entries (why: cloud/prefix_scope.py); how kept prefixes
+count against the caps and go first: cloud/sessions.py.
 
 An engine with a prefix cache of its own (vLLM) keeps the KV itself; the cache then only notes
 the tokens of closed sessions (a bounded number of notes per scope, no KV): how much of a new
@@ -111,14 +108,11 @@ class PrefixCache:
         notes are bounded, and past the bound of all, the scope with the most loses first: one
         scope's churn never flushes another's notes."""
         self._notes[next(self._ids)] = Note(owner, scope, tokens, self.clock())
-        if self._count_notes(scope) > MAX_NOTES_PER_SCOPE:
+        if sum(n.scope == scope for n in self._notes.values()) > MAX_NOTES_PER_SCOPE:
             self._forget_oldest_note(scope)
         if len(self._notes) > MAX_NOTES:
             per_scope = Counter(n.scope for n in self._notes.values())
             self._forget_oldest_note(per_scope.most_common(1)[0][0])
-
-    def _count_notes(self, scope: str) -> int:
-        return sum(1 for n in self._notes.values() if n.scope == scope)
 
     def _forget_oldest_note(self, scope: str) -> None:
         del self._notes[next(i for i, n in self._notes.items() if n.scope == scope)]
