@@ -175,21 +175,6 @@ class SessionStore:
         if self.kv is not None:
             self.kv.free(kv)
 
-    def _retire(self, session: Session) -> None:
-        """A session that ended well: its KV stays as a kept prefix of its scope when the store
-        keeps them and nothing may still write to it (no call of it in flight), else it goes."""
-        held = session.cache.get_seq_length()
-        kept = 0 < held <= len(session.tokens) and bool(session.scope)  # its KV holds its first `held` tokens
-        if kept and self.note_prefixes:
-            with self._lock:
-                self.prefixes.note(session.owner, session.scope, session.tokens[:held])
-        if not (kept and self.keep_prefixes) or self.busy.get(session.session_id):
-            self._free(session.cache)
-            return
-        nbytes = self.slot_bytes or held * self.kv_bytes_per_token
-        with self._lock:
-            self.prefixes.keep(session.owner, session.scope, session.tokens[:held], session.cache, nbytes)
-
     def take_prefix(self, scope: str, prompt: list[int]) -> tuple[KeptPrefix, int] | None:
         """A kept prefix of `scope`'s for a new session's prompt (the entry, and the tokens of
         the prompt it holds: at most all but the last), or None."""
@@ -337,9 +322,22 @@ class SessionStore:
 
     def retire(self, session_id: str) -> None:
         """Close a session that ended well if it is still here (a finished Generate stream): its
-        KV may stay as a kept prefix."""
-        if (session := self._pop(session_id)) is not None:
-            self._retire(session)
+        KV stays as a kept prefix of its scope when the store keeps them and nothing may still
+        write to it (no call of it in flight), else it goes."""
+        session = self._pop(session_id)
+        if session is None:
+            return
+        held = session.cache.get_seq_length()
+        kept = 0 < held <= len(session.tokens) and bool(session.scope)  # its KV holds its first `held` tokens
+        if kept and self.note_prefixes:
+            with self._lock:
+                self.prefixes.note(session.owner, session.scope, session.tokens[:held])
+        if not (kept and self.keep_prefixes) or self.busy.get(session.session_id):
+            self._free(session.cache)
+            return
+        nbytes = self.slot_bytes or held * self.kv_bytes_per_token
+        with self._lock:
+            self.prefixes.keep(session.owner, session.scope, session.tokens[:held], session.cache, nbytes)
 
     def discard(self, session_id: str) -> None:
         """Drop a session if it is still here (a prefill that failed, or one evicted meanwhile)."""

@@ -1,11 +1,6 @@
 """The target model and its sessions: prefill once, one forward pass per Verify round.
-
-Request checks live in cloud/validation.py, the forward pass over a batch of steps in
-cloud/batch_step.py, target-only decoding in cloud/generate_stream.py, a Decode stretch read
-from an engine's own decoding in cloud/followed_stretch.py. Methods are
-synchronous and not thread-safe; cloud/grpc_server.py runs them on one model worker so
-rounds never interleave on a cache.
-"""
+Methods are synchronous and not thread-safe; cloud/grpc_server.py runs them on one model
+worker so rounds never interleave on a cache."""
 
 from __future__ import annotations
 
@@ -283,7 +278,7 @@ class Verifier:
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
-        belongs to (cloud/batch_step.py); each step's result, or the exception that ended it."""
+        belongs to: BatchStep.run."""
         return self.step.run(steps)
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
