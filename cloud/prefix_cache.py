@@ -1,14 +1,9 @@
 """Prefixes kept for reuse: the KV a closed session leaves behind, for the next session of the
-same reuse scope (cloud/prefix_scope.py: an API key, or one client without keys) whose prompt
-starts with the same tokens (a chat client resends the whole conversation every turn, so each
-turn's session starts with the last one's tokens).
-
-A kept prefix is one entry: the tokens whose KV its engine handle holds, and the handle. A new
-session takes the entry of its scope that shares the longest prefix with its prompt
-(llama-server picks a slot by prompt similarity the same way), crops it to the shared part and
-prefills only the rest; the entry leaves the cache, so each handle has one owner at a time. A
-session can only take its own scope's entries (why: cloud/prefix_scope.py); how kept prefixes
-count against the caps and go first: cloud/sessions.py.
+same reuse scope (cloud/prefix_scope.py) whose prompt starts with the same tokens. A new session
+takes the entry of its scope that shares the longest prefix with its prompt, crops it to the
+shared part and prefills only the rest; the entry leaves the cache, so each handle has one owner
+at a time (what a client sees: docs/operations.md, "A chat's next turn starts where its last one
+ended").
 
 An engine with a prefix cache of its own (vLLM) keeps the KV itself; the cache then only notes
 the tokens of closed sessions (a bounded number of notes per scope, no KV): how much of a new

@@ -1,13 +1,7 @@
 """Whose kept prefixes a new session may start from (its reuse scope), so that prefix reuse never
-crosses a trust boundary: a session that starts from kept KV prefills faster, and its client
-sees it (`prefill_ms`, `reused_tokens`), so a scope shared by two clients would tell each whether
-the other's prompts began with a given text.
-
-A scope is one client of one API key ("" without keys), proven by the reuse token the verifier
-gave it with an earlier session: a nonce and its HMAC (over the key's name and the nonce) under a
-secret drawn at start, so no state is kept per client. `--shared-prefix-cache` makes a scope a
-key instead; with reuse off there is none. What a client sees of it: docs/operations.md ("Who
-shares").
+crosses a trust boundary: a scope is one client of one API key, proven by the reuse token the
+verifier gave it (a nonce and its HMAC under a secret drawn at start: no state per client), or a
+key under `--shared-prefix-cache` (why, and what a client sees: docs/operations.md, "Who shares").
 """
 
 from __future__ import annotations

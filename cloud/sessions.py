@@ -1,15 +1,7 @@
-"""Per-session verifier state and the store that bounds it (TTL, count, KV bytes, LRU).
-
-Caps never cross API keys: a new session or a round that needs room may evict only its own
-key's idle sessions (least recently used first), at the key's own caps and at the global ones
-alike; when its key has none to give up it is refused (RESOURCE_EXHAUSTED with a retry hint),
-so one key's traffic never ends another key's session. Without API keys every client is one
-key and this is plain LRU. Each eviction is one INFO line and is counted by its reason.
-
-A closed session's KV may stay as a kept prefix (cloud/prefix_cache.py) for the next session of
-its reuse scope (cloud/prefix_scope.py): kept prefixes count against the same caps, the key's
-session cap included, and are the first KV to go, fairly (_free_fairly), so that a flood of one
-key's new prompts churns its own cache and leaves another key's conversation in place."""
+"""Per-session verifier state and the store that bounds it (TTL, count, KV bytes, LRU). Caps
+never cross API keys: a session or a round that needs room may evict only its own key's idle
+sessions, and kept prefixes (cloud/prefix_cache.py) are the first KV to go, fairly
+(_free_fairly); why and how: docs/operations.md ("Per-key limits and fairness", "Room")."""
 
 from __future__ import annotations
 
