@@ -18,8 +18,7 @@ from cloud.followed_stretch import FollowedStretch
 from cloud.generate_stream import GenerateStream
 from cloud.grammars import SessionGrammars
 from cloud.model_card import ModelCard, measure_decode_step
-from cloud.prefix_cache import KeptPrefix
-from cloud.prefix_scope import ReuseMode, ReuseScopes, Scope
+from cloud.prefix_cache import KeptPrefix, ReuseMode, ReuseScopes, Scope
 from cloud.rejection_sampler import RoundRule
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
@@ -50,7 +49,7 @@ class VerifierLimits:
     # The rest as their flags' help says (cloud/config.py: --kv-layout, --prefix-reuse, --shared-prefix-cache)
     kv_layout: Literal["packed", "slots"] = "packed"  # slots: cloud/engine/kv_slots.py
     kv_slot_tokens: int = 4096  # slots: positions per session (its context limit)
-    reuse_prefixes: bool = True  # cloud/prefix_cache.py, cloud/prefix_scope.py
+    reuse_prefixes: bool = True  # cloud/prefix_cache.py
     share_prefixes: bool = False  # a scope is a key instead (without keys: every client): they trust each other
 
 

@@ -125,7 +125,7 @@ class Engine(Protocol):
 
     def new_kv(self, scope: str = "") -> SessionKV:
         """A new session's empty KV. `scope`: the sessions whose cached prefixes it may share in
-        an engine that caches prefixes itself (one reuse scope's, cloud/prefix_scope.py); ""
+        an engine that caches prefixes itself (one reuse scope's, cloud/prefix_cache.py); ""
         shares with none."""
 
     def cached_tokens(self, kv: SessionKV) -> int:
