@@ -1,11 +1,7 @@
 """The API keys file (--api-keys-file) re-read while the verifier runs: on SIGHUP, and when the
-file changes (its mtime, size or inode, looked at every second: no watch library to install).
-
-A file that parses replaces the keys at once (ServerState.api_keys, which the interceptor and the
-HTTP side read at each call); one that does not leaves the keys in force, so an emptied file
-never opens the verifier to everyone. A name that is gone is ended: its sessions and kept
-prefixes go here, its streams in cloud/interceptors.py. What an operator sees of it, rotation
-included: docs/operations.md ("Changing keys").
+file changes (looked at every second: no watch library to install). A file that does not parse
+leaves the keys in force; a name that is gone is ended: its sessions and kept prefixes here, its
+streams in cloud/interceptors.py. What an operator sees of it: docs/operations.md ("Changing keys").
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Prometheus metrics of one verifier, in a registry of its own so servers (and tests) never
-share counters.
-
-Names follow vLLM's speculative-decoding metrics (num_drafts, num_draft_tokens,
-num_accepted_tokens, num_accepted_tokens_per_pos) under the prefix `specdec_`; one round
-here is one vLLM draft. Labels stay low-cardinality: RPC method, status code, draft
-position (bounded by max_draft_tokens), an API key's name (bounded by the keys file) and an
-eviction reason, never a session or request id or a caller's address.
-"""
+share counters. Names follow vLLM's speculative-decoding metrics under the prefix `specdec_`
+(docs/operations.md); labels stay low-cardinality: RPC method, status code, draft position
+(bounded by max_draft_tokens), an API key's name (bounded by the keys file) and an eviction
+reason, never a session or request id or a caller's address."""
 
 from __future__ import annotations
 

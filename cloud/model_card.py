@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -20,18 +21,16 @@ WARMUP_TOKENS = 8
 TIMED_STEPS = 3
 
 
+@dataclass
 class ModelCard:
-    def __init__(
-        self,
-        model_id: str,
-        parameters: int,
-        logits_width: int,
-        tokenizer: TokenizerCard | None = None,
-        decode_step_ms: float = 0.0,
-    ) -> None:
-        self.model_id, self.parameters, self.logits_width = model_id, parameters, logits_width
-        self.tokenizer, self.decode_step_ms = tokenizer, decode_step_ms
-        self._digests = tokenizer.digests() if tokenizer else []  # computed once: a call only reads them
+    model_id: str
+    parameters: int
+    logits_width: int
+    tokenizer: TokenizerCard | None = None
+    decode_step_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._digests = self.tokenizer.digests() if self.tokenizer else []  # computed once: a call only reads them
 
     def describe(self, tokens_from: int = 0, tokens_count: int = 0, chat_template: bool = False) -> ModelDescription:
         """The description; with tokens_count, the tokens [tokens_from, tokens_from + count) too;

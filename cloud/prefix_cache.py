@@ -1,17 +1,13 @@
-"""Prefixes kept for reuse: the KV a closed session leaves behind, for the next session of the
-same reuse scope (cloud/prefix_scope.py: an API key, or one client without keys) whose prompt
-starts with the same tokens (a chat client resends the whole conversation every turn, so each
-turn's session starts with the last one's tokens).
+"""Prefix reuse: the KV a closed session leaves behind (a kept prefix), for the next session of
+the same reuse scope whose prompt starts with the same tokens. A new session takes the entry of
+its scope that shares the longest prefix with its prompt, crops it to the shared part and
+prefills only the rest; the entry leaves the cache, so each handle has one owner at a time (what
+a client sees: docs/operations.md, "A chat's next turn starts where its last one ended").
 
-A kept prefix is one entry: the tokens whose KV its engine handle holds, and the handle. A new
-session takes the entry of its scope that shares the longest prefix with its prompt
-(llama-server picks a slot by prompt similarity the same way), crops it to the shared part and
-prefills only the rest; the entry leaves the cache, so each handle has one owner at a time. A
-session can only take its own scope's entries (why: cloud/prefix_scope.py).
-
-Kept prefixes are the first KV to go: the session store counts their bytes against the key's
-and the global KV caps and their handles against the session caps, and evicts them fairly
-(cloud/sessions.py). Idle entries expire with the sessions' TTL.
+A scope is whose kept prefixes a session may start from, so that reuse never crosses a trust
+boundary: one client of one API key, proven by the reuse token the verifier gave it (a nonce
+and its HMAC under a secret drawn at start: no state per client), or a key under
+`--shared-prefix-cache` (why, and what a client sees: docs/operations.md, "Who shares").
 
 An engine with a prefix cache of its own (vLLM) keeps the KV itself; the cache then only notes
 the tokens of closed sessions (a bounded number of notes per scope, no KV): how much of a new
@@ -20,14 +16,25 @@ prompt the engine likely serves from its cache, so that admission counts only th
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import hmac
+import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Literal
 
 from cloud.engine import SessionKV
+from shared.errors import InvalidRequest
 from shared.token_ids import shared_prefix
 
+ReuseMode = Literal["off", "client", "shared"]
+MAX_REUSE_TOKEN = 64  # characters; a token this verifier hands out has 32
+_NONCE_BYTES = 12
+_MAC_BYTES = 12
 # A session takes an entry only when the shared prefix covers at least this share of the
 # entry's tokens: it continues that conversation. Another conversation that shares only a
 # system prompt with it leaves it for its own next turn (llama-server's slot similarity, 0.5).
@@ -111,14 +118,11 @@ class PrefixCache:
         notes are bounded, and past the bound of all, the scope with the most loses first: one
         scope's churn never flushes another's notes."""
         self._notes[next(self._ids)] = Note(owner, scope, tokens, self.clock())
-        if self._count_notes(scope) > MAX_NOTES_PER_SCOPE:
+        if sum(n.scope == scope for n in self._notes.values()) > MAX_NOTES_PER_SCOPE:
             self._forget_oldest_note(scope)
         if len(self._notes) > MAX_NOTES:
             per_scope = Counter(n.scope for n in self._notes.values())
             self._forget_oldest_note(per_scope.most_common(1)[0][0])
-
-    def _count_notes(self, scope: str) -> int:
-        return sum(1 for n in self._notes.values() if n.scope == scope)
 
     def _forget_oldest_note(self, scope: str) -> None:
         del self._notes[next(i for i, n in self._notes.items() if n.scope == scope)]
@@ -167,3 +171,64 @@ class PrefixCache:
                 if kept_before is None or entry.kept_at < kept_before:
                     return self._entries.pop(entry_id).kv
         return None
+
+
+@dataclass(frozen=True)
+class Scope:
+    """A session's reuse scope: `name` ("" for none, which shares with no session) and the
+    token its client is handed ("" when it needs none)."""
+
+    name: str
+    token: str = ""
+
+    @property
+    def salt(self) -> str:
+        """The scope as an engine with its own prefix cache salts it (a hash: neither key names
+        nor tokens reach the engine); "" for none."""
+        return hashlib.sha256(b"specedge-prefix-scope:" + self.name.encode()).hexdigest() if self.name else ""
+
+
+NO_SCOPE = Scope("")
+
+
+class ReuseScopes:
+    """Resolves the scope of each new session from its API key and the token it presents."""
+
+    def __init__(self, mode: ReuseMode, secret: bytes | None = None) -> None:
+        self.mode = mode
+        self._secret = secret or secrets.token_bytes(32)
+
+    def of(self, owner: str, token: str) -> Scope:
+        """The scope of a new session of API key `owner` ("" without keys) presenting `token`:
+        a new client's when the token is not one this verifier signed for the key."""
+        known = self.known(owner, token)
+        return known if known.name or self.mode == "off" else self._client(owner, secrets.token_bytes(_NONCE_BYTES))
+
+    def known(self, owner: str, token: str) -> Scope:
+        """The scope `of` gives, but NO_SCOPE where that would be a new one (nothing is kept in
+        it): what a session's prefill can reuse, told before the session exists."""
+        if len(token) > MAX_REUSE_TOKEN:
+            raise InvalidRequest(f"reuse_token is {len(token)} characters, over the limit of {MAX_REUSE_TOKEN}")
+        if self.mode == "off":
+            return NO_SCOPE
+        if self.mode == "shared":
+            return Scope(f"key:{owner}")
+        nonce = self._nonce(owner, token)
+        return self._client(owner, nonce) if nonce else NO_SCOPE
+
+    def _client(self, owner: str, nonce: bytes) -> Scope:
+        token = base64.urlsafe_b64encode(nonce + self._mac(owner, nonce)).decode()
+        return Scope(f"client:{owner}:{nonce.hex()}", token)
+
+    def _mac(self, owner: str, nonce: bytes) -> bytes:
+        return hmac.new(self._secret, owner.encode() + b"\0" + nonce, hashlib.sha256).digest()[:_MAC_BYTES]
+
+    def _nonce(self, owner: str, token: str) -> bytes | None:
+        """The nonce of a token this verifier signed for `owner`, or None (empty, malformed,
+        another key's or verifier's, or from before a restart)."""
+        try:
+            raw = base64.urlsafe_b64decode(token.encode())
+        except (binascii.Error, ValueError):
+            return None
+        nonce, mac = raw[:_NONCE_BYTES], raw[_NONCE_BYTES:]
+        return nonce if len(nonce) == _NONCE_BYTES and hmac.compare_digest(mac, self._mac(owner, nonce)) else None

@@ -1,10 +1,7 @@
-"""What one API key may take of a verifier, so a heavy client cannot starve the others.
-
-A key is the name an API key has in --api-keys-file; without a keys file every client is
-the one key "". Each limit is per key, 0 meaning no limit: sessions and KV bytes are enforced
+"""What one API key may take of a verifier, so a heavy client cannot starve the others (the
+limits: docs/operations.md, "Per-key limits and fairness"): sessions and KV bytes are enforced
 by the session store (cloud/sessions.py), queued steps and fed tokens per second by the batcher
-as a step arrives. Over a limit the call gets RESOURCE_EXHAUSTED with a retry hint.
-"""
+as a step arrives."""
 
 from __future__ import annotations
 

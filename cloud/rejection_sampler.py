@@ -6,18 +6,8 @@ into one row with per-round offsets (`cu_num_draft_tokens`), the target distribu
 tensor operations. What stays per round is what belongs to its session: the uniforms and the
 recovered or bonus draw come from the session's own torch.Generator, in the order a round
 alone draws them (k uniforms, then one token), so a round's outcome does not depend on what
-it was batched with. A round whose inputs fail fails alone.
-
-Vocabulary (as in vLLM's rejection sampler):
-- *accepted* tokens: the prefix of the draft that the target keeps;
-- the *recovered* token: drawn from the residual distribution at the first rejection;
-- the *bonus* token: drawn from the target at position k+1 when all k drafts pass.
-A round emits the accepted tokens plus exactly one recovered or bonus token.
-
-Modes: GREEDY (temperature 0), POINT (q = 1: greedy drafts, n-gram) and SPARSE (the draft's
-truncated distribution) are exact; SCALAR and SHORTCUT (q(y) alone) and TOP1 (the target's argmax,
-offered for n-gram drafts as in the NASD design) are APPROXIMATE. What each accepts and draws:
-accept_batch and _residual; what the edge sends for each: docs/architecture.md.
+it was batched with. A round whose inputs fail fails alone. The modes, and which are exact:
+docs/architecture.md; what each accepts and draws: accept_batch and _residual.
 """
 
 from __future__ import annotations

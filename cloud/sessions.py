@@ -1,15 +1,7 @@
-"""Per-session verifier state and the store that bounds it (TTL, count, KV bytes, LRU).
-
-Caps never cross API keys: a new session or a round that needs room may evict only its own
-key's idle sessions (least recently used first), at the key's own caps and at the global ones
-alike; when its key has none to give up it is refused (RESOURCE_EXHAUSTED with a retry hint),
-so one key's traffic never ends another key's session. Without API keys every client is one
-key and this is plain LRU. Each eviction is one INFO line and is counted by its reason.
-
-A closed session's KV may stay as a kept prefix (cloud/prefix_cache.py) for the next session of
-its reuse scope (cloud/prefix_scope.py): kept prefixes count against the same caps, the key's
-session cap included, and are the first KV to go, fairly (_free_fairly), so that a flood of one
-key's new prompts churns its own cache and leaves another key's conversation in place."""
+"""Per-session verifier state and the store that bounds it (TTL, count, KV bytes, LRU). Caps
+never cross API keys: a session or a round that needs room may evict only its own key's idle
+sessions, and kept prefixes (cloud/prefix_cache.py) are the first KV to go, fairly
+(_free_fairly); why and how: docs/operations.md ("Per-key limits and fairness", "Room")."""
 
 from __future__ import annotations
 
@@ -175,21 +167,6 @@ class SessionStore:
         if self.kv is not None:
             self.kv.free(kv)
 
-    def _retire(self, session: Session) -> None:
-        """A session that ended well: its KV stays as a kept prefix of its scope when the store
-        keeps them and nothing may still write to it (no call of it in flight), else it goes."""
-        held = session.cache.get_seq_length()
-        kept = 0 < held <= len(session.tokens) and bool(session.scope)  # its KV holds its first `held` tokens
-        if kept and self.note_prefixes:
-            with self._lock:
-                self.prefixes.note(session.owner, session.scope, session.tokens[:held])
-        if not (kept and self.keep_prefixes) or self.busy.get(session.session_id):
-            self._free(session.cache)
-            return
-        nbytes = self.slot_bytes or held * self.kv_bytes_per_token
-        with self._lock:
-            self.prefixes.keep(session.owner, session.scope, session.tokens[:held], session.cache, nbytes)
-
     def take_prefix(self, scope: str, prompt: list[int]) -> tuple[KeptPrefix, int] | None:
         """A kept prefix of `scope`'s for a new session's prompt (the entry, and the tokens of
         the prompt it holds: at most all but the last), or None."""
@@ -337,9 +314,22 @@ class SessionStore:
 
     def retire(self, session_id: str) -> None:
         """Close a session that ended well if it is still here (a finished Generate stream): its
-        KV may stay as a kept prefix."""
-        if (session := self._pop(session_id)) is not None:
-            self._retire(session)
+        KV stays as a kept prefix of its scope when the store keeps them and nothing may still
+        write to it (no call of it in flight), else it goes."""
+        session = self._pop(session_id)
+        if session is None:
+            return
+        held = session.cache.get_seq_length()
+        kept = 0 < held <= len(session.tokens) and bool(session.scope)  # its KV holds its first `held` tokens
+        if kept and self.note_prefixes:
+            with self._lock:
+                self.prefixes.note(session.owner, session.scope, session.tokens[:held])
+        if not (kept and self.keep_prefixes) or self.busy.get(session.session_id):
+            self._free(session.cache)
+            return
+        nbytes = self.slot_bytes or held * self.kv_bytes_per_token
+        with self._lock:
+            self.prefixes.keep(session.owner, session.scope, session.tokens[:held], session.cache, nbytes)
 
     def discard(self, session_id: str) -> None:
         """Drop a session if it is still here (a prefill that failed, or one evicted meanwhile)."""

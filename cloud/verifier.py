@@ -1,11 +1,6 @@
 """The target model and its sessions: prefill once, one forward pass per Verify round.
-
-Request checks live in cloud/validation.py, the forward pass over a batch of steps in
-cloud/batch_step.py, target-only decoding in cloud/generate_stream.py, a Decode stretch read
-from an engine's own decoding in cloud/followed_stretch.py. Methods are
-synchronous and not thread-safe; cloud/grpc_server.py runs them on one model worker so
-rounds never interleave on a cache.
-"""
+Methods are synchronous and not thread-safe; cloud/grpc_server.py runs them on one model
+worker so rounds never interleave on a cache."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ from cloud.followed_stretch import FollowedStretch
 from cloud.generate_stream import GenerateStream
 from cloud.grammars import SessionGrammars
 from cloud.model_card import ModelCard, measure_decode_step
-from cloud.prefix_cache import KeptPrefix
-from cloud.prefix_scope import ReuseMode, ReuseScopes, Scope
+from cloud.prefix_cache import KeptPrefix, ReuseMode, ReuseScopes, Scope
 from cloud.rejection_sampler import RoundRule
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
@@ -55,7 +49,7 @@ class VerifierLimits:
     # The rest as their flags' help says (cloud/config.py: --kv-layout, --prefix-reuse, --shared-prefix-cache)
     kv_layout: Literal["packed", "slots"] = "packed"  # slots: cloud/engine/kv_slots.py
     kv_slot_tokens: int = 4096  # slots: positions per session (its context limit)
-    reuse_prefixes: bool = True  # cloud/prefix_cache.py, cloud/prefix_scope.py
+    reuse_prefixes: bool = True  # cloud/prefix_cache.py
     share_prefixes: bool = False  # a scope is a key instead (without keys: every client): they trust each other
 
 
@@ -283,7 +277,7 @@ class Verifier:
 
     def run_batch(self, steps: Batch) -> list[Any]:
         """ONE forward pass over every (step, queue_ms), whatever session or stream each
-        belongs to (cloud/batch_step.py); each step's result, or the exception that ended it."""
+        belongs to: BatchStep.run."""
         return self.step.run(steps)
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------

@@ -1,9 +1,10 @@
 from collections.abc import Iterator
+from typing import get_args
 
 import pytest
 import torch
 
-from cloud.engine import ENGINES
+from cloud.engine import EngineName
 from edge.drafting.drafter import DraftLM
 from edge.drafting.runtime_transformers import TransformersDraftLM
 from tests.harness import TargetEngine, close_vllm_runtimes, gguf_lm
@@ -53,7 +54,9 @@ def vllm_target(tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-de
     return TargetEngine("vllm", model, folder=save_model(model, tmp_path_factory.mktemp("vllm") / "target"))
 
 
-@pytest.fixture(scope="session", params=[pytest.param(e, marks=pytest.mark.vllm) if e == "vllm" else e for e in ENGINES])
+@pytest.fixture(
+    scope="session", params=[pytest.param(e, marks=pytest.mark.vllm) if e == "vllm" else e for e in get_args(EngineName)]
+)
 def target_engine(request, target_model, tmp_path_factory) -> TargetEngine:  # type: ignore[no-untyped-def]
     """The tiny target in each verifier engine: call it for a fresh Engine. Session-scoped so that
     module fixtures (a served verifier) can take it; every call builds a new Engine. vLLM runs

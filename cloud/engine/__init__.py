@@ -1,16 +1,11 @@
-"""The verifier's model behind one interface: a batch of session steps in, per step its outcome.
+"""The verifier's model behind one interface (Engine): a batch of session steps in (a prefill,
+a Verify round, a token of a Decode stretch or a Generate stream: each one SessionStep), per step
+its outcome; the engine also owns each session's KV. Sessions, admission, the batcher and the
+wire see only this Protocol: another engine is one more module that implements it.
 
-A session step feeds a session's new tokens after its KV and, when it reads, accepts its drafts
-and draws its next token by the session's rule (cloud/rejection_sampler.py): a prefill, a
-Verify round, a token of a Decode stretch or a Generate stream are all one step. The engine
-also owns each session's KV (new, crop, free) and says which sessions it can verify exactly.
-
-transformers.py (the reference) and llamacpp.py run forward passes, which forward_steps.py
-turns into steps' outcomes; vllm.py runs each session as one live vLLM request, which may decode
-ahead of the session on its own (a stream follows it), and vllm_process.py runs it in a child.
-
-Sessions, admission, the batcher and the wire see only this Protocol. Another engine is one
-more module that implements Engine, and one more entry in ENGINES."""
+transformers.py (the reference) and llamacpp.py run forward passes, which forward_steps.py turns
+into steps' outcomes; vllm.py runs each session as one live vLLM request, which may decode ahead
+of the session on its own (a stream follows it), and vllm_process.py runs it in a child."""
 
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ from cloud.rejection_sampler import RoundOutcome, RoundRule
 from shared.protocol import SessionConfig, SparseDistribution
 
 EngineName = Literal["transformers", "llama.cpp", "vllm"]
-ENGINES: tuple[EngineName, ...] = ("transformers", "llama.cpp", "vllm")
 
 
 class SessionKV(Protocol):
@@ -131,7 +125,7 @@ class Engine(Protocol):
 
     def new_kv(self, scope: str = "") -> SessionKV:
         """A new session's empty KV. `scope`: the sessions whose cached prefixes it may share in
-        an engine that caches prefixes itself (one reuse scope's, cloud/prefix_scope.py); ""
+        an engine that caches prefixes itself (one reuse scope's, cloud/prefix_cache.py); ""
         shares with none."""
 
     def cached_tokens(self, kv: SessionKV) -> int:

@@ -90,6 +90,12 @@ class ForwardEngine(ABC):
     def own_steps(self) -> tuple[int, float]:
         return 0, 0.0
 
+    def failure(self) -> str | None:
+        return None  # in-process: a failure raises from its pass
+
+    def close(self) -> None:
+        return None  # the model and its KV go with the engine (llama.cpp's context: freed with it)
+
 
 def _chunked(step: SessionStep) -> SessionStep:
     """A step with more new tokens than its chunk: the chunk alone, which reads nothing (the

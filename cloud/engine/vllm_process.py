@@ -1,16 +1,13 @@
-"""The vLLM engine in a process of its own (`--vllm-engine-process`): the same VllmEngine
-(cloud/engine/vllm.py), with vLLM's engine core, its scheduler of live sessions and its model
-runner, in a child process, so that vLLM's Python work per step and the verifier's serving
-(gRPC, the batcher, the streams' deliveries) do not take turns on one interpreter.
+"""The vLLM engine in a process of its own (`--vllm-engine-process`; why: docs/operations.md,
+"Where vLLM runs"): the same VllmEngine, with vLLM's engine core, scheduler and model runner,
+in a child process.
 
 The verifier holds a ProcessEngine: each engine call goes to the child over a pipe and waits for
 its answer, one call at a time (they come from the model worker; /metrics and /healthz read what
 the child's last message said, and never wait for the pipe). A session's KV is a handle (KVHandle).
 The tokens of followed streams come back on a second pipe (_Outbox), read by a thread
-(ProcessEngine._read_tokens) that hands them to the streams' sinks.
-
-A child that dies fails every call after it (VerifierFault) and `failure()` says why, as when
-vLLM's own engine-core process dies under the in-process engine.
+(ProcessEngine._read_tokens) that hands them to the streams' sinks. A child that dies fails
+every call after it (VerifierFault), and `failure()` says why.
 """
 
 from __future__ import annotations
@@ -27,8 +24,8 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from cloud.engine import EngineName, KVPlan, KVRequest, PromptChunk, SessionKV, SessionStep, StepOutcome, TokenSink
-from cloud.engine.vllm import LiveStep, LiveYield, steps_as_live
+from cloud.engine import KVPlan, KVRequest, PromptChunk, SessionKV, TokenSink
+from cloud.engine.vllm import LiveEngine, LiveStep, LiveYield
 from cloud.engine.vllm_runtime import environment
 from shared.errors import ConfigError, VerifierFault
 from shared.protocol import SessionConfig
@@ -56,13 +53,8 @@ class KVHandle:
         return self.length
 
 
-class ProcessEngine:
+class ProcessEngine(LiveEngine):
     """The Engine, answered by a VllmEngine in a child process."""
-
-    name: EngineName = "vllm"
-    caches_prefixes = True
-    decodes_ahead = True
-    applies_grammars = True
 
     def __init__(self, options: VllmOptions) -> None:
         context = multiprocessing.get_context("spawn")  # CUDA and vLLM's threads: never forked
@@ -209,9 +201,6 @@ class ProcessEngine:
     def start_session(self, kv: SessionKV, config: SessionConfig, vocab: int) -> None:
         handle = _handle(kv)
         self._call("start_session", handle.kv_id, config, vocab, handle.scope)
-
-    def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
-        return steps_as_live(self, steps)
 
     def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | PromptChunk | Exception]:
         handles = [_handle(step.kv) for step in steps]

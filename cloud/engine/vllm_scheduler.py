@@ -1,31 +1,21 @@
 """vLLM's scheduler with live sessions: a session is one vLLM request for its whole life.
 
-Between its steps a live request is parked: it keeps its KV blocks and its computed tokens
-but leaves vLLM's running list, so vLLM neither schedules it nor spins for it. Work wakes it
-for a number of tokens, then it parks again: a Verify round's drafts become its speculative
-tokens for one step, which vLLM's rejection sampler verifies like its own drafts (a sparse
-round's distributions ride the step's scheduler output, `edge_draft_q`, to the model runner:
-vllm_patches._hand_edge_draft_probs); a Decode stretch or a Generate stream is vLLM decoding
-it on its own for n tokens or until a stop token (what each call becomes: docs/operations.md).
+Between its steps a live request is parked: it keeps its KV blocks and its computed tokens but
+leaves vLLM's running list, so vLLM neither schedules it nor spins for it. Work wakes it for a
+number of tokens, then it parks again: a Verify round's drafts become its speculative tokens for
+one step, verified by vLLM's rejection sampler (a sparse round's distributions ride the step's
+scheduler output, `edge_draft_q`, to the model runner: vllm_patches._hand_edge_draft_probs); a
+Decode stretch or a Generate stream is vLLM decoding it on its own (docs/operations.md, "The
+vLLM engine"; under asynchronous scheduling: AsyncLiveScheduler).
 
-A live request of a session under a grammar (LiveGrammar: the session's place in it, and where
-the request's tokens enter it) has every row of its steps masked by the grammar: vLLM's engine
-core asks the scheduler for a step's grammar bitmask (`get_grammar_bitmask`) once it is
-scheduled, and its model runner applies it to the target's logits before its samplers, the
-rejection sampler's draft rows and bonus row included. The masks are the request's own: after
-its tokens, and after each draft the step verifies, so every token vLLM samples or verifies for
-it is the target's under the grammar. vLLM's own structured outputs (a grammar compiled per
-request from its start) cannot start a grammar midway, where a session's new request does.
+Every row of a live request under a grammar (LiveGrammar) is masked by the scheduler's step
+bitmask (`get_grammar_bitmask`), which vLLM's model runner applies before its samplers, the
+rejection sampler's draft rows included: vLLM's own structured outputs compile a grammar per
+request from its start, and cannot start one midway, where a session's new request does.
 
-Under asynchronous scheduling (AsyncLiveScheduler) a request's next token is not known when
-its next step is scheduled: a live request takes no pads (_pad_own_decoding) and none of vLLM's
-draft placeholders, and a request whose work the scheduled tokens complete parks at once, then
-settles (not scheduled, not yet given new work) until that step's outputs come back.
-
-vLLM loads these classes in its engine core (`scheduler_cls`), which runs in the process of the
-VllmRuntime (cloud/engine/vllm_runtime.py). The scheduler API is vLLM's internal one: the model
-runner's side of the hand-over, and the vLLM versions both are tested on, are in
-cloud/engine/vllm_patches.py.
+vLLM loads these classes in its engine core (`scheduler_cls`), in the process of the
+VllmRuntime (cloud/engine/vllm_runtime.py). The scheduler API is vLLM's internal one: the
+model runner's side, and the vLLM versions both are tested on, are in vllm_patches.py.
 """
 
 from __future__ import annotations
@@ -308,7 +298,6 @@ def _grammar_rows(request: Request, grammar: LiveGrammar, drafts: Sequence[int])
 
 
 def _prefilling(request: Request) -> bool:
-    """Whether vLLM is still computing the request's prompt (a long one, in chunks)."""
     return bool(request.num_computed_tokens < request.num_prompt_tokens)
 
 

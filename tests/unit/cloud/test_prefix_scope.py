@@ -4,7 +4,7 @@ the operator says so."""
 
 import pytest
 
-from cloud.prefix_scope import MAX_REUSE_TOKEN, NO_SCOPE, ReuseScopes
+from cloud.prefix_cache import MAX_REUSE_TOKEN, NO_SCOPE, ReuseScopes
 from shared.errors import InvalidRequest
 
 
