@@ -110,7 +110,7 @@ def vllm_options(settings: VerifierSettings, folder: str, dtype: str, cuda: bool
         max_top_k=settings.limits().max_top_k,  # the top-k a round may ask for: vLLM's logprobs
         pad_decode=settings.pad_decode_steps,
         cpu_threads=settings.threads,
-        async_scheduling=settings.vllm_async_scheduling,
+        async_scheduling=settings.vllm_async_scheduling and (cuda or "vllm_async_scheduling" in settings.model_fields_set),
         cudagraph_mode="" if settings.vllm_cudagraph_mode == "auto" else settings.vllm_cudagraph_mode,
     )
 

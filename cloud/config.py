@@ -61,9 +61,11 @@ class VerifierSettings(BaseSettings):
     vllm_async_scheduling: bool = Field(
         True,
         description="--engine vllm: vLLM schedules each step while the one before it runs, as it does for its own "
-        "proposers, so that its Python work per step overlaps the model's. Steps are then not padded "
+        "proposers, so that its Python work per step overlaps the model's on a GPU. Steps are then not padded "
         "(--pad-decode-steps does nothing), and a stream may decode one token past its stop token (kept for "
-        "the session's next steps). Exact like --no-vllm-async-scheduling, which steps synchronously",
+        "the session's next steps). Exact like --no-vllm-async-scheduling, which steps synchronously, as the "
+        "verifier does on a CPU unless this flag is given (as vLLM's own server does: with nothing to overlap, "
+        "each step's tokens would come out one step later)",
     )
     vllm_cudagraph_mode: Literal["auto", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE"] = Field(
         "auto",

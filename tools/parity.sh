@@ -20,7 +20,9 @@
 # each time a server is up), ALTERNATIONS (2), SAMPLED (1: also at T = 0.7, top-p 0.95; empty: greedy only),
 # ROUND_SESSIONS (1,16), STEPS (300: step 3's steps), LOAD (dummy), EAGER (empty: compiled graphs), KV_BYTES
 # (2000000000), MAX_CONTEXT (2048), GPU_SHARE (0.4), VERIFIER_FLAGS (more cloud-verifier flags), PYTHON
-# (python3), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092), READY_TIMEOUT_S (400), PARTS (1 2 3 4).
+# (python3), PORT/HTTP_PORT/VLLM_PORT (50071/8091/8092), READY_TIMEOUT_S (400), PARTS (1 2 3 4), THREADS (on a
+# CPU, the verifier's --threads: as vLLM's own server binds its model, every core but the one it leaves its
+# frontend, so that both compute on the same cores; empty on a GPU).
 set -euo pipefail
 model=$1 out=$2
 py=${PYTHON:-python3}
@@ -32,6 +34,9 @@ say() { echo "$(date +%T) parity: $*"; }
 eager=()
 [ -z "${EAGER:-}" ] || eager=(--enforce-eager)
 read -r -a extra <<< "${VERIFIER_FLAGS:-}"
+cores=$(nproc)
+threads=${THREADS-$(command -v nvidia-smi > /dev/null || echo $((cores > 1 ? cores - 1 : 1)))}
+[ -z "$threads" ] || extra=(--threads "$threads" "${extra[@]}")
 engine_flags=(--engine vllm --load-format "$load" --tensor-parallel-size "${TP:-1}" --gpu-memory-utilization "$share"
     --max-kv-bytes "$kv" "${eager[@]}" "${extra[@]}")
 vocab=$($py -c "import json, sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$model/config.json")

@@ -286,13 +286,15 @@ class VllmEngine(LiveEngine):
 
     def cached_tokens(self, kv: SessionKV) -> int:
         live = _own(kv).live
-        return int(self.runtime.call(self.runtime.cached, live)) if live is not None else 0
+        return live.cached if live is not None else 0
 
     def free(self, kv: SessionKV) -> None:
+        """Its request ends behind the step running, not waited for (as each call that only
+        tells vLLM's thread something: a stream's steps do not wait for another's end)."""
         kv = _own(kv)
         kv.released, kv.tokens = True, []
         if kv.live is not None:
-            self.runtime.call(self.runtime.end_live, kv.live)
+            self.runtime.soon(partial(self.runtime.end_live, kv.live))
 
     def freed(self, kv: SessionKV) -> bool:
         return _own(kv).released
@@ -363,8 +365,8 @@ class VllmEngine(LiveEngine):
 
     def unfollow(self, kv: SessionKV) -> None:
         live = _own(kv).live
-        if live is not None:
-            self.runtime.call(self.runtime.stop_following, live)
+        if live is not None:  # before the session's next step, which queues behind it
+            self.runtime.soon(partial(self.runtime.stop_following, live))
 
     def extend(self, kv: SessionKV, tokens: list[int]) -> None:
         _own(kv).tokens.extend(tokens)
@@ -377,6 +379,10 @@ class VllmEngine(LiveEngine):
         each yields. vLLM's scheduler cuts a long prompt into the works' chunks."""
         self.runtime.scheduler.prefill_chunk = max((work.step.chunk for work in works), default=0)
         self._decide_all(works)
+        for work in works:  # read here, so that cached_tokens never waits for vLLM's thread
+            live = work.kv.live
+            if live is not None and not live.cached:
+                live.cached = self.runtime.cached(live)
         return [work.yielded() for work in works]
 
     def _decide_all(self, works: list[_PendingStep]) -> None:

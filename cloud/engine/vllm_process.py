@@ -48,6 +48,7 @@ class KVHandle:
     length: int = 0
     scope: str = ""  # whose cached prefixes it may share (Engine.new_kv)
     follow_id: int = 0  # the follow its tokens come back under (0: none)
+    cached: int = 0  # of its prompt, the tokens vLLM's prefix cache served (as the child last said)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -150,7 +151,7 @@ class ProcessEngine(LiveEngine):
         return KVHandle(next(self._ids), scope=scope)  # the child makes its KV at the first call of it
 
     def cached_tokens(self, kv: SessionKV) -> int:
-        return int(self._call("cached_tokens", _handle(kv).kv_id))
+        return _handle(kv).cached
 
     def free(self, kv: SessionKV) -> None:
         """Its request ends in the child; with the child gone there is nothing left to free."""
@@ -205,9 +206,9 @@ class ProcessEngine(LiveEngine):
     def run_live(self, steps: Sequence[LiveStep]) -> list[LiveYield | PromptChunk | Exception]:
         handles = [_handle(step.kv) for step in steps]
         sent = [replace(step, kv=handle.kv_id) for step, handle in zip(steps, handles, strict=True)]  # type: ignore[arg-type]
-        results, lengths = self._call("run_live", sent)
-        for handle, length in zip(handles, lengths, strict=True):
-            handle.length = length
+        results, kept = self._call("run_live", sent)
+        for handle, (length, cached) in zip(handles, kept, strict=True):
+            handle.length, handle.cached = length, cached
         return results  # type: ignore[no-any-return]
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
@@ -311,7 +312,6 @@ class _Child:
         return {
             "plan_kv": engine.plan_kv,
             "kv_bytes_held": engine.kv_bytes_held,
-            "cached_tokens": lambda kv_id: engine.cached_tokens(self.kv(kv_id)),
             "free": self.free,
             "extend": self.extend,
             "check_session": engine.check_session,
@@ -336,10 +336,11 @@ class _Child:
         if kv is not None:
             self.engine.free(kv)
 
-    def run_live(self, steps: list[LiveStep]) -> tuple[Any, list[int]]:
+    def run_live(self, steps: list[LiveStep]) -> tuple[Any, list[tuple[int, int]]]:
+        """The steps' yields, and each session's length and cached prompt tokens after them."""
         kvs = [self.kv(step.kv) for step in steps]  # type: ignore[arg-type]  # the ids the verifier sent
         results = self.engine.run_live([replace(step, kv=kv) for step, kv in zip(steps, kvs, strict=True)])
-        return results, [kv.get_seq_length() for kv in kvs]
+        return results, [(kv.get_seq_length(), self.engine.cached_tokens(kv)) for kv in kvs]
 
 
 def serve(options: VllmOptions, calls: Connection, tokens: Connection) -> None:

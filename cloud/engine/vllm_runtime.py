@@ -46,6 +46,11 @@ log = logging.getLogger("cloud-verifier")
 T = TypeVar("T")
 CPU_BLOCK = 32  # vLLM's CPU attention wants blocks of a multiple of 32 tokens
 MAX_STALLED_STEPS = 8  # vLLM steps in a row that advance none of a pass's requests: it cannot schedule them
+# After a call (a pass), the share of a step's time the pump waits for the next call before it
+# steps: that call's steps advance the followed requests too, and a pump step begun just before
+# it arrives would hold it a whole step (the next batch of prompts, the sessions' next rounds).
+# At most PUMP_YIELD_MS: longer, and a pass that does not come costs the streams more than it saves.
+PUMP_YIELD, PUMP_YIELD_MS = 0.25, 5.0
 STALLED_RETRY_MS = 1000
 
 
@@ -84,6 +89,9 @@ class VllmRuntime:
         self.max_context_tokens = min(options.max_context_tokens, _positions(options.model) - 1)
         args = _engine_args(options, self.max_context_tokens + 1, cpu)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm")
+        self._called = threading.Event()  # a call waits for vLLM's thread
+        self._call_ended = 0.0  # when the last call ended (perf_counter)
+        self._step_ms = 0.0  # how long the last step took
         self._ident = self._thread.submit(threading.get_ident).result()
         if cpu:
             self.call(_set_cpu_threads, options.cpu_threads or usable_cores())
@@ -116,7 +124,17 @@ class VllmRuntime:
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on vLLM's thread (at once when called from it)."""
-        return fn(*args) if threading.get_ident() == self._ident else self._thread.submit(fn, *args).result()
+        if threading.get_ident() == self._ident:
+            return fn(*args)
+        self._called.set()
+        return self._thread.submit(self._run_call, fn, *args).result()
+
+    def _run_call(self, fn: Callable[..., T], *args: Any) -> T:
+        self._called.clear()
+        try:
+            return fn(*args)
+        finally:
+            self._call_ended = time.perf_counter()
 
     def soon(self, fn: Callable[[], None]) -> None:
         """fn() on vLLM's thread after what waits for it now (the step running, a pump step
@@ -196,12 +214,17 @@ class VllmRuntime:
 
     def _pump(self) -> None:
         """One step while a followed request decodes on its own, then the next one queued behind
-        whatever else waits for vLLM's thread (a pass's rounds take their turn between them)."""
+        whatever else waits for vLLM's thread (a pass's rounds take their turn between them);
+        just after a call, not before the next call had PUMP_YIELD of a step to come."""
         for live in [live for live in self._followed.values() if self.parked(live)]:
             self.unfollow(live)  # parked since: its stretch is done
         followed = list(self._followed.values())
         if not followed or self._failed is not None or self._closing.is_set():
             self._pumping = False
+            return
+        wait = self._call_ended + min(PUMP_YIELD * self._step_ms, PUMP_YIELD_MS) / 1000.0 - time.perf_counter()
+        if self._called.is_set() or (wait > 0 and self._called.wait(wait)):
+            self._thread.submit(self._pump)  # behind the call, whose steps are the streams' too
             return
         before = sum(len(live.tokens) for live in followed)
         with contextlib.suppress(VerifierFault):  # a failed step has failed the sinks
@@ -263,7 +286,7 @@ class VllmRuntime:
             for followed in list(self._followed.values()):
                 self.unfollow(followed, VerifierFault(self._failed))
             raise VerifierFault(self._failed) from err
-        step_ms = (time.perf_counter() - start) * 1000.0
+        step_ms = self._step_ms = (time.perf_counter() - start) * 1000.0
         self.step_seconds += step_ms / 1000.0
         self._hand_out(step_ms)
 
@@ -456,6 +479,7 @@ class LiveRequest:
     engine_id: str = ""  # vLLM's own id of it, as its scheduler knows it
     ended: bool = False
     sink: TokenSink | None = None  # where its new tokens go while a stream follows it
+    cached: int = 0  # of its prompt, the tokens vLLM's prefix cache served (read once it was scheduled)
     # by position, the top-k of the distribution each token it sampled came from (a request
     # that asks for them; none for the others)
     top: dict[int, TopRow] = field(default_factory=dict)

@@ -102,11 +102,13 @@ def _flags_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_vllm_schedules_asynchronously_unless_told_not_to() -> None:
+def test_vllm_schedules_asynchronously_on_a_gpu_unless_told_not_to_and_on_a_cpu_when_told_to() -> None:
     parser = _flags_parser()
-    for flags, asked in (([], True), (["--no-vllm-async-scheduling"], False)):
+    cases = (([], True, False), (["--no-vllm-async-scheduling"], False, False), (["--vllm-async-scheduling"], True, True))
+    for flags, on_gpu, on_cpu in cases:
         settings = load_settings(vars(parser.parse_args(flags)))
-        assert vllm_options(settings, "/models/target", "bfloat16", cuda=True).async_scheduling is asked
+        assert vllm_options(settings, "/models/target", "bfloat16", cuda=True).async_scheduling is on_gpu
+        assert vllm_options(settings, "/models/target", "bfloat16", cuda=False).async_scheduling is on_cpu
 
 
 def test_vllm_cuda_graphs_are_vllm_s_choice_unless_a_mode_is_named() -> None:
