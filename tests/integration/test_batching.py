@@ -337,7 +337,7 @@ def test_a_stretch_cancelled_mid_way_leaves_its_session_where_the_client_can_res
             runtime = state.verifier.engine.runtime  # type: ignore[union-attr]
 
             def parked() -> None:  # the dropped stretch's request parked: vLLM steps for nobody
-                assert not runtime.stepping()
+                assert not runtime.call(runtime.stepping)  # on vLLM's thread: after the stop queued there
 
             return await dropped_stretch(client, prompt, stretch, parked)
 
