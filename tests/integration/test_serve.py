@@ -295,11 +295,11 @@ def test_a_verifier_lost_midstream_repeats_no_text(
         for chunk in api.chat.completions.create(model="any", messages=_chat(PROMPTS["p1"]), stream=True):
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
-                if len(pieces) in (1, 3, 5):  # cut every connection to the verifier, three times
-                    loop.call_soon_threadsafe(fault.drop_connections)
+                if len(pieces) <= 8:  # cut every connection to the verifier as each of the first pieces comes:
+                    loop.call_soon_threadsafe(fault.drop_connections)  # a cut as a round drafts needs no reopen
             stats = chunk.model_extra.get("speculative_decoding", stats)  # on the finish chunk
         assert "".join(pieces) == expected["p1"]["text"]
-        assert stats["reopens"] >= 1  # a Verify was in flight (20 ms RTT) when a cut came
+        assert stats["reopens"] >= 1  # a Verify was in flight (20 ms RTT) when one of the cuts came
     finally:
         assert server.stop() == 0
 
