@@ -300,7 +300,11 @@ def test_closing_a_parked_session_ends_its_request(verifier: Verifier, target: A
     assert live is not None and live.engine_id in runtime.scheduler.requests
     verifier.close_session(session_id)
     scheduler = runtime.scheduler
-    assert live.engine_id not in scheduler.requests and live.engine_id not in {**scheduler.parked, **scheduler.settling}
+
+    def ended() -> bool:  # on vLLM's thread: after the end queued there
+        return live.engine_id not in scheduler.requests and live.engine_id not in {**scheduler.parked, **scheduler.settling}
+
+    assert runtime.call(ended)
     prompt = _tokens(6, 30)
     expected = greedy_continuation(target, prompt, 4)
     other, position = _open(verifier, prompt)
