@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -17,7 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from cloud.decode_stretch import SessionCalls
-from cloud.interceptors import ApiKeyInterceptor, StatusInterceptor, Undecodable, principal
+from cloud.interceptors import ApiKeyInterceptor, ServiceInterceptor, StatusInterceptor, Undecodable, principal
 from cloud.state import ReadinessListener, ServerState
 from cloud.token_feed import FeedHub
 from cloud.verifier import Verifier
@@ -29,6 +30,7 @@ __all__ = ["VerifierServicer", "create_server", "start_server"]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"]
 SERVICE_NAME = SERVICE.full_name
+ROUNDS_OF = {"VerifyRounds": "Verify"}  # a stream of requests, each answered as this unary method answers it
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -94,18 +96,42 @@ def _lenient(message: type[Message]) -> Callable[[bytes], Message | Undecodable]
     return parse
 
 
-def _add_verifier(servicer: VerifierServicer, server: grpc.aio.Server) -> None:
-    """The generated add_VerifierServicer_to_server, with requests parsed leniently."""
+def _add_verifier(servicer: VerifierServicer, server: grpc.aio.Server, interceptors: Sequence[ServiceInterceptor]) -> None:
+    """The generated add_VerifierServicer_to_server, with requests parsed leniently and each call
+    run inside the interceptors (the first is the outermost). VerifyRounds answers each request
+    of its stream with the intercepted Verify: a round is checked, counted, logged and refused
+    as a Verify call is, and a refusal ends its stream with Verify's status."""
+
+    def intercepted(name: str, streaming: bool) -> Any:
+        behavior = getattr(servicer, name)
+        for interceptor in reversed(interceptors):
+            behavior = interceptor.wrap(name, behavior, streaming=streaming)
+        return behavior
+
     handlers = {}
     for method in SERVICE.methods:
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        if method.client_streaming:
+            make, behavior = grpc.stream_stream_rpc_method_handler, _each(intercepted(ROUNDS_OF[method.name], False))
+        else:
+            make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+            behavior = intercepted(method.name, method.server_streaming)
         handlers[method.name] = make(
-            getattr(servicer, method.name),
+            behavior,
             request_deserializer=_lenient(getattr(pb, method.input_type.name)),
             response_serializer=lambda message: message.SerializeToString(),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _each(answer: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """A stream of requests answered one by one, in order, each by `answer`."""
+
+    async def rounds(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for request in requests:
+            yield await answer(request, context)
+
+    return rounds
 
 
 def _health_listener(health: health_aio.HealthServicer) -> ReadinessListener:
@@ -130,9 +156,9 @@ def create_server(
     NOT_SERVING from the first probe. Health and reflection ask no API key: probes use them."""
     state = source if isinstance(source, ServerState) else ServerState.for_verifier(source)
     # The first interceptor is the outermost: a refused key is answered and counted like any error.
-    interceptors = (StatusInterceptor(state, SERVICE_NAME), ApiKeyInterceptor(state, SERVICE_NAME))
-    server = grpc.aio.server(interceptors=interceptors)
-    _add_verifier(VerifierServicer(state), server)
+    interceptors = (StatusInterceptor(state), ApiKeyInterceptor(state))
+    server = grpc.aio.server()
+    _add_verifier(VerifierServicer(state), server, interceptors)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     state.on_readiness(_health_listener(health))

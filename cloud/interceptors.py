@@ -1,4 +1,5 @@
-"""The verifier's gRPC interceptors, around every call of the Verifier service:
+"""The verifier's gRPC interceptors, around every call of the Verifier service (each round of a
+VerifyRounds call is one Verify call to them):
 
 - StatusInterceptor (outermost) answers each call: project errors (shared/errors.py) become
   their documented status codes and trailers, an unexpected exception INTERNAL with the
@@ -31,7 +32,7 @@ from cloud.state import ServerState
 from shared import wire
 from shared.errors import CapacityExceeded, PositionMismatch, SpecDecError, Unauthenticated
 
-__all__ = ["MAX_REQUEST_ID", "ApiKeyInterceptor", "StatusInterceptor", "Undecodable", "principal"]
+__all__ = ["MAX_REQUEST_ID", "ApiKeyInterceptor", "ServiceInterceptor", "StatusInterceptor", "Undecodable", "principal"]
 
 MAX_REQUEST_ID = 64  # the edge's ids are 16 characters; a longer one is cut before it is logged or echoed
 log = logging.getLogger("cloud-verifier")
@@ -59,24 +60,17 @@ class Undecodable:
     size: int
 
 
-class _ServiceInterceptor(grpc.aio.ServerInterceptor):
-    """Runs one service's unary-request methods inside `around`; other services pass through."""
+class ServiceInterceptor:
+    """Runs each method of the Verifier service inside `around`: wrapped round its behavior where
+    the service is registered (cloud/grpc_server.py), so the health and reflection services, and
+    the calls of other services, never pass through it."""
 
-    def __init__(self, state: ServerState, service: str) -> None:
+    def __init__(self, state: ServerState) -> None:
         self.state = state
-        self._prefix = f"/{service}/"
 
-    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(self._prefix):
-            return handler
-        method = details.method.removeprefix(self._prefix)
-        serializers = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(self.unary(method, handler.unary_unary), **serializers)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(self.stream(method, handler.unary_stream), **serializers)
-        raise TypeError(f"{details.method}: only unary-request methods are intercepted")
+    def wrap(self, method: str, behavior: Any, *, streaming: bool) -> Any:
+        """`behavior` (a unary-request method's: one reply, or a stream of them) inside `around`."""
+        return self.stream(method, behavior) if streaming else self.unary(method, behavior)
 
     @abstractmethod
     def around(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> AbstractAsyncContextManager[Replied]:
@@ -103,7 +97,7 @@ class _ServiceInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
 
-class ApiKeyInterceptor(_ServiceInterceptor):
+class ApiKeyInterceptor(ServiceInterceptor):
     """A call runs only with `authorization: Bearer KEY` of a key in force (state.api_keys, read
     at each call: a reload replaces it); otherwise it raises Unauthenticated (the
     StatusInterceptor around it answers UNAUTHENTICATED and counts it).
@@ -155,7 +149,7 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
     return next((str(value) for key, value in context.invocation_metadata() or () if key == "authorization"), None)
 
 
-class StatusInterceptor(_ServiceInterceptor):
+class StatusInterceptor(ServiceInterceptor):
     """Every call's answer and bookkeeping: its status code (and trailers), one sample of the
     request metrics by method and code, and one log line."""
 
@@ -192,6 +186,9 @@ class _Call:
 
     def finish(self, code: str, detail: str = "") -> None:
         self.state.metrics.record_rpc(self.method, code, self.request.ByteSize(), self.sent)
+        quiet = logging.DEBUG if self.method == "Verify" else logging.INFO  # an answered call's line
+        if code == "OK" and not log.isEnabledFor(quiet):
+            return  # a round is one of many: its line is not even built unless asked for
         fields: dict[str, Any] = {
             "method": self.method,
             "code": code,
@@ -209,7 +206,7 @@ class _Call:
         elif code != "OK":
             log_event(log, logging.WARNING, f"{self.method} failed: {detail}", **fields)
         else:
-            log_event(log, logging.DEBUG if self.method == "Verify" else logging.INFO, self.method, **fields)
+            log_event(log, quiet, self.method, **fields)
 
     def _refused(self, code: str, detail: str, fields: dict[str, Any]) -> None:
         """Counted every time; logged as the RefusalLog lets it, with how many refusals it stands for."""

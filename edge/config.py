@@ -31,6 +31,7 @@ class EdgeSettings(BaseSettings):
             "target_model",
             "verify_timeout_ms",
             "call_timeout_ms",
+            "round_streams",
             "reconnect_window_s",
             "capacity_retries",
             "capacity_backoff_ms",
@@ -231,6 +232,11 @@ class EdgeSettings(BaseSettings):
     local_commit: bool = Field(False, description="LOSSY: commit easy blocks without the cloud (counted, reported)")
     verify_timeout_ms: float = Field(400.0, gt=0, description="soft deadline of a Verify: then a token goes provisional")
     call_timeout_ms: float = Field(30000.0, gt=0, description="hard deadline of a Verify call: then reconnect")
+    round_streams: bool = Field(
+        True,
+        description="a session's Verify rounds on one gRPC call (VerifyRounds; less per round than a call each); "
+        "--no-round-streams: a unary Verify call each round, for a proxy that ends long calls",
+    )
     # Long enough for a verifier to restart and load its model; past it a --prompts run records
     # the prompt as failed and goes on with the next one.
     reconnect_window_s: float = Field(

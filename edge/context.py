@@ -204,4 +204,11 @@ def verifier_client(settings: EdgeSettings, address: str) -> VerifierClient:
     exposed = [a for a in address.split(",") if not is_loopback(a.strip().rsplit(":", 1)[0])]
     if key and tls is None and exposed:
         log.warning("sending the API key to %s without TLS (give --tls-ca)", ",".join(exposed))
-    return VerifierClient(address, settings.call_timeout_ms / 1000, capacity_retry=retry, tls=tls, api_key=key)
+    return VerifierClient(
+        address,
+        settings.call_timeout_ms / 1000,
+        capacity_retry=retry,
+        tls=tls,
+        api_key=key,
+        round_streams=settings.round_streams,
+    )

@@ -2,7 +2,8 @@
 back to the project's error types, resends after RESOURCE_EXHAUSTED (the server's retry hint,
 with jitter), an optional tap that sees every call (edge-agent --record), TLS (mTLS with a client
 certificate), an API key sent with every call, and a session's routing key with each of its
-calls, over one verifier or several (edge/transport/replicas.py).
+calls, over one verifier or several (edge/transport/replicas.py). A session's Verify rounds go on
+one stream (edge/transport/round_streams.py).
 
 Bytes: every result the client returns carries `wire`, the serialized message sizes that call
 sent and received, its resends after capacity refusals included (a Generate stream: each chunk
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from google.protobuf.message import Message
 
 from edge.transport.backoff import Backoff
 from edge.transport.replicas import SESSION_KEY_HEADER, ReplicaSet, Resolver, replica_addresses, resolve_host
+from edge.transport.round_streams import RoundStreams
 from shared import wire
 from shared.errors import (
     ERRORS_BY_STATUS,
@@ -224,6 +226,7 @@ class VerifierClient:
         api_key: str | None = None,
         resolve: Resolver = resolve_host,
         tap: CallTap | None = None,
+        round_streams: bool = True,
     ) -> None:
         self.target = target
         self.verify_timeout_s = verify_timeout_s
@@ -245,6 +248,9 @@ class VerifierClient:
         # else one's prefill time would tell whether another sent the same prompt.
         self.caller = ""
         self._reuse_tokens: dict[tuple[str, str], str] = {}
+        # Each session's rounds on one VerifyRounds call (edge/transport/round_streams.py); None:
+        # a unary Verify call each round.
+        self._rounds = RoundStreams() if round_streams else None
 
     def with_tap(self, tap: CallTap) -> VerifierClient:
         """This client with `tap` seeing each call made through it (one generation's calls, for
@@ -263,6 +269,8 @@ class VerifierClient:
         return view
 
     async def close(self) -> None:
+        if self._rounds:
+            self._rounds.close_all()
         for channel in self._channels.values():
             await channel.close()
 
@@ -291,7 +299,11 @@ class VerifierClient:
         sent = time.perf_counter()
         try:
             reply: pb.VerifyResponse = await self._unary(
-                lambda stub: stub.Verify, msg, call, timeout_s=timeout_s or self.verify_timeout_s, session_key=session_key
+                self._rounds.sender if self._rounds else lambda stub: stub.Verify,
+                msg,
+                call,
+                timeout_s=timeout_s or self.verify_timeout_s,
+                session_key=session_key,
             )
         except SpecDecError as err:
             if self.tap:
@@ -304,6 +316,8 @@ class VerifierClient:
 
     async def close_session(self, session_id: str, session_key: str | None = None) -> CloseSessionResult:
         msg, call = pb.CloseSessionRequest(session_id=session_id), _CallBytes()
+        if self._rounds:
+            self._rounds.close(session_id)
         try:
             reply: pb.CloseSessionResponse = await self._unary(
                 lambda stub: stub.CloseSession, msg, call, timeout_s=self.verify_timeout_s, session_key=session_key
@@ -394,7 +408,7 @@ class VerifierClient:
 
     async def _unary(
         self,
-        method: Callable[[pb_grpc.VerifierStub], grpc.aio.UnaryUnaryMultiCallable],
+        method: Callable[[pb_grpc.VerifierStub], Callable[..., Awaitable[Any]]],  # a stub's method, or what sends a round
         msg,  # type: ignore[no-untyped-def]
         call: _CallBytes,
         *,
@@ -416,8 +430,8 @@ class VerifierClient:
                 reply = await method(self._stubs[address])(
                     msg, timeout=max(deadline - loop.time(), 0.001), metadata=self._call_metadata(session_key)
                 )
-            except grpc.aio.AioRpcError as err:
-                error = _error_from_rpc(err)
+            except (grpc.aio.AioRpcError, SpecDecError) as err:  # a round on its stream raises the latter
+                error = _error_from_rpc(err) if isinstance(err, grpc.aio.AioRpcError) else err
                 if isinstance(error, CloudUnavailable):
                     self.replicas.mark_down(address)
                     # A new session: straight to the next replica (one alone is the caller's to retry).

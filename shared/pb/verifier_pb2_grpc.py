@@ -45,6 +45,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyRounds = channel.stream_stream(
+                '/specdec.v1.Verifier/VerifyRounds',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.v1.Verifier/CloseSession',
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.CloseSessionRequest.SerializeToString,
@@ -79,6 +84,17 @@ class VerifierServicer:
 
     def Verify(self, request, context):
         """One speculative round: one target forward pass over the drafted block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyRounds(self, request_iterator, context):
+        """A session's Verify rounds on one call: each request is answered by one response before the
+        next request is read, as Verify answers it (the same checks, results and status codes). A
+        round that fails ends the call with that status; the client opens another call for its next
+        round. A message on an open call costs a round less of the RPC stack's work than a call of
+        its own. Added in v1 beside the other calls: clients that never call it see no change.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +149,11 @@ def add_VerifierServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyRounds': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyRounds,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
             ),
@@ -209,6 +230,33 @@ class Verifier:
             request,
             target,
             '/specdec.v1.Verifier/Verify',
+            specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyRounds(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.Verifier/VerifyRounds',
             specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
             options,
