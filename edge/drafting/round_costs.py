@@ -139,32 +139,42 @@ class Samples:
     forgetting: Forgetting
     shift_run: int = 4
     shift_at: float = 4.0
-    _rows: deque[tuple[float, float, int, float]] = field(init=False)  # (x, y, round, clock seconds)
+    # (x, y, round, clock seconds) rows, the live ones [_start, _end): twice the window, so that
+    # moving the live rows to the front is needed once per window's additions, not every one
+    _rows: Array = field(init=False)
+    _start: int = field(default=0, init=False)
+    _end: int = field(default=0, init=False)
     _surprises: deque[float] = field(init=False)  # the last rounds' residuals in robust scales
     _points: tuple[Array, Array, Array] | None = field(default=None, init=False)  # of the rows as they are
 
     def __post_init__(self) -> None:
-        self._rows = deque(maxlen=self.forgetting.window())
+        self._window = self.forgetting.window()
+        self._rows = np.empty((2 * self._window, 4))
         self._surprises = deque(maxlen=self.shift_run)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return self._end - self._start
 
     def add(self, x: float, y: float, round_no: int, t: float, surprise: float) -> None:
         """`surprise`: how far y lies from what the owner estimated before it, in scales."""
-        self._rows.append((x, y, round_no, t))
+        if self._end == len(self._rows):
+            live = self._rows[self._start : self._end].copy()
+            self._rows[: len(live)] = live
+            self._start, self._end = 0, len(live)
+        self._rows[self._end] = (x, y, round_no, t)
+        self._end += 1
+        self._start = max(self._start, self._end - self._window)
         self._points = None
         run = self._surprises
         run.append(surprise)
         if len(run) == self.shift_run and (min(run) > self.shift_at or max(run) < -self.shift_at):
-            for _ in range(len(self._rows) - self.shift_run):
-                self._rows.popleft()
+            self._start = max(self._start, self._end - self.shift_run)
             run.clear()
 
     def points(self) -> tuple[Array, Array, Array]:
         """(xs, ys, weights), read again only after an addition (the policy asks every k)."""
         if self._points is None:
-            xs, ys, rounds, times = np.array(self._rows).T
+            xs, ys, rounds, times = self._rows[self._start : self._end].T.copy()
             self._points = xs, ys, self.forgetting.weights(rounds[-1] - rounds, times[-1] - times)
         return self._points
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from bench.studies.kpolicy_replay import ReplayClock
 from edge.drafting.feedback import RoundFeedback
 from edge.drafting.kpolicy import CostK
-from edge.drafting.round_costs import PlannedCosts, RoundCosts
+from edge.drafting.round_costs import Forgetting, PlannedCosts, RoundCosts, Samples
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,17 @@ class Simulation:
         return 1000.0 * self.tokens / self.elapsed_ms
 
 
+def still_costs(**fields: Any) -> RoundCosts:
+    """Estimates on a clock that stands still: a simulated round takes no wall time, so they
+    forget by rounds only and a test's result cannot depend on how fast the machine runs it.
+    (Forgetting by seconds has its own tests, on a clock they move.)"""
+    return RoundCosts(clock=ReplayClock(), **fields)
+
+
+def cost_k(costs: RoundCosts | None = None, **fields: Any) -> CostK:
+    return CostK(costs=costs if costs is not None else still_costs(), **fields)
+
+
 def true_rate(world: World, k: int, rounds: int = 6000, seed: int = 1) -> float:
     sim = Simulation(world, random.Random(seed))
     for _ in range(rounds):
@@ -121,7 +133,7 @@ CPU = World(acceptance=0.8, draft_ms=25.0, verify_fixed_ms=100.0, verify_per_row
 
 
 def _estimate_after(world: World, ks: list[int], seed: int) -> RoundCosts:
-    costs = RoundCosts()
+    costs = still_costs()
     sim = Simulation(world, random.Random(seed))
     for k in ks:
         costs.update(sim.round(k))
@@ -168,7 +180,7 @@ def test_timings_converge(varying: bool) -> None:
 
 def test_drafting_counts_only_the_tokens_drafted_in_it() -> None:
     """A block that starts from tokens drafted ahead is not cheaper per token."""
-    costs = RoundCosts()
+    costs = still_costs()
     for _ in range(60):
         costs.update(RoundFeedback(6, 6, 1.0, draft_ms=50.0, rtt_ms=101.0, verify_ms=100.0, drafted=2))
     assert costs.draft_ms(1) == pytest.approx(25.0, rel=0.02)
@@ -181,7 +193,7 @@ def test_drafting_has_a_fixed_part_per_round(seed: int) -> None:
     acceptance and its probes vary them), it prices a long block right, where the per-token
     average of short blocks makes it look dear; the best k by the estimates is the world's."""
     world = World(acceptance=0.8, draft_ms=12.0, draft_fixed_ms=30.0, verify_fixed_ms=140.0, verify_per_row_ms=1.0, net_ms=3.0)
-    policy = CostK(k_max=12)
+    policy = cost_k(k_max=12)
     learn(policy, world, 300, seed=seed)
     fixed = policy.costs.draft_ms(10) - 10 * (policy.costs.draft_ms(10) - policy.costs.draft_ms(9))
     assert fixed > 15.0  # half the world's: the sizes drafted lie close together
@@ -212,7 +224,7 @@ def test_drafts_after_the_first_pass_more_often() -> None:
         sim.round(4)
     chosen, priced = [], []
     for seed in range(21, 27):
-        policy = CostK(k_max=12)
+        policy = cost_k(k_max=12)
         learn(policy, world, 300, seed=seed)
         assert rates[policy.best_k()] >= 0.95 * max(rates.values()), (policy.best_k(), rates)
         chosen.append(policy.best_k())
@@ -223,7 +235,7 @@ def test_drafts_after_the_first_pass_more_often() -> None:
 
 
 def test_a_verify_time_seen_at_one_size_reads_flat_until_another_size_comes() -> None:
-    costs = RoundCosts()
+    costs = still_costs()
     for _ in range(20):
         costs.update(RoundFeedback(4, 2, 0.5, 100.0, 201.0, 200.0))
     assert costs.verify_line()[1] == pytest.approx(0.0, abs=1.0)
@@ -240,6 +252,23 @@ def test_estimates_follow_a_change() -> None:
     for _ in range(100):
         costs.update(sim.round(4))
     assert costs.verify_ms(5) == pytest.approx(300.0 + 5 * 60.0, rel=0.05)
+
+
+def test_the_samples_hold_the_last_window_of_rounds_and_drop_the_old_ones_at_a_shift() -> None:
+    """Long after its window filled (many times over), the samples are the last `window`
+    rounds in order; four surprises in a row on one side leave only those four."""
+    forgetting = Forgetting(per_round=0.9, half_life_s=60.0)
+    samples, window = Samples(forgetting), forgetting.window()
+    added = [(float(i % 7), float(i), i, i * 0.01) for i in range(10 * window + 3)]
+    for x, y, round_no, t in added:
+        samples.add(x, y, round_no, t, surprise=0.0)
+    xs, ys, ws = samples.points()
+    assert len(samples) == window
+    assert xs.tolist() == [x for x, *_ in added[-window:]] and ys.tolist() == [y for _, y, *_ in added[-window:]]
+    assert ws[-1] == 1.0 and ws[0] < ws[-1]
+    for i in range(4):
+        samples.add(1.0, 100.0 + i, len(added) + i, 99.0, surprise=9.0)
+    assert samples.points()[1].tolist() == [100.0, 101.0, 102.0, 103.0]
 
 
 # ---- the k it chooses --------------------------------------------------------------------
@@ -266,7 +295,7 @@ def test_the_policy_settles_on_the_best_k(verifier: str, rtt_ms: float, overlap:
     world = _world(verifier, rtt_ms, overlap)
     rates = {k: true_rate(world, k, rounds=10000) for k in range(1, 13)}
     best = max(rates, key=rates.__getitem__)
-    policy = CostK(k_max=12, overlap=overlap, costs=RoundCosts(decay=0.9997))
+    policy = cost_k(k_max=12, overlap=overlap, costs=still_costs(decay=0.9997))
     learn(policy, world, 3000, seed=11)
     chosen = policy.best_k()
     assert chosen == best or rates[chosen] >= 0.99 * rates[best], (chosen, best, rates)
@@ -284,7 +313,7 @@ def test_a_slow_link_picks_a_longer_block(verifier: str, overlap: bool) -> None:
     for rtt in (1.0, 100.0):
         chosen = []
         for seed in range(12, 18):
-            policy = CostK(k_max=12, overlap=overlap)
+            policy = cost_k(k_max=12, overlap=overlap)
             learn(policy, _world(verifier, rtt, overlap), 150, seed=seed)
             chosen.append(policy.best_k())
         ks.append(statistics.fmean(chosen))
@@ -294,7 +323,7 @@ def test_a_slow_link_picks_a_longer_block(verifier: str, overlap: bool) -> None:
 def test_more_acceptance_picks_a_longer_block() -> None:
     ks = []
     for acceptance in (0.5, 0.9):
-        policy = CostK(k_max=12)
+        policy = cost_k(k_max=12)
         learn(policy, _world("cpu", 1.0, False, acceptance), 150, seed=13)
         ks.append(policy.best_k())
     assert ks[0] < ks[1]
@@ -308,14 +337,14 @@ def test_the_policy_gains_what_the_best_fixed_k_gains() -> None:
     for verifier, rtt, overlap in CASES:
         world = _world(verifier, rtt, overlap)
         best = max(true_rate(world, k, rounds=3000) for k in range(1, 13))
-        shares = [learn(CostK(k_max=12, overlap=overlap), world, 300, seed).tokens_per_s() / best for seed in range(14, 20)]
+        shares = [learn(cost_k(k_max=12, overlap=overlap), world, 300, seed).tokens_per_s() / best for seed in range(14, 20)]
         assert statistics.fmean(shares) >= 0.965 and min(shares) >= 0.93, (verifier, rtt, overlap, shares)
 
 
 def test_exploring_rounds_are_one_off_the_best_and_within_bounds() -> None:
     """A probe comes once `explore_every` - 1 rounds in a row had one size, one token off the
     best, within bounds; rounds whose size moves with the best k need none."""
-    policy = CostK(k_min=1, k_max=3, explore_every=4)
+    policy = cost_k(k_min=1, k_max=3, explore_every=4)
     same, last, probes = 0, 0, 0  # rounds in a row at one size since the last probe
     for _ in range(32):
         k, best = policy.next_k(), policy.best_k()
@@ -336,7 +365,7 @@ def test_the_model_matches_the_simulation() -> None:
     predicts the simulated rate of each k."""
     for verifier, rtt, overlap in CASES:
         world = _world(verifier, rtt, overlap)
-        policy = CostK(k_max=12, overlap=overlap, costs=RoundCosts(decay=0.9997))
+        policy = cost_k(k_max=12, overlap=overlap, costs=still_costs(decay=0.9997))
         sim = Simulation(world, random.Random(15))
         for i in range(3600):
             policy.update(sim.round(1 + i % 12))
@@ -350,10 +379,10 @@ def test_the_model_matches_the_simulation() -> None:
 def test_a_generation_starts_from_the_process_and_follows_its_own_text() -> None:
     """Costs and acceptance carry from one generation to the next; acceptance then follows the
     new text within a few rounds, while the process's figure moves slowly."""
-    costs = RoundCosts()
-    hard = CostK(k_max=12, costs=costs)
+    costs = still_costs()
+    hard = cost_k(k_max=12, costs=costs)
     learn(hard, _world("gpu", 100.0, False, acceptance=0.5), 100, seed=16)
-    easy = CostK(k_max=12, costs=costs)
+    easy = cost_k(k_max=12, costs=costs)
     before = costs.acceptance
     assert easy.acceptance == pytest.approx(hard.acceptance, abs=0.05)
     assert costs.net_ms == pytest.approx(100.0, rel=0.1)
@@ -368,7 +397,7 @@ def test_a_generation_starts_from_the_process_and_follows_its_own_text() -> None
 def test_planned_costs_stand_in_for_the_measured_ones() -> None:
     """--cost-plan-verify-ms / --cost-plan-network-ms: a CPU verifier checks the rounds, the
     policy plans for a flat GPU pass and a laptop's link; acceptance and drafting stay measured."""
-    measured, planned = CostK(k_max=12), CostK(k_max=12, costs=RoundCosts(planned=PlannedCosts(20.0, 50.0)))
+    measured, planned = cost_k(k_max=12), cost_k(k_max=12, costs=still_costs(planned=PlannedCosts(20.0, 50.0)))
     world = _world("cpu", 1.0, False)
     for policy in (measured, planned):
         learn(policy, world, 100, seed=17)
@@ -383,8 +412,8 @@ def test_planned_costs_stand_in_for_the_measured_ones() -> None:
 def test_a_planned_drafting_speed_stands_in_for_the_measured_one() -> None:
     """--cost-plan-draft-ms: a slow recording machine drafts, the policy plans for a laptop's
     drafter; a faster drafter against the same flat pass and link drafts longer."""
-    slow = CostK(k_max=12, costs=RoundCosts(planned=PlannedCosts(20.0, 50.0)))
-    fast = CostK(k_max=12, costs=RoundCosts(planned=PlannedCosts(20.0, 50.0, draft_ms_per_token=2.0)))
+    slow = cost_k(k_max=12, costs=still_costs(planned=PlannedCosts(20.0, 50.0)))
+    fast = cost_k(k_max=12, costs=still_costs(planned=PlannedCosts(20.0, 50.0, draft_ms_per_token=2.0)))
     world = _world("cpu", 1.0, False)
     for policy in (slow, fast):
         learn(policy, world, 100, seed=17)
@@ -419,7 +448,7 @@ def test_the_generations_of_one_edge_process_share_costs_and_exploration() -> No
 
 def test_a_verifier_timed_at_zero_leaves_the_estimates_finite() -> None:
     """A cloud that reports no time of its own (a stub, a clock too coarse) is no error."""
-    costs = RoundCosts()
+    costs = still_costs()
     for k in (2, 2, 3, 2, 4, 2, 2, 2, 2, 2):
         costs.update(RoundFeedback(k, 1, 0.5, 10.0 * k, 5.0, 0.0))
     assert costs.verify_line() == (0.0, 0.0) and costs.net_ms == 5.0
@@ -453,7 +482,7 @@ def test_auto_modes_short_probes_a_minute_apart_leave_k_one() -> None:
     bursts = []
     for _ in range(6):
         clock.seconds += 60.0
-        policy, ks = CostK(costs=costs), []
+        policy, ks = cost_k(costs=costs), []
         for _ in range(4):
             k = policy.next_k()
             ks.append(k)
