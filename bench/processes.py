@@ -109,4 +109,4 @@ def peak_rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
-    raise BenchError(f"/proc/{pid}/status has no VmHWM")
+    raise BenchError(f"process {pid} has no peak resident set: it exited (killed for memory? see its log and dmesg)")

@@ -1,9 +1,5 @@
-"""One batch step, a straight line: the steps of several sessions and streams (a round, a
-prefill, a Generate token) -> ONE call of the engine with their session steps -> each step
-commits its own outcome, or is Partial (the engine computed a chunk of a long prompt) and its
-rest runs in a later batch. A failed batch leaves every cache as it was; a step that fails in the
-engine or in its commit is undone alone (its StepWork), so it never fails the others.
-"""
+"""One batch step, a straight line: the steps of several sessions and streams -> ONE call of the engine -> each
+step commits its own outcome, or fails alone (docs/architecture.md, "The batcher and a batch step")."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
-from cloud.engine import Engine, PromptChunk, SessionKV, SessionStep, StepOutcome
+from cloud.engine import Engine, PromptChunk, SessionStep, StepOutcome
 from cloud.rejection_sampler import RoundRule
 from shared.errors import SessionNotFound, SpecDecError, VerifierFault
 
@@ -45,32 +41,25 @@ class Partial:
     rest: ForwardStep[Any]
 
 
-@dataclass
-class ForwardStep(Generic[R]):
-    """One sequence's share of a batch: feed `block` after `cache`, its last `drafts` tokens
-    verified (a round), and hand the outcome to `work`."""
+@dataclass(frozen=True)
+class ForwardStep(SessionStep, Generic[R]):
+    """One sequence's share of a batch: a session step whose outcome goes to `work`, which
+    also gives its rule as the batch runs (`rule` is read from it then)."""
 
-    cache: SessionKV
-    block: list[int]
-    work: StepWork[R]
-    drafts: int = 0
-    ahead: int = 1  # tokens its session reads from this step on without drafts (an engine may decode them in one go)
-    stops: frozenset[int] = frozenset()  # tokens that end such a run
-    known: list[int] = field(default_factory=list)  # tokens after the block the session holds (a prefill's last prompt token)
-    top_k: int = 0  # the target's top-k the step returns at each row up to its next token
-    chunk: int = 0  # the most of the block a forward pass computes in this batch (0: all of it)
+    work: StepWork[R] = field(kw_only=True)
 
-    def session_step(self) -> SessionStep:
+    @property
+    def tokens(self) -> int:
+        """The tokens it feeds that its KV grows by: those fed but the known ones, and drafts."""
+        return self.grows_by + len(self.drafts)
+
+    def with_rule(self) -> ForwardStep[R]:
         """The step as the engine takes it."""
-        verified = len(self.block) - self.drafts
-        fed = self.block[:verified] + self.known
-        rule = self.work.rule()
-        drafts = self.block[verified:]
-        return SessionStep(self.cache, fed, drafts, rule, len(self.known), self.ahead, self.stops, self.top_k, self.chunk)
+        return replace(self, rule=self.work.rule())
 
     def rest(self, computed: int) -> ForwardStep[R]:
-        """The step but for the first `computed` tokens of its block, which the engine computed."""
-        return replace(self, block=self.block[computed:])
+        """The step but for the first `computed` tokens it feeds, which the engine computed."""
+        return replace(self, fed=self.fed[computed:])
 
 
 Batch = list[tuple[ForwardStep[Any], float]]  # each step with the ms it queued
@@ -95,14 +84,14 @@ class BatchStep:
         exception that ended it."""
         if not steps:
             return []
-        gone = [i for i, (step, _) in enumerate(steps) if self.engine.freed(step.cache)]
+        gone = [i for i, (step, _) in enumerate(steps) if self.engine.freed(step.kv)]
         if gone:  # its session left between two chunks of a prefill: that step alone fails
             kept = iter(self.run([s for i, s in enumerate(steps) if i not in gone]))
             closed = SessionNotFound("the session was closed or evicted while its step waited")
             return [closed if i in gone else next(kept) for i in range(len(steps))]
         start = time.perf_counter()
         with _undone_on_failure(steps):
-            session_steps = [step.session_step() for step, _ in steps]
+            session_steps = [step.with_rule() for step, _ in steps]
             outcomes = self.engine.run_steps(session_steps)
         forward_ms = (time.perf_counter() - start) * 1000.0
         self.passes += 1 if any(s.grows_by or s.drafts for s in session_steps) else 0

@@ -1,14 +1,5 @@
-"""Cross-session batching: rounds (and Generate steps) that arrive close together run in ONE
-forward pass of the target, on the one model worker.
-
-Around the passes (why each: docs/architecture.md "Batching", docs/operations.md "Admission",
-"A request can only fail itself", "Per-key limits and fairness"): a bounded queue is the
-backpressure (_check_queue); a new session whose prefill cannot end before its caller's deadline
-is refused at once (_admit, _take); a long prompt is computed a chunk per pass beside the other
-sessions' rounds (the engine cuts the chunks; a step comes back Partial and its rest queues
-again); each pass takes every key's oldest step first (_fair_order), and each key's own limits
-(cloud/quotas.py) are checked as its steps arrive.
-"""
+"""Cross-session batching: rounds (and Generate steps) that arrive close together run in ONE forward pass of the
+target, on the one model worker (what happens around the passes: docs/architecture.md, "The batcher and a batch step")."""
 
 from __future__ import annotations
 
@@ -118,13 +109,9 @@ class ForwardBatcher:
         key: str = "",
         round_trip: bool = False,
     ) -> R:
-        """Run begin() and its forward pass in the next batch with room (a long prefill: in
-        chunks over several passes); the step's result. `deadline` (perf_counter time) is
-        when the caller stops waiting; with `admitting` (a new session) a step that cannot
-        finish by then is refused rather than run late. `key` is the API key it runs for.
-        `round_trip`: the owner's next step comes from its client once this one's reply
-        reaches it (a Verify round, a new session's prefill), and the next pass waits a while
-        for it (_gather)."""
+        """Run begin() and its forward pass in the next batch with room (a long prefill: in chunks over several
+        passes); the step's result. `key` is the API key it runs for; `deadline`, `admitting` and `round_trip`:
+        docs/architecture.md, "The batcher and a batch step"."""
         self._check_queue(key)
         if admitting and deadline is not None:
             self._admit(tokens, deadline)
@@ -221,7 +208,7 @@ class ForwardBatcher:
             for waiting, result in zip(batch, results, strict=True):
                 if isinstance(result, Partial):  # a chunk of a long prefill: the rest queues again
                     waiting.step = result.rest
-                    waiting.remaining = len(result.rest.block)
+                    waiting.remaining = result.rest.tokens
                     waiting.admitting = False  # begun: it finishes rather than being refused
                     self._waiting.append(waiting)
                 elif waiting.future.done():  # the caller went away meanwhile
@@ -232,13 +219,9 @@ class ForwardBatcher:
                     waiting.future.set_result(result)
 
     async def _gather(self) -> None:
-        """Give the oldest step up to max_batch_wait_ms for others to join it, unless every
-        session of the last pass has its next step waiting already: a lone Decode stream or a
-        lone session's next round expects no company, and waiting would add the window to each
-        of its tokens. While sessions of the last pass are still coming back from their clients
-        (their replies and next rounds cross the network one after the other), they are waited
-        for up to RETURN_WAIT of a pass's time after it: one that misses the pass would wait for
-        all of the next one."""
+        """Give the oldest step up to max_batch_wait_ms for others to join it, unless every session of the last pass
+        is back; those still coming back from their clients get up to RETURN_WAIT of a pass's time after it (why:
+        docs/architecture.md, "The batcher and a batch step")."""
         deadline = self._waiting[0].submitted + self.limits.max_batch_wait_ms / 1000.0
         if self._returning - {w.owner for w in self._waiting}:
             deadline = max(deadline, self._last_ended + RETURN_WAIT * self._batch_ms / 1000.0)
@@ -314,7 +297,7 @@ class ForwardBatcher:
                 continue
             # What it feeds, now that it began: the estimate it queued with may have counted a
             # kept prefix another session took meanwhile.
-            waiting.remaining = len(step.block)
+            waiting.remaining = step.tokens
             steps.append((replace(step, chunk=waiting.chunk), (now - waiting.submitted) * 1000.0))
             began.append(index)
         if steps:

@@ -1,17 +1,13 @@
-"""The target's own decoding on a session (the Decode call): a stretch of tokens, each one a
-Verify round with no draft tokens, so decoding and speculative rounds advance one session
-with one KV and one generator. Each token is one step for the batcher, batched with other
-sessions' rounds and other streams' tokens; on an engine that decodes ahead (vLLM) only the
-first is (cloud/followed_stretch.py). Opening a session (its prefill) is one step too, shared
-by OpenSession and a Decode call that opens its session. SessionCalls also runs a Generate
-call (cloud/generate_stream.py)."""
+"""The target's own decoding on a session (the Decode call): a stretch of tokens, each one a Verify round with no
+draft tokens, so decoding and speculative rounds advance one session with one KV and one generator; Generate is such
+a call (docs/architecture.md, "Decode stretches and followed streams")."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
 
@@ -52,7 +48,7 @@ class SessionCalls:
     async def open(self, req: OpenSessionRequest) -> OpenSessionResult:
         """A new session: its prefill is one more step for the batcher (rounds of open sessions
         share its forward passes), held from eviction by its id while its chunks run."""
-        return await self._opening(req, self.verifier.begin_open, round_trip=True)
+        return await self._opening(req, self.verifier.begin_open, self.verifier.sessions.new_id(), round_trip=True)
 
     async def verify(self, req: VerifyRequest, stretch: DecodeStretchStep | None = None) -> VerifyResult:
         """One round (the caller holds its session from eviction), or a token of a stretch."""
@@ -60,33 +56,23 @@ class SessionCalls:
         begin = partial(self.verifier.begin_verify, req, self.key, stretch)
         return await self.batcher.submit(req.session_id, tokens, begin, self.deadline, key=self.key, round_trip=stretch is None)
 
-    async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        """A Decode stretch of up to `max_tokens` tokens. A call that opens its session gets the
-        prefill and the first token from ONE forward pass (so its first token comes as soon as
-        Generate's would), in the first chunk with the opened session."""
+    async def decode(self, req: DecodeRequest, new_id: str = "", reserved: bool = False) -> AsyncGenerator[DecodeChunk, None]:
+        """A Decode stretch of up to `max_tokens` tokens, its session held from eviction between
+        them. A call that opens its session (under `new_id`, else a new one; `reserved`: with KV
+        for the whole stretch) gets the prefill and the first token from ONE forward pass, in
+        the first chunk with the opened session."""
         self.verifier.checks.decode(req)
-        session_id, position, produced = req.session_id, req.base_position, 0
-        if req.open is not None:
-            start = time.perf_counter()
-            stretch = DecodeStretchStep(req.max_tokens, frozenset(req.stop_token_ids))
-            opened, first = await self._opening(req.open, partial(self.verifier.begin_open_decode, stretch=stretch))
-            session_id, position, produced = opened.session_id, first.new_base_position, 1
-            finished = first.next_token in req.stop_token_ids or req.max_tokens == 1
-            yield _chunk(first, start, finished, opened)
-            if finished:
-                return
-        with self.verifier.sessions.holding(session_id):  # no eviction between its tokens
-            async with aclosing(self._stretch(req, session_id, position, produced)) as chunks:
+        session_id = req.session_id if req.open is None else new_id or self.verifier.sessions.new_id()
+        with self.verifier.sessions.holding(session_id):
+            async with aclosing(self._stretch(req, session_id, reserved)) as chunks:
                 async for chunk in chunks:
                     yield chunk
 
-    async def _stretch(
-        self, req: DecodeRequest, session_id: str, position: int, produced: int
-    ) -> AsyncGenerator[DecodeChunk, None]:
-        """The stretch after its first `produced` tokens: a step a token, each a round with no
-        drafts batched with other sessions' steps, until the engine decodes the rest on its own
-        (then the call reads it, cloud/followed_stretch.py)."""
-        catchup, stops = req.committed_tokens, frozenset(req.stop_token_ids)
+    async def _stretch(self, req: DecodeRequest, session_id: str, reserved: bool) -> AsyncGenerator[DecodeChunk, None]:
+        """A step a token, each a round with no drafts batched with other sessions' steps (the
+        first one its session's prefill too, when the call opens it), until the engine decodes
+        the rest on its own (then the call reads it, cloud/followed_stretch.py)."""
+        catchup, stops, position, produced = req.committed_tokens, frozenset(req.stop_token_ids), req.base_position, 0
         may_follow = self.verifier.engine.decodes_ahead
         while True:
             if produced and may_follow:
@@ -100,12 +86,17 @@ class SessionCalls:
                     if follow.finished:
                         return
                     position, produced = follow.position, req.max_tokens - follow.left  # the rest: a step a token
-            start = time.perf_counter()
-            stretch = DecodeStretchStep(req.max_tokens - produced, stops)
-            result = await self.verify(VerifyRequest(session_id, position, [], committed_tokens=catchup), stretch)
+            start, stretch = time.perf_counter(), DecodeStretchStep(req.max_tokens - produced, stops)
+            opened: OpenSessionResult | None = None
+            if req.open is not None and not produced:
+                begin = partial(self.verifier.begin_open_decode, stretch=replace(stretch, reserved=reserved))
+                first = await self._opening(req.open, begin, session_id)
+                opened, result = first
+            else:
+                result = await self.verify(VerifyRequest(session_id, position, [], committed_tokens=catchup), stretch)
             catchup, position, produced = [], result.new_base_position, produced + 1
             finished = result.next_token in stops or produced == req.max_tokens
-            yield _chunk(result, start, finished)
+            yield _chunk(result, start, finished, opened)
             if finished:
                 return
 
@@ -132,37 +123,32 @@ class SessionCalls:
                 self.worker.submit(follow.commit)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """A Generate stream: its first step admitted against the deadline; the rest read from
-        the engine's own decoding where it follows it, else one step a token, each batched with
-        other streams' steps and rounds. Its KV goes however the stream ends."""
-        stream = self.verifier.open_generate(req, self.verifier.sessions.new_id(), self.key)  # validation only
-        feed: TokenFeed | None = None
+        """A Generate stream: the Decode call that serves it (Verifier.as_decode), its session
+        held from eviction while it runs and closed however it ends (its KV may stay as a kept
+        prefix of its scope)."""
+        decode, session_id = self.verifier.as_decode(req), self.verifier.sessions.new_id()
         try:
-            with self.verifier.sessions.holding(stream.stream_id):
-                while not stream.finished:
-                    if feed is not None:
-                        yield stream.take(*await feed.take())
-                        continue
-                    first, fed = stream.produced == 0, stream.tokens_to_feed
-                    step = stream.begin_step
-                    chunk = await self.batcher.submit(stream.stream_id, fed, step, self.deadline, admitting=first, key=self.key)
-                    if first:
-                        self.batcher.settle(self.key, fed, len(req.prompt_tokens) - chunk.reused_tokens)
-                    yield chunk
-                    if first and not stream.finished:
-                        feed = self.feeds.feed()
-                        feed = feed if await self.worker.run(stream.follow, feed) else None
+            async with aclosing(self.decode(decode, session_id, reserved=True)) as chunks:
+                async for chunk in chunks:
+                    opened = chunk.opened
+                    reuse_token, reused = (opened.reuse_token, opened.reused_tokens) if opened else ("", 0)
+                    yield GenerateChunk(
+                        chunk.tokens, chunk.forward_ms, chunk.finished, reuse_token=reuse_token, reused_tokens=reused
+                    )
         finally:
-            self.worker.submit(stream.close)
+            self.worker.submit(partial(self.verifier.sessions.retire, session_id))
 
     async def _opening(
-        self, req: OpenSessionRequest, begin: Callable[[OpenSessionRequest, str, str], ForwardStep[R]], round_trip: bool = False
+        self,
+        req: OpenSessionRequest,
+        begin: Callable[[OpenSessionRequest, str, str], ForwardStep[R]],
+        session_id: str,
+        round_trip: bool = False,
     ) -> R:
         """A new session's first step (`begin`: its prefill, or its prefill and first token),
-        admitted against the caller's deadline and held from eviction by its new id.
+        admitted against the caller's deadline and held from eviction by its id.
         `round_trip`: its next step is its client's first round."""
         sessions = self.verifier.sessions
-        session_id = sessions.new_id()
         with sessions.holding(session_id):
             # what the prefill computes, as far as can be told before it runs: the prompt but for
             # what its scope's kept KV holds; the key is charged what it computed once it ran

@@ -1,23 +1,19 @@
-"""A Decode stretch that reads its session's own decoding: after the stretch's first token (one
-batched step), an engine that decodes ahead on its own (vLLM) decodes the rest in its own loop,
-and the call takes the tokens from a TokenFeed as they come (cloud/token_feed.py), with no pass
-per token; the session takes them when the call commits them (FollowedStretch.commit).
-
-Built and committed on the model worker, which owns the session; taken from on the event loop,
-where only this object's own counts change."""
+"""A Decode stretch that reads its session's own decoding, on an engine that decodes ahead (vLLM): no pass per token
+after the first (docs/architecture.md, "Decode stretches and followed streams")."""
 
 from __future__ import annotations
 
 from cloud.engine import Engine, TokenSink
 from cloud.sessions import Session, SessionStore
-from cloud.token_feed import taken_part
 from shared.errors import CapacityExceeded
 
 
 class FollowedStretch:
     """The rest of one Decode stretch: `left` tokens at most, ending after a token of `stops`."""
 
-    def __init__(self, sessions: SessionStore, engine: Engine, session: Session, left: int, stops: frozenset[int]) -> None:
+    def __init__(
+        self, sessions: SessionStore, engine: Engine, session: Session, left: int, stops: frozenset[int], planned: int
+    ) -> None:
         self.sessions = sessions
         self.engine = engine
         self.session = session
@@ -27,6 +23,7 @@ class FollowedStretch:
         self.finished = False
         self._taken: list[int] = []  # taken and not committed yet
         self._committed_at = self.position  # the session's length when the taken tokens follow it
+        self._planned = planned  # the positions the session held reserved before the stretch: again at its commit
 
     @classmethod
     def start(
@@ -37,24 +34,29 @@ class FollowedStretch:
         the rest cannot be held now (its tokens then go one step each, as they would anyway)."""
         if not engine.decodes_ahead:
             return None
+        before = session.planned  # a Generate stream's whole length, reserved as it opened
+        planned = len(session.tokens) - 1 + left  # counted as held while the engine decodes it
         try:
-            sessions.reserve(left, keep=session.session_id, owner=session.owner)
+            more = planned - max(len(session.tokens) - 1, before)
+            sessions.reserve(max(more, 0), keep=session.session_id, owner=session.owner)
         except CapacityExceeded:
             return None
-        session.planned = len(session.tokens) - 1 + left  # counted as held while the engine decodes it
+        session.planned = max(planned, before)
         if not engine.follow(session.cache, len(session.tokens), sink):
-            session.planned = 0
+            session.planned = before
             return None
-        return cls(sessions, engine, session, left, stops)
+        return cls(sessions, engine, session, left, stops, before)
 
     def take(self, tokens: list[int]) -> list[int]:
         """(on the event loop) The tokens the engine put that belong to the stretch: up to its
-        last one, or its stop token."""
-        tokens, stopped = taken_part(tokens, self.left, self.stops)
+        last one, or its first stop token (the engine may have decoded past either)."""
+        tokens = tokens[: self.left]
+        stop = next((i for i, token in enumerate(tokens) if token in self.stops), None)
+        tokens = tokens if stop is None else tokens[: stop + 1]
         self.left -= len(tokens)
         self.position += len(tokens)
         self._taken += tokens
-        self.finished = stopped or self.left == 0
+        self.finished = stop is not None or self.left == 0
         return tokens
 
     def commit(self) -> None:
@@ -67,7 +69,7 @@ class FollowedStretch:
         if not self.sessions.holds(session):
             return
         self.engine.unfollow(session.cache)
-        session.planned = 0
+        session.planned = self._planned
         if taken and len(session.tokens) == self._committed_at:  # else another call's step moved it on
             self.engine.extend(session.cache, [session.tokens[-1], *taken[:-1]])  # the KV holds all but the last token
             session.tokens.extend(taken)

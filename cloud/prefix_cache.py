@@ -1,18 +1,6 @@
-"""Prefix reuse: the KV a closed session leaves behind (a kept prefix), for the next session of
-the same reuse scope whose prompt starts with the same tokens. A new session takes the entry of
-its scope that shares the longest prefix with its prompt, crops it to the shared part and
-prefills only the rest; the entry leaves the cache, so each handle has one owner at a time (what
-a client sees: docs/operations.md, "A chat's next turn starts where its last one ended").
-
-A scope is whose kept prefixes a session may start from, so that reuse never crosses a trust
-boundary: one client of one API key, proven by the reuse token the verifier gave it (a nonce
-and its HMAC under a secret drawn at start: no state per client), or a key under
-`--shared-prefix-cache` (why, and what a client sees: docs/operations.md, "Who shares").
-
-An engine with a prefix cache of its own (vLLM) keeps the KV itself; the cache then only notes
-the tokens of closed sessions (a bounded number of notes per scope, no KV): how much of a new
-prompt the engine likely serves from its cache, so that admission counts only the rest.
-"""
+"""Prefix reuse: the KV a closed session leaves behind (a kept prefix), for the next session of the same reuse scope
+whose prompt starts with the same tokens; a scope never crosses a trust boundary (how entries, scopes and notes work:
+docs/architecture.md, "Sessions and kept prefixes"; what a client sees: docs/operations.md, "Who shares")."""
 
 from __future__ import annotations
 

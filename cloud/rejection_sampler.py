@@ -1,14 +1,5 @@
-"""Accept/reject math of speculative decoding: the rounds of one forward pass accepted at once.
-
-One batched accept (as vLLM's rejection sampler): the drafts of every round are flattened
-into one row with per-round offsets (`cu_num_draft_tokens`), the target distributions into
-[num_rows, V], and the accept decision of every position of every round is taken in a few
-tensor operations. What stays per round is what belongs to its session: the uniforms and the
-recovered or bonus draw come from the session's own torch.Generator, in the order a round
-alone draws them (k uniforms, then one token), so a round's outcome does not depend on what
-it was batched with. A round whose inputs fail fails alone. The modes, and which are exact:
-docs/architecture.md; what each accepts and draws: accept_batch and _residual.
-"""
+"""Accept/reject math of speculative decoding: the rounds of one forward pass accepted at once, each with its own
+session's draws (docs/architecture.md, "The batched accept"; the modes: "Accept/reject modes: which are exact")."""
 
 from __future__ import annotations
 
@@ -72,12 +63,8 @@ _NOT_DECIDED = LookupError("the round was not decided")  # replaced by each read
 
 
 def accept_batch(rounds: Sequence[RoundDraft]) -> list[RoundOutcome | Exception]:
-    """Every round of a forward pass at once: per round its outcome, or the exception that
-    ended it (the others go on). GREEDY accepts while the draft is the target's argmax of the
-    logits (as target-only decoding picks, so no softmax rounding splits a tie differently);
-    TOP1 the same on p, then samples p; the sampling modes accept position i with probability
-    min(1, p(y_i) / q(y_i)) and draw from max(p - q, 0) at the first rejection, or the bonus
-    from p[k] when all pass (POINT: q = 1; SPARSE reads q(y) off its distributions)."""
+    """Every round of a forward pass at once: per round its outcome, or the exception that ended it (the others go
+    on); what each mode accepts and draws: docs/architecture.md, "The batched accept", and _residual."""
     drawn = [_guarded(_draw, r) for r in rounds]
     ready = [i for i, d in enumerate(drawn) if isinstance(d, _Drawn)]
     pairs = [(r, d) for r, d in zip(rounds, drawn, strict=True) if isinstance(d, _Drawn)]
@@ -264,10 +251,8 @@ class AcceptedRound:
 
 
 class RejectionSampler:
-    """The accept of every round of a forward pass: the logits processors once over the rows of
-    the rounds that share settings (the repetition penalty per round: it reads the round's own
-    context), then one batched accept (accept_batch). Each round's result, or the exception
-    that ended it: a round never fails another."""
+    """The accept of every round of a forward pass: the logits processors once over the rows of the rounds that
+    share settings, then one batched accept (accept_batch); a round never fails another."""
 
     def accept_rounds(self, rounds: Sequence[RoundLogits]) -> list[AcceptedRound | Exception]:
         targets = _target_distributions(rounds)

@@ -92,10 +92,8 @@ class SessionLimits:
 
 
 class SessionStore:
-    """Sessions in least-recently-used order. The verifier changes it from its single model
-    worker; the event loop runs only `holding` (one counter update under the GIL, which is
-    what keeps a session with a call in flight from being evicted) and `snapshot`, which reads
-    under the lock every change of the order takes."""
+    """Sessions in least-recently-used order, changed from the single model worker; what the event loop may run
+    (`holding`, `snapshot`): docs/architecture.md, "Sessions and kept prefixes"."""
 
     def __init__(
         self,

@@ -1,9 +1,5 @@
-"""TLS of the verifier's two ports, and the rule that keeps a plaintext verifier on loopback.
-
-gRPC serves TLS with the certificate and key; with a client CA it also requires each caller's
-certificate signed by that CA (mTLS). HTTP serves HTTPS with the same certificate but asks no
-client certificate, even under mTLS: kubelet and load-balancer probes present none, and
-/livez /readyz /healthz must answer them; the other routes are guarded by the API keys."""
+"""TLS of the verifier's two ports (mTLS on gRPC only: probes present no certificate), and the rule that keeps a
+plaintext verifier on loopback (docs/operations.md, "Securing a verifier")."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""Tokens an engine makes on its own thread, handed to the asyncio tasks that stream them.
-
-A followed Generate stream on an engine that decodes ahead (vLLM) reads its tokens from a
-TokenFeed instead of a batcher pass per token: the engine puts each step's new tokens of
-every followed session, and the event loop is woken once for all the feeds written since it
-last looked (one wake-up a step, however many streams). A stream that falls behind takes all
-its waiting tokens in one chunk.
-"""
+"""Tokens an engine makes on its own thread, handed to the asyncio tasks that stream them, with one wake-up of the
+event loop a step (docs/architecture.md, "Decode stretches and followed streams")."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Collection
 
 
 class FeedHub:
@@ -83,12 +76,3 @@ class TokenFeed:
             if error is not None:
                 raise error
             await self._ready.wait()
-
-
-def taken_part(tokens: list[int], left: int, stops: Collection[int]) -> tuple[list[int], bool]:
-    """The tokens of a take that belong to its stream (a followed Generate stream, a Decode
-    stretch): at most the `left` it still has, up to its first stop token; and whether a stop
-    token ended them. The engine may have decoded past either."""
-    tokens = tokens[:left]
-    stop = next((i for i, token in enumerate(tokens) if token in stops), None)
-    return (tokens, False) if stop is None else (tokens[: stop + 1], True)

@@ -15,7 +15,6 @@ import torch
 from cloud.batch_step import Batch, BatchStep, ForwardStep, Partial
 from cloud.engine import Engine, KVPlan, KVRequest, SessionKV, StepOutcome, TokenSink
 from cloud.followed_stretch import FollowedStretch
-from cloud.generate_stream import GenerateStream
 from cloud.grammars import SessionGrammars
 from cloud.model_card import ModelCard, measure_decode_step
 from cloud.prefix_cache import KeptPrefix, ReuseMode, ReuseScopes, Scope
@@ -23,7 +22,9 @@ from cloud.rejection_sampler import RoundRule
 from cloud.sessions import Session, SessionLimits, SessionStore
 from cloud.validation import RequestChecks
 from shared.protocol import (
+    AcceptMode,
     CloseSessionResult,
+    DecodeRequest,
     GenerateChunk,
     GenerateRequest,
     OpenSessionRequest,
@@ -126,31 +127,22 @@ class Verifier:
         return self._run_alone(self.begin_open(req), 0.0)
 
     def begin_open(
-        self, req: OpenSessionRequest, session_id: str | None = None, owner: str = ""
+        self, req: OpenSessionRequest, session_id: str | None = None, owner: str = "", planned: int = 0
     ) -> ForwardStep[OpenSessionResult]:
-        """Validate a new session and hold its KV; its prefill is a forward step like a round's,
-        so it can share a forward pass with other sessions' rounds and prefills instead of
-        making them queue behind it. The session is stored at once, so the KV cap counts it
-        while its prefill waits; its id reaches the client only after the prefill. The
-        caller may choose the id (to hold the session while its prefill runs in chunks)."""
+        """Validate a new session and hold its KV (`planned`: positions reserved ahead); its prefill is a forward step
+        like a round's, sharing a pass with other sessions' steps. The session is stored at once, its id chosen by the
+        caller or new (why: docs/architecture.md, "The batcher and a batch step")."""
         vocab = self.checks.session(req.config, req.prompt_tokens)
         start = time.perf_counter()
         session_id = session_id or self.sessions.new_id()
-        session = self.new_session(session_id, req.config, req.prompt_tokens, owner, reuse_token=req.reuse_token)
+        session = self.new_session(session_id, req.config, req.prompt_tokens, owner, planned, req.reuse_token)
         # The cache holds the KV of tokens[:-1]: the last prompt token is the first round's first row.
-        opened = OpenSessionResult(
-            session.session_id,
-            len(session.tokens),
-            self.limits.max_draft_tokens,
-            vocab,
-            0.0,
-            self.model_id,
-            reuse_token=session.reuse_token,
-        )
+        max_k, reuse_token = self.limits.max_draft_tokens, session.reuse_token
+        opened = OpenSessionResult(session_id, len(session.tokens), max_k, vocab, 0.0, self.model_id, reuse_token=reuse_token)
         prefill = _Prefill(self, session, opened, start)
         held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
-        last = req.prompt_tokens[-1:]  # the first round feeds it; a live engine computes it now
-        return ForwardStep(session.cache, req.prompt_tokens[held:-1], prefill, known=last)
+        # the last prompt token is known: the first round feeds it, a live engine computes it now
+        return ForwardStep(session.cache, req.prompt_tokens[held:], known=1, work=prefill)
 
     def begin_open_decode(
         self, req: OpenSessionRequest, session_id: str, owner: str = "", stretch: DecodeStretchStep | None = None
@@ -159,7 +151,9 @@ class Verifier:
         session): the pass feeds the whole prompt, and its last row is accepted as a Verify
         round with no drafts would accept it, so the token is the one that round would give.
         `stretch` tells an engine with its own decoding loop the tokens the call goes on for."""
-        prefill = self.begin_open(req, session_id, owner).work
+        planned = len(req.prompt_tokens) - 1 + stretch.tokens if stretch and stretch.reserved else 0
+        opening = self.begin_open(req, session_id, owner, planned)
+        prefill = opening.work
         assert isinstance(prefill, _Prefill)
         session = prefill.session
         try:
@@ -173,8 +167,7 @@ class Verifier:
         token = _Round(self.sessions, self.engine, first, session, vocab, prefill.start, position, rows)
         opened = _OpenedRound(prefill, token)
         ahead, stops = _ahead(stretch, self.limits.max_context_tokens - position, session)
-        held = session.cache.get_seq_length()  # a kept prefix's tokens: only the rest is prefilled
-        return ForwardStep(session.cache, req.prompt_tokens[held:], opened, 0, ahead, stops)
+        return ForwardStep(opening.kv, opening.fed, ahead=ahead, stops=stops, work=opened)  # its last token computed and read
 
     def new_session(
         self, session_id: str, config: SessionConfig, prompt: list[int], owner: str, planned: int = 0, reuse_token: str = ""
@@ -192,15 +185,11 @@ class Verifier:
         try:
             kv, held = self._session_kv(scope, owner, max(len(prompt), planned), kept)
             self.engine.start_session(kv, config, vocab)
-        except BaseException:
-            self._unwind(kept, kv)
-            raise
-        now = self.sessions.clock()
-        generator = torch.Generator().manual_seed(config.seed)
-        session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
-        session.scope, session.reuse_token, session.reused = scope.name, scope.token, held
-        session.constraint, session.prompt_len = constraint, len(prompt) - (config.grammar.generated if config.grammar else 0)
-        try:
+            now = self.sessions.clock()
+            generator = torch.Generator().manual_seed(config.seed)
+            session = Session(session_id, config, list(prompt), kv, generator, now, now, owner=owner, planned=planned)
+            session.scope, session.reuse_token, session.reused = scope.name, scope.token, held
+            session.constraint, session.prompt_len = constraint, len(prompt) - (config.grammar.generated if config.grammar else 0)
             self.sessions.add(session)
         except BaseException:
             self._unwind(kept, kv)
@@ -226,13 +215,6 @@ class Verifier:
         elif kv is not None:
             self.engine.free(kv)
 
-    def count_opened(self, session: Session) -> int:
-        """Once a new session's prompt is computed: the tokens of it served from its scope's
-        kept KV (the verifier's, and the engine's own cache's), counted in the reuse totals."""
-        session.reused += self.engine.cached_tokens(session.cache)
-        self.sessions.prefixes.count_open(session.owner, session.reused, len(session.tokens))
-        return session.reused
-
     def close_session(self, session_id: str, owner: str = "") -> CloseSessionResult:
         session = self.sessions.remove(session_id, owner)
         return CloseSessionResult(len(session.tokens), session.rounds)
@@ -257,12 +239,12 @@ class Verifier:
         grows = len(req.committed_tokens) + len(req.draft_tokens) + 1
         self.sessions.reserve(grows, keep=session.session_id, owner=owner, scope=session.scope)
         # Rows for the last committed token and each draft: k + 1 predictions.
-        block = [session.tokens[-1], *req.committed_tokens, *req.draft_tokens]
+        fed, drafts = [session.tokens[-1], *req.committed_tokens], list(req.draft_tokens)
         vocab = self.checks.vocab(session.config)
         work = _Round(self.sessions, self.engine, req, session, vocab, start, len(session.tokens), rows)
         room = self.limits.max_context_tokens - len(session.tokens) - len(req.committed_tokens)  # the rest would be refused
         ahead, stops = _ahead(stretch, room, session)
-        return ForwardStep(session.cache, block, work, len(req.draft_tokens), ahead, stops, top_k=req.want_top_k)
+        return ForwardStep(session.cache, fed, drafts, ahead=ahead, stops=stops, top_k=req.want_top_k, work=work)
 
     def follow_stretch(
         self, session_id: str, owner: str, left: int, stops: frozenset[int], sink: TokenSink
@@ -282,20 +264,36 @@ class Verifier:
 
     # ---- target-only decoding (cloud_only baseline) ----------------------------------
 
-    def open_generate(self, req: GenerateRequest, stream_id: str = "", owner: str = "") -> GenerateStream:
-        """Validate a Generate call (no model work, no state: safe off the model worker); its
-        stream, whose KV is a session in the store (GenerateStream)."""
-        vocab = self.checks.generate(req)
-        return GenerateStream(self, self.engine, req, vocab, stream_id or self.sessions.new_id(), owner)
+    def as_decode(self, req: GenerateRequest) -> DecodeRequest:
+        """A Generate call, validated (no model work, no state: safe off the model worker), as
+        the Decode call that serves it: one that opens a session of its own, whose tokens are
+        the target's own draws whatever accept mode the caller names (an engine that refuses
+        approximate modes serves it). Its stretch's KV is reserved as it opens (`reserved`)."""
+        self.checks.generate(req)
+        mode = AcceptMode.GREEDY if req.config.sampling.greedy else AcceptMode.POINT
+        opening = OpenSessionRequest(req.prompt_tokens, replace(req.config, accept_mode=mode), req.reuse_token)
+        return DecodeRequest("", 0, req.max_new_tokens, req.stop_token_ids, open=opening)
 
     def generate(self, req: GenerateRequest) -> Iterator[GenerateChunk]:
-        """Target-only decoding, one forward pass per token, unbatched."""
-        stream = self.open_generate(req)
+        """Target-only decoding as a Generate call's (as_decode), one forward pass per token,
+        unbatched; its session closes however the stream ends."""
+        opening = self.as_decode(req).open
+        assert opening is not None
+        session_id, stops = self.sessions.new_id(), frozenset(req.stop_token_ids)
         try:
-            while not stream.finished:
-                yield self._run_alone(stream.begin_step(), 0.0)
+            stretch = DecodeStretchStep(req.max_new_tokens, stops, reserved=True)
+            opened, result = self._run_alone(self.begin_open_decode(opening, session_id, "", stretch), 0.0)
+            reuse: dict[str, Any] = {"reuse_token": opened.reuse_token, "reused_tokens": opened.reused_tokens}
+            for left in reversed(range(req.max_new_tokens)):  # the tokens after this one
+                finished = result.next_token in stops or left == 0
+                yield GenerateChunk([result.next_token], result.metrics.forward_ms, finished, **reuse)
+                if finished:
+                    return
+                reuse, position = {}, result.new_base_position  # only the first chunk says how it opened
+                step = self.begin_verify(VerifyRequest(session_id, position, []), "", DecodeStretchStep(left, stops))
+                result = self._run_alone(step, 0.0)
         finally:
-            stream.close()
+            self.sessions.retire(session_id)
 
     def _run_alone(self, step: ForwardStep[R], queue_ms: float) -> R:
         result = self.run_batch([(step, queue_ms)])[0]
@@ -313,6 +311,7 @@ class DecodeStretchStep:
 
     tokens: int
     stops: frozenset[int] = frozenset()
+    reserved: bool = False  # opening: the stretch's KV held from the start (a Generate stream is never cut short for KV)
 
 
 @dataclass(frozen=True)
@@ -328,8 +327,12 @@ class _Prefill:
         return None
 
     def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> OpenSessionResult:
-        reused = self.verifier.count_opened(self.session)
-        return replace(self.opened, prefill_ms=_ms_since(self.start), reused_tokens=reused)
+        """The prompt is computed: the tokens of it served from its scope's kept KV (the
+        verifier's, and the engine's own cache's) are counted in the reuse totals."""
+        session = self.session
+        session.reused += self.verifier.engine.cached_tokens(session.cache)
+        self.verifier.sessions.prefixes.count_open(session.owner, session.reused, len(session.tokens))
+        return replace(self.opened, prefill_ms=_ms_since(self.start), reused_tokens=session.reused)
 
     def undo(self) -> None:
         self.verifier.sessions.discard(self.session.session_id)
@@ -368,15 +371,15 @@ class _Round:
         session.tokens.extend([*req.committed_tokens, *req.draft_tokens[: accepted.accepted_len], accepted.next_token])
         session.rounds += 1
         self.sessions.touch(session)
-        k = len(req.draft_tokens)
+        k, probs = len(req.draft_tokens), accepted.accept_probs.tolist()  # one tensor call: each costs on a round's path
         metrics = RoundMetrics(
-            alpha_mean=float(accepted.accept_probs.mean()) if k else 0.0,
+            alpha_mean=sum(probs) / k if k else 0.0,
             la_over_k=accepted.accepted_len / k if k else 0.0,
             verify_ms=_ms_since(self.start) + queue_ms,
             queue_ms=queue_ms,
             forward_ms=forward_ms,
             hard_tokens=sum(req.hard_mask),
-            alpha_prefix=_prefix_acceptance(accepted.accept_probs, accepted.accepted_len),
+            alpha_prefix=_prefix_acceptance(probs, accepted.accepted_len),
         )
         new_base = len(session.tokens)
         return VerifyResult(accepted.accepted_len, accepted.next_token, accepted.bonus, new_base, metrics, outcome.top_k)
@@ -423,9 +426,9 @@ def _grammar_rows(session: Session, req: VerifyRequest, engine: Engine) -> np.nd
     return None if engine.applies_grammars else session.constraint.mask_rows(req.draft_tokens)
 
 
-def _prefix_acceptance(accept_probs: torch.Tensor, accepted_len: int) -> float | None:
+def _prefix_acceptance(accept_probs: list[float], accepted_len: int) -> float | None:
     """Mean acceptance over the drafts verified on an accepted prefix (the accepted ones and the
     first rejected one): what a k policy's i.i.d. model means by acceptance. The drafts after the
     first rejection were verified on a wrong prefix and are left out."""
-    k = accept_probs.shape[0]
-    return float(accept_probs[: min(accepted_len + 1, k)].mean()) if k else None
+    verified = accept_probs[: accepted_len + 1]
+    return sum(verified) / len(verified) if verified else None

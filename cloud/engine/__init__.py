@@ -1,11 +1,5 @@
-"""The verifier's model behind one interface (Engine): a batch of session steps in (a prefill,
-a Verify round, a token of a Decode stretch or a Generate stream: each one SessionStep), per step
-its outcome; the engine also owns each session's KV. Sessions, admission, the batcher and the
-wire see only this Protocol: another engine is one more module that implements it.
-
-transformers.py (the reference) and llamacpp.py run forward passes, which forward_steps.py turns
-into steps' outcomes; vllm.py runs each session as one live vLLM request, which may decode ahead
-of the session on its own (a stream follows it), and vllm_process.py runs it in a child."""
+"""The verifier's model behind one interface (Engine): a batch of session steps in, per step its outcome; the
+engine also owns each session's KV. The engines, and why one Protocol: docs/architecture.md, "Engines and session steps"."""
 
 from __future__ import annotations
 
@@ -47,18 +41,8 @@ class KVPlan:
 
 @dataclass(frozen=True)
 class SessionStep:
-    """One session's share of a batch: the session takes `fed` as given after its KV (its last
-    token, tokens it caught up on, or a prompt), then `drafts` are verified and its next token
-    drawn by `rule` (a step with no rule reads nothing: a prefill). The last `known` tokens of
-    `fed` are tokens the session holds but its KV does not count yet (a prefill's last prompt
-    token, which the first round feeds): an engine may compute them now or later, and the KV
-    grows by the rest. `ahead` is how many tokens the session reads from this step on without
-    drafts (a Generate stream, a Decode stretch), stopping at a token of `stops`: an engine
-    that decodes on its own may make them in one go for the session's next steps. `top_k`:
-    the target's most likely tokens the step returns at each row up to its next token. `chunk`:
-    the most of `fed` a forward pass computes in this step (0: all of it), so that a long
-    prompt shares many passes with other sessions' rounds; an engine that chunks prompts in
-    its own scheduler (vLLM) computes what its scheduler gives the step."""
+    """One session's share of a batch: `fed` taken as given after its KV, then `drafts` verified and its next
+    token drawn by `rule` (None: it reads nothing); every field: docs/architecture.md, "Engines and session steps"."""
 
     kv: SessionKV
     fed: list[int]
@@ -88,9 +72,8 @@ class StepOutcome:
 
 @dataclass(frozen=True)
 class PromptChunk:
-    """What a step yields whose new tokens the engine computed only in part (a chunk of a long
-    prompt): its KV holds the first `computed` of them, it reads nothing, and the caller feeds the
-    rest in a later step."""
+    """What a step yields whose new tokens the engine computed only in part (a chunk of a long prompt): its KV
+    holds the first `computed` of them, it reads nothing, and the caller feeds the rest in a later step."""
 
     computed: int
 
@@ -111,11 +94,7 @@ class Engine(Protocol):
     logits_width: int  # rows of the output layer (may exceed the tokenizer's vocabulary)
     kv_bytes_per_token: int
     parameters: int  # the model's parameter count, as a client's size check reads it
-    # caches_prefixes: the engine keeps past sessions' prefixes itself and serves new sessions of
-    # their scope from them (vLLM's prefix cache), else the verifier keeps them (cloud/prefix_cache.py).
-    # decodes_ahead: a session may decode past its step in the engine's own loop, followed by a
-    # stream (follow), else each token is a step. applies_grammars: the engine masks a grammar
-    # session's rows itself (vLLM's scheduler), else the rejection sampler does (grammar_rows).
+    # What the engine does itself, else the verifier does: docs/architecture.md, "Engines and session steps"
     caches_prefixes: bool
     decodes_ahead: bool
     applies_grammars: bool
@@ -151,11 +130,8 @@ class Engine(Protocol):
         its first step)."""
 
     def run_steps(self, steps: Sequence[SessionStep]) -> list[StepOutcome | PromptChunk | None | Exception]:
-        """Every step at once: per step its outcome (None for a step that reads nothing), a
-        PromptChunk for one whose fed tokens were computed only in part, or what failed it alone
-        (its KV as it was). Each KV then holds the step's fed tokens and its accepted drafts,
-        not its next token (the session's next step feeds it), or the chunk computed. A failure
-        of the engine itself raises, and leaves every KV as it was."""
+        """Every step at once: per step its outcome (None: it reads nothing), a PromptChunk, or what failed it
+        alone; what each KV then holds: docs/architecture.md, "Engines and session steps"."""
 
     def follow(self, kv: SessionKV, position: int, sink: TokenSink) -> bool:
         """Hand every token kv's session decodes on its own from `position` on (those it holds

@@ -1,10 +1,5 @@
-"""Session steps on an engine that runs forward passes (transformers, llama.cpp): ONE forward pass
-over every step's new tokens (of a long prompt, one chunk a step) and drafts, ONE batched
-accept over the rounds of the pass (cloud/rejection_sampler.py), then each KV cropped to the
-tokens its step accepted.
-
-Such an engine holds a session's KV and nothing else of it: it verifies every accept mode by
-the reference rule, decodes nothing on its own, and its passes are all the batches'."""
+"""Session steps on an engine that runs forward passes (transformers, llama.cpp): ONE forward pass, ONE batched
+accept, then each KV cropped to what its step accepted (docs/architecture.md, "Engines and session steps")."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""Slot KV: every session's keys and values stay in place across rounds, in one pool per layer
-allocated once, instead of being concatenated into a packed cache and copied back each pass.
-
-The pool of a layer is one sequence of slots x slot_tokens positions [1, kv_heads, slots *
-slot_tokens, head_dim]; a session owns the slot_tokens positions of one slot (llama.cpp
-server's unified KV buffer with fixed slots; gpt-fast's static cache, one row per sequence).
-Only the new tokens' keys and values are written (index_copy_ at their slot positions), and
-attention reads the pool through views, never a copy. Lengths move only after a pass
-succeeds: a failed pass leaves every session as it was (what it wrote lies past the lengths,
-masked), and crop is a length update, not a copy.
-
-A pass takes one of two shapes (forward_slots picks):
-- batch: one batch row per slot of the range the pass spans, the blocks padded to the
-  longest; each row attends over its own slot's first positions up to the longest filled
-  length (a strided view of the pool). Attention costs rows x block x filled length: the
-  shape of rounds and decode steps, whose blocks are all short.
-- packed: the new tokens of every session in one row, as forward_packed does, attending
-  over the pool window spanning the slots of the pass, gaps included (slots of sessions not
-  in the pass, positions past a session's length). No padding: the shape of a pass that
-  carries a long prefill chunk beside short rounds.
-Slots are handed out lowest first to keep the range tight. Full-attention models only, like
-forward_packed.
-"""
+"""Slot KV (`--kv-layout slots`): every session's keys and values stay in place across rounds, in one pool per layer
+allocated once, instead of being concatenated into a packed cache and copied back each pass. Full-attention models
+only; the pool, and the two shapes of a pass: docs/architecture.md, "Slot KV"."""
 
 from __future__ import annotations
 
@@ -170,7 +150,7 @@ def forward_slots(
 ) -> list[torch.Tensor]:
     """forward_packed over slots: per sequence, the last keeps[i] rows of float32 logits
     (all rows when 0), on the CPU; each slot gains its block's KV. `shape`: auto, batch or
-    packed (see the module's docstring; the results are the same)."""
+    packed (docs/architecture.md, "Slot KV"; the results are the same)."""
     lengths = [len(block) for block in blocks]
     _check(kvs, lengths)
     if shape == "auto":

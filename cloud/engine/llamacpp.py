@@ -1,11 +1,5 @@
-"""The llama.cpp engine: the target's GGUF in one llama.cpp context whose sequences are the
-sessions (a unified KV cache), as llama-server serves parallel slots.
-
-One batched pass is one `llama_decode` over every step's new tokens (split into several when
-they exceed the context's batch), each token on its session's sequence at its own position,
-with logits kept at the verified positions only. Full logits rows come back, so every accept
-mode reads the same distributions as on the transformers engine.
-"""
+"""The llama.cpp engine: the target's GGUF in one llama.cpp context whose sequences are the sessions, one
+`llama_decode` a batched pass (docs/architecture.md, "Engines and session steps")."""
 
 from __future__ import annotations
 

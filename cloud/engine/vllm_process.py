@@ -1,14 +1,5 @@
-"""The vLLM engine in a process of its own (`--vllm-engine-process`; why: docs/operations.md,
-"Where vLLM runs"): the same VllmEngine, with vLLM's engine core, scheduler and model runner,
-in a child process.
-
-The verifier holds a ProcessEngine: each engine call goes to the child over a pipe and waits for
-its answer, one call at a time (they come from the model worker; /metrics and /healthz read what
-the child's last message said, and never wait for the pipe). A session's KV is a handle (KVHandle).
-The tokens of followed streams come back on a second pipe (_Outbox), read by a thread
-(ProcessEngine._read_tokens) that hands them to the streams' sinks. A child that dies fails
-every call after it (VerifierFault), and `failure()` says why.
-"""
+"""The vLLM engine in a process of its own (`--vllm-engine-process`; why: docs/operations.md, "Where vLLM runs"): the
+same VllmEngine in a child process, reached over pipes (how: docs/architecture.md, "The engine process")."""
 
 from __future__ import annotations
 

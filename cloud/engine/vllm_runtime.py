@@ -1,16 +1,6 @@
-"""vLLM started and run for the verifier: one vLLM engine and the requests it runs, the
-sessions' live requests among them. The engine built on it is cloud/engine/vllm.py; the patches
-of vLLM's internals it needs are cloud/engine/vllm_patches.py.
-
-vLLM's engine core runs in the process that holds the VllmRuntime (the verifier's own, or a
-child of it: cloud/engine/vllm_process.py), so the verifier reaches the scheduler of its live
-requests directly (cloud/engine/vllm_scheduler.py). vLLM runs on one thread of its own, as in
-its own engine-core process (its CPU kernels read per-thread OpenMP settings it makes when it
-starts): every call into it goes through `VllmRuntime.call`, which also makes callers from
-several threads (engines sharing it in tests) take turns. While a stream follows a live request
-(`follow`), vLLM also steps on that thread by itself (the pump), one step at a time between the
-other calls, and each step's new tokens go to the streams' sinks.
-"""
+"""vLLM started and run for the verifier: one vLLM engine and the requests it runs, the sessions' live requests among
+them, on one thread of its own where it also steps for followed streams (docs/architecture.md, "vLLM's thread and the
+pump"). The engine built on it is cloud/engine/vllm.py."""
 
 from __future__ import annotations
 
@@ -46,10 +36,8 @@ log = logging.getLogger("cloud-verifier")
 T = TypeVar("T")
 CPU_BLOCK = 32  # vLLM's CPU attention wants blocks of a multiple of 32 tokens
 MAX_STALLED_STEPS = 8  # vLLM steps in a row that advance none of a pass's requests: it cannot schedule them
-# After a call (a pass), the share of a step's time the pump waits for the next call before it
-# steps: that call's steps advance the followed requests too, and a pump step begun just before
-# it arrives would hold it a whole step (the next batch of prompts, the sessions' next rounds).
-# At most PUMP_YIELD_MS: longer, and a pass that does not come costs the streams more than it saves.
+# The share of a step's time the pump waits after a call for the next one, at most PUMP_YIELD_MS (why:
+# docs/architecture.md, "vLLM's thread and the pump")
 PUMP_YIELD, PUMP_YIELD_MS = 0.25, 5.0
 STALLED_RETRY_MS = 1000
 
@@ -386,10 +374,8 @@ def _engine_args(options: VllmOptions, max_model_len: int, cpu: bool) -> Any:
 
 
 def _start_engine(args: Any, async_scheduling: bool) -> Any:
-    """vLLM's engine, its engine core in this process. vLLM turns asynchronous scheduling off
-    for a proposer of its own (the edge's drafts come in that slot) and on a CPU; the live
-    scheduler keeps a live request's drafts the edge's under it, so it is set back on after
-    vLLM's checks when asked for."""
+    """vLLM's engine, its engine core in this process, asynchronous scheduling set back on after vLLM's checks
+    when asked for (docs/architecture.md, "vLLM's thread and the pump")."""
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.executor.abstract import Executor
 
@@ -400,9 +386,8 @@ def _start_engine(args: Any, async_scheduling: bool) -> Any:
 
 
 def _schedule_asynchronously(config: Any) -> None:
-    """vLLM's config set for asynchronous steps under the live scheduler, with what vLLM's own
-    checks set for its asynchronous drafts: no cascade attention (a prefix many requests share,
-    on a GPU), which does not yet work with them."""
+    """vLLM's config set for asynchronous steps under the live scheduler, with what vLLM's own checks set for its
+    asynchronous drafts: no cascade attention (a prefix many requests share, on a GPU), which does not yet work with them."""
     from cloud.engine.vllm_scheduler import AsyncLiveScheduler
 
     config.scheduler_config.async_scheduling = True
@@ -411,9 +396,8 @@ def _schedule_asynchronously(config: Any) -> None:
 
 
 def _set_cpu_threads(threads: int) -> None:
-    """The threads of vLLM's CPU kernels (how many: docs/operations.md, "Threads on a CPU"), set on
-    vLLM's thread before vLLM starts: OpenMP keeps the setting per thread, and vLLM's CPU worker
-    then replaces torch.set_num_threads with a no-op, so torch's own binding is called."""
+    """The threads of vLLM's CPU kernels (how many: docs/operations.md, "Threads on a CPU"), set on vLLM's thread
+    through torch's own binding (why: docs/architecture.md, "vLLM's thread and the pump")."""
     torch._C.set_num_threads(threads)
 
 

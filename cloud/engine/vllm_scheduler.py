@@ -1,22 +1,6 @@
-"""vLLM's scheduler with live sessions: a session is one vLLM request for its whole life.
-
-Between its steps a live request is parked: it keeps its KV blocks and its computed tokens but
-leaves vLLM's running list, so vLLM neither schedules it nor spins for it. Work wakes it for a
-number of tokens, then it parks again: a Verify round's drafts become its speculative tokens for
-one step, verified by vLLM's rejection sampler (a sparse round's distributions ride the step's
-scheduler output, `edge_draft_q`, to the model runner: vllm_patches._hand_edge_draft_probs); a
-Decode stretch or a Generate stream is vLLM decoding it on its own (docs/operations.md, "The
-vLLM engine"; under asynchronous scheduling: AsyncLiveScheduler).
-
-Every row of a live request under a grammar (LiveGrammar) is masked by the scheduler's step
-bitmask (`get_grammar_bitmask`), which vLLM's model runner applies before its samplers, the
-rejection sampler's draft rows included: vLLM's own structured outputs compile a grammar per
-request from its start, and cannot start one midway, where a session's new request does.
-
-vLLM loads these classes in its engine core (`scheduler_cls`), in the process of the
-VllmRuntime (cloud/engine/vllm_runtime.py). The scheduler API is vLLM's internal one: the
-model runner's side, and the vLLM versions both are tested on, are in vllm_patches.py.
-"""
+"""vLLM's scheduler with live sessions: a session is one vLLM request for its whole life, parked between its pieces of
+work and woken for each, its grammar masked by the scheduler (docs/architecture.md, "Live requests"). vLLM's internal
+API: the model runner's side, and the vLLM versions both are tested on, are in vllm_patches.py."""
 
 from __future__ import annotations
 
@@ -181,12 +165,8 @@ class LiveScheduler(Scheduler):  # type: ignore[misc]  # vLLM is untyped here
         return {rid: self.draft_q.pop(rid)[: len(drafts)] for rid, drafts in scheduled.items() if rid in self.draft_q}
 
     def _pad_own_decoding(self) -> None:
-        """K pads (its last token, repeated) on each request decoding on its own, when that makes
-        the step a uniform batch (every running request decodes, with K drafts or on its own;
-        nothing waits) that fits pad_limit, which vLLM runs as its full CUDA graph. A pad is a
-        point draft, verified exactly: rejected, it costs nothing more; accepted, it is a token
-        decoded ahead. A request whose last token is still in flight (asynchronous scheduling)
-        has no pads: its token is not known."""
+        """K pads (its last token, repeated) on each request decoding on its own, when that makes the step a uniform
+        batch that fits pad_limit, vLLM's full CUDA graph (docs/architecture.md, "Live requests")."""
         k = self.num_spec_tokens
         if not self.pad_limit or not k or self.get_request_counts()[1] or len(self.running) * (1 + k) > self.pad_limit:
             return
@@ -264,10 +244,8 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
         self.prev_step_scheduled_req_ids.discard(request_id)
 
     def _update_after_schedule(self, scheduler_output: Any) -> None:
-        """After vLLM's own bookkeeping of a step: the scheduled requests drop vLLM's draft
-        placeholders, and those whose work the step's tokens complete park now (they settle
-        when its outputs come back), as do those under a grammar: the masks of their next step
-        need the tokens this one samples, which the step scheduled next would not wait for."""
+        """After vLLM's own bookkeeping of a step: the scheduled requests drop vLLM's draft placeholders, and those
+        whose work it completes, or under a grammar, park now (docs/architecture.md, "Live requests")."""
         super()._update_after_schedule(scheduler_output)
         done = set()
         for request_id in scheduler_output.num_scheduled_tokens:
@@ -282,10 +260,8 @@ class AsyncLiveScheduler(LiveScheduler, AsyncScheduler):  # type: ignore[misc]  
 
 
 def _grammar_rows(request: Request, grammar: LiveGrammar, drafts: Sequence[int]) -> np.ndarray:  # [1 + drafts, words] int32
-    """Row i allows what the grammar allows after the request's tokens and drafts[:i]. A padding
-    draft of vLLM's (-1: rejected) and the rows after it allow everything, as do the rows of a
-    request whose tokens went on past a stop id (the verifier refuses the session's next round
-    there; a raise here would end vLLM's engine)."""
+    """Row i allows what the grammar allows after the request's tokens and drafts[:i]; past a padding draft of vLLM's
+    or a stop id, everything (docs/architecture.md, "Live requests")."""
     constraint = grammar.constraint
     rows = np.full((1 + len(drafts), constraint.vocab.words), -1, dtype=np.int32)
     valid = list(takewhile(lambda token: token >= 0, drafts))

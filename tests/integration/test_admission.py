@@ -29,7 +29,7 @@ class SlowVerifier(Verifier):
     """A real verifier whose forward passes take MS_PER_TOKEN per fed token longer."""
 
     def run_batch(self, steps: list[tuple[ForwardStep[Any], float]]) -> list[Any]:
-        time.sleep(sum(len(step.block) for step, _ in steps) * MS_PER_TOKEN / 1000.0)
+        time.sleep(sum(step.tokens for step, _ in steps) * MS_PER_TOKEN / 1000.0)
         return super().run_batch(steps)
 
 

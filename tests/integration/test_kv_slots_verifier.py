@@ -128,7 +128,7 @@ def test_a_failed_pass_touches_no_session(target_model) -> None:
     refs = [alone.open_session(OpenSessionRequest(p, CONFIG)).session_id for p in prompts]
     lengths = [slots.sessions.get(sid).cache.get_seq_length() for sid in ids]
     victim = slots.sessions.get(ids[1])
-    broken = ForwardStep(victim.cache, [10_000], _NoWork())  # an id past the embedding
+    broken = ForwardStep(victim.cache, [10_000], work=_NoWork())  # an id past the embedding
     steps = [(_round(slots, ids[0], prompts[0], [7, 8]), 0.0), (broken, 0.0), (_round(slots, ids[2], prompts[2], [9]), 0.0)]
     with pytest.raises(IndexError):
         slots.run_batch(steps)

@@ -14,7 +14,7 @@ from bench.tiny_models import random_llama
 from cloud.batch_step import ForwardStep
 from cloud.engine.llamacpp import LlamaCppEngine
 from cloud.engine.transformers import TransformersEngine
-from cloud.verifier import Verifier
+from cloud.verifier import DecodeStretchStep, Verifier
 from edge.drafting.drafter import Draft, Drafter, DrafterConfig
 from edge.drafting.ngram import NGramDrafter, NGramStore
 from edge.drafting.runtime_transformers import TransformersDraftLM
@@ -270,16 +270,18 @@ def test_generate_on_vllm_follows_target(vllm_pair, async_scheduling: bool) -> N
     joint = _two_token_reference(target)
     verifier = Verifier(vllm_engine(folder, async_scheduling), "tiny")
     counts = torch.zeros(V * V)
-    for start in range(0, TRIALS, GROUP):  # streams whose steps share batches
-        requests = [
-            GenerateRequest(PROMPT, SessionConfig(PARAMS, trial, vocab_size=V), 2) for trial in range(start, start + GROUP)
-        ]
-        streams = [verifier.open_generate(request) for request in requests]
-        firsts = _batch(verifier, [stream.begin_step() for stream in streams])
-        seconds = _batch(verifier, [stream.begin_step() for stream in streams])
-        for stream, first, second in zip(streams, firsts, seconds, strict=True):
-            stream.close()
-            counts[first.tokens[0] * V + second.tokens[0]] += 1
+    for start in range(0, TRIALS, GROUP):  # streams whose steps share batches, as Generate calls run them
+        requests = [GenerateRequest(PROMPT, SessionConfig(PARAMS, t, vocab_size=V), 2) for t in range(start, start + GROUP)]
+        openings = [verifier.as_decode(request).open for request in requests]
+        ids = [verifier.sessions.new_id() for _ in openings]
+        stretch = DecodeStretchStep(2, reserved=True)
+        opens = [verifier.begin_open_decode(o, i, stretch=stretch) for o, i in zip(openings, ids, strict=True)]
+        firsts = [first for _, first in _batch(verifier, opens)]
+        rounds = [VerifyRequest(i, first.new_base_position, []) for i, first in zip(ids, firsts, strict=True)]
+        seconds = _batch(verifier, [verifier.begin_verify(r, "", DecodeStretchStep(1)) for r in rounds])
+        for session_id, first, second in zip(ids, firsts, seconds, strict=True):
+            verifier.close_session(session_id)
+            counts[first.next_token * V + second.next_token] += 1
     assert _pvalue(counts, joint) > 1e-3
     assert 0.5 * (counts / TRIALS - joint).abs().sum() < 0.1
 

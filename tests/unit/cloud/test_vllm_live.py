@@ -232,8 +232,8 @@ def test_a_long_prompt_is_one_request_whose_chunks_share_steps_with_rounds(verif
         )
         opened, answered = verifier.run_batch([(step, 0.0), (other_round, 0.0)])
         other_tokens += [*other_expected[len(other_tokens) : len(other_tokens) + answered.accepted_len], answered.next_token]
-        lives.add(id(step.cache.live))
-        computed.append(step.cache.get_seq_length())
+        lives.add(id(step.kv.live))
+        computed.append(step.kv.get_seq_length())
         if not isinstance(opened, Partial):
             break
         step = opened.rest
