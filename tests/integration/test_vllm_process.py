@@ -131,22 +131,20 @@ def test_a_sampling_session_draws_in_the_engine_process_what_it_draws_in_the_ver
     assert draws(Verifier(engine, "child")) == draws(Verifier(vllm_target(), "in-process"))
 
 
-def test_vllm_runs_its_cpu_kernels_on_the_threads_it_is_given(vllm_target: TargetEngine) -> None:
+def test_vllm_runs_its_cpu_kernels_on_the_threads_it_is_given(engine: ProcessEngine, vllm_target: TargetEngine) -> None:
     """--threads on a CPU: vLLM's model in the child runs on that many threads (and decodes the
-    target's tokens on them); in the verifier's own process, by default, on every core the
-    process may use."""
+    target's tokens on them); by default, on every core the process may use."""
     assert vllm_target.folder is not None
-    engine = _process_engine(vllm_target.folder, cpu_threads=1)
+    one = _process_engine(vllm_target.folder, cpu_threads=1)
     try:
-        assert engine.describe()["threads"] == "1"
+        assert one.describe()["threads"] == "1"
         config = SessionConfig(vocab_size=96)
-        tokens = [
-            t for chunk in Verifier(engine, "one-thread").generate(GenerateRequest(PROMPTS[0], config, 8)) for t in chunk.tokens
-        ]
+        chunks = Verifier(one, "one-thread").generate(GenerateRequest(PROMPTS[0], config, 8))
+        tokens = [t for chunk in chunks for t in chunk.tokens]
         assert tokens == vllm_target.greedy_continuation(PROMPTS[0], 8)
     finally:
-        engine.close()
-    assert vllm_target().describe()["threads"] == str(usable_cores())
+        one.close()
+    assert engine.describe()["threads"] == str(usable_cores())  # the module's engine: no --threads
 
 
 def test_a_dead_engine_process_fails_the_calls_after_it_and_says_why(vllm_target: TargetEngine) -> None:
