@@ -41,9 +41,9 @@ class FollowedStretch:
             sessions.reserve(max(more, 0), keep=session.session_id, owner=session.owner)
         except CapacityExceeded:
             return None
-        session.planned = max(planned, before)
+        sessions.plan(session, max(planned, before))
         if not engine.follow(session.cache, len(session.tokens), sink):
-            session.planned = before
+            sessions.plan(session, before)
             return None
         return cls(sessions, engine, session, left, stops, before)
 
@@ -69,10 +69,10 @@ class FollowedStretch:
         if not self.sessions.holds(session):
             return
         self.engine.unfollow(session.cache)
-        session.planned = self._planned
+        self.sessions.plan(session, self._planned)
         if taken and len(session.tokens) == self._committed_at:  # else another call's step moved it on
             self.engine.extend(session.cache, [session.tokens[-1], *taken[:-1]])  # the KV holds all but the last token
-            session.tokens.extend(taken)
+            self.sessions.extend(session, taken)
             session.rounds += len(taken)
         self._committed_at = len(session.tokens)
         self.sessions.touch(session)

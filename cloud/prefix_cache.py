@@ -16,6 +16,7 @@ from itertools import count
 from typing import Literal
 
 from cloud.engine import SessionKV
+from cloud.quotas import HeldBytes
 from shared.errors import InvalidRequest
 from shared.token_ids import shared_prefix
 
@@ -69,7 +70,8 @@ class PrefixCache:
     _ids: count[int] = field(default_factory=count)
     totals: ReuseTotals = field(default_factory=ReuseTotals)
     totals_by_owner: dict[str, ReuseTotals] = field(default_factory=dict)  # keys come from the keys file: bounded
-    _notes: OrderedDict[int, Note] = field(default_factory=OrderedDict)
+    _notes: OrderedDict[int, Note] = field(default_factory=OrderedDict)  # oldest first: each is noted once
+    _held: HeldBytes = field(default_factory=HeldBytes)  # the entries' bytes, by owner
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,6 +85,12 @@ class PrefixCache:
     def give_back(self, entry: KeptPrefix) -> None:
         """Keep an entry (again: a session that took it was refused before it used it)."""
         self._entries[next(self._ids)] = entry
+        self._held.add(entry.owner, entry.nbytes)
+
+    def _pop(self, entry_id: int) -> KeptPrefix:
+        entry = self._entries.pop(entry_id)
+        self._held.add(entry.owner, -entry.nbytes)
+        return entry
 
     def take(self, scope: str, prompt: list[int], limit: int) -> tuple[KeptPrefix, int] | None:
         """`scope`'s entry sharing the longest prefix (at most `limit` tokens) with `prompt`, and
@@ -92,7 +100,7 @@ class PrefixCache:
         if best is None:
             return None
         entry_id, shared = best
-        return self._entries.pop(entry_id), shared
+        return self._pop(entry_id), shared
 
     def reusable(self, scope: str, prompt: list[int]) -> int:
         """How many of `prompt`'s tokens `take` would reuse now, or the engine's own cache
@@ -117,8 +125,12 @@ class PrefixCache:
 
     def forget_notes(self, kept_before: float | None = None, owner: str | None = None) -> None:
         """Forget the notes kept before `kept_before`, or every note of `owner`."""
+        if owner is None:  # the oldest first, up to the first one to stay: every round asks
+            while self._notes and kept_before is not None and next(iter(self._notes.values())).kept_at < kept_before:
+                self._notes.popitem(last=False)
+            return
         for note_id, note in list(self._notes.items()):
-            if (kept_before is not None and note.kept_at < kept_before) or (owner is not None and note.owner == owner):
+            if (kept_before is not None and note.kept_at < kept_before) or note.owner == owner:
                 del self._notes[note_id]
 
     def _best(self, scope: str, prompt: list[int], limit: int) -> tuple[int, int] | None:
@@ -140,6 +152,8 @@ class PrefixCache:
         return [e for e in self._entries.values() if owner in (None, e.owner) and scope in (None, e.scope)]
 
     def nbytes(self, owner: str | None = None, scope: str | None = None) -> int:
+        if scope is None:
+            return self._held.of(owner)
         return sum(e.nbytes for e in self._of(owner, scope))
 
     def count(self, owner: str | None = None, scope: str | None = None) -> int:
@@ -157,7 +171,7 @@ class PrefixCache:
         for entry_id, entry in self._entries.items():
             if owner in (None, entry.owner) and scope in (None, entry.scope):
                 if kept_before is None or entry.kept_at < kept_before:
-                    return self._entries.pop(entry_id).kv
+                    return self._pop(entry_id).kv
         return None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +20,26 @@ class KeyLimits:
     max_kv_bytes: int = 0  # KV-cache bytes those hold
     max_queued: int = 0  # steps waiting for a forward pass
     tokens_per_s: float = 0.0  # tokens fed to the model (prompts, rounds), averaged over a burst
+
+
+@dataclass
+class HeldBytes:
+    """KV bytes held, in all and by each API key, kept up to date as holders come, grow and go:
+    a round's check against the caps then costs the same at any number of sessions."""
+
+    total: int = 0
+    by_owner: Counter[str] = field(default_factory=Counter)
+
+    def add(self, owner: str, nbytes: int) -> None:
+        """`nbytes` more held by `owner` (fewer, when negative)."""
+        self.total += nbytes
+        self.by_owner[owner] += nbytes
+        if not self.by_owner[owner]:
+            del self.by_owner[owner]
+
+    def of(self, owner: str | None = None) -> int:
+        """Bytes held by `owner`, or by every key (None)."""
+        return self.total if owner is None else self.by_owner.get(owner, 0)
 
 
 def key_label(key: str) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from cloud.engine import SessionKV
 from cloud.prefix_cache import KeptPrefix, PrefixCache, ReuseTotals
-from cloud.quotas import KeyLimits, key_label
+from cloud.quotas import HeldBytes, KeyLimits, key_label
 from shared.errors import CapacityExceeded, SessionNotFound
 from shared.grammar import Constraint
 from shared.protocol import SessionConfig
@@ -111,6 +111,8 @@ class SessionStore:
         self.clock = clock
         self.kv = kv  # what frees a leaving session's KV (None: it goes with the session object)
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._held = HeldBytes()  # the sessions' KV bytes (session_bytes), by owner
+        self._counted: dict[str, int] = {}  # what each session counts in _held
         self._lock = threading.RLock()  # held by every change of _sessions and by snapshot()
         self.busy: Counter[str] = Counter()  # sessions with a step queued or running: never evicted
         self.evictions: Counter[str] = Counter()  # sessions dropped by the store, by reason (ttl, kv_cap, ...)
@@ -150,7 +152,8 @@ class SessionStore:
 
     def kv_bytes(self, owner: str | None = None, scope: str | None = None) -> int:
         """KV bytes of every session and kept prefix, or of `owner`'s, or of `scope`'s."""
-        return sum(map(self.session_bytes, self._of(owner, scope))) + self.prefixes.nbytes(owner, scope)
+        held = self._held.of(owner) if scope is None else sum(map(self.session_bytes, self._of(owner, scope)))
+        return held + self.prefixes.nbytes(owner, scope)
 
     def _handles(self, owner: str | None = None, scope: str | None = None) -> int:
         """Engine handles held by sessions and kept prefixes (of `owner`'s, of `scope`'s)."""
@@ -159,6 +162,27 @@ class SessionStore:
     def session_bytes(self, session: Session) -> int:
         # A slot is allocated in full from the start.
         return self.slot_bytes or max(len(session.tokens) - 1, session.planned, 0) * self.kv_bytes_per_token
+
+    def extend(self, session: Session, tokens: list[int]) -> None:
+        """The session's committed tokens go on by `tokens` (its KV holds all but the last)."""
+        session.tokens.extend(tokens)
+        self._recount(session)
+
+    def plan(self, session: Session, planned: int) -> None:
+        """The session holds `planned` positions reserved ahead (Session.planned)."""
+        session.planned = planned
+        self._recount(session)
+
+    def _recount(self, session: Session) -> None:
+        """The session's bytes in _held as they are now (a session that left counts nothing)."""
+        with self._lock:
+            if self._sessions.get(session.session_id) is session:
+                nbytes = self.session_bytes(session)
+                self._held.add(session.owner, nbytes - self._counted.get(session.session_id, 0))
+                self._counted[session.session_id] = nbytes
+
+    def _uncount(self, session: Session) -> None:
+        self._held.add(session.owner, -self._counted.pop(session.session_id, 0))
 
     def _free(self, kv: SessionKV) -> None:
         """Free the KV of a session or kept prefix leaving the store."""
@@ -238,6 +262,7 @@ class SessionStore:
                 break
             with self._lock:
                 oldest = self._sessions.popitem(last=False)[1]
+                self._uncount(oldest)
             self._free(oldest.cache)
             self._count_eviction(oldest, "ttl")
 
@@ -303,6 +328,7 @@ class SessionStore:
             )
         with self._lock:
             self._sessions[session.session_id] = session
+        self._recount(session)
 
     def remove(self, session_id: str, owner: str = "") -> Session:
         """Close `owner`'s session: its KV may stay as a kept prefix."""
@@ -341,6 +367,7 @@ class SessionStore:
             ended = self._of(owner)
             for session in ended:
                 del self._sessions[session.session_id]
+                self._uncount(session)
             self.prefixes.forget_notes(owner=owner)
         for session in ended:
             self._free(session.cache)
@@ -350,7 +377,10 @@ class SessionStore:
 
     def _pop(self, session_id: str) -> Session | None:
         with self._lock:
-            return self._sessions.pop(session_id, None)
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                self._uncount(session)
+            return session
 
     def _evict_one(self, keep: str | None, owner: str, reason: str) -> bool:
         """Drop `owner`'s least recently used session that is not `keep` and has no call in

@@ -368,7 +368,7 @@ class _Round:
     def finish(self, outcome: StepOutcome | None, forward_ms: float, queue_ms: float) -> VerifyResult:
         assert outcome is not None  # a round reads its outcome
         req, session, accepted = self.req, self.session, outcome.round
-        session.tokens.extend([*req.committed_tokens, *req.draft_tokens[: accepted.accepted_len], accepted.next_token])
+        self.sessions.extend(session, [*req.committed_tokens, *req.draft_tokens[: accepted.accepted_len], accepted.next_token])
         session.rounds += 1
         self.sessions.touch(session)
         k, probs = len(req.draft_tokens), accepted.accept_probs.tolist()  # one tensor call: each costs on a round's path

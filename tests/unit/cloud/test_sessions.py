@@ -101,3 +101,51 @@ def test_idle_sessions_past_their_ttl_count_as_evicted() -> None:
     clock.now = 11.0
     store.expire()
     assert store.eviction_totals() == {"ttl": 1}
+
+
+class _HeldKV:
+    """A session's KV handle as the store reads it: how many positions it holds."""
+
+    def __init__(self, positions: int) -> None:
+        self.positions = positions
+
+    def get_seq_length(self) -> int:
+        return self.positions
+
+
+def _recounted(store: SessionStore, owner: str | None) -> int:
+    """The KV bytes of `owner`'s sessions and kept prefixes (every key's: None), summed anew."""
+    sessions = sum(store.session_bytes(s) for s in store if owner in (None, s.owner))
+    return sessions + sum(e.nbytes for e in store.prefixes.entries() if owner in (None, e.owner))
+
+
+def test_the_bytes_held_follow_every_change_of_the_sessions_and_kept_prefixes() -> None:
+    clock = FakeClock()
+    limits = SessionLimits(ttl_s=10, max_kv_bytes=400)
+    store = SessionStore(limits, kv_bytes_per_token=10, clock=clock, keep_prefixes=True)
+
+    def agrees() -> bool:
+        return all(store.kv_bytes(owner) == _recounted(store, owner) for owner in (None, "a", "b", "c"))
+
+    for sid, owner in (("x", "a"), ("y", "a"), ("z", "b"), ("w", "c")):
+        now = clock()
+        store.add(Session(sid, SessionConfig(), [1, 2, 3], _HeldKV(2), torch.Generator(), now, now, owner=owner, scope=owner))  # type: ignore[arg-type]
+    assert agrees() and store.kv_bytes() == 80
+    store.extend(store.get("x", "a"), [4, 5, 6])  # a round's commit
+    store.plan(store.get("z", "b"), 12)  # a stream's length reserved ahead
+    assert agrees() and store.kv_bytes("a") == 70 and store.kv_bytes("b") == 120
+    store.retire("y")  # its KV stays as a's kept prefix
+    assert agrees() and store.prefixes.nbytes("a") == 20 and len(store) == 3
+    store.reserve(20, keep="x", owner="a", scope="a")  # over the cap: its scope's kept prefix goes first
+    assert agrees() and store.prefixes.nbytes() == 0 and store.kv_bytes() == 190
+    gone = store.get("z", "b")
+    store.end_owner("b")  # while a round of z's runs: its commit comes after
+    store.extend(gone, [7])
+    assert agrees() and store.kv_bytes("b") == 0
+    store.touch(store.get("x", "a"))
+    clock.now = 10.5  # w expires, x was used at 0 too but is busy
+    with store.holding("x"):
+        store.expire()
+    assert agrees() and [s.session_id for s in store] == ["x"] and store.kv_bytes() == 50
+    store.discard("x")
+    assert agrees() and store.kv_bytes() == 0
