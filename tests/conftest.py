@@ -11,18 +11,22 @@ from tests.harness import TargetEngine, close_vllm_runtimes, gguf_lm
 from tests.tiny_models import save_gguf, save_model, tiny_draft, tiny_target, tiny_vllm_target
 
 # pytest-xdist (`--dist loadscope`) hands whole modules to its workers in the order they were
-# collected. These take minutes each (measured on 2 cores): they go first, so that none is left
-# running alone on one core while the other worker has nothing left to do.
+# collected. These take minutes each on 2 cores (in `make test` or `make test-vllm`): they go
+# first, so that none is left running alone on one core while the other worker has nothing to do.
 LONG_MODULES = (
     "tests/unit/edge/test_round_costs.py",
-    "tests/integration/test_outage.py",
     "tests/unit/cloud/test_sampling_exactness.py",
+    "tests/integration/test_outage.py",
+    "tests/integration/test_vllm_verifier.py",
     "tests/integration/test_auto_mode_sampling.py",
+    "tests/integration/test_shutdown.py",
+    "tests/integration/test_vllm_capacity.py",
+    "tests/integration/test_vllm_grammar.py",
     "tests/integration/test_greedy_equality.py",
     "tests/integration/test_make_gguf.py",
     "tests/integration/test_overlap_sampling.py",
     "tests/integration/test_api_keys.py",
-    "tests/integration/test_shutdown.py",
+    "tests/integration/test_vllm_process.py",
     "tests/integration/test_fleet.py",
     "tests/integration/test_grammar.py",
 )
