@@ -42,7 +42,7 @@ EVICTION_REASONS = ("ttl", "session_cap", "kv_cap", "key_kv_cap")
 class Session:
     session_id: str
     config: SessionConfig
-    tokens: list[int]  # committed prefix: prompt + generated
+    tokens: list[int]  # committed prefix: prompt + generated (grown by SessionStore.extend, which counts its KV)
     cache: SessionKV  # KV of tokens[:-1], held by the verifier's engine
     generator: torch.Generator  # seeded once from config.seed, never reseeded
     created: float
@@ -52,7 +52,7 @@ class Session:
     scope: str = ""  # whose kept prefixes it may start from, and its own KV may serve ("": none)
     reuse_token: str = ""  # what its client is told to send to be in the same scope again
     reused: int = 0  # prompt tokens it did not compute: its scope's kept KV held them
-    planned: int = 0  # KV positions reserved ahead (a Generate stream's whole length), counted from the start
+    planned: int = 0  # KV positions reserved ahead (a Generate stream's whole length), counted from the start (SessionStore.plan)
     constraint: Constraint | None = None  # its grammar (None: free text), at tokens[prompt_len:]
     prompt_len: int = 0
 
