@@ -112,7 +112,6 @@ class SessionStore:
         self.kv = kv  # what frees a leaving session's KV (None: it goes with the session object)
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._held = HeldBytes()  # the sessions' KV bytes (session_bytes), by owner
-        self._counted: dict[str, int] = {}  # what each session counts in _held
         self._lock = threading.RLock()  # held by every change of _sessions and by snapshot()
         self.busy: Counter[str] = Counter()  # sessions with a step queued or running: never evicted
         self.evictions: Counter[str] = Counter()  # sessions dropped by the store, by reason (ttl, kv_cap, ...)
@@ -165,24 +164,24 @@ class SessionStore:
 
     def extend(self, session: Session, tokens: list[int]) -> None:
         """The session's committed tokens go on by `tokens` (its KV holds all but the last)."""
+        before = self.session_bytes(session)
         session.tokens.extend(tokens)
-        self._recount(session)
+        self._count(session, before)
 
     def plan(self, session: Session, planned: int) -> None:
         """The session holds `planned` positions reserved ahead (Session.planned)."""
+        before = self.session_bytes(session)
         session.planned = planned
-        self._recount(session)
+        self._count(session, before)
 
-    def _recount(self, session: Session) -> None:
-        """The session's bytes in _held as they are now (a session that left counts nothing)."""
+    def _count(self, session: Session, before: int = 0) -> None:
+        """What the session holds beyond `before` bytes, into _held (a session that left counts nothing)."""
         with self._lock:
             if self._sessions.get(session.session_id) is session:
-                nbytes = self.session_bytes(session)
-                self._held.add(session.owner, nbytes - self._counted.get(session.session_id, 0))
-                self._counted[session.session_id] = nbytes
+                self._held.add(session.owner, self.session_bytes(session) - before)
 
     def _uncount(self, session: Session) -> None:
-        self._held.add(session.owner, -self._counted.pop(session.session_id, 0))
+        self._held.add(session.owner, -self.session_bytes(session))
 
     def _free(self, kv: SessionKV) -> None:
         """Free the KV of a session or kept prefix leaving the store."""
@@ -328,7 +327,7 @@ class SessionStore:
             )
         with self._lock:
             self._sessions[session.session_id] = session
-        self._recount(session)
+        self._count(session)
 
     def remove(self, session_id: str, owner: str = "") -> Session:
         """Close `owner`'s session: its KV may stay as a kept prefix."""
