@@ -3,7 +3,10 @@ running cloud-verifier, against the time its engine took for the round's batch (
 `forward_ms` every VerifyResult reports: the engine's run of the batch the round was in).
 
 What lies between the two is the serving: the gRPC call both ways, validation, the batcher's
-queue and hand-off to the model worker, the round's commit and its reply. At each session count
+queue and hand-off to the model worker, the round's commit and its reply. Beside it, each level
+measures the transport alone (bench/grpc_echo.py): a message's round trip on an open gRPC call
+to an echo process, sent after a pause as long as the engine's round, the floor under the
+serving on this machine. At each session count
 of `--sessions`, that many sessions open `--context`-token prompts and then run `--rounds` rounds
 each, all at once (each session its next round as soon as its last one answers: the batcher
 puts them in one pass). Drafts are random tokens (rejected at the first: every round computes
@@ -27,6 +30,7 @@ import numpy as np
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from bench import grpc_echo
 from bench.cli import study_settings
 from bench.environment import machine_line, provenance, write_result
 from bench.tasks import random_token_ids, sampling_label, session_config
@@ -102,12 +106,16 @@ async def level(client: VerifierClient, args: ServedRoundSettings, count: int) -
             await client.close_session(o.session_id)
     trip = statistics.median(t for t, _ in runs)
     engine = statistics.median(e for _, e in runs)
+    serving = statistics.median(t - e for t, e in runs)
+    transport = await grpc_echo.round_trip_ms(engine / 1000.0)
     return {
         "sessions": count,
         "rounds": len(runs),
         "round_trip_ms": round(trip, 3),
         "engine_ms": round(engine, 3),
-        "serving_ms": round(statistics.median(t - e for t, e in runs), 3),
+        "serving_ms": round(serving, 3),
+        "transport_ms": round(transport, 3),
+        "beyond_transport_ms": round(serving - transport, 3),
         "trip_over_engine": round(trip / engine, 3) if engine else None,
     }
 
@@ -120,14 +128,20 @@ def report(result: dict[str, Any]) -> str:
         f"k = {result['k']} random drafts; {sampling_label(result['temperature'], result['top_p'])}; "
         f"median over {result['rounds'] - WARM_UP} rounds of each session.",
         "",
-        "| sessions | round trip, ms | the engine's round, ms | serving, ms | trip / engine |",
-        "|---|---|---|---|---|",
+        "| sessions | round trip, ms | the engine's round, ms | serving, ms | the transport alone, ms | "
+        "serving beyond it, ms | trip / engine |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         lines.append(
-            f"| {row['sessions']} | {row['round_trip_ms']:.2f} | {row['engine_ms']:.2f} | "
-            f"{row['serving_ms']:.2f} | {row['trip_over_engine']:.2f}x |"
+            f"| {row['sessions']} | {row['round_trip_ms']:.2f} | {row['engine_ms']:.2f} | {row['serving_ms']:.2f} | "
+            f"{row['transport_ms']:.2f} | {row['beyond_transport_ms']:.2f} | {row['trip_over_engine']:.2f}x |"
         )
+    lines += [
+        "",
+        "The transport alone: one message's round trip on an open gRPC call to an echo process on this machine, "
+        "sent after a pause as long as the engine's round (bench/grpc_echo.py).",
+    ]
     return "\n".join(lines) + "\n\nCommand: `" + result["provenance"]["command"] + "`\n"
 
 

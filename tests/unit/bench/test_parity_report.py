@@ -48,7 +48,12 @@ def test_a_run_s_figures_are_pooled_per_server_and_set_beside_their_goals(tmp_pa
     _streams(tmp_path, "cloud_only", "0", 1, {1: [104.0, 106.0], 64: [900.0]}, 12.0)
     _streams(tmp_path, "cloud_only", "0", 2, {1: [103.0, 107.0], 64: [800.0]}, 13.0)
     (tmp_path / "served_rounds").mkdir()
-    served = {"rows": [{"sessions": 1, "round_trip_ms": 4.0, "engine_ms": 3.5, "serving_ms": 0.5, "trip_over_engine": 1.14}]}
+    served = {
+        "rows": [
+            {"sessions": 1, "round_trip_ms": 4.0, "engine_ms": 3.5, "serving_ms": 0.5, "transport_ms": 0.3},
+            {"sessions": 16, "round_trip_ms": 9.0, "engine_ms": 7.0, "serving_ms": 2.0, "trip_over_engine": 1.29},
+        ]
+    }
     (tmp_path / "served_rounds" / "served_rounds.json").write_text(json.dumps(served))
     result = build(tmp_path)
     level = result["streams"]["0"]["1"]
@@ -58,7 +63,8 @@ def test_a_run_s_figures_are_pooled_per_server_and_set_beside_their_goals(tmp_pa
     assert "| 1 | 105 | 105 | 1.00x yes |" in text  # tok/s goal met
     assert "| 64 | 1,000 | 850 | 0.85x **no** |" in text  # not met, said so
     assert "0.62x yes" in text  # TTFT 12.5 against 20 ms
-    assert "| 1 | 4.00 | 3.50 | 0.50 | ≤ engine + 1 ms | yes |" in text
+    assert "| 1 | 4.00 | 3.50 | 0.50 | 0.30 | ≤ engine + 1 ms | yes |" in text
+    assert "| 16 | 9.00 | 7.00 | 2.00 | – | ≤ 1.2x engine | **no** |" in text  # a result from before the transport's floor
     assert main([str(tmp_path)]) == 0 and (tmp_path / "parity.json").is_file() and (tmp_path / "report.md").is_file()
 
 
