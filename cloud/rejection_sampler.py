@@ -28,7 +28,7 @@ class RoundOutcome:
     accepted_len: int
     next_token: int  # recovered token, or bonus token when bonus is True
     bonus: bool
-    accept_probs: torch.Tensor  # [k] min(1, p(y)/q(y)) per draft position (greedy and top1: 0 or 1)
+    accept_probs: list[float]  # [k] min(1, p(y)/q(y)) per draft position (greedy and top1: 0 or 1)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class _Drawn:
 @dataclass(frozen=True)
 class _Decision:
     accepted_len: int
-    accept_probs: torch.Tensor  # [k]
+    accept_probs: list[float]  # [k]
     argmax_next: int  # the target's argmax at the first rejected (or bonus) row
 
 
@@ -143,10 +143,10 @@ def _decide_one_width(batch: Sequence[tuple[RoundDraft, _Drawn]]) -> list[_Decis
     rejected = torch.where(by_argmax, matches == 0, torch.cat([d.uniforms for _, d in batch]) >= ratio)
     first_rejected = num_draft.scatter_reduce(0, round_of, torch.where(rejected, position, num_draft[round_of]), "amin")
     next_rows = argmax[first_row + first_rejected]  # [B]
-    probs_of = accept_probs.split(num_draft.tolist())
+    probs, starts = accept_probs.tolist(), first_draft.tolist()  # lists, as the rounds' results read them
     return [
-        _Decision(int(n), probs, int(token))
-        for n, probs, token in zip(first_rejected.tolist(), probs_of, next_rows.tolist(), strict=True)
+        _Decision(n, probs[start : start + k], token)
+        for n, start, k, token in zip(first_rejected.tolist(), starts, num_draft.tolist(), next_rows.tolist(), strict=True)
     ]
 
 

@@ -371,7 +371,7 @@ class _Round:
         self.sessions.extend(session, [*req.committed_tokens, *req.draft_tokens[: accepted.accepted_len], accepted.next_token])
         session.rounds += 1
         self.sessions.touch(session)
-        k, probs = len(req.draft_tokens), accepted.accept_probs.tolist()  # one tensor call: each costs on a round's path
+        k, probs = len(req.draft_tokens), accepted.accept_probs
         metrics = RoundMetrics(
             alpha_mean=sum(probs) / k if k else 0.0,
             la_over_k=accepted.accepted_len / k if k else 0.0,

@@ -126,7 +126,7 @@ def _live_outcome(step: SessionStep, yielded: LiveYield, vocab: int) -> StepOutc
     """A step's tokens as its outcome (each draft's acceptance as the 1 or 0 it was: vLLM
     reports no p/q), with the top-k rows it asked for."""
     drafts, accepted = len(step.drafts), len(yielded.tokens) - 1
-    passed = torch.tensor([1.0] * accepted + [0.0] * (drafts - accepted))
+    passed = [1.0] * accepted + [0.0] * (drafts - accepted)
     top_k = [_wire_row(row, step.top_k, vocab) for row in yielded.rows] if step.top_k else []
     return StepOutcome(RoundOutcome(accepted, yielded.tokens[-1], accepted == drafts, passed), top_k)
 

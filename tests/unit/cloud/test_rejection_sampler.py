@@ -1,6 +1,8 @@
 """Accept/reject math: greedy banners, seeded repeatability, and convergence to the target
 distribution (exact modes) or measurable deviation (approximate modes)."""
 
+import math
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -141,7 +143,7 @@ def test_seeded_generator_repeats_exactly() -> None:
 
 def test_zero_draft_prob_does_not_divide_by_zero() -> None:
     out = accept(AcceptMode.SCALAR, torch.tensor([1]), TARGET, torch.Generator().manual_seed(0), draft_probs=torch.tensor([0.0]))
-    assert torch.isfinite(out.accept_probs).all()
+    assert len(out.accept_probs) == 1 and all(math.isfinite(p) for p in out.accept_probs)
 
 
 # ---------------------------------------------------------------- batched
@@ -169,7 +171,7 @@ def test_a_batch_of_rounds_gives_each_round_its_outcome_alone() -> None:
         for one, many, single, batched in zip(alone, together, singles, batch, strict=True):
             assert not isinstance(one, Exception) and not isinstance(many, Exception)
             assert (one.accepted_len, one.next_token, one.bonus) == (many.accepted_len, many.next_token, many.bonus)
-            assert torch.equal(one.accept_probs, many.accept_probs)
+            assert one.accept_probs == many.accept_probs
             assert torch.equal(single.generator.get_state(), batched.generator.get_state())
 
 
