@@ -6,12 +6,12 @@ What lies between the two is the serving: the gRPC call both ways, validation, t
 queue and hand-off to the model worker, the round's commit and its reply. Beside it, each level
 measures the transport alone (bench/grpc_echo.py): a message's round trip on an open gRPC call
 to an echo process, sent after a pause as long as the engine's round, the floor under the
-serving on this machine. At each session count
-of `--sessions`, that many sessions open `--context`-token prompts and then run `--rounds` rounds
-each, all at once (each session its next round as soon as its last one answers: the batcher
-puts them in one pass). Drafts are random tokens (rejected at the first: every round computes
-its 1 + k positions and adds one token), with the edge's sparse q over each when the sessions
-sample. Each figure is the median over every round after `WARM_UP` of each session.
+serving on this machine. At each session count of `--sessions`, that many sessions open
+`--context`-token prompts and then run `--rounds` rounds each, all at once (each session its
+next round as soon as its last one answers: the batcher puts them in one pass). Drafts are
+random tokens (rejected at the first: every round computes its 1 + k positions and adds one
+token), with the edge's sparse q over each when the sessions sample. Each figure is the median
+over every round after `WARM_UP` of each session.
 
     python -m bench.studies.served_rounds --cloud 127.0.0.1:50071 [--sessions 1,16] [--k 4] \\
         [--context 200] [--rounds 40] [--vocab 151936] [--temperature 0.7 --top-p 0.95] [--out DIR]
@@ -39,6 +39,8 @@ from shared.cli import run_cli
 from shared.protocol import OpenSessionRequest, SparseDistribution, VerifyRequest
 
 WARM_UP = 3  # rounds of each session left out (the first shapes of a batch)
+ECHOES = 60  # messages timed for the transport alone, fewer where the pauses would pass ECHO_S
+ECHO_S = 20.0
 SUPPORT = 8  # ids in a sampled round's q over each draft
 
 
@@ -107,7 +109,8 @@ async def level(client: VerifierClient, args: ServedRoundSettings, count: int) -
     trip = statistics.median(t for t, _ in runs)
     engine = statistics.median(e for _, e in runs)
     serving = statistics.median(t - e for t, e in runs)
-    transport = await grpc_echo.round_trip_ms(engine / 1000.0)
+    echoes = max(10, min(ECHOES, int(ECHO_S * 1000.0 / max(engine, 1.0))))
+    transport = await grpc_echo.round_trip_ms(engine / 1000.0, messages=echoes)
     return {
         "sessions": count,
         "rounds": len(runs),
